@@ -1,0 +1,72 @@
+//! A small client of the daemon's socket, used by `query`, `bench` and the tests.
+
+use std::path::Path;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use crate::protocol::{decode_response, encode_request, CheckArgs, Response, ResponseError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("socket error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Protocol(#[from] ResponseError),
+    #[error("the daemon closed the connection")]
+    Closed,
+    #[error("response id {got} does not match request id {want}")]
+    IdMismatch { want: u32, got: u32 },
+}
+
+/// One connection, one request at a time (like an Nginx worker's cosocket).
+#[derive(Debug)]
+pub struct Client {
+    stream: UnixStream,
+    rbuf: BytesMut,
+    wbuf: BytesMut,
+    next_id: u32,
+}
+
+impl Client {
+    pub async fn connect(path: &Path) -> std::io::Result<Self> {
+        Ok(Self { stream: UnixStream::connect(path).await?, rbuf: BytesMut::with_capacity(1024), wbuf: BytesMut::with_capacity(1024), next_id: 1 })
+    }
+
+    /// Sends one check and waits for its response.
+    pub async fn check(&mut self, args: &CheckArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        self.wbuf.clear();
+        encode_request(id, args, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        let r = self.read_response().await?;
+        if r.id != id {
+            return Err(ClientError::IdMismatch { want: id, got: r.id });
+        }
+        Ok(r)
+    }
+
+    /// Writes raw bytes (tests of malformed input).
+    pub async fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes).await
+    }
+
+    /// Reads the next response frame.
+    pub async fn read_response(&mut self) -> Result<Response, ClientError> {
+        loop {
+            if let Some(r) = decode_response(&mut self.rbuf)? {
+                return Ok(r);
+            }
+            if self.stream.read_buf(&mut self.rbuf).await? == 0 {
+                return Err(ClientError::Closed);
+            }
+        }
+    }
+
+    /// Half-closes the write side: the daemon sees EOF.
+    pub async fn shutdown_write(&mut self) -> std::io::Result<()> {
+        self.stream.shutdown().await
+    }
+}

@@ -1,0 +1,270 @@
+//! The daemon's configuration: one TOML file, read, parsed, validated, with
+//! the file and the field named in every error. Every field is documented in
+//! docs/CONFIG.md and in the commented example `ratelimitd.example.toml`.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::protocol::{Bounds, MAX_FRAME_LEN, REQUEST_HEADER_LEN, LIMIT_ENTRY_LEN};
+
+/// Where a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: line {line}: {message}")]
+    Parse { path: PathBuf, line: usize, message: String },
+    #[error("{path}: {field}: {message}")]
+    Invalid { path: PathBuf, field: &'static str, message: String },
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The Unix socket and connection handling.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// The shared store. Absent: the in-memory backend, limits per host.
+    #[serde(default)]
+    pub redis: Option<RedisConfig>,
+    /// Bounds every request must respect.
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Path of the Unix socket Nginx workers connect to.
+    pub listen: PathBuf,
+    /// Octal permission bits of the socket file, as a string ("0660").
+    pub socket_mode: String,
+    /// Group that owns the socket file (e.g. "www-data"); unset keeps the daemon's group.
+    pub socket_group: Option<String>,
+    /// Most client connections served at once; more wait in the accept queue.
+    pub max_connections: usize,
+    /// Most requests one connection may have in flight (pipelined) at once.
+    pub max_in_flight_per_connection: usize,
+    /// On shutdown, how long to let in-flight requests finish, in ms.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: PathBuf::from("/run/ratelimitd/ratelimitd.sock"),
+            socket_mode: "0660".into(),
+            socket_group: None,
+            max_connections: 4096,
+            max_in_flight_per_connection: 128,
+            shutdown_grace_ms: 5000,
+        }
+    }
+}
+
+/// Which clock timestamps admissions.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ClockSource {
+    /// Redis `TIME`, read inside the script: one clock for every gateway.
+    #[default]
+    Redis,
+    /// This host's wall clock, sent with each call; hosts must be in sync.
+    Local,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port/db` or `redis+unix:///path/to/redis.sock`.
+    pub url: String,
+    /// Deadline of one decision in Redis, in ms; past it the fail policy decides.
+    pub timeout_ms: u64,
+    /// Deadline of establishing a connection, in ms.
+    pub connect_timeout_ms: u64,
+    /// Prepended to every key; keys cannot reach outside it.
+    pub key_prefix: String,
+    /// Which clock timestamps admissions.
+    pub clock: ClockSource,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379/0".into(),
+            timeout_ms: 20,
+            connect_timeout_ms: 250,
+            key_prefix: "ratelimitd:".into(),
+            clock: ClockSource::Redis,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Longest key a client may send, in bytes.
+    pub max_key_len: usize,
+    /// Largest limit (and local limit) a request may carry. Redis holds one
+    /// ZSET member per admission, so this bounds memory per key.
+    pub max_limit: u32,
+    /// Longest window a request may carry, in ms.
+    pub max_window_ms: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        let b = Bounds::default();
+        Self { max_key_len: b.max_key_len, max_limit: b.max_limit, max_window_ms: b.max_window_ms }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `error`, `warn`, `info`, `debug` or `trace`, or a tracing filter
+    /// such as `ratelimitd=debug`. `RUST_LOG` overrides it.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { level: "info".into() }
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let cfg = Self::parse(path, &text)?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML; errors name the file and line.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let line = e.span().map_or(0, |s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            ConfigError::Parse { path: path.into(), line, message: e.message().trim().replace('\n', " ") }
+        })
+    }
+
+    /// Checks values that parse but cannot work.
+    pub fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let bad = |field: &'static str, message: String| Err(ConfigError::Invalid { path: path.into(), field, message });
+        let s = &self.server;
+        if s.listen.as_os_str().is_empty() {
+            return bad("server.listen", "must be a socket path".into());
+        }
+        // sun_path holds 108 bytes including the NUL.
+        if s.listen.as_os_str().len() > 107 {
+            return bad("server.listen", format!("{} bytes is longer than a Unix socket path may be (107)", s.listen.as_os_str().len()));
+        }
+        if let Err(m) = self.socket_mode() {
+            return bad("server.socket_mode", m);
+        }
+        if s.max_connections == 0 {
+            return bad("server.max_connections", "must be at least 1".into());
+        }
+        if s.max_in_flight_per_connection == 0 {
+            return bad("server.max_in_flight_per_connection", "must be at least 1".into());
+        }
+        if let Some(r) = &self.redis {
+            if let Err(e) = redis::Client::open(r.url.as_str()) {
+                return bad("redis.url", format!("'{}' is not a Redis URL: {e}", r.url));
+            }
+            if r.timeout_ms == 0 || r.timeout_ms > 10_000 {
+                return bad("redis.timeout_ms", format!("{} is outside 1..=10000", r.timeout_ms));
+            }
+            if r.connect_timeout_ms == 0 || r.connect_timeout_ms > 60_000 {
+                return bad("redis.connect_timeout_ms", format!("{} is outside 1..=60000", r.connect_timeout_ms));
+            }
+            if r.key_prefix.len() > 64 || r.key_prefix.contains(['{', '}']) || r.key_prefix.chars().any(char::is_control) {
+                return bad("redis.key_prefix", "must be at most 64 bytes, without braces or control characters".into());
+            }
+        }
+        let l = &self.limits;
+        let max_key = MAX_FRAME_LEN - REQUEST_HEADER_LEN - LIMIT_ENTRY_LEN;
+        if l.max_key_len == 0 || l.max_key_len > max_key {
+            return bad("limits.max_key_len", format!("{} is outside 1..={max_key}", l.max_key_len));
+        }
+        if l.max_limit == 0 || l.max_limit > 100_000_000 {
+            return bad("limits.max_limit", format!("{} is outside 1..=100000000", l.max_limit));
+        }
+        if l.max_window_ms == 0 || l.max_window_ms > 30 * 86_400_000 {
+            return bad("limits.max_window_ms", format!("{} is outside 1..=2592000000 (30 days)", l.max_window_ms));
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
+            return bad("log.level", format!("'{}' is not a level or tracing filter", self.log.level));
+        }
+        Ok(())
+    }
+
+    /// The socket mode as permission bits.
+    pub fn socket_mode(&self) -> Result<u32, String> {
+        let m = &self.server.socket_mode;
+        match u32::from_str_radix(m.trim_start_matches("0o"), 8) {
+            Ok(bits) if bits <= 0o777 => Ok(bits),
+            _ => Err(format!("'{m}' is not an octal mode such as \"0660\"")),
+        }
+    }
+
+    pub fn bounds(&self) -> Bounds {
+        Bounds { max_key_len: self.limits.max_key_len, max_limit: self.limits.max_limit, max_window_ms: self.limits.max_window_ms }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        let p = Path::new("test.toml");
+        let c = Config::parse(p, text)?;
+        c.validate(p)?;
+        Ok(c)
+    }
+
+    #[test]
+    fn empty_file_gives_defaults_and_memory_backend() {
+        let c = parse("").unwrap();
+        assert_eq!(c, Config::default());
+        assert!(c.redis.is_none());
+        assert_eq!(c.socket_mode().unwrap(), 0o660);
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let c = parse(include_str!("../ratelimitd.example.toml")).unwrap();
+        assert_eq!(c.redis.unwrap().timeout_ms, 20);
+    }
+
+    #[test]
+    fn unknown_fields_are_named() {
+        let e = parse("[redis]\nurl = \"redis://127.0.0.1\"\ntimeout = 5\n").unwrap_err().to_string();
+        assert!(e.starts_with("test.toml: line 3:"), "{e}");
+        assert!(e.contains("unknown field `timeout`"), "{e}");
+        let e = parse("[sever]\n").unwrap_err().to_string();
+        assert!(e.contains("unknown field `sever`"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_field() {
+        let e = parse("[server]\nsocket_mode = \"0999\"\n").unwrap_err().to_string();
+        assert_eq!(e, "test.toml: server.socket_mode: '0999' is not an octal mode such as \"0660\"");
+        let e = parse("[redis]\ntimeout_ms = 0\n").unwrap_err().to_string();
+        assert!(e.contains("redis.timeout_ms"), "{e}");
+        let e = parse("[redis]\nkey_prefix = \"a{b}\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.key_prefix"), "{e}");
+        let e = parse("[redis]\nurl = \"http://x\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.url"), "{e}");
+        let e = parse("[redis]\nclock = \"ntp\"\n").unwrap_err().to_string();
+        assert!(e.contains("line 2"), "{e}");
+    }
+}

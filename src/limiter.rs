@@ -1,0 +1,241 @@
+//! Turns a validated request into a response: asks the backend, and when the
+//! shared store fails, applies the request's fail policy.
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::memory::MemoryWindow;
+use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
+use crate::redis_window::RedisWindow;
+
+/// One limit to check, borrowed from the request.
+#[derive(Clone, Copy, Debug)]
+pub struct LimitSpec<'a> {
+    pub key: &'a [u8],
+    pub limit: u32,
+    pub window_ms: u32,
+    pub cost: u32,
+}
+
+/// A backend's answer for one limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    pub allowed: bool,
+    /// Admissions in the window after this request.
+    pub count: u32,
+    pub remaining: u32,
+    /// 0 when allowed; else ms until a retry of the same cost can pass.
+    pub retry_after_ms: u32,
+    /// ms until the window holds no admissions.
+    pub reset_ms: u32,
+}
+
+/// Why the shared store could not decide.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum BackendError {
+    #[error("redis did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("redis is unavailable: {0}")]
+    Unavailable(String),
+    #[error("redis error: {0}")]
+    Redis(String),
+}
+
+impl BackendError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Self::Timeout(_) => ErrorCode::RedisTimeout,
+            Self::Unavailable(_) => ErrorCode::RedisUnavailable,
+            Self::Redis(_) => ErrorCode::RedisError,
+        }
+    }
+}
+
+/// Where decisions are made.
+#[derive(Debug)]
+pub enum Backend {
+    Redis(Arc<RedisWindow>),
+    /// Per-host only: no Redis configured.
+    Memory,
+}
+
+/// The decision engine shared by all connections.
+#[derive(Debug)]
+pub struct Limiter {
+    backend: Backend,
+    /// The primary store of the memory backend, and the fallback of the
+    /// `local` fail policy with Redis.
+    local: MemoryWindow,
+    epoch: Instant,
+    failure_log: RateLimitedLog,
+}
+
+impl Limiter {
+    pub fn new(backend: Backend) -> Self {
+        Self { backend, local: MemoryWindow::new(), epoch: Instant::now(), failure_log: RateLimitedLog::new(Duration::from_secs(1)) }
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// Monotonic ms for the in-memory windows: immune to wall-clock steps.
+    fn local_now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Drops idle keys from the in-memory windows; returns how many.
+    pub fn sweep_local(&self) -> usize {
+        self.local.sweep(self.local_now())
+    }
+
+    /// Decides one request. Never fails: errors become responses.
+    pub async fn decide(&self, req: CheckRequest) -> Response {
+        let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
+        match &self.backend {
+            Backend::Memory => respond(&req, Source::Memory, self.local.check(&spec, self.local_now())),
+            Backend::Redis(redis) => match redis.check(&spec).await {
+                Ok(v) => respond(&req, Source::Redis, v),
+                Err(e) => self.on_backend_error(&req, spec, e),
+            },
+        }
+    }
+
+    fn on_backend_error(&self, req: &CheckRequest, spec: LimitSpec<'_>, e: BackendError) -> Response {
+        if let Some(suppressed) = self.failure_log.permit() {
+            tracing::warn!(
+                error = %e,
+                policy = ?req.on_error,
+                key = %String::from_utf8_lossy(&req.key),
+                suppressed,
+                "redis failed; the request's fail policy decides"
+            );
+        }
+        let mut r = match req.on_error {
+            FailPolicy::Open => Response {
+                decision: Decision::Allowed,
+                source: Source::FailOpen,
+                remaining: req.limit,
+                ..respond(req, Source::FailOpen, Verdict::default())
+            },
+            FailPolicy::Closed => Response {
+                decision: Decision::Denied,
+                source: Source::FailClosed,
+                // Ask clients to come back once, not to hammer a failing store.
+                retry_after_ms: req.window_ms.min(1000),
+                ..respond(req, Source::FailClosed, Verdict::default())
+            },
+            FailPolicy::Local => {
+                let v = if spec.cost > req.local_limit {
+                    // Can never fit the local quota: deny without recording.
+                    Verdict { remaining: req.local_limit, retry_after_ms: req.window_ms, ..Verdict::default() }
+                } else {
+                    self.local.check(&LimitSpec { limit: req.local_limit, ..spec }, self.local_now())
+                };
+                respond(req, Source::LocalFallback, v)
+            }
+        };
+        r.error = e.code();
+        r.message = Cow::Owned(e.to_string());
+        r
+    }
+}
+
+impl Default for Verdict {
+    fn default() -> Self {
+        Self { allowed: false, count: 0, remaining: 0, retry_after_ms: 0, reset_ms: 0 }
+    }
+}
+
+fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
+    Response {
+        id: req.id,
+        op: OP_CHECK,
+        decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
+        source,
+        count: v.count,
+        remaining: v.remaining,
+        retry_after_ms: v.retry_after_ms,
+        reset_ms: v.reset_ms,
+        error: ErrorCode::None,
+        message: Cow::Borrowed(""),
+    }
+}
+
+/// Lets one log line through per interval and counts the ones held back, so
+/// a Redis outage at 50k req/s gives one warning a second, not 50k.
+#[derive(Debug)]
+pub struct RateLimitedLog {
+    interval_ms: u64,
+    epoch: Instant,
+    next_ms: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl RateLimitedLog {
+    pub fn new(interval: Duration) -> Self {
+        Self { interval_ms: interval.as_millis() as u64, epoch: Instant::now(), next_ms: AtomicU64::new(0), suppressed: AtomicU64::new(0) }
+    }
+
+    /// `Some(n)` when a line may be logged now (n lines were held back since
+    /// the last one); `None` when it must be held back.
+    pub fn permit(&self) -> Option<u64> {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let next = self.next_ms.load(Ordering::Relaxed);
+        if now >= next && self.next_ms.compare_exchange(next, now + self.interval_ms, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn req(key: &'static str, limit: u32, on_error: FailPolicy) -> CheckRequest {
+        CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()) }
+    }
+
+    #[tokio::test]
+    async fn memory_backend_answers_with_source_memory() {
+        let l = Limiter::new(Backend::Memory);
+        let r = l.decide(req("a", 1, FailPolicy::Closed)).await;
+        assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, Source::Memory, 1, 0));
+        let r = l.decide(req("a", 1, FailPolicy::Closed)).await;
+        assert_eq!(r.decision, Decision::Denied);
+        assert_eq!(r.error, ErrorCode::None);
+    }
+
+    #[test]
+    fn fail_policies_decide_on_backend_errors() {
+        let l = Limiter::new(Backend::Memory);
+        let e = || BackendError::Timeout(Duration::from_millis(20));
+        let spec_of = |r: &CheckRequest| LimitSpec { key: b"k", limit: r.limit, window_ms: r.window_ms, cost: r.cost };
+
+        let open = req("k", 10, FailPolicy::Open);
+        let r = l.on_backend_error(&open, spec_of(&open), e());
+        assert_eq!((r.decision, r.source, r.error), (Decision::Allowed, Source::FailOpen, ErrorCode::RedisTimeout));
+
+        let closed = req("k", 10, FailPolicy::Closed);
+        let r = l.on_backend_error(&closed, spec_of(&closed), e());
+        assert_eq!((r.decision, r.source, r.retry_after_ms), (Decision::Denied, Source::FailClosed, 1000));
+
+        let local = req("k", 10, FailPolicy::Local);
+        let got: Vec<_> = (0..3).map(|_| l.on_backend_error(&local, spec_of(&local), e()).decision).collect();
+        assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::Denied]);
+    }
+
+    #[test]
+    fn rate_limited_log_counts_what_it_holds_back() {
+        let log = RateLimitedLog::new(Duration::from_secs(60));
+        assert_eq!(log.permit(), Some(0));
+        assert_eq!(log.permit(), None);
+        assert_eq!(log.permit(), None);
+        assert_eq!(log.suppressed.load(Ordering::Relaxed), 2);
+    }
+}

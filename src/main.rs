@@ -1,0 +1,203 @@
+//! The `ratelimitd` command line; the work is done in the library.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use ratelimitd::bench::{self, BenchArgs};
+use ratelimitd::client::Client;
+use ratelimitd::config::{Config, RedisConfig};
+use ratelimitd::protocol::{CheckArgs, FailPolicy};
+
+#[derive(Parser)]
+#[command(name = "ratelimitd", version, about = "Sliding-window rate limits for Nginx, shared through Redis")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Serve {
+        /// TOML configuration file (see docs/CONFIG.md).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Socket path; overrides server.listen.
+        #[arg(long)]
+        listen: Option<PathBuf>,
+        /// Redis URL; overrides redis.url (and enables Redis if the file has no [redis]).
+        #[arg(long)]
+        redis: Option<String>,
+    },
+    /// Validate a configuration file and exit.
+    CheckConfig {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Ask a running daemon for one decision.
+    Query {
+        #[command(flatten)]
+        check: CheckOpts,
+        /// Print the response as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load a running daemon: N requests over C connections.
+    Bench {
+        #[command(flatten)]
+        check: CheckOpts,
+        /// Total requests.
+        #[arg(long, default_value_t = 100_000)]
+        requests: u64,
+        /// Connections, each with one request in flight.
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct CheckOpts {
+    /// The daemon's socket.
+    #[arg(long, default_value = "/run/ratelimitd/ratelimitd.sock")]
+    socket: PathBuf,
+    #[arg(long)]
+    key: String,
+    /// Admissions allowed per window.
+    #[arg(long)]
+    limit: u32,
+    /// Window length in ms.
+    #[arg(long)]
+    window_ms: u32,
+    #[arg(long, default_value_t = 1)]
+    cost: u32,
+    /// Fail policy when Redis cannot decide: open, closed or local.
+    #[arg(long, default_value = "closed")]
+    on_error: FailPolicy,
+    /// Quota of the local fallback (with --on-error local).
+    #[arg(long, default_value_t = 0)]
+    local_limit: u32,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("ratelimitd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve { config, listen, redis } => {
+            let mut cfg = match &config {
+                Some(path) => Config::load(path)?,
+                None => Config::default(),
+            };
+            if let Some(listen) = listen {
+                cfg.server.listen = listen;
+            }
+            if let Some(url) = redis {
+                cfg.redis.get_or_insert_with(RedisConfig::default).url = url;
+            }
+            let origin = config.unwrap_or_else(|| PathBuf::from("command line"));
+            cfg.validate(&origin)?;
+            init_logging(&cfg.log.level);
+            runtime()?.block_on(ratelimitd::daemon::serve(cfg))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckConfig { config } => {
+            let cfg = Config::load(&config)?;
+            let backend = match &cfg.redis {
+                Some(r) => format!("redis at {}", r.url),
+                None => "in-memory (per host)".into(),
+            };
+            println!("{}: ok (socket {}, backend {backend})", config.display(), cfg.server.listen.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Query { check, json } => {
+            let r = runtime()?.block_on(async {
+                let mut c = Client::connect(&check.socket).await.with_context(|| format!("connect to {}", check.socket.display()))?;
+                Ok::<_, anyhow::Error>(c.check(&check.args()).await?)
+            })?;
+            if json {
+                let v = serde_json::json!({
+                    "decision": r.decision.as_str(),
+                    "source": r.source.as_str(),
+                    "count": r.count,
+                    "remaining": r.remaining,
+                    "retry_after_ms": r.retry_after_ms,
+                    "reset_ms": r.reset_ms,
+                    "error": r.error.as_str(),
+                    "message": r.message,
+                });
+                println!("{v}");
+            } else {
+                println!(
+                    "{} (source {}) count={} remaining={} retry_after_ms={} reset_ms={}",
+                    r.decision.as_str(),
+                    r.source.as_str(),
+                    r.count,
+                    r.remaining,
+                    r.retry_after_ms,
+                    r.reset_ms
+                );
+                if r.error as u16 != 0 {
+                    println!("error {}: {}", r.error, r.message);
+                }
+            }
+            // Exit status for scripts: 0 allowed, 1 denied, 2 error.
+            Ok(ExitCode::from(r.decision.to_wire()))
+        }
+        Command::Bench { check, requests, concurrency, json } => {
+            let args = BenchArgs {
+                socket: check.socket.clone(),
+                key: check.key.clone(),
+                limit: check.limit,
+                window_ms: check.window_ms,
+                cost: check.cost,
+                on_error: check.on_error,
+                local_limit: check.local_limit,
+                requests,
+                concurrency,
+            };
+            let report = runtime()?.block_on(bench::run(args)).with_context(|| format!("bench against {}", check.socket.display()))?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{report}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+impl CheckOpts {
+    fn args(&self) -> CheckArgs<'_> {
+        CheckArgs {
+            key: self.key.as_bytes(),
+            limit: self.limit,
+            window_ms: self.window_ms,
+            cost: self.cost,
+            on_error: self.on_error,
+            local_limit: self.local_limit,
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}

@@ -1,0 +1,210 @@
+//! An exact sliding window held in this process's memory.
+//!
+//! Same semantics as the Redis script: an admission at time `t` counts while
+//! `t > now - window`; a request of cost `c` is admitted whole if
+//! `count + c <= limit`, and a denied request records nothing. It serves as
+//! the backend when no Redis is configured and as the per-host fallback of
+//! the `local` fail policy. Keys are spread over shards, each behind a plain
+//! mutex that is never held across an await.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::{Mutex, MutexGuard};
+
+use crate::limiter::{LimitSpec, Verdict};
+
+const SHARDS: usize = 64;
+
+/// Admissions of one key: (time in ms, cost) in time order. Admissions in the
+/// same millisecond share one entry, so memory is bounded by the window's
+/// length in ms rather than by the limit.
+#[derive(Debug, Default)]
+struct KeyWindow {
+    entries: VecDeque<(u64, u32)>,
+    total: u64,
+    window_ms: u32,
+}
+
+impl KeyWindow {
+    fn evict(&mut self, now: u64, window_ms: u32) {
+        while let Some(&(t, c)) = self.entries.front() {
+            if t + window_ms as u64 > now {
+                break;
+            }
+            self.entries.pop_front();
+            self.total -= c as u64;
+        }
+    }
+
+    fn newest(&self) -> Option<u64> {
+        self.entries.back().map(|e| e.0)
+    }
+}
+
+/// The in-memory exact sliding window, shared by all connections of the process.
+#[derive(Debug)]
+pub struct MemoryWindow {
+    shards: Vec<Mutex<HashMap<Box<[u8]>, KeyWindow>>>,
+    hasher: RandomState,
+}
+
+impl Default for MemoryWindow {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryWindow {
+    pub fn new() -> Self {
+        Self { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(), hasher: RandomState::new() }
+    }
+
+    fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
+        let i = (self.hasher.hash_one(key) as usize) % SHARDS;
+        // A poisoned shard only means another thread panicked mid-update of
+        // plain counters; the data is still usable.
+        self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Decides one request at `now_ms` (any monotonic millisecond clock).
+    pub fn check(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
+        let mut shard = self.shard(spec.key);
+        let w = match shard.get_mut(spec.key) {
+            Some(w) => w,
+            None => shard.entry(spec.key.into()).or_default(),
+        };
+        w.window_ms = spec.window_ms;
+        w.evict(now_ms, spec.window_ms);
+        let window = spec.window_ms as u64;
+        let limit = spec.limit as u64;
+        let cost = spec.cost as u64;
+        if w.total + cost <= limit {
+            match w.entries.back_mut() {
+                Some((t, c)) if *t == now_ms => *c += spec.cost,
+                _ => w.entries.push_back((now_ms, spec.cost)),
+            }
+            w.total += cost;
+            return Verdict {
+                allowed: true,
+                count: w.total as u32,
+                remaining: (limit - w.total) as u32,
+                retry_after_ms: 0,
+                reset_ms: spec.window_ms,
+            };
+        }
+        // Denied: wait until enough of the oldest admissions leave the window.
+        let need = w.total + cost - limit;
+        let mut freed = 0u64;
+        let mut retry_at = now_ms;
+        for &(t, c) in &w.entries {
+            freed += c as u64;
+            if freed >= need {
+                retry_at = t + window;
+                break;
+            }
+        }
+        let reset_at = w.newest().map_or(now_ms, |t| t + window);
+        Verdict {
+            allowed: false,
+            count: w.total as u32,
+            remaining: limit.saturating_sub(w.total) as u32,
+            retry_after_ms: (retry_at - now_ms) as u32,
+            reset_ms: (reset_at - now_ms) as u32,
+        }
+    }
+
+    /// Drops keys whose every admission has left the window; returns how many.
+    pub fn sweep(&self, now_ms: u64) -> usize {
+        let mut removed = 0;
+        for shard in &self.shards {
+            let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let before = map.len();
+            map.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
+            removed += before - map.len();
+        }
+        removed
+    }
+
+    /// Number of keys held.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(key: &[u8], limit: u32, window_ms: u32, cost: u32) -> LimitSpec<'_> {
+        LimitSpec { key, limit, window_ms, cost }
+    }
+
+    #[test]
+    fn seed_scenario_admits_exactly_the_limit() {
+        let m = MemoryWindow::new();
+        let s = spec(b"order:tenant-1001", 1000, 1000, 1);
+        let verdicts: Vec<_> = (0..1005).map(|_| m.check(&s, 1_000)).collect();
+        assert_eq!(verdicts.iter().filter(|v| v.allowed).count(), 1000);
+        assert_eq!((verdicts[999].count, verdicts[999].remaining), (1000, 0));
+        let denied = &verdicts[1000];
+        assert!(!denied.allowed);
+        assert_eq!((denied.count, denied.remaining, denied.retry_after_ms), (1000, 0, 1000));
+    }
+
+    #[test]
+    fn window_slides_and_retry_after_is_exact() {
+        let m = MemoryWindow::new();
+        let s = spec(b"k", 3, 100, 1);
+        assert!(m.check(&s, 10).allowed);
+        assert!(m.check(&s, 20).allowed);
+        assert!(m.check(&s, 30).allowed);
+        let d = m.check(&s, 40);
+        assert!(!d.allowed);
+        assert_eq!((d.retry_after_ms, d.reset_ms), (70, 90));
+        // At 110 the admission at 10 has left (10 > 110 - 100 is false).
+        assert!(!m.check(&s, 109).allowed);
+        let v = m.check(&s, 110);
+        assert!(v.allowed);
+        assert_eq!(v.count, 3);
+    }
+
+    #[test]
+    fn cost_is_all_or_nothing() {
+        let m = MemoryWindow::new();
+        assert!(m.check(&spec(b"k", 10, 100, 7), 0).allowed);
+        let d = m.check(&spec(b"k", 10, 100, 4), 1);
+        assert!(!d.allowed);
+        assert_eq!((d.count, d.remaining, d.retry_after_ms), (7, 3, 99));
+        let v = m.check(&spec(b"k", 10, 100, 3), 2);
+        assert!(v.allowed);
+        assert_eq!((v.count, v.remaining), (10, 0));
+    }
+
+    #[test]
+    fn retry_after_counts_enough_admissions_for_the_cost() {
+        let m = MemoryWindow::new();
+        for t in 0..5 {
+            assert!(m.check(&spec(b"k", 5, 100, 1), t).allowed);
+        }
+        // Cost 3 needs the three oldest (t = 0, 1, 2) gone: at 102.
+        let d = m.check(&spec(b"k", 5, 100, 3), 50);
+        assert_eq!(d.retry_after_ms, 52);
+        assert_eq!(d.reset_ms, 54);
+    }
+
+    #[test]
+    fn sweep_drops_idle_keys_only() {
+        let m = MemoryWindow::new();
+        m.check(&spec(b"old", 5, 100, 1), 0);
+        m.check(&spec(b"new", 5, 100, 1), 90);
+        assert_eq!(m.sweep(100), 1);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.sweep(190), 1);
+        assert!(m.is_empty());
+    }
+}

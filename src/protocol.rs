@@ -1,0 +1,734 @@
+//! The wire protocol between Nginx workers and the daemon (see docs/PROTOCOL.md).
+//!
+//! Every frame is a 4-byte big-endian body length followed by the body. The
+//! first six body bytes (version, op, request id) keep their place in every
+//! protocol version, so an error can always echo the request id. All integers
+//! are big-endian and unsigned, so LuaJIT can build and parse frames with
+//! `string.char`/`string.byte` and the `bit` library alone.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::io;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio_util::codec::{Decoder, Encoder};
+
+/// The protocol version this daemon speaks.
+pub const VERSION: u8 = 1;
+/// Op code of a rate-limit check.
+pub const OP_CHECK: u8 = 1;
+/// Bytes in the length prefix.
+pub const LEN_PREFIX: usize = 4;
+/// Largest body accepted, in bytes. A check with a 512-byte key is 540 bytes;
+/// the rest is headroom for several limits in one request.
+pub const MAX_FRAME_LEN: usize = 4096;
+/// Bytes before the first limit entry: version, op, id, flags, policy, count.
+pub const REQUEST_HEADER_LEN: usize = 10;
+/// Bytes of one limit entry before its key.
+pub const LIMIT_ENTRY_LEN: usize = 18;
+/// Bytes of a response body before its message.
+pub const RESPONSE_FIXED_LEN: usize = 28;
+/// Longest error message sent; longer ones are cut at a char boundary.
+pub const MAX_MESSAGE_LEN: usize = 512;
+
+/// What to do when the shared store (Redis) cannot decide in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailPolicy {
+    /// Allow the request; the response's source is `FailOpen`.
+    Open,
+    /// Deny the request; the response's source is `FailClosed`.
+    Closed,
+    /// Decide with a per-host exact sliding window using the request's local quota.
+    Local,
+}
+
+impl FailPolicy {
+    pub fn from_wire(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(Self::Open),
+            1 => Some(Self::Closed),
+            2 => Some(Self::Local),
+            _ => None,
+        }
+    }
+
+    pub fn to_wire(self) -> u8 {
+        match self {
+            Self::Open => 0,
+            Self::Closed => 1,
+            Self::Local => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for FailPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "open" => Ok(Self::Open),
+            "closed" => Ok(Self::Closed),
+            "local" => Ok(Self::Local),
+            other => Err(format!("unknown fail policy '{other}' (expected open, closed or local)")),
+        }
+    }
+}
+
+/// The outcome of a check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    Allowed,
+    Denied,
+    Error,
+}
+
+impl Decision {
+    pub fn to_wire(self) -> u8 {
+        match self {
+            Self::Allowed => 0,
+            Self::Denied => 1,
+            Self::Error => 2,
+        }
+    }
+    pub fn from_wire(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(Self::Allowed),
+            1 => Some(Self::Denied),
+            2 => Some(Self::Error),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Allowed => "allowed",
+            Self::Denied => "denied",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// Who made the decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The shared sliding window in Redis.
+    Redis,
+    /// The per-host fallback window (fail policy `local`).
+    LocalFallback,
+    /// Redis failed and the request's policy was `open`.
+    FailOpen,
+    /// Redis failed and the request's policy was `closed`.
+    FailClosed,
+    /// The in-memory backend (no Redis configured): limits are per host.
+    Memory,
+    /// No decision was made (the request was invalid).
+    None,
+}
+
+impl Source {
+    pub fn to_wire(self) -> u8 {
+        match self {
+            Self::Redis => 0,
+            Self::LocalFallback => 1,
+            Self::FailOpen => 2,
+            Self::FailClosed => 3,
+            Self::Memory => 4,
+            Self::None => 255,
+        }
+    }
+    pub fn from_wire(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(Self::Redis),
+            1 => Some(Self::LocalFallback),
+            2 => Some(Self::FailOpen),
+            3 => Some(Self::FailClosed),
+            4 => Some(Self::Memory),
+            255 => Some(Self::None),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Redis => "redis",
+            Self::LocalFallback => "local",
+            Self::FailOpen => "fail_open",
+            Self::FailClosed => "fail_closed",
+            Self::Memory => "memory",
+            Self::None => "none",
+        }
+    }
+}
+
+/// Error codes carried in responses. Ranges: 1-19 the request was rejected and
+/// the stream is still in sync; 20-29 the connection is closed after the
+/// response; 30-49 the store failed and the fail policy decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum ErrorCode {
+    None = 0,
+    Malformed = 1,
+    UnsupportedVersion = 2,
+    UnknownOp = 3,
+    UnsupportedFlags = 4,
+    UnsupportedLimitCount = 5,
+    InvalidKey = 6,
+    InvalidLimit = 7,
+    InvalidWindow = 8,
+    InvalidCost = 9,
+    InvalidPolicy = 10,
+    InvalidLocalLimit = 11,
+    FrameTooLarge = 20,
+    RedisTimeout = 30,
+    RedisUnavailable = 31,
+    RedisError = 32,
+}
+
+impl ErrorCode {
+    pub fn from_wire(v: u16) -> Option<Self> {
+        use ErrorCode::*;
+        Some(match v {
+            0 => None,
+            1 => Malformed,
+            2 => UnsupportedVersion,
+            3 => UnknownOp,
+            4 => UnsupportedFlags,
+            5 => UnsupportedLimitCount,
+            6 => InvalidKey,
+            7 => InvalidLimit,
+            8 => InvalidWindow,
+            9 => InvalidCost,
+            10 => InvalidPolicy,
+            11 => InvalidLocalLimit,
+            20 => FrameTooLarge,
+            30 => RedisTimeout,
+            31 => RedisUnavailable,
+            32 => RedisError,
+            _ => return Option::None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        use ErrorCode::*;
+        match self {
+            None => "OK",
+            Malformed => "MALFORMED",
+            UnsupportedVersion => "UNSUPPORTED_VERSION",
+            UnknownOp => "UNKNOWN_OP",
+            UnsupportedFlags => "UNSUPPORTED_FLAGS",
+            UnsupportedLimitCount => "UNSUPPORTED_LIMIT_COUNT",
+            InvalidKey => "INVALID_KEY",
+            InvalidLimit => "INVALID_LIMIT",
+            InvalidWindow => "INVALID_WINDOW",
+            InvalidCost => "INVALID_COST",
+            InvalidPolicy => "INVALID_POLICY",
+            InvalidLocalLimit => "INVALID_LOCAL_LIMIT",
+            FrameTooLarge => "FRAME_TOO_LARGE",
+            RedisTimeout => "REDIS_TIMEOUT",
+            RedisUnavailable => "REDIS_UNAVAILABLE",
+            RedisError => "REDIS_ERROR",
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Bounds a request must stay within; set from `[limits]` in the config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    pub max_key_len: usize,
+    pub max_limit: u32,
+    pub max_window_ms: u32,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Self { max_key_len: 512, max_limit: 1_000_000, max_window_ms: 86_400_000 }
+    }
+}
+
+/// One validated rate-limit check.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckRequest {
+    pub id: u32,
+    pub on_error: FailPolicy,
+    pub limit: u32,
+    pub window_ms: u32,
+    pub cost: u32,
+    /// Quota of the per-host fallback window; meaningful with `FailPolicy::Local`.
+    pub local_limit: u32,
+    /// The client's key, before the daemon adds its namespace prefix.
+    pub key: Bytes,
+}
+
+/// A request as the client builds it (no validation); used by `query`, `bench` and tests.
+#[derive(Clone, Debug)]
+pub struct CheckArgs<'a> {
+    pub key: &'a [u8],
+    pub limit: u32,
+    pub window_ms: u32,
+    pub cost: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+}
+
+/// What the decoder yields for each complete frame.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Inbound {
+    Check(CheckRequest),
+    /// The frame was read whole but is not a valid request; the stream is in sync.
+    Invalid { id: u32, op: u8, code: ErrorCode, message: Cow<'static, str> },
+    /// The length prefix is beyond `MAX_FRAME_LEN`: answer, then close.
+    TooLarge { len: usize },
+}
+
+/// A response, as encoded by the daemon and decoded by clients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub id: u32,
+    pub op: u8,
+    pub decision: Decision,
+    pub source: Source,
+    pub count: u32,
+    pub remaining: u32,
+    pub retry_after_ms: u32,
+    pub reset_ms: u32,
+    pub error: ErrorCode,
+    pub message: Cow<'static, str>,
+}
+
+impl Response {
+    /// A response for a request that was not decided at all.
+    pub fn error(id: u32, op: u8, code: ErrorCode, message: Cow<'static, str>) -> Self {
+        Self {
+            id,
+            op,
+            decision: Decision::Error,
+            source: Source::None,
+            count: 0,
+            remaining: 0,
+            retry_after_ms: 0,
+            reset_ms: 0,
+            error: code,
+            message,
+        }
+    }
+}
+
+/// Decodes requests from a byte stream; validates them against `Bounds`.
+#[derive(Debug, Clone)]
+pub struct RequestCodec {
+    bounds: Bounds,
+}
+
+impl RequestCodec {
+    pub fn new(bounds: Bounds) -> Self {
+        Self { bounds }
+    }
+}
+
+impl Decoder for RequestCodec {
+    type Item = Inbound;
+    type Error = io::Error;
+
+    fn decode(&mut self, src: &mut BytesMut) -> io::Result<Option<Inbound>> {
+        if src.len() < LEN_PREFIX {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([src[0], src[1], src[2], src[3]]) as usize;
+        if len > MAX_FRAME_LEN {
+            src.clear();
+            return Ok(Some(Inbound::TooLarge { len }));
+        }
+        if src.len() < LEN_PREFIX + len {
+            src.reserve(LEN_PREFIX + len - src.len());
+            return Ok(None);
+        }
+        src.advance(LEN_PREFIX);
+        let body = src.split_to(len).freeze();
+        Ok(Some(parse_request(body, &self.bounds)))
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> io::Result<Option<Inbound>> {
+        match self.decode(src)? {
+            Some(frame) => Ok(Some(frame)),
+            None if src.is_empty() => Ok(None),
+            None => {
+                let id = if src.len() >= LEN_PREFIX + 6 {
+                    u32::from_be_bytes([src[6], src[7], src[8], src[9]])
+                } else {
+                    0
+                };
+                src.clear();
+                Ok(Some(Inbound::Invalid {
+                    id,
+                    op: 0,
+                    code: ErrorCode::Malformed,
+                    message: Cow::Borrowed("truncated frame: the stream ended inside a frame"),
+                }))
+            }
+        }
+    }
+}
+
+fn invalid(id: u32, op: u8, code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Inbound {
+    Inbound::Invalid { id, op, code, message: message.into() }
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Parses and validates one request body. Never panics: every index is
+/// checked against the body length first.
+pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
+    if body.len() < 6 {
+        return invalid(0, 0, ErrorCode::Malformed, format!("frame body of {} bytes is shorter than the 6-byte header", body.len()));
+    }
+    let (version, op, id) = (body[0], body[1], be32(&body, 2));
+    if version != VERSION {
+        return invalid(id, op, ErrorCode::UnsupportedVersion, format!("protocol version {version} is not supported (this daemon speaks {VERSION})"));
+    }
+    if op != OP_CHECK {
+        return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
+    }
+    if body.len() < REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN {
+        return invalid(id, op, ErrorCode::Malformed, format!("check body of {} bytes is shorter than the {} fixed bytes", body.len(), REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
+    }
+    let Some(on_error) = FailPolicy::from_wire(body[8]) else {
+        return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
+    };
+    let n_limits = body[9];
+    if n_limits != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_limits} limits in one request; version {VERSION} takes exactly 1"));
+    }
+    let e = REQUEST_HEADER_LEN;
+    let limit = be32(&body, e);
+    let window_ms = be32(&body, e + 4);
+    let cost = be32(&body, e + 8);
+    let local_limit = be32(&body, e + 12);
+    let key_len = u16::from_be_bytes([body[e + 16], body[e + 17]]) as usize;
+    let key_at = e + LIMIT_ENTRY_LEN;
+    if body.len() != key_at + key_len {
+        return invalid(id, op, ErrorCode::Malformed, format!("key length {key_len} does not match the {} bytes left in the frame", body.len() - key_at));
+    }
+    if key_len == 0 || key_len > bounds.max_key_len {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key length {key_len} is outside 1..={}", bounds.max_key_len));
+    }
+    if let Some(pos) = body[key_at..].iter().position(|&b| b < 0x20 || b == 0x7f) {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key byte {pos} is a control character"));
+    }
+    if limit == 0 || limit > bounds.max_limit {
+        return invalid(id, op, ErrorCode::InvalidLimit, format!("limit {limit} is outside 1..={}", bounds.max_limit));
+    }
+    if window_ms == 0 || window_ms > bounds.max_window_ms {
+        return invalid(id, op, ErrorCode::InvalidWindow, format!("window {window_ms} ms is outside 1..={} ms", bounds.max_window_ms));
+    }
+    if cost == 0 || cost > limit {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=limit ({limit})"));
+    }
+    if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
+    }
+    body.advance(key_at);
+    Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body })
+}
+
+/// Encodes responses; the message is cut to `MAX_MESSAGE_LEN` bytes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ResponseCodec;
+
+impl Encoder<&Response> for ResponseCodec {
+    type Error = io::Error;
+    fn encode(&mut self, r: &Response, dst: &mut BytesMut) -> io::Result<()> {
+        encode_response(r, dst);
+        Ok(())
+    }
+}
+
+/// Appends one response frame to `dst`.
+pub fn encode_response(r: &Response, dst: &mut BytesMut) {
+    let msg = truncate_utf8(&r.message, MAX_MESSAGE_LEN);
+    dst.reserve(LEN_PREFIX + RESPONSE_FIXED_LEN + msg.len());
+    dst.put_u32((RESPONSE_FIXED_LEN + msg.len()) as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(r.op);
+    dst.put_u32(r.id);
+    dst.put_u8(r.decision.to_wire());
+    dst.put_u8(r.source.to_wire());
+    dst.put_u32(r.count);
+    dst.put_u32(r.remaining);
+    dst.put_u32(r.retry_after_ms);
+    dst.put_u32(r.reset_ms);
+    dst.put_u16(r.error as u16);
+    dst.put_u16(msg.len() as u16);
+    dst.put_slice(msg.as_bytes());
+}
+
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Appends one check request frame to `dst`.
+pub fn encode_request(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
+    let body_len = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN + a.key.len();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_CHECK);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(a.on_error.to_wire());
+    dst.put_u8(1);
+    dst.put_u32(a.limit);
+    dst.put_u32(a.window_ms);
+    dst.put_u32(a.cost);
+    dst.put_u32(a.local_limit);
+    dst.put_u16(a.key.len() as u16);
+    dst.put_slice(a.key);
+}
+
+/// Why a response frame could not be decoded (client side).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ResponseError {
+    #[error("response frame of {0} bytes is too large")]
+    TooLarge(usize),
+    #[error("response body is malformed: {0}")]
+    Malformed(&'static str),
+}
+
+/// Decodes one response frame from `src` if it holds a whole one.
+pub fn decode_response(src: &mut BytesMut) -> Result<Option<Response>, ResponseError> {
+    if src.len() < LEN_PREFIX {
+        return Ok(None);
+    }
+    let len = be32(src, 0) as usize;
+    if len > LEN_PREFIX + RESPONSE_FIXED_LEN + MAX_MESSAGE_LEN {
+        return Err(ResponseError::TooLarge(len));
+    }
+    if src.len() < LEN_PREFIX + len {
+        return Ok(None);
+    }
+    src.advance(LEN_PREFIX);
+    let b = src.split_to(len);
+    if len < RESPONSE_FIXED_LEN {
+        return Err(ResponseError::Malformed("shorter than the fixed fields"));
+    }
+    if b[0] != VERSION {
+        return Err(ResponseError::Malformed("unknown version"));
+    }
+    let decision = Decision::from_wire(b[6]).ok_or(ResponseError::Malformed("unknown decision"))?;
+    let source = Source::from_wire(b[7]).ok_or(ResponseError::Malformed("unknown source"))?;
+    let error = ErrorCode::from_wire(u16::from_be_bytes([b[24], b[25]])).ok_or(ResponseError::Malformed("unknown error code"))?;
+    let msg_len = u16::from_be_bytes([b[26], b[27]]) as usize;
+    if RESPONSE_FIXED_LEN + msg_len != len {
+        return Err(ResponseError::Malformed("message length does not match the frame"));
+    }
+    let message = String::from_utf8_lossy(&b[RESPONSE_FIXED_LEN..]).into_owned();
+    Ok(Some(Response {
+        id: be32(&b, 2),
+        op: b[1],
+        decision,
+        source,
+        count: be32(&b, 8),
+        remaining: be32(&b, 12),
+        retry_after_ms: be32(&b, 16),
+        reset_ms: be32(&b, 20),
+        error,
+        message: Cow::Owned(message),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(key: &[u8]) -> CheckArgs<'_> {
+        CheckArgs { key, limit: 1000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
+    }
+
+    fn decode_one(bytes: &[u8]) -> Inbound {
+        let mut buf = BytesMut::from(bytes);
+        RequestCodec::new(Bounds::default()).decode(&mut buf).unwrap().expect("a whole frame")
+    }
+
+    fn frame(body: &[u8]) -> Vec<u8> {
+        let mut v = (body.len() as u32).to_be_bytes().to_vec();
+        v.extend_from_slice(body);
+        v
+    }
+
+    fn code_of(i: Inbound) -> ErrorCode {
+        match i {
+            Inbound::Invalid { code, .. } => code,
+            other => panic!("expected an invalid frame, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn request_round_trip_matches_documented_hex() {
+        let mut buf = BytesMut::new();
+        encode_request(7, &args(b"t1"), &mut buf);
+        // The same bytes are shown in docs/PROTOCOL.md.
+        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "0000001e01010000000700000101000003e8000003e8000000010000000000027431");
+        match decode_one(&buf) {
+            Inbound::Check(c) => {
+                assert_eq!((c.id, c.limit, c.window_ms, c.cost, &c.key[..]), (7, 1000, 1000, 1, &b"t1"[..]));
+                assert_eq!(c.on_error, FailPolicy::Closed);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn response_round_trip_matches_documented_hex() {
+        let r = Response {
+            id: 7,
+            op: OP_CHECK,
+            decision: Decision::Denied,
+            source: Source::Redis,
+            count: 1000,
+            remaining: 0,
+            retry_after_ms: 250,
+            reset_ms: 999,
+            error: ErrorCode::None,
+            message: Cow::Borrowed(""),
+        };
+        let mut buf = BytesMut::new();
+        encode_response(&r, &mut buf);
+        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "0000001c0101000000070100000003e800000000000000fa000003e700000000");
+        assert_eq!(decode_response(&mut buf).unwrap().unwrap(), r);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn partial_frames_wait_for_more_bytes() {
+        let mut whole = BytesMut::new();
+        encode_request(1, &args(b"k"), &mut whole);
+        let mut codec = RequestCodec::new(Bounds::default());
+        let mut buf = BytesMut::new();
+        for (i, b) in whole.iter().enumerate() {
+            buf.put_u8(*b);
+            let got = codec.decode(&mut buf).unwrap();
+            assert_eq!(got.is_some(), i == whole.len() - 1);
+        }
+    }
+
+    #[test]
+    fn too_large_frame_is_fatal() {
+        let mut buf = BytesMut::from(&((MAX_FRAME_LEN + 1) as u32).to_be_bytes()[..]);
+        let got = RequestCodec::new(Bounds::default()).decode(&mut buf).unwrap();
+        assert_eq!(got, Some(Inbound::TooLarge { len: MAX_FRAME_LEN + 1 }));
+    }
+
+    #[test]
+    fn invalid_fields_get_their_codes() {
+        let good = {
+            let mut b = BytesMut::new();
+            encode_request(9, &args(b"key"), &mut b);
+            b[4..].to_vec()
+        };
+        let with = |at: usize, bytes: &[u8]| {
+            let mut b = good.clone();
+            b[at..at + bytes.len()].copy_from_slice(bytes);
+            code_of(decode_one(&frame(&b)))
+        };
+        assert_eq!(with(0, &[2]), ErrorCode::UnsupportedVersion);
+        assert_eq!(with(1, &[9]), ErrorCode::UnknownOp);
+        assert_eq!(with(6, &[0, 1]), ErrorCode::UnsupportedFlags);
+        assert_eq!(with(8, &[3]), ErrorCode::InvalidPolicy);
+        assert_eq!(with(9, &[2]), ErrorCode::UnsupportedLimitCount);
+        assert_eq!(with(10, &[0, 0, 0, 0]), ErrorCode::InvalidLimit);
+        assert_eq!(with(10, &0x7fff_ffffu32.to_be_bytes()), ErrorCode::InvalidLimit);
+        assert_eq!(with(14, &[0, 0, 0, 0]), ErrorCode::InvalidWindow);
+        assert_eq!(with(14, &u32::MAX.to_be_bytes()), ErrorCode::InvalidWindow);
+        assert_eq!(with(18, &[0, 0, 0, 0]), ErrorCode::InvalidCost);
+        assert_eq!(with(18, &1001u32.to_be_bytes()), ErrorCode::InvalidCost);
+        assert_eq!(with(8, &[2]), ErrorCode::InvalidLocalLimit);
+        assert_eq!(with(26, &[0, 9]), ErrorCode::Malformed);
+        assert_eq!(with(28, &[b'\n']), ErrorCode::InvalidKey);
+        // Each error echoes the request id.
+        let mut b = good.clone();
+        b[0] = 9;
+        match decode_one(&frame(&b)) {
+            Inbound::Invalid { id, .. } => assert_eq!(id, 9),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn empty_and_short_bodies_are_malformed() {
+        assert_eq!(code_of(decode_one(&frame(&[]))), ErrorCode::Malformed);
+        assert_eq!(code_of(decode_one(&frame(&[1, 1, 0, 0, 0, 1, 0]))), ErrorCode::Malformed);
+        let mut key = BytesMut::new();
+        encode_request(1, &CheckArgs { key: &[], ..args(b"") }, &mut key);
+        assert_eq!(code_of(decode_one(&key)), ErrorCode::InvalidKey);
+        let long = vec![b'a'; 513];
+        let mut buf = BytesMut::new();
+        encode_request(1, &args(&long), &mut buf);
+        assert_eq!(code_of(decode_one(&buf)), ErrorCode::InvalidKey);
+    }
+
+    #[test]
+    fn truncated_stream_yields_malformed_at_eof() {
+        let mut whole = BytesMut::new();
+        encode_request(5, &args(b"key"), &mut whole);
+        let mut buf = BytesMut::from(&whole[..whole.len() - 2]);
+        let got = RequestCodec::new(Bounds::default()).decode_eof(&mut buf).unwrap().unwrap();
+        match got {
+            Inbound::Invalid { id, code, .. } => assert_eq!((id, code), (5, ErrorCode::Malformed)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic() {
+        // A cheap deterministic fuzz: xorshift bytes of every length up to 600.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut codec = RequestCodec::new(Bounds::default());
+        for len in 0..600usize {
+            let mut body = Vec::with_capacity(len);
+            for _ in 0..len {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                body.push(x as u8);
+            }
+            if len > 0 {
+                body[0] = VERSION;
+            }
+            if len > 1 {
+                body[1] = OP_CHECK;
+            }
+            let mut buf = BytesMut::from(&frame(&body)[..]);
+            let _ = codec.decode(&mut buf).unwrap();
+            let mut raw = BytesMut::from(&body[..]);
+            let _ = codec.decode(&mut raw);
+            let _ = codec.decode_eof(&mut raw);
+        }
+    }
+
+    #[test]
+    fn long_messages_are_cut_at_a_char_boundary() {
+        let msg = "é".repeat(MAX_MESSAGE_LEN);
+        let r = Response::error(1, OP_CHECK, ErrorCode::Malformed, Cow::Owned(msg));
+        let mut buf = BytesMut::new();
+        encode_response(&r, &mut buf);
+        let back = decode_response(&mut buf).unwrap().unwrap();
+        assert_eq!(back.message.len(), MAX_MESSAGE_LEN);
+    }
+}

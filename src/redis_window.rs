@@ -1,0 +1,342 @@
+//! The exact sliding window in Redis: one ZSET per key, decided by one
+//! atomic Lua script called with EVALSHA over one shared, multiplexed,
+//! self-reconnecting connection.
+//!
+//! The script is loaded by a background keeper task: at start-up, after a
+//! connection error (a reconnect may have reached a restarted or promoted
+//! server), and when a call answers NOSCRIPT. Concurrent requests that hit
+//! NOSCRIPT wait on one reload and retry once; the hot path reads a single
+//! atomic and never takes a lock.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, RedisWrite, Script, ToRedisArgs};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{ClockSource, RedisConfig};
+use crate::limiter::{BackendError, LimitSpec, Verdict};
+
+/// The script, as shipped in the binary.
+pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
+
+/// The Redis key of a client key: `<prefix>{<key>}`, or `<prefix><key>` when
+/// the key already carries a non-empty `{...}` hash tag of its own, so that
+/// callers can keep related keys in one Cluster slot. The prefix is always
+/// there, so no client key reaches outside the namespace.
+#[derive(Clone, Copy, Debug)]
+pub struct WindowKey<'a> {
+    pub prefix: &'a [u8],
+    pub key: &'a [u8],
+}
+
+impl WindowKey<'_> {
+    fn has_hash_tag(&self) -> bool {
+        match self.key.iter().position(|&b| b == b'{') {
+            Some(open) => self.key[open + 1..].iter().position(|&b| b == b'}').is_some_and(|len| len > 0),
+            None => false,
+        }
+    }
+
+    /// The full key as bytes (admin tools and tests; the hot path writes it
+    /// straight into the command buffer).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
+        self.write_into(&mut v).expect("writing to a Vec cannot fail");
+        v
+    }
+
+    fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
+        w.write_all(self.prefix)?;
+        if self.has_hash_tag() {
+            w.write_all(self.key)
+        } else {
+            w.write_all(b"{")?;
+            w.write_all(self.key)?;
+            w.write_all(b"}")
+        }
+    }
+}
+
+impl ToRedisArgs for WindowKey<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let _ = self.write_into(&mut out.writer_for_next_arg());
+    }
+}
+
+/// A ZSET member that no other request shares: a random 64-bit id drawn at
+/// start-up (distinct across daemons and restarts) and a per-process sequence.
+#[derive(Clone, Copy, Debug)]
+struct MemberId {
+    instance: u64,
+    seq: u64,
+}
+
+impl ToRedisArgs for MemberId {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let _ = write!(out.writer_for_next_arg(), "{:016x}:{}", self.instance, self.seq);
+    }
+}
+
+/// Shared between the request path and the keeper task.
+#[derive(Debug, Default)]
+struct ScriptState {
+    /// Bumped after every successful SCRIPT LOAD.
+    generation: AtomicU64,
+    /// Wakes the keeper: a reload is wanted.
+    reload_wanted: Notify,
+    /// Wakes requests waiting for a reload.
+    loaded: Notify,
+}
+
+/// The Redis backend.
+pub struct RedisWindow {
+    conn: ConnectionManager,
+    script: Script,
+    key_prefix: Box<[u8]>,
+    instance: u64,
+    seq: AtomicU64,
+    timeout: Duration,
+    clock: ClockSource,
+    state: Arc<ScriptState>,
+}
+
+impl std::fmt::Debug for RedisWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisWindow").field("instance", &format_args!("{:016x}", self.instance)).finish_non_exhaustive()
+    }
+}
+
+impl RedisWindow {
+    /// Builds the backend and starts its script keeper, which stops with
+    /// `shutdown`. Does not wait for Redis: until the script is loaded,
+    /// requests follow their fail policy. Use `wait_ready` to wait a bounded time.
+    pub fn start(cfg: &RedisConfig, shutdown: CancellationToken) -> Result<Arc<Self>, RedisError> {
+        let client = redis::Client::open(cfg.url.as_str())?;
+        let timeout = Duration::from_millis(cfg.timeout_ms);
+        let manager_cfg = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)))
+            .set_response_timeout(Some(timeout.max(Duration::from_millis(cfg.connect_timeout_ms))))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_lazy_with_config(client, manager_cfg)?;
+        let mut id = [0u8; 8];
+        getrandom::fill(&mut id).map_err(|e| RedisError::from(std::io::Error::other(e.to_string())))?;
+        let this = Arc::new(Self {
+            conn,
+            script: Script::new(SCRIPT_SOURCE),
+            key_prefix: cfg.key_prefix.as_bytes().into(),
+            instance: u64::from_le_bytes(id),
+            seq: AtomicU64::new(0),
+            timeout,
+            clock: cfg.clock,
+            state: Arc::default(),
+        });
+        tokio::spawn(keep_script_loaded(this.conn.clone(), this.script.clone(), this.state.clone(), shutdown));
+        this.state.reload_wanted.notify_one();
+        Ok(this)
+    }
+
+    /// The SHA1 that EVALSHA names.
+    pub fn script_sha(&self) -> &str {
+        self.script.get_hash()
+    }
+
+    /// True once the script has been loaded at least once.
+    pub fn is_ready(&self) -> bool {
+        self.state.generation.load(Ordering::Acquire) > 0
+    }
+
+    /// Waits up to `limit` for the first script load; returns whether it happened.
+    pub async fn wait_ready(&self, limit: Duration) -> bool {
+        let wait = async {
+            loop {
+                let loaded = self.state.loaded.notified();
+                if self.is_ready() {
+                    return;
+                }
+                loaded.await;
+            }
+        };
+        tokio::time::timeout(limit, wait).await.is_ok()
+    }
+
+    /// The Redis key for a client key.
+    pub fn window_key<'a>(&'a self, key: &'a [u8]) -> WindowKey<'a> {
+        WindowKey { prefix: &self.key_prefix, key }
+    }
+
+    /// Decides one request within the configured deadline.
+    pub async fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, BackendError> {
+        let now_ms = match self.clock {
+            ClockSource::Redis => 0,
+            ClockSource::Local => wall_clock_ms(),
+        };
+        self.check_at(spec, now_ms).await
+    }
+
+    /// Decides one request at `now_ms` (0: Redis TIME). Tests use a fixed
+    /// time to put many requests in one millisecond.
+    pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, BackendError> {
+        let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
+        let attempt = async {
+            let seen = self.state.generation.load(Ordering::Acquire);
+            match self.eval(spec, member, now_ms).await {
+                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    self.wait_for_reload(seen).await;
+                    self.eval(spec, member, now_ms).await
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+                    // A new connection may reach a server without the script.
+                    self.state.reload_wanted.notify_one();
+                    Err(BackendError::Unavailable(e.to_string()))
+                } else if e.is_timeout() {
+                    Err(BackendError::Timeout(self.timeout))
+                } else {
+                    Err(BackendError::Redis(e.to_string()))
+                }
+            }
+            Err(_) => Err(BackendError::Timeout(self.timeout)),
+        }
+    }
+
+    async fn eval(&self, spec: &LimitSpec<'_>, member: MemberId, now_ms: u64) -> Result<Verdict, RedisError> {
+        let mut cmd = redis::Cmd::with_capacity(9, 96 + self.key_prefix.len() + spec.key.len());
+        cmd.arg("EVALSHA")
+            .arg(self.script.get_hash())
+            .arg(1)
+            .arg(self.window_key(spec.key))
+            .arg(spec.limit)
+            .arg(spec.window_ms)
+            .arg(spec.cost)
+            .arg(member)
+            .arg(now_ms);
+        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) =
+            cmd.query_async(&mut self.conn.clone()).await?;
+        Ok(Verdict {
+            allowed: allowed == 1,
+            count: clamp_u32(count),
+            remaining: clamp_u32(remaining),
+            retry_after_ms: clamp_u32(retry_after_ms),
+            reset_ms: clamp_u32(reset_ms),
+        })
+    }
+
+    async fn wait_for_reload(&self, seen: u64) {
+        let loaded = self.state.loaded.notified();
+        tokio::pin!(loaded);
+        loaded.as_mut().enable();
+        if self.state.generation.load(Ordering::Acquire) != seen {
+            return; // a reload finished since this request read the generation
+        }
+        self.state.reload_wanted.notify_one();
+        loaded.await;
+    }
+}
+
+fn clamp_u32(v: i64) -> u32 {
+    v.clamp(0, u32::MAX as i64) as u32
+}
+
+/// Milliseconds since the Unix epoch on this host's clock.
+pub fn wall_clock_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Loads the script whenever asked, retrying with a capped backoff until
+/// Redis answers; one load serves every request that asked meanwhile.
+async fn keep_script_loaded(conn: ConnectionManager, script: Script, state: Arc<ScriptState>, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_millis(50);
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = state.reload_wanted.notified() => {}
+        }
+        loop {
+            let mut c = conn.clone();
+            let load = script.load_async(&mut c);
+            let result = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = tokio::time::timeout(Duration::from_secs(2), load) => r,
+            };
+            match result {
+                Ok(Ok(sha)) => {
+                    let generation = state.generation.fetch_add(1, Ordering::AcqRel) + 1;
+                    state.loaded.notify_waiters();
+                    if failures > 0 || generation == 1 {
+                        tracing::info!(%sha, generation, "sliding-window script loaded");
+                    } else {
+                        tracing::debug!(%sha, generation, "sliding-window script reloaded");
+                    }
+                    failures = 0;
+                    backoff = Duration::from_millis(50);
+                    break;
+                }
+                Ok(Err(e)) => {
+                    failures += 1;
+                    log_load_failure(failures, &e.to_string());
+                }
+                Err(_) => {
+                    failures += 1;
+                    log_load_failure(failures, "SCRIPT LOAD took over 2 s");
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+}
+
+fn log_load_failure(failures: u32, reason: &str) {
+    // Once at first, then every 30th try (about every 30 s at the capped backoff).
+    if failures == 1 || failures % 30 == 0 {
+        tracing::warn!(failures, reason, "cannot load the sliding-window script; requests follow their fail policy");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(prefix: &str, key: &str) -> String {
+        String::from_utf8(WindowKey { prefix: prefix.as_bytes(), key: key.as_bytes() }.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn keys_are_prefixed_and_hash_tagged() {
+        assert_eq!(key("rl:", "order:tenant-1001"), "rl:{order:tenant-1001}");
+        assert_eq!(key("rl:", "{tenant-1}:order"), "rl:{tenant-1}:order");
+        // An empty tag is no tag: the whole key is wrapped.
+        assert_eq!(key("rl:", "a{}b"), "rl:{a{}b}");
+        assert_eq!(key("rl:", "a}b{"), "rl:{a}b{}");
+    }
+
+    #[test]
+    fn member_ids_differ_by_instance_and_sequence() {
+        let mut a = Vec::new();
+        MemberId { instance: 0xab, seq: 7 }.write_redis_args(&mut a);
+        assert_eq!(a, vec![b"00000000000000ab:7".to_vec()]);
+    }
+
+    #[test]
+    fn script_has_the_documented_shape() {
+        assert!(SCRIPT_SOURCE.contains("redis.call('TIME')"));
+        assert!(SCRIPT_SOURCE.contains("PEXPIRE"));
+        assert_eq!(Script::new(SCRIPT_SOURCE).get_hash().len(), 40);
+    }
+}

@@ -1,0 +1,210 @@
+//! Accepts connections on the Unix socket and serves each with a `Handler`.
+//!
+//! `run` takes the shutdown future so that `main` and the tests drive it the
+//! same way. On shutdown the listener stops accepting, every handler stops
+//! reading, answers what it has in flight and closes; the whole drain is
+//! bounded by a grace period.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::limiter::Limiter;
+use crate::protocol::{encode_response, Bounds, ErrorCode, Inbound, RequestCodec, Response};
+
+/// Connection handling settings, from `[server]` and `[limits]`.
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    pub max_connections: usize,
+    pub max_in_flight_per_connection: usize,
+    pub shutdown_grace: Duration,
+    pub bounds: Bounds,
+}
+
+/// Serves `listener` until `shutdown` completes, then drains.
+pub async fn run(listener: UnixListener, limiter: Arc<Limiter>, settings: ServerSettings, shutdown: impl Future) {
+    let token = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    tracker.spawn(sweep_local_windows(limiter.clone(), token.clone()));
+    let acceptor = Listener {
+        listener,
+        limiter,
+        connections: Arc::new(Semaphore::new(settings.max_connections)),
+        settings: settings.clone(),
+        token: token.clone(),
+        tracker: tracker.clone(),
+    };
+    tokio::select! {
+        _ = acceptor.accept_loop() => {}
+        _ = shutdown => tracing::info!("shutting down: no new connections; draining"),
+    }
+    token.cancel();
+    tracker.close();
+    if tokio::time::timeout(settings.shutdown_grace, tracker.wait()).await.is_err() {
+        tracing::warn!(
+            grace_ms = settings.shutdown_grace.as_millis() as u64,
+            still_open = tracker.len(),
+            "shutdown grace period expired; dropping the connections still open"
+        );
+    }
+}
+
+struct Listener {
+    listener: UnixListener,
+    limiter: Arc<Limiter>,
+    connections: Arc<Semaphore>,
+    settings: ServerSettings,
+    token: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl Listener {
+    /// Never returns: one failed accept (EMFILE, ...) is logged and retried
+    /// after a pause, never fatal.
+    async fn accept_loop(&self) {
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            let permit = match self.connections.clone().acquire_owned().await {
+                Ok(p) => p,
+                Err(_) => return, // the semaphore is never closed
+            };
+            match self.listener.accept().await {
+                Ok((stream, _)) => {
+                    backoff = Duration::from_millis(1);
+                    let handler = Handler {
+                        limiter: self.limiter.clone(),
+                        max_in_flight: self.settings.max_in_flight_per_connection,
+                        bounds: self.settings.bounds,
+                        token: self.token.clone(),
+                    };
+                    self.tracker.spawn(async move {
+                        handler.run(stream).await;
+                        drop(permit);
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "accept failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+}
+
+/// Serves one connection: reads frames, decides up to `max_in_flight` of them
+/// concurrently, and writes each response as soon as it is ready (responses
+/// carry the request id, so they may overtake each other).
+struct Handler {
+    limiter: Arc<Limiter>,
+    max_in_flight: usize,
+    bounds: Bounds,
+    token: CancellationToken,
+}
+
+impl Handler {
+    async fn run(self, stream: UnixStream) {
+        let (rd, mut wr) = stream.into_split();
+        let mut frames = FramedRead::with_capacity(rd, RequestCodec::new(self.bounds), 4096);
+        let mut out = BytesMut::with_capacity(1024);
+        let mut in_flight = FuturesUnordered::new();
+        let limiter = &*self.limiter;
+        let mut reading = true;
+        while reading || !in_flight.is_empty() {
+            tokio::select! {
+                biased;
+                Some(resp) = in_flight.next(), if !in_flight.is_empty() => {
+                    encode_response(&resp, &mut out);
+                    // Batch whatever else is ready into the same write.
+                    while let Some(Some(resp)) = in_flight.next().now_or_never() {
+                        encode_response(&resp, &mut out);
+                    }
+                }
+                frame = frames.next(), if reading && in_flight.len() < self.max_in_flight => match frame {
+                    Some(Ok(Inbound::Check(req))) => in_flight.push(limiter.decide(req)),
+                    Some(Ok(Inbound::Invalid { id, op, code, message })) => {
+                        tracing::debug!(id, %code, %message, "invalid request");
+                        encode_response(&Response::error(id, op, code, message), &mut out);
+                    }
+                    Some(Ok(Inbound::TooLarge { len })) => {
+                        tracing::debug!(len, "frame too large; closing the connection");
+                        let msg = format!("frame of {len} bytes exceeds the maximum of {}", crate::protocol::MAX_FRAME_LEN);
+                        encode_response(&Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()), &mut out);
+                        reading = false;
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, "connection read failed");
+                        reading = false;
+                    }
+                    None => reading = false,
+                },
+                _ = self.token.cancelled(), if reading => reading = false,
+            }
+            if !out.is_empty() {
+                if let Err(e) = wr.write_all_buf(&mut out).await {
+                    tracing::debug!(error = %e, "client went away before its response");
+                    return;
+                }
+            }
+        }
+        let _ = wr.shutdown().await;
+    }
+}
+
+/// Frees the memory of idle keys in the in-memory windows once a second.
+async fn sweep_local_windows(limiter: Arc<Limiter>, token: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tick.tick() => {
+                let removed = limiter.sweep_local();
+                if removed > 0 {
+                    tracing::trace!(removed, "swept idle in-memory keys");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::Client;
+    use crate::limiter::Backend;
+    use crate::protocol::{CheckArgs, Decision, FailPolicy};
+
+    fn settings() -> ServerSettings {
+        ServerSettings { max_connections: 8, max_in_flight_per_connection: 4, shutdown_grace: Duration::from_secs(1), bounds: Bounds::default() }
+    }
+
+    #[tokio::test]
+    async fn serves_until_shutdown_then_stops_accepting() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(run(listener, Arc::new(Limiter::new(Backend::Memory)), settings(), rx));
+        let mut c = Client::connect(&path).await.unwrap();
+        let args = CheckArgs { key: b"k", limit: 2, window_ms: 60_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+        let mut decisions = Vec::new();
+        for _ in 0..3 {
+            decisions.push(c.check(&args).await.unwrap().decision);
+        }
+        assert_eq!(decisions, [Decision::Allowed, Decision::Allowed, Decision::Denied]);
+        tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(2), server).await.expect("server stops within the grace").unwrap();
+        assert!(c.check(&args).await.is_err(), "the connection is closed after shutdown");
+    }
+}

@@ -1,0 +1,118 @@
+//! The life of the listening Unix socket: remove a stale file, bind, set mode
+//! and group, serve, and remove the file when the daemon is done with it.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use tokio::net::UnixListener;
+
+/// Why the socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error("{path}: another process is listening on this socket; stop it or choose another server.listen")]
+    InUse { path: PathBuf },
+    #[error("{path}: exists and is not a socket; refusing to replace it")]
+    NotASocket { path: PathBuf },
+    #[error("{path}: {action}: {source}")]
+    Io { path: PathBuf, action: &'static str, source: io::Error },
+    #[error("socket group '{0}' does not exist")]
+    NoSuchGroup(String),
+}
+
+/// A bound listener whose file is removed on drop (if it is still ours).
+#[derive(Debug)]
+pub struct BoundSocket {
+    listener: Option<UnixListener>,
+    path: PathBuf,
+    inode: u64,
+}
+
+impl BoundSocket {
+    /// Removes a stale socket file, binds, and applies mode and group.
+    pub fn bind(path: &Path, mode: u32, group: Option<&str>) -> Result<Self, SocketError> {
+        let io_err = |action: &'static str| move |source| SocketError::Io { path: path.into(), action, source };
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_socket() => {
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(SocketError::InUse { path: path.into() });
+                }
+                tracing::info!(path = %path.display(), "removing stale socket file");
+                std::fs::remove_file(path).map_err(io_err("remove stale socket"))?;
+            }
+            Ok(_) => return Err(SocketError::NotASocket { path: path.into() }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("inspect")(e)),
+        }
+        let gid = match group {
+            Some(name) => Some(
+                nix::unistd::Group::from_name(name)
+                    .map_err(|e| io_err("look up socket group")(e.into()))?
+                    .ok_or_else(|| SocketError::NoSuchGroup(name.into()))?
+                    .gid,
+            ),
+            None => None,
+        };
+        let listener = UnixListener::bind(path).map_err(io_err("bind"))?;
+        let inode = std::fs::metadata(path).map_err(io_err("stat"))?.ino();
+        let bound = Self { listener: Some(listener), path: path.into(), inode };
+        if let Some(gid) = gid {
+            std::os::unix::fs::chown(path, None, Some(gid.as_raw())).map_err(io_err("set socket group"))?;
+        }
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_err("set socket mode"))?;
+        Ok(bound)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The listener, to hand to the server; the file stays until `self` drops.
+    pub fn take_listener(&mut self) -> Option<UnixListener> {
+        self.listener.take()
+    }
+}
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        // Only remove the file if it is still the one we bound: a newer daemon
+        // may have replaced it already.
+        if std::fs::metadata(&self.path).is_ok_and(|m| m.ino() == self.inode) {
+            if let Err(e) = std::fs::remove_file(&self.path) {
+                tracing::warn!(path = %self.path.display(), error = %e, "could not remove the socket file");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn stale_socket_is_replaced_and_removed_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        // A socket file nobody listens on: what a crashed daemon leaves.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        let s = BoundSocket::bind(&path, 0o660, None).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o660);
+        drop(s);
+        assert!(!path.exists());
+    }
+
+    #[tokio::test]
+    async fn live_socket_and_regular_file_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let _live = BoundSocket::bind(&path, 0o600, None).unwrap();
+        assert!(matches!(BoundSocket::bind(&path, 0o600, None), Err(SocketError::InUse { .. })));
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(BoundSocket::bind(&file, 0o600, None), Err(SocketError::NotASocket { .. })));
+        assert!(file.exists());
+        assert!(matches!(BoundSocket::bind(&dir.path().join("g.sock"), 0o600, Some("no-such-group-xyz")), Err(SocketError::NoSuchGroup(_))));
+    }
+}
