@@ -1,0 +1,184 @@
+//! Real processes for the integration tests: `redis-server` on a free
+//! loopback port in a temp dir, and the `ratelimitd` binary on a socket in a
+//! temp dir. Both are stopped when dropped.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ratelimitd::client::Client;
+use ratelimitd::protocol::{CheckArgs, FailPolicy};
+use tempfile::TempDir;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ready() {
+        assert!(start.elapsed() < limit, "{what} not ready after {limit:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A `redis-server` of its own.
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: TempDir,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Self { child: None, port: free_port(), dir };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (scripts/test installs it)");
+        self.child = Some(child);
+        let url = self.url();
+        wait_until("redis-server", Duration::from_secs(10), || {
+            redis::Client::open(url.as_str()).unwrap().get_connection().and_then(|mut c| redis::cmd("PING").query::<String>(&mut c)).is_ok()
+        });
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// A plain connection for assertions on Redis's own state.
+    pub fn conn(&self) -> redis::Connection {
+        redis::Client::open(self.url().as_str()).unwrap().get_connection().unwrap()
+    }
+
+    /// SIGKILL: the server vanishes with everything it held.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// A fresh server on the same port (empty: nothing was saved).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The real daemon binary.
+pub struct Daemon {
+    child: Child,
+    dir: TempDir,
+    pub socket: PathBuf,
+    pub config: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `ratelimitd serve` with `[redis] url` set (or no Redis) and
+    /// any extra TOML appended to the `[redis]` table.
+    pub fn start(redis_url: Option<&str>, redis_extra: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ratelimitd.sock");
+        let config = dir.path().join("ratelimitd.toml");
+        let mut text = format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0600\"\nshutdown_grace_ms = 2000\n", socket.display());
+        if let Some(url) = redis_url {
+            text += &format!("[redis]\nurl = \"{url}\"\n{redis_extra}\n");
+        }
+        std::fs::write(&config, text).unwrap();
+        let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "ratelimitd=debug")
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let d = Self { child, dir, socket, config };
+        wait_until("ratelimitd", Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&d.socket).is_ok());
+        d
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.socket).await.unwrap()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// SIGTERM and wait; returns the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "daemon did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Check arguments with the defaults most tests use.
+pub fn args(key: &str, limit: u32, window_ms: u32) -> CheckArgs<'_> {
+    CheckArgs { key: key.as_bytes(), limit, window_ms, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
+}
+
+/// Redis-backed or in-memory daemon, for cases both backends must pass.
+pub enum Setup {
+    Redis(RedisServer, Daemon),
+    Memory(Daemon),
+}
+
+impl Setup {
+    pub fn redis() -> Self {
+        let r = RedisServer::start();
+        // A generous deadline: these tests are about semantics, not latency.
+        let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+        Self::Redis(r, d)
+    }
+
+    pub fn memory() -> Self {
+        Self::Memory(Daemon::start(None, ""))
+    }
+
+    pub fn daemon(&self) -> &Daemon {
+        match self {
+            Self::Redis(_, d) | Self::Memory(d) => d,
+        }
+    }
+
+    pub fn source(&self) -> ratelimitd::protocol::Source {
+        match self {
+            Self::Redis(..) => ratelimitd::protocol::Source::Redis,
+            Self::Memory(_) => ratelimitd::protocol::Source::Memory,
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Redis-specific behaviour with real `redis-server` processes: atomicity
+//! across daemons, unique members, TTLs, script cache and reconnects, the
+//! key namespace, and the fail policies when Redis is gone.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::{args, Daemon, RedisServer};
+use ratelimitd::config::RedisConfig;
+use ratelimitd::limiter::LimitSpec;
+use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, Source};
+use ratelimitd::redis_window::RedisWindow;
+use redis::Commands;
+use tokio_util::sync::CancellationToken;
+
+fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+async fn redis_window(r: &RedisServer, token: &CancellationToken) -> Arc<RedisWindow> {
+    let cfg = RedisConfig { url: r.url(), timeout_ms: 2000, ..RedisConfig::default() };
+    let w = RedisWindow::start(&cfg, token.clone()).unwrap();
+    assert!(w.wait_ready(Duration::from_secs(5)).await);
+    w
+}
+
+/// 1000 requests stamped with the same millisecond are all counted, and a
+/// second daemon instance in that same millisecond adds its own 1000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_millisecond_requests_never_collide() {
+    let r = RedisServer::start();
+    let token = CancellationToken::new();
+    let (a, b) = (redis_window(&r, &token).await, redis_window(&r, &token).await);
+    let now = wall_ms();
+    let spec = LimitSpec { key: b"same-ms", limit: 5000, window_ms: 60_000, cost: 1 };
+    let mut tasks = Vec::new();
+    for w in [a, b] {
+        for _ in 0..4 {
+            let w = w.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut counts = Vec::new();
+                for _ in 0..250 {
+                    counts.push(w.check_at(&spec, now).await.unwrap().count);
+                }
+                counts
+            }));
+        }
+    }
+    let mut counts = Vec::new();
+    for t in tasks {
+        counts.extend(t.await.unwrap());
+    }
+    counts.sort_unstable();
+    assert_eq!(counts, (1..=2000).collect::<Vec<u32>>());
+    let mut conn = r.conn();
+    let members: Vec<(String, u64)> = conn.zrange_withscores("ratelimitd:{same-ms}", 0, -1).unwrap();
+    assert_eq!(members.len(), 2000);
+    assert!(members.iter().all(|(_, score)| *score == now));
+    token.cancel();
+}
+
+/// Two daemons on one Redis hold one limit exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_daemons_share_one_limit() {
+    let r = RedisServer::start();
+    let daemons = [Daemon::start(Some(&r.url()), "timeout_ms = 500"), Daemon::start(Some(&r.url()), "timeout_ms = 500")];
+    let mut tasks = Vec::new();
+    for d in &daemons {
+        for _ in 0..16 {
+            let mut c = d.client().await;
+            tasks.push(tokio::spawn(async move {
+                let mut allowed = 0;
+                for _ in 0..100 {
+                    let resp = c.check(&args("shared", 1000, 60_000)).await.unwrap();
+                    assert_eq!(resp.source, Source::Redis);
+                    allowed += (resp.decision == Decision::Allowed) as u32;
+                }
+                allowed
+            }));
+        }
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += t.await.unwrap();
+    }
+    assert_eq!(allowed, 1000, "3200 requests through two daemons");
+}
+
+/// Under sustained load on a short window, no window of time ever holds more
+/// admissions than the limit. Each admission happened (on Redis's clock, the
+/// same host clock) between its send and its response; any admissions whose
+/// whole [send, response] spans fit inside one window-long interval were in
+/// the window together, so there can be at most `limit` of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_window_ever_exceeds_the_limit() {
+    let r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+    const LIMIT: u32 = 50;
+    const WINDOW: u64 = 200;
+    let until = Instant::now() + Duration::from_millis(1200);
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut spans = Vec::new();
+            while Instant::now() < until {
+                let sent = wall_ms();
+                let resp = c.check(&args("sliding", LIMIT, WINDOW as u32)).await.unwrap();
+                if resp.decision == Decision::Allowed {
+                    spans.push((sent, wall_ms()));
+                }
+            }
+            spans
+        }));
+    }
+    let mut spans = Vec::new();
+    for t in tasks {
+        spans.extend(t.await.unwrap());
+    }
+    spans.sort_unstable();
+    for &(start, _) in &spans {
+        let together = spans.iter().filter(|&&(s, e)| s >= start && e < start + WINDOW).count();
+        assert!(together <= LIMIT as usize, "{together} admissions within one {WINDOW} ms window starting at {start}");
+    }
+    // And the window did slide: about LIMIT per WINDOW over 1.2 s were admitted.
+    assert!(spans.len() >= 4 * LIMIT as usize && spans.len() <= 8 * LIMIT as usize, "{} admissions", spans.len());
+}
+
+/// Keys get a TTL of the window and vanish after it; admissions leave too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_after_the_window() {
+    let r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+    let mut c = d.client().await;
+    c.check(&args("ttl", 10, 250)).await.unwrap();
+    let mut conn = r.conn();
+    let ttl: i64 = conn.pttl("ratelimitd:{ttl}").unwrap();
+    assert!(ttl > 0 && ttl <= 250, "pttl {ttl}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let exists: bool = conn.exists("ratelimitd:{ttl}").unwrap();
+    assert!(!exists, "the key outlived its window");
+}
+
+/// Every key lands under the configured prefix, whatever the client sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_cannot_leave_the_namespace() {
+    let r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500\nkey_prefix = \"gw1:\"");
+    let mut c = d.client().await;
+    for key in ["plain", "}escape{", "{tenant-1}:order", "*", "other:{x}", "../x", "a b"] {
+        assert_eq!(c.check(&args(key, 5, 60_000)).await.unwrap().decision, Decision::Allowed);
+    }
+    let mut conn = r.conn();
+    let keys: HashSet<String> = conn.keys("*").unwrap();
+    let want: HashSet<String> =
+        ["gw1:{plain}", "gw1:{}escape{}", "gw1:{tenant-1}:order", "gw1:{*}", "gw1:other:{x}", "gw1:{../x}", "gw1:{a b}"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(keys, want);
+}
+
+/// SCRIPT FLUSH while serving: requests keep being decided by Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_while_serving() {
+    let r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+    let until = Instant::now() + Duration::from_millis(800);
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let key = format!("flush-{i}");
+            let mut n = 0;
+            while Instant::now() < until {
+                let resp = c.check(&args(&key, 1_000_000, 60_000)).await.unwrap();
+                assert_eq!((resp.decision, resp.source, resp.error), (Decision::Allowed, Source::Redis, ErrorCode::None), "{}", resp.message);
+                n += 1;
+            }
+            n
+        }));
+    }
+    let mut conn = r.conn();
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    assert!(total > 100, "only {total} requests were served");
+    assert!(d.log().contains("script reloaded"), "NOSCRIPT led to a reload: {}", d.log());
+}
+
+/// Redis restarted: the daemon reconnects, reloads the script and decides
+/// with Redis again, without a restart of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_after_redis_restart() {
+    let mut r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 200");
+    let mut c = d.client().await;
+    let a = CheckArgs { on_error: FailPolicy::Open, ..args("restart", 100, 60_000) };
+    assert_eq!(c.check(&a).await.unwrap().source, Source::Redis);
+    r.restart();
+    let back = Instant::now();
+    loop {
+        let resp = c.check(&a).await.unwrap();
+        if resp.source == Source::Redis {
+            // A fresh, empty server: counting starts over.
+            assert_eq!(resp.count, 1);
+            break;
+        }
+        assert_eq!(resp.source, Source::FailOpen);
+        assert!(back.elapsed() < Duration::from_secs(10), "still not back on Redis: {}", resp.message);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Redis gone: each request's own policy decides, fast, and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_policies_apply_when_redis_is_down() {
+    let mut r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "");
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args("down", 5, 60_000)).await.unwrap().source, Source::Redis);
+    r.kill();
+    let open = c.check(&CheckArgs { on_error: FailPolicy::Open, ..args("down", 5, 60_000) }).await.unwrap();
+    assert_eq!((open.decision, open.source), (Decision::Allowed, Source::FailOpen));
+    assert!(matches!(open.error, ErrorCode::RedisUnavailable | ErrorCode::RedisTimeout), "{:?}", open.error);
+    let closed = c.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("down", 5, 60_000) }).await.unwrap();
+    assert_eq!((closed.decision, closed.source), (Decision::Denied, Source::FailClosed));
+    assert!(closed.retry_after_ms > 0);
+    let local = CheckArgs { on_error: FailPolicy::Local, local_limit: 2, ..args("down", 5, 60_000) };
+    let mut decisions = Vec::new();
+    for _ in 0..3 {
+        let resp = c.check(&local).await.unwrap();
+        assert_eq!(resp.source, Source::LocalFallback);
+        decisions.push(resp.decision);
+    }
+    assert_eq!(decisions, [Decision::Allowed, Decision::Allowed, Decision::Denied]);
+    assert!(d.log().contains("fail policy decides"), "fail-open is logged: {}", d.log());
+}
+
+/// SIGTERM: the daemon exits 0 and removes its socket file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_removes_the_socket() {
+    let r = RedisServer::start();
+    let mut d = Daemon::start(Some(&r.url()), "");
+    assert!(d.socket.exists());
+    let status = d.terminate();
+    assert!(status.success(), "{status:?}");
+    assert!(!d.socket.exists());
+}
