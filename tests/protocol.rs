@@ -1,0 +1,135 @@
+//! The wire protocol against the real daemon: malformed frames get clear
+//! codes while the stream stays in sync, fatal ones close only their own
+//! connection, and pipelined requests are matched by id.
+
+mod common;
+
+use std::collections::HashSet;
+
+use bytes::BytesMut;
+use common::{args, Daemon, RedisServer};
+use ratelimitd::client::ClientError;
+use ratelimitd::protocol::{encode_request, Decision, ErrorCode, Source, MAX_FRAME_LEN};
+
+fn frame(body: &[u8]) -> Vec<u8> {
+    let mut v = (body.len() as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(body);
+    v
+}
+
+fn valid_body(id: u32, key: &str) -> Vec<u8> {
+    let mut b = BytesMut::new();
+    encode_request(id, &args(key, 10, 60_000), &mut b);
+    b[4..].to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_get_codes_and_the_stream_stays_in_sync() {
+    let d = Daemon::start(None, "");
+    let mut c = d.client().await;
+    let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
+        (vec![], ErrorCode::Malformed),
+        (vec![1, 1, 0, 0, 0, 42], ErrorCode::Malformed),
+        ({ let mut b = valid_body(42, "k"); b[0] = 9; b }, ErrorCode::UnsupportedVersion),
+        ({ let mut b = valid_body(42, "k"); b[1] = 77; b }, ErrorCode::UnknownOp),
+        ({ let mut b = valid_body(42, "k"); b[7] = 1; b }, ErrorCode::UnsupportedFlags),
+        ({ let mut b = valid_body(42, "k"); b[8] = 7; b }, ErrorCode::InvalidPolicy),
+        ({ let mut b = valid_body(42, "k"); b[9] = 2; b }, ErrorCode::UnsupportedLimitCount),
+        ({ let mut b = valid_body(42, "k"); b[10..14].copy_from_slice(&0u32.to_be_bytes()); b }, ErrorCode::InvalidLimit),
+        ({ let mut b = valid_body(42, "k"); b[14..18].copy_from_slice(&0u32.to_be_bytes()); b }, ErrorCode::InvalidWindow),
+        ({ let mut b = valid_body(42, "k"); b[18..22].copy_from_slice(&11u32.to_be_bytes()); b }, ErrorCode::InvalidCost),
+        ({ let mut b = valid_body(42, "k"); b[8] = 2; b }, ErrorCode::InvalidLocalLimit),
+        ({ let mut b = valid_body(42, "k"); b.push(b'x'); b }, ErrorCode::Malformed),
+        ({ let mut b = valid_body(42, "k"); b[28] = 0; b }, ErrorCode::InvalidKey),
+    ];
+    for (body, code) in cases {
+        c.send_raw(&frame(&body)).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.decision, r.source, r.error), (Decision::Error, Source::None, code), "body {body:02x?}: {}", r.message);
+        assert!(!r.message.is_empty());
+        if body.len() >= 6 {
+            assert_eq!(r.id, 42, "the request id is echoed");
+        }
+        // The same connection still answers a valid request.
+        let ok = c.check(&args("after-error", 1000, 60_000)).await.unwrap();
+        assert_eq!(ok.decision, Decision::Allowed);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_large_frame_closes_only_its_connection() {
+    let d = Daemon::start(None, "");
+    let mut bystander = d.client().await;
+    let mut c = d.client().await;
+    c.send_raw(&((MAX_FRAME_LEN as u32 + 1).to_be_bytes())).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.decision, r.error), (0, Decision::Error, ErrorCode::FrameTooLarge));
+    assert!(matches!(c.read_response().await, Err(ClientError::Closed)));
+    assert_eq!(bystander.check(&args("k", 5, 1000)).await.unwrap().decision, Decision::Allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_frame_at_eof_is_answered() {
+    let d = Daemon::start(None, "");
+    let mut c = d.client().await;
+    let whole = frame(&valid_body(5, "key"));
+    c.send_raw(&whole[..whole.len() - 2]).await.unwrap();
+    c.shutdown_write().await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.error), (5, ErrorCode::Malformed));
+    assert!(matches!(c.read_response().await, Err(ClientError::Closed)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_clients_do_not_disturb_others() {
+    let r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+    let mut garbage = Vec::new();
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for _ in 0..16 {
+        let mut c = d.client().await;
+        let mut bytes = vec![0u8; 3000];
+        for b in bytes.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        garbage.push(tokio::spawn(async move {
+            let _ = c.send_raw(&bytes).await;
+            // Whatever comes back, if anything, must be well-formed.
+            while let Ok(r) = c.read_response().await {
+                assert_eq!(r.decision, Decision::Error);
+            }
+        }));
+    }
+    let mut good = d.client().await;
+    for i in 0..200 {
+        let r = good.check(&args("good", 100, 60_000)).await.unwrap();
+        assert_eq!(r.decision, if i < 100 { Decision::Allowed } else { Decision::Denied });
+        assert_eq!(r.source, Source::Redis);
+    }
+    for g in garbage {
+        g.await.unwrap();
+    }
+    assert_eq!(d.client().await.check(&args("after", 1, 1000)).await.unwrap().decision, Decision::Allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_are_matched_by_id() {
+    let r = RedisServer::start();
+    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+    let mut c = d.client().await;
+    let mut burst = BytesMut::new();
+    for id in 1000..1300u32 {
+        encode_request(id, &args(&format!("pipe-{}", id % 7), 1000, 60_000), &mut burst);
+    }
+    c.send_raw(&burst).await.unwrap();
+    let mut ids = HashSet::new();
+    for _ in 0..300 {
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.decision, r.source), (Decision::Allowed, Source::Redis));
+        assert!(ids.insert(r.id), "id {} answered twice", r.id);
+    }
+    assert_eq!(ids, (1000..1300).collect());
+}
