@@ -115,12 +115,15 @@ pub struct LimitsConfig {
     pub max_limit: u32,
     /// Longest window a request may carry, in ms.
     pub max_window_ms: u32,
+    /// Largest cost of one request. Each unit of cost is one ZSET member
+    /// written inside the atomic script, so this bounds the script's run time.
+    pub max_cost: u32,
 }
 
 impl Default for LimitsConfig {
     fn default() -> Self {
         let b = Bounds::default();
-        Self { max_key_len: b.max_key_len, max_limit: b.max_limit, max_window_ms: b.max_window_ms }
+        Self { max_key_len: b.max_key_len, max_limit: b.max_limit, max_window_ms: b.max_window_ms, max_cost: b.max_cost }
     }
 }
 
@@ -200,6 +203,9 @@ impl Config {
         if l.max_window_ms == 0 || l.max_window_ms > 30 * 86_400_000 {
             return bad("limits.max_window_ms", format!("{} is outside 1..=2592000000 (30 days)", l.max_window_ms));
         }
+        if l.max_cost == 0 || l.max_cost > 100_000 {
+            return bad("limits.max_cost", format!("{} is outside 1..=100000", l.max_cost));
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             return bad("log.level", format!("'{}' is not a level or tracing filter", self.log.level));
         }
@@ -216,7 +222,8 @@ impl Config {
     }
 
     pub fn bounds(&self) -> Bounds {
-        Bounds { max_key_len: self.limits.max_key_len, max_limit: self.limits.max_limit, max_window_ms: self.limits.max_window_ms }
+        let l = &self.limits;
+        Bounds { max_key_len: l.max_key_len, max_limit: l.max_limit, max_window_ms: l.max_window_ms, max_cost: l.max_cost }
     }
 }
 

@@ -31,10 +31,6 @@ pub async fn serve(cfg: Config) -> Result<(), DaemonError> {
     let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut hup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
-    let mode = cfg.socket_mode().expect("validated");
-    let mut socket = BoundSocket::bind(&cfg.server.listen, mode, cfg.server.socket_group.as_deref())?;
-    let listener = socket.take_listener().expect("fresh socket");
-
     let background = CancellationToken::new();
     let backend = match &cfg.redis {
         Some(r) => {
@@ -51,6 +47,12 @@ pub async fn serve(cfg: Config) -> Result<(), DaemonError> {
             Backend::Memory
         }
     };
+    // Bound only now: until the script is loaded (or the wait is over),
+    // clients get "connection refused" and apply their own fail policy at
+    // once, instead of queueing in the backlog.
+    let mode = cfg.socket_mode().expect("validated");
+    let mut socket = BoundSocket::bind(&cfg.server.listen, mode, cfg.server.socket_group.as_deref())?;
+    let listener = socket.take_listener().expect("fresh socket");
     let limiter = Arc::new(Limiter::new(backend));
     let settings = ServerSettings {
         max_connections: cfg.server.max_connections,

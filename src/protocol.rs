@@ -240,11 +240,14 @@ pub struct Bounds {
     pub max_key_len: usize,
     pub max_limit: u32,
     pub max_window_ms: u32,
+    /// Largest cost of one request: each unit is one ZSET member, written
+    /// inside the atomic script, so a huge cost would stall Redis.
+    pub max_cost: u32,
 }
 
 impl Default for Bounds {
     fn default() -> Self {
-        Self { max_key_len: 512, max_limit: 1_000_000, max_window_ms: 86_400_000 }
+        Self { max_key_len: 512, max_limit: 1_000_000, max_window_ms: 86_400_000, max_cost: 1000 }
     }
 }
 
@@ -429,8 +432,8 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if window_ms == 0 || window_ms > bounds.max_window_ms {
         return invalid(id, op, ErrorCode::InvalidWindow, format!("window {window_ms} ms is outside 1..={} ms", bounds.max_window_ms));
     }
-    if cost == 0 || cost > limit {
-        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=limit ({limit})"));
+    if cost == 0 || cost > limit || cost > bounds.max_cost {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost));
     }
     if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
@@ -658,6 +661,9 @@ mod tests {
         assert_eq!(with(14, &u32::MAX.to_be_bytes()), ErrorCode::InvalidWindow);
         assert_eq!(with(18, &[0, 0, 0, 0]), ErrorCode::InvalidCost);
         assert_eq!(with(18, &1001u32.to_be_bytes()), ErrorCode::InvalidCost);
+        let mut big = BytesMut::new();
+        encode_request(1, &CheckArgs { limit: 5000, cost: 1001, ..args(b"k") }, &mut big);
+        assert_eq!(code_of(decode_one(&big)), ErrorCode::InvalidCost);
         assert_eq!(with(8, &[2]), ErrorCode::InvalidLocalLimit);
         assert_eq!(with(26, &[0, 9]), ErrorCode::Malformed);
         assert_eq!(with(28, &[b'\n']), ErrorCode::InvalidKey);
