@@ -11,8 +11,8 @@ use crate::protocol::{Bounds, MAX_FRAME_LEN, REQUEST_HEADER_LEN, LIMIT_ENTRY_LEN
 /// Where a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{path}: cannot read: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: cannot read: {err}")]
+    Read { path: PathBuf, err: std::io::Error },
     #[error("{path}: line {line}: {message}")]
     Parse { path: PathBuf, line: usize, message: String },
     #[error("{path}: {field}: {message}")]
@@ -144,7 +144,7 @@ impl Default for LogConfig {
 impl Config {
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.into(), err })?;
         let cfg = Self::parse(path, &text)?;
         cfg.validate(path)?;
         Ok(cfg)
@@ -165,9 +165,10 @@ impl Config {
         if s.listen.as_os_str().is_empty() {
             return bad("server.listen", "must be a socket path".into());
         }
-        // sun_path holds 108 bytes including the NUL.
-        if s.listen.as_os_str().len() > 107 {
-            return bad("server.listen", format!("{} bytes is longer than a Unix socket path may be (107)", s.listen.as_os_str().len()));
+        // sun_path holds 108 bytes including the NUL, and the socket is bound
+        // first as "<listen>.<pid>.tmp" (up to 16 bytes more).
+        if s.listen.as_os_str().len() > 91 {
+            return bad("server.listen", format!("{} bytes is longer than the 91 a socket path may have here (sun_path is 108 bytes, less a temporary suffix)", s.listen.as_os_str().len()));
         }
         if let Err(m) = self.socket_mode() {
             return bad("server.socket_mode", m);
@@ -180,7 +181,7 @@ impl Config {
         }
         if let Some(r) = &self.redis {
             if let Err(e) = redis::Client::open(r.url.as_str()) {
-                return bad("redis.url", format!("'{}' is not a Redis URL: {e}", r.url));
+                return bad("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(&r.url)));
             }
             if r.timeout_ms == 0 || r.timeout_ms > 10_000 {
                 return bad("redis.timeout_ms", format!("{} is outside 1..=10000", r.timeout_ms));
@@ -206,8 +207,15 @@ impl Config {
         if l.max_cost == 0 || l.max_cost > 100_000 {
             return bad("limits.max_cost", format!("{} is outside 1..=100000", l.max_cost));
         }
-        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
-            return bad("log.level", format!("'{}' is not a level or tracing filter", self.log.level));
+        if !valid_log_filter(&self.log.level) {
+            return bad("log.level", format!("'{}' is not error, warn, info, debug, trace or a filter such as \"ratelimitd=debug\"", self.log.level));
+        }
+        if let Some(group) = &self.server.socket_group {
+            match nix::unistd::Group::from_name(group) {
+                Ok(Some(_)) => {}
+                Ok(None) => return bad("server.socket_group", format!("group '{group}' does not exist")),
+                Err(e) => return bad("server.socket_group", format!("cannot look up group '{group}': {e}")),
+            }
         }
         Ok(())
     }
@@ -227,6 +235,32 @@ impl Config {
     }
 }
 
+/// A bare level, or directives each of which names a level after `=`:
+/// a typo such as "infoo" would otherwise parse as a target and log nothing.
+fn valid_log_filter(filter: &str) -> bool {
+    const LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+    let level_ok = |l: &str| LEVELS.contains(&l.trim().to_ascii_lowercase().as_str());
+    !filter.trim().is_empty()
+        && filter.split(',').all(|d| match d.split_once('=') {
+            Some((target, level)) => !target.trim().is_empty() && level_ok(level),
+            None => level_ok(d),
+        })
+}
+
+/// The URL with its password replaced by `***`, for logs and messages.
+pub fn redacted_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +270,13 @@ mod tests {
         let c = Config::parse(p, text)?;
         c.validate(p)?;
         Ok(c)
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redacted_url("redis://u:secret@h:6379/0"), "redis://u:***@h:6379/0");
+        assert_eq!(redacted_url("redis://:secret@h"), "redis://:***@h");
+        assert_eq!(redacted_url("redis://h:6379"), "redis://h:6379");
     }
 
     #[test]
@@ -271,6 +312,13 @@ mod tests {
         assert!(e.contains("redis.key_prefix"), "{e}");
         let e = parse("[redis]\nurl = \"http://x\"\n").unwrap_err().to_string();
         assert!(e.contains("redis.url"), "{e}");
+        let e = parse("[log]\nlevel = \"infoo\"\n").unwrap_err().to_string();
+        assert!(e.contains("log.level"), "{e}");
+        assert!(parse("[log]\nlevel = \"warn,ratelimitd=debug\"\n").is_ok());
+        let e = parse("[server]\nsocket_group = \"no-such-group-xyz\"\n").unwrap_err().to_string();
+        assert!(e.contains("server.socket_group"), "{e}");
+        let e = parse("[redis]\nurl = \"http://u:secret@x\"\n").unwrap_err().to_string();
+        assert!(!e.contains("secret"), "{e}");
         let e = parse("[redis]\nclock = \"ntp\"\n").unwrap_err().to_string();
         assert!(e.contains("line 2"), "{e}");
     }

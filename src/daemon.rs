@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
+use crate::config::{redacted_url, Config};
 use crate::limiter::{Backend, Limiter};
 use crate::redis_window::RedisWindow;
 use crate::server::{self, ServerSettings};
@@ -36,9 +36,9 @@ pub async fn serve(cfg: Config) -> Result<(), DaemonError> {
         Some(r) => {
             let redis = RedisWindow::start(r, background.clone())?;
             if redis.wait_ready(READY_WAIT).await {
-                tracing::info!(url = %redacted(&r.url), sha = redis.script_sha(), timeout_ms = r.timeout_ms, clock = ?r.clock, "redis backend ready");
+                tracing::info!(url = %redacted_url(&r.url), sha = redis.script_sha(), timeout_ms = r.timeout_ms, clock = ?r.clock, "redis backend ready");
             } else {
-                tracing::warn!(url = %redacted(&r.url), "redis not reachable yet; serving with each request's fail policy until it is");
+                tracing::warn!(url = %redacted_url(&r.url), "redis not reachable yet; serving with each request's fail policy until it is");
             }
             Backend::Redis(redis)
         }
@@ -76,28 +76,4 @@ pub async fn serve(cfg: Config) -> Result<(), DaemonError> {
     drop(socket);
     tracing::info!("stopped");
     Ok(())
-}
-
-/// The URL without its password, for logs.
-fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(super::redacted("redis://u:secret@h:6379/0"), "redis://u:***@h:6379/0");
-        assert_eq!(super::redacted("redis://:secret@h"), "redis://:***@h");
-        assert_eq!(super::redacted("redis://h:6379"), "redis://h:6379");
-    }
 }

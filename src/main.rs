@@ -90,7 +90,8 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("ratelimitd: {e:#}");
-            ExitCode::FAILURE
+            // 2, not 1: `query` exits 1 for "denied".
+            ExitCode::from(2)
         }
     }
 }
@@ -108,7 +109,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if let Some(url) = redis {
                 cfg.redis.get_or_insert_with(RedisConfig::default).url = url;
             }
-            let origin = config.unwrap_or_else(|| PathBuf::from("command line"));
+            let origin = match config {
+                Some(path) => PathBuf::from(format!("{} (with command-line overrides)", path.display())),
+                None => PathBuf::from("command line"),
+            };
             cfg.validate(&origin)?;
             init_logging(&cfg.log.level);
             runtime()?.block_on(ratelimitd::daemon::serve(cfg))?;
@@ -117,7 +121,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig { config } => {
             let cfg = Config::load(&config)?;
             let backend = match &cfg.redis {
-                Some(r) => format!("redis at {}", r.url),
+                Some(r) => format!("redis at {}", ratelimitd::config::redacted_url(&r.url)),
                 None => "in-memory (per host)".into(),
             };
             println!("{}: ok (socket {}, backend {backend})", config.display(), cfg.server.listen.display());

@@ -518,7 +518,7 @@ pub fn decode_response(src: &mut BytesMut) -> Result<Option<Response>, ResponseE
         return Ok(None);
     }
     let len = be32(src, 0) as usize;
-    if len > LEN_PREFIX + RESPONSE_FIXED_LEN + MAX_MESSAGE_LEN {
+    if len > RESPONSE_FIXED_LEN + MAX_MESSAGE_LEN {
         return Err(ResponseError::TooLarge(len));
     }
     if src.len() < LEN_PREFIX + len {

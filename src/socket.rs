@@ -14,9 +14,9 @@ pub enum SocketError {
     InUse { path: PathBuf },
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
-    #[error("{path}: {action}: {source}")]
-    Io { path: PathBuf, action: &'static str, source: io::Error },
-    #[error("socket group '{0}' does not exist")]
+    #[error("{path}: {action}: {err}")]
+    Io { path: PathBuf, action: &'static str, err: io::Error },
+    #[error("server.socket_group: group '{0}' does not exist")]
     NoSuchGroup(String),
 }
 
@@ -31,7 +31,7 @@ pub struct BoundSocket {
 impl BoundSocket {
     /// Removes a stale socket file, binds, and applies mode and group.
     pub fn bind(path: &Path, mode: u32, group: Option<&str>) -> Result<Self, SocketError> {
-        let io_err = |action: &'static str| move |source| SocketError::Io { path: path.into(), action, source };
+        let io_err = |action: &'static str| move |err| SocketError::Io { path: path.into(), action, err };
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
                 if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -53,14 +53,28 @@ impl BoundSocket {
             ),
             None => None,
         };
-        let listener = UnixListener::bind(path).map_err(io_err("bind"))?;
-        let inode = std::fs::metadata(path).map_err(io_err("stat"))?.ino();
-        let bound = Self { listener: Some(listener), path: path.into(), inode };
-        if let Some(gid) = gid {
-            std::os::unix::fs::chown(path, None, Some(gid.as_raw())).map_err(io_err("set socket group"))?;
+        // Bind under a temporary name, set group and mode, then rename into
+        // place: clients never see the socket with the umask's permissions.
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.tmp", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let _ = std::fs::remove_file(&tmp);
+        let listener = UnixListener::bind(&tmp).map_err(io_err("bind"))?;
+        let prepared = (|| {
+            if let Some(gid) = gid {
+                std::os::unix::fs::chown(&tmp, None, Some(gid.as_raw())).map_err(io_err("set socket group"))?;
+            }
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io_err("set socket mode"))?;
+            std::fs::rename(&tmp, path).map_err(io_err("move socket into place"))?;
+            std::fs::metadata(path).map_err(io_err("stat")).map(|m| m.ino())
+        })();
+        match prepared {
+            Ok(inode) => Ok(Self { listener: Some(listener), path: path.into(), inode }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
         }
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(io_err("set socket mode"))?;
-        Ok(bound)
     }
 
     pub fn path(&self) -> &Path {
