@@ -4,11 +4,17 @@
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-# apt_install CMD:PACKAGE ...: installs PACKAGE when CMD is not on PATH.
+# apt_install WHAT:PACKAGE ...: installs PACKAGE when WHAT (a command, or an
+# absolute path) is missing.
 apt_install() {
-  local missing=() pair
+  local missing=() pair what
   for pair in "$@"; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    what=${pair%%:*}
+    if [[ $what == /* ]]; then
+      [ -e "$what" ] || missing+=("${pair#*:}")
+    else
+      command -v "$what" >/dev/null 2>&1 || missing+=("${pair#*:}")
+    fi
   done
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=()
@@ -64,10 +70,15 @@ start_redis() {
   return 1
 }
 
-# start_daemon BIN: serves on $WORK/ratelimitd.sock against $REDIS_URL; sets SOCK.
+# start_daemon BIN: serves on $WORK/ratelimitd.sock against $REDIS_URL; sets
+# SOCK. As root, the socket's group is www-data, as Debian's nginx workers need.
 start_daemon() {
   SOCK="$WORK/ratelimitd.sock"
-  "$1" serve --listen "$SOCK" --redis "$REDIS_URL" 2>"$WORK/ratelimitd.log" &
+  local conf="$WORK/ratelimitd.toml"
+  printf '[server]\nlisten = "%s"\nsocket_mode = "0660"\n' "$SOCK" >"$conf"
+  [ "$(id -u)" -eq 0 ] && getent group www-data >/dev/null && echo 'socket_group = "www-data"' >>"$conf"
+  chmod a+rx "$WORK"
+  "$1" serve --config "$conf" --redis "$REDIS_URL" 2>"$WORK/ratelimitd.log" &
   PIDS+=($!)
   for _ in $(seq 1 100); do
     [ -S "$SOCK" ] && grep -q "listening" "$WORK/ratelimitd.log" && return 0
@@ -75,5 +86,44 @@ start_daemon() {
   done
   echo "ratelimitd did not start:" >&2
   cat "$WORK/ratelimitd.log" >&2
+  return 1
+}
+
+# The packages of the whole chain: Redis, nginx with the Lua module, curl.
+NGINX_PACKAGES=(nginx:nginx /usr/lib/nginx/modules/ngx_http_lua_module.so:libnginx-mod-http-lua curl:curl)
+REDIS_PACKAGES=(redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools)
+
+# start_nginx ORDER_WINDOW_MS: runs the shipped nginx/ratelimitd.conf and
+# nginx/example.conf against $SOCK, with a stub application behind them; sets
+# NGINX_PORT. Only ports, the socket path and the /order window are changed.
+start_nginx() {
+  local prefix="$WORK/nginx" app_port
+  NGINX_PORT=$(free_port)
+  app_port=$(free_port)
+  mkdir -p "$prefix/logs" "$prefix/lua/resty"
+  cp "$ROOT/lua/resty/ratelimitd.lua" "$prefix/lua/resty/"
+  chmod -R a+rX "$WORK"
+  local user=""
+  [ "$(id -u)" -eq 0 ] && user="user www-data;"
+  {
+    echo "load_module /usr/lib/nginx/modules/ndk_http_module.so;"
+    echo "load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;"
+    echo "$user worker_processes 2; pid $prefix/nginx.pid; error_log $prefix/logs/error.log;"
+    echo "events { worker_connections 1024; }"
+    echo "http { access_log off; lua_package_path \"$prefix/lua/?.lua;;\";"
+    echo "client_body_temp_path $prefix/b; proxy_temp_path $prefix/p; fastcgi_temp_path $prefix/f; uwsgi_temp_path $prefix/u; scgi_temp_path $prefix/s;"
+    sed "s#unix:/run/ratelimitd/ratelimitd.sock#unix:$SOCK#" "$ROOT/nginx/ratelimitd.conf"
+    sed -e "s#listen 8080;#listen 127.0.0.1:$NGINX_PORT;#" -e "s#server 127.0.0.1:9000;#server 127.0.0.1:$app_port;#" \
+        -e "0,/window_ms = 1000,/s//window_ms = $1,/" "$ROOT/nginx/example.conf"
+    echo "server { listen 127.0.0.1:$app_port; location / { return 200 \"ok\\n\"; } } }"
+  } >"$prefix/nginx.conf"
+  nginx -p "$prefix" -c "$prefix/nginx.conf" -e "$prefix/logs/error.log" -g 'daemon off;' &
+  PIDS+=($!)
+  for _ in $(seq 1 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$NGINX_PORT") 2>/dev/null && return 0
+    sleep 0.05
+  done
+  echo "nginx did not start:" >&2
+  cat "$prefix/logs/error.log" >&2
   return 1
 }

@@ -96,25 +96,46 @@ impl Daemon {
     /// Starts `ratelimitd serve` with `[redis] url` set (or no Redis) and
     /// any extra TOML appended to the `[redis]` table.
     pub fn start(redis_url: Option<&str>, redis_extra: &str) -> Self {
+        Self::start_with("socket_mode = \"0600\"", redis_url, redis_extra)
+    }
+
+    /// Like `start`, with extra lines for the `[server]` table.
+    pub fn start_with(server_extra: &str, redis_url: Option<&str>, redis_extra: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
+        // Other users (nginx workers) must be able to reach the socket inside.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let socket = dir.path().join("ratelimitd.sock");
         let config = dir.path().join("ratelimitd.toml");
-        let mut text = format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0600\"\nshutdown_grace_ms = 2000\n", socket.display());
+        let mut text = format!("[server]\nlisten = \"{}\"\nshutdown_grace_ms = 2000\n{server_extra}\n", socket.display());
         if let Some(url) = redis_url {
             text += &format!("[redis]\nurl = \"{url}\"\n{redis_extra}\n");
         }
         std::fs::write(&config, text).unwrap();
-        let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        let child = Self::spawn(&dir, &config);
+        let d = Self { child, dir, socket, config };
+        d.wait_ready();
+        d
+    }
+
+    fn spawn(dir: &TempDir, config: &std::path::Path) -> Child {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.path().join("daemon.log")).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
             .args(["serve", "--config"])
-            .arg(&config)
+            .arg(config)
             .env("RUST_LOG", "ratelimitd=debug")
             .stderr(log)
             .spawn()
-            .unwrap();
-        let d = Self { child, dir, socket, config };
-        wait_until("ratelimitd", Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&d.socket).is_ok());
-        d
+            .unwrap()
+    }
+
+    fn wait_ready(&self) {
+        wait_until("ratelimitd", Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&self.socket).is_ok());
+    }
+
+    /// Starts the daemon again with the same config and socket, after `terminate`.
+    pub fn start_again(&mut self) {
+        self.child = Self::spawn(&self.dir, &self.config);
+        self.wait_ready();
     }
 
     pub async fn client(&self) -> Client {
@@ -179,6 +200,95 @@ impl Setup {
         match self {
             Self::Redis(..) => ratelimitd::protocol::Source::Redis,
             Self::Memory(_) => ratelimitd::protocol::Source::Memory,
+        }
+    }
+}
+
+/// True when the tests run as root, so nginx workers can run as `nobody`.
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// The group unprivileged nginx workers run as (Debian: nogroup).
+pub const WORKER_GROUP: &str = "nogroup";
+
+/// Real nginx with the Lua module, on a free loopback port, in a temp prefix.
+/// As root, its workers run as `nobody:nogroup`.
+pub struct Nginx {
+    child: Option<Child>,
+    pub prefix: TempDir,
+    pub port: u16,
+}
+
+impl Nginx {
+    /// Starts nginx with `http_body` inside `http { }`. The string `{LUA}`
+    /// in it is replaced by the directory holding the shipped Lua client.
+    pub fn start(http_body: &str) -> Self {
+        let prefix = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(prefix.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        // A copy the workers can read wherever the checkout lives.
+        let lua_dir = prefix.path().join("lua");
+        std::fs::create_dir_all(lua_dir.join("resty")).unwrap();
+        std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/resty/ratelimitd.lua"), lua_dir.join("resty/ratelimitd.lua")).unwrap();
+        std::fs::create_dir_all(prefix.path().join("logs")).unwrap();
+        let port = free_port();
+        let user = if is_root() { format!("user nobody {WORKER_GROUP};") } else { String::new() };
+        let conf = format!(
+            "load_module /usr/lib/nginx/modules/ndk_http_module.so;\n\
+             load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;\n\
+             {user}\nworker_processes 2;\npid {p}/nginx.pid;\nerror_log {p}/logs/error.log info;\n\
+             events {{ worker_connections 1024; }}\n\
+             http {{\n access_log off;\n client_body_temp_path {p}/tmp_body;\n proxy_temp_path {p}/tmp_proxy;\n\
+             fastcgi_temp_path {p}/tmp_fastcgi;\n uwsgi_temp_path {p}/tmp_uwsgi;\n scgi_temp_path {p}/tmp_scgi;\n\
+             lua_package_path \"{p}/lua/?.lua;;\";\n{body}\n}}\n",
+            p = prefix.path().display(),
+            body = http_body.replace("{PORT}", &port.to_string()).replace("{LUA}", &lua_dir.display().to_string()),
+        );
+        let conf_path = prefix.path().join("nginx.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        let child = Command::new("nginx")
+            .arg("-p")
+            .arg(prefix.path())
+            .arg("-c")
+            .arg(&conf_path)
+            .arg("-e")
+            .arg(prefix.path().join("logs/error.log"))
+            .args(["-g", "daemon off;"])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nginx must be installed (scripts/test installs it)");
+        let mut n = Self { child: Some(child), prefix, port };
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Some(status) = n.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("nginx exited with {status}: {}", n.error_log());
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "nginx not ready: {}", n.error_log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        n
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn error_log(&self) -> String {
+        std::fs::read_to_string(self.prefix.path().join("logs/error.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SIGQUIT: graceful stop of master and workers.
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGQUIT);
+            let start = Instant::now();
+            while c.try_wait().ok().flatten().is_none() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 }

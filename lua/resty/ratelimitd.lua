@@ -1,0 +1,366 @@
+-- resty.ratelimitd: the OpenResty / ngx_lua client of the ratelimitd daemon.
+--
+-- Speaks the daemon's binary protocol (docs/PROTOCOL.md) over a pooled
+-- cosocket to a Unix socket, applies the location's fail policy when the
+-- daemon is unreachable or slow, and sets the RateLimit headers.
+--
+--   init_by_lua_block    { require("resty.ratelimitd").configure{ socket = "unix:/run/ratelimitd/ratelimitd.sock" } }
+--   access_by_lua_block  { require("resty.ratelimitd").limit{ key = "order:" .. ngx.var.http_x_tenant_id,
+--                                                               limit = 1000, window_ms = 1000, on_error = "closed" } }
+
+local bit = require "bit"
+
+local ngx = ngx
+local ngx_log = ngx.log
+local ngx_now = ngx.now
+local ngx_exit = ngx.exit
+local ngx_header = ngx.header
+local ngx_shared = ngx.shared
+local tcp = ngx.socket.tcp
+local ERR, WARN, INFO = ngx.ERR, ngx.WARN, ngx.INFO
+local band, rshift = bit.band, bit.rshift
+local byte, char, sub, format = string.byte, string.char, string.sub, string.format
+local floor, ceil, max = math.floor, math.ceil, math.max
+local type, error, tostring, pairs, setmetatable = type, error, tostring, pairs, setmetatable
+
+local _M = { _VERSION = "0.1.0" }
+
+local VERSION, OP_CHECK = 1, 1
+local MAX_KEY_LEN = 512
+local RESPONSE_FIXED_LEN = 28
+local MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512
+
+local POLICY = { open = 0, closed = 1, ["local"] = 2 }
+local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error" }
+local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [255] = "none" }
+local ERROR_NAME = {
+    [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
+    [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
+    [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
+    [11] = "INVALID_LOCAL_LIMIT", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR",
+}
+
+-- Settings shared by every call; changed with configure().
+local config = {
+    socket = "unix:/run/ratelimitd/ratelimitd.sock",
+    connect_timeout = 20,     -- ms
+    send_timeout = 20,        -- ms
+    read_timeout = 50,        -- ms; above the daemon's redis.timeout_ms (20), so
+                              -- a slow Redis is answered by the daemon's policy
+    pool_size = 64,           -- idle connections kept per worker
+    keepalive_timeout = 60000, -- ms an idle pooled connection is kept
+    status = 429,             -- status of a denied request
+    fail_closed_status = 503, -- status when the policy is "closed" and no decision could be made
+    headers = true,           -- set RateLimit headers
+    header_style = "ratelimit", -- "ratelimit" | "draft" (RateLimit + RateLimit-Policy) | "x" (X-RateLimit-*)
+    shared_dict = "ratelimitd", -- lua_shared_dict of the local fallback
+    log_interval = 1,         -- s between two fail-policy log lines per worker
+}
+
+local KNOWN_CONFIG = {}
+for k in pairs(config) do
+    KNOWN_CONFIG[k] = true
+end
+
+local HEADER_STYLES = { ratelimit = true, draft = true, x = true }
+
+--- Sets defaults for every later call; call once from init_by_lua*.
+function _M.configure(opts)
+    if type(opts) ~= "table" then
+        error("configure: expects a table", 2)
+    end
+    for k, v in pairs(opts) do
+        if not KNOWN_CONFIG[k] then
+            error("configure: unknown option '" .. tostring(k) .. "'", 2)
+        end
+        if type(v) ~= type(config[k]) then
+            error("configure: option '" .. k .. "' must be a " .. type(config[k]), 2)
+        end
+    end
+    if opts.header_style and not HEADER_STYLES[opts.header_style] then
+        error("configure: header_style must be 'ratelimit', 'draft' or 'x'", 2)
+    end
+    for k, v in pairs(opts) do
+        config[k] = v
+    end
+    if sub(config.socket, 1, 5) ~= "unix:" then
+        config.socket = "unix:" .. config.socket
+    end
+    return true
+end
+
+local function u32(n)
+    return char(band(rshift(n, 24), 255), band(rshift(n, 16), 255), band(rshift(n, 8), 255), band(n, 255))
+end
+
+local function be32(s, at)
+    local a, b, c, d = byte(s, at, at + 3)
+    return ((a * 256 + b) * 256 + c) * 256 + d
+end
+
+local function be16(s, at)
+    local a, b = byte(s, at, at + 1)
+    return a * 256 + b
+end
+
+local function positive_int(v, max_value)
+    return type(v) == "number" and v >= 1 and v <= max_value and floor(v) == v
+end
+
+-- Validates the options of check() and limit(); bad ones are the caller's bug.
+local function check_opts(opts, level)
+    if type(opts) ~= "table" then
+        error("expects a table of options", level)
+    end
+    local key = opts.key
+    if type(key) ~= "string" or key == "" then
+        error("key must be a non-empty string", level)
+    end
+    if not positive_int(opts.limit, 4294967295) then
+        error("limit must be a positive integer", level)
+    end
+    if not positive_int(opts.window_ms, 4294967295) then
+        error("window_ms must be a positive integer", level)
+    end
+    if opts.cost ~= nil and not positive_int(opts.cost, 4294967295) then
+        error("cost must be a positive integer", level)
+    end
+    local on_error = opts.on_error or "closed"
+    if POLICY[on_error] == nil then
+        error("on_error must be 'open', 'closed' or 'local'", level)
+    end
+    if on_error == "local" and not positive_int(opts.local_limit, 4294967295) then
+        error("on_error = 'local' needs a positive integer local_limit", level)
+    end
+    return on_error
+end
+
+local request_id = 0
+
+local function next_id()
+    request_id = request_id + 1
+    if request_id > 4294967295 then
+        request_id = 1
+    end
+    return request_id
+end
+
+-- One request/response exchange. Returns the parsed response, or nil and an
+-- error; the socket is pooled only after a clean exchange.
+local function exchange(opts, on_error)
+    local key = opts.key
+    if #key > MAX_KEY_LEN then
+        return nil, "key longer than " .. MAX_KEY_LEN .. " bytes"
+    end
+    local sock, err = tcp()
+    if not sock then
+        return nil, "socket: " .. tostring(err)
+    end
+    sock:settimeouts(config.connect_timeout, config.send_timeout, config.read_timeout)
+    local ok
+    ok, err = sock:connect(config.socket)
+    if not ok then
+        return nil, "connect: " .. err
+    end
+    local id = next_id()
+    local local_limit = opts.local_limit or 0
+    local bytes
+    bytes, err = sock:send({
+        u32(28 + #key),
+        char(VERSION, OP_CHECK), u32(id),
+        "\0\0", char(POLICY[on_error], 1),
+        u32(opts.limit), u32(opts.window_ms), u32(opts.cost or 1), u32(local_limit),
+        char(band(rshift(#key, 8), 255), band(#key, 255)), key,
+    })
+    if not bytes then
+        sock:close()
+        return nil, "send: " .. err
+    end
+    local head
+    head, err = sock:receive(4)
+    if not head then
+        sock:close()
+        return nil, "receive: " .. err
+    end
+    local len = be32(head, 1)
+    if len < RESPONSE_FIXED_LEN or len > MAX_RESPONSE_LEN then
+        sock:close()
+        return nil, "bad response length " .. len
+    end
+    local body
+    body, err = sock:receive(len)
+    if not body then
+        sock:close()
+        return nil, "receive: " .. err
+    end
+    if byte(body, 1) ~= VERSION or be32(body, 3) ~= id then
+        sock:close()
+        return nil, "response out of sync"
+    end
+    local code = be16(body, 25)
+    local res = {
+        decision = DECISION[byte(body, 7)] or "error",
+        source = SOURCE[byte(body, 8)] or "none",
+        count = be32(body, 9),
+        remaining = be32(body, 13),
+        retry_after_ms = be32(body, 17),
+        reset_ms = be32(body, 21),
+        error_code = code,
+        error = ERROR_NAME[code] or tostring(code),
+        message = sub(body, RESPONSE_FIXED_LEN + 1, RESPONSE_FIXED_LEN + be16(body, 27)),
+        limit = opts.limit,
+    }
+    res.allowed = res.decision == "allowed"
+    if code >= 20 and code < 30 then
+        sock:close()
+    else
+        sock:setkeepalive(config.keepalive_timeout, config.pool_size)
+    end
+    return res
+end
+
+--- Asks the daemon. Returns a table { allowed, decision, source, count,
+-- remaining, retry_after_ms, reset_ms, limit, error_code, error, message },
+-- or nil and a string when the daemon could not be reached or answered badly.
+function _M.check(opts)
+    local on_error = check_opts(opts, 3)
+    return exchange(opts, on_error)
+end
+
+-- Rate-limited per worker and per kind of failure, so an outage gives one
+-- line per interval for each of fail_open, fail_closed, ... and a fail-open
+-- is never hidden behind a fail-closed.
+local last_log, suppressed = {}, {}
+
+local function log_failure(what, opts, reason)
+    local now = ngx_now()
+    if now - (last_log[what] or 0) < config.log_interval then
+        suppressed[what] = (suppressed[what] or 0) + 1
+        return
+    end
+    last_log[what] = now
+    ngx_log(WARN, "ratelimitd: ", what, " key=", opts.key, " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
+    suppressed[what] = 0
+end
+
+-- The fallback when the daemon gives no decision: an approximate sliding
+-- window per host (the previous fixed window weighted by its overlap, plus
+-- the current one) in a lua_shared_dict shared by all workers.
+local function local_decision(opts)
+    local dict = ngx_shared[config.shared_dict]
+    if not dict then
+        return nil, "lua_shared_dict '" .. config.shared_dict .. "' is not defined"
+    end
+    local window = opts.window_ms
+    local limit = opts.local_limit
+    local cost = opts.cost or 1
+    local now = ngx_now() * 1000
+    local start = floor(now / window) * window
+    local cur_key = format("%s|%d|%d", opts.key, window, start)
+    local prev = dict:get(format("%s|%d|%d", opts.key, window, start - window)) or 0
+    local cur = dict:get(cur_key) or 0
+    local estimate = floor(prev * (window - (now - start)) / window) + cur
+    local reset_ms = ceil(start + window - now)
+    if estimate + cost > limit then
+        return { allowed = false, decision = "denied", source = "lua_local", count = estimate,
+                 remaining = max(limit - estimate, 0), retry_after_ms = reset_ms, reset_ms = reset_ms, limit = limit }
+    end
+    local _, err = dict:incr(cur_key, cost, 0, 2 * window / 1000)
+    if err then
+        return nil, "shared dict: " .. err
+    end
+    return { allowed = true, decision = "allowed", source = "lua_local", count = estimate + cost,
+             remaining = limit - estimate - cost, retry_after_ms = 0, reset_ms = reset_ms, limit = limit }
+end
+
+-- What the location's policy decides when the daemon gave no decision.
+local function fallback(opts, on_error, reason)
+    if on_error == "open" then
+        log_failure("fail_open", opts, reason)
+        return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = opts.limit }
+    end
+    if on_error == "local" then
+        local res, err = local_decision(opts)
+        if res then
+            log_failure("local_fallback", opts, reason)
+            return res
+        end
+        reason = reason .. "; local fallback: " .. err
+    end
+    log_failure("fail_closed", opts, reason)
+    return { allowed = false, decision = "denied", source = "lua_fail_closed", limit = opts.limit,
+             retry_after_ms = 1000 }
+end
+
+-- Sources whose numbers come from a real count; after a fail-open or
+-- fail-closed nothing was counted, so no quota is promised.
+local COUNTED = { redis = true, memory = true, ["local"] = true, lua_local = true }
+
+local function set_headers(res, style)
+    if not COUNTED[res.source] then
+        return
+    end
+    local remaining = res.remaining
+    local reset = ceil((res.reset_ms or 0) / 1000)
+    if style == "draft" then
+        ngx_header["RateLimit-Policy"] = format('"default";q=%d;w=%d', res.limit, ceil(res.window_ms / 1000))
+        ngx_header["RateLimit"] = format('"default";r=%d;t=%d', remaining, reset)
+    elseif style == "x" then
+        ngx_header["X-RateLimit-Limit"] = res.limit
+        ngx_header["X-RateLimit-Remaining"] = remaining
+        ngx_header["X-RateLimit-Reset"] = reset
+    else
+        ngx_header["RateLimit-Limit"] = res.limit
+        ngx_header["RateLimit-Remaining"] = remaining
+        ngx_header["RateLimit-Reset"] = reset
+    end
+end
+
+--- For access_by_lua*: lets the request through, or ends it with `status`
+-- (429 by default; 503 when the policy is closed and nothing could decide).
+-- Options: key, limit, window_ms, cost, on_error, local_limit, status,
+-- fail_closed_status, headers, header_style, dry_run.
+-- Returns the decision table (after a pass, or in dry run).
+function _M.limit(opts)
+    local on_error = check_opts(opts, 3)
+    local res, err = exchange(opts, on_error)
+    if not res then
+        res = fallback(opts, on_error, err)
+    elseif res.decision == "error" then
+        -- The daemon refused the request itself (e.g. a key from a header
+        -- that is too long): a bug to log, decided by the policy.
+        res = fallback(opts, on_error, res.error .. ": " .. res.message)
+    elseif res.source == "fail_open" or res.source == "fail_closed" or res.source == "local" then
+        -- Redis failed behind the daemon, which applied this location's policy.
+        log_failure("daemon_" .. res.source, opts, res.error .. ": " .. res.message)
+        if res.source == "local" then
+            res.limit = opts.local_limit
+        end
+    end
+    res.window_ms = opts.window_ms
+    local headers = opts.headers
+    if headers == nil then
+        headers = config.headers
+    end
+    if headers then
+        set_headers(res, opts.header_style or config.header_style)
+    end
+    if res.allowed then
+        return res
+    end
+    if opts.dry_run then
+        ngx_log(INFO, "ratelimitd: dry_run would deny key=", opts.key, " source=", res.source)
+        return res
+    end
+    local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
+    if headers or closed then
+        ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
+    end
+    if closed then
+        return ngx_exit(opts.fail_closed_status or config.fail_closed_status)
+    end
+    return ngx_exit(opts.status or config.status)
+end
+
+return _M

@@ -1,0 +1,247 @@
+//! The whole chain with real processes: HTTP -> nginx (Lua module, workers
+//! as an unprivileged user when run as root) -> ratelimitd -> redis-server.
+//! nginx runs the shipped `nginx/ratelimitd.conf` and `nginx/example.conf`,
+//! with only ports, the socket path and (where a test says so) a window changed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+
+const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+const EXAMPLE: &str = include_str!("../nginx/example.conf");
+
+/// Locations used only by the tests, added to the example's server.
+const TEST_LOCATIONS: &str = r#"
+    location /slide {
+        access_by_lua_block {
+            require("resty.ratelimitd").limit{ key = "slide", limit = 3, window_ms = 300 }
+        }
+        proxy_pass http://app;
+    }
+    location /dry {
+        access_by_lua_block {
+            require("resty.ratelimitd").limit{ key = "dry", limit = 1, window_ms = 60000, dry_run = true }
+        }
+        proxy_pass http://app;
+    }
+    location /draft {
+        access_by_lua_block {
+            require("resty.ratelimitd").limit{ key = "draft", limit = 5, window_ms = 10000, header_style = "draft" }
+        }
+        proxy_pass http://app;
+    }
+    location /xhdr {
+        access_by_lua_block {
+            require("resty.ratelimitd").limit{ key = "xhdr", limit = 5, window_ms = 10000, header_style = "x" }
+        }
+        proxy_pass http://app;
+    }
+"#;
+
+fn replace_once(text: &str, from: &str, to: &str) -> String {
+    assert!(text.contains(from), "the shipped config no longer contains {from:?}");
+    text.replacen(from, to, 1)
+}
+
+/// The `http {}` body: the shipped snippet and example, pointed at `socket`,
+/// plus the application the example proxies to.
+fn gateway_config(socket: &std::path::Path, order_window_ms: u32) -> String {
+    let app_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let snippet = replace_once(SNIPPET, "unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()));
+    // Loaded CI machines stall processes for tens of ms: these tests are about
+    // decisions, so the Lua side waits as long as the daemon may take.
+    let snippet = replace_once(&snippet, "read_timeout = 50,", "read_timeout = 1000,");
+    let mut example = replace_once(EXAMPLE, "listen 8080;", &format!("listen 127.0.0.1:{{PORT}};\n{TEST_LOCATIONS}"));
+    example = replace_once(&example, "server 127.0.0.1:9000;", &format!("server 127.0.0.1:{app_port};"));
+    example = replace_once(&example, "window_ms = 1000,", &format!("window_ms = {order_window_ms},"));
+    format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{app_port}; location / {{ return 200 \"ok\\n\"; }} }}\n")
+}
+
+/// A daemon whose socket nginx's unprivileged workers can reach.
+fn daemon(redis: &RedisServer) -> Daemon {
+    daemon_with_timeout(redis, 500)
+}
+
+/// The Redis deadline stays under the Lua read timeout, so that the daemon's
+/// answer, not the Lua timeout, decides when Redis is slow.
+fn daemon_with_timeout(redis: &RedisServer, timeout_ms: u32) -> Daemon {
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    Daemon::start_with(&server, Some(&redis.url()), &format!("timeout_ms = {timeout_ms}"))
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+}
+
+struct Reply {
+    status: u16,
+    headers: ureq::http::HeaderMap,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+    fn num(&self, name: &str) -> u64 {
+        self.header(name).unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers)).parse().unwrap()
+    }
+}
+
+fn get(agent: &ureq::Agent, url: &str, tenant: &str) -> Reply {
+    let mut r = agent.get(url).header("X-Tenant-Id", tenant).call().unwrap();
+    let _ = r.body_mut().read_to_string();
+    Reply { status: r.status().as_u16(), headers: r.headers().clone() }
+}
+
+fn assert_no_errors(nginx: &Nginx) {
+    let log = nginx.error_log();
+    assert!(!log.contains("[error]") && !log.contains("[alert]") && !log.contains("[crit]"), "nginx error log:\n{log}");
+}
+
+#[test]
+fn seed_scenario_through_nginx() {
+    let redis = RedisServer::start();
+    let d = daemon(&redis);
+    let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
+    let a = agent();
+    let replies: Vec<Reply> = (0..1005).map(|_| get(&a, &nginx.url("/order"), "tenant-1001")).collect();
+    assert_eq!(replies.iter().filter(|r| r.status == 200).count(), 1000);
+    assert_eq!(replies.iter().filter(|r| r.status == 429).count(), 5);
+    for (i, r) in replies[..1000].iter().enumerate() {
+        assert_eq!(r.status, 200);
+        assert_eq!((r.num("RateLimit-Limit"), r.num("RateLimit-Remaining")), (1000, 999 - i as u64));
+        assert_eq!(r.num("RateLimit-Reset"), 60);
+    }
+    for r in &replies[1000..] {
+        assert_eq!((r.status, r.num("RateLimit-Remaining")), (429, 0));
+        let retry = r.num("Retry-After");
+        assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    }
+    // Another tenant is unaffected.
+    let other = get(&a, &nginx.url("/order"), "tenant-1002");
+    assert_eq!((other.status, other.num("RateLimit-Remaining")), (200, 999));
+    // No tenant header: the example refuses before limiting.
+    assert_eq!(get(&a, &nginx.url("/order"), "").status, 400);
+    assert_no_errors(&nginx);
+}
+
+#[test]
+fn window_slides_dry_run_and_header_styles() {
+    let redis = RedisServer::start();
+    let d = daemon(&redis);
+    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let a = agent();
+    let statuses: Vec<u16> = (0..4).map(|_| get(&a, &nginx.url("/slide"), "t").status).collect();
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    std::thread::sleep(Duration::from_millis(320));
+    assert_eq!(get(&a, &nginx.url("/slide"), "t").status, 200, "the window slid");
+
+    // Dry run: decided and reported, never blocked.
+    let dry: Vec<Reply> = (0..3).map(|_| get(&a, &nginx.url("/dry"), "t")).collect();
+    assert!(dry.iter().all(|r| r.status == 200));
+    assert_eq!(dry[2].num("RateLimit-Remaining"), 0);
+
+    let draft = get(&a, &nginx.url("/draft"), "t");
+    assert_eq!(draft.header("RateLimit-Policy"), Some("\"default\";q=5;w=10"));
+    assert_eq!(draft.header("RateLimit"), Some("\"default\";r=4;t=10"));
+    assert!(draft.header("RateLimit-Limit").is_none());
+    let x = get(&a, &nginx.url("/xhdr"), "t");
+    assert_eq!((x.num("X-RateLimit-Limit"), x.num("X-RateLimit-Remaining"), x.num("X-RateLimit-Reset")), (5, 4, 10));
+    assert_no_errors(&nginx);
+}
+
+/// Two gateways, each with its own daemon, on one Redis: one global limit.
+#[test]
+fn two_gateways_hold_one_global_limit() {
+    let redis = RedisServer::start();
+    let (d1, d2) = (daemon(&redis), daemon(&redis));
+    let (n1, n2) = (Nginx::start(&gateway_config(&d1.socket, 60_000)), Nginx::start(&gateway_config(&d2.socket, 60_000)));
+    let urls = [n1.url("/order"), n2.url("/order")];
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let url = urls[t % 2].clone();
+            std::thread::spawn(move || {
+                let a = agent();
+                (0..160).filter(|_| get(&a, &url, "global").status == 200).count()
+            })
+        })
+        .collect();
+    let allowed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(allowed, 1000, "1280 requests through two gateways");
+    assert_no_errors(&n1);
+    assert_no_errors(&n2);
+}
+
+/// The daemon stopped: each location follows its own policy on the Lua side;
+/// started again: limiting resumes without an nginx reload.
+#[test]
+fn daemon_down_each_location_follows_its_policy() {
+    let redis = RedisServer::start();
+    let mut d = daemon(&redis);
+    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let a = agent();
+    assert_eq!(get(&a, &nginx.url("/order"), "t1").num("RateLimit-Remaining"), 999);
+    assert!(d.terminate().success());
+
+    let order = get(&a, &nginx.url("/order"), "t1");
+    assert_eq!(order.status, 503, "closed");
+    assert!(order.header("Retry-After").is_some());
+    assert!(order.header("RateLimit-Remaining").is_none(), "nothing was counted");
+    assert_eq!(get(&a, &nginx.url("/search"), "t1").status, 200, "open");
+    let pay: Vec<u16> = (0..15).map(|_| get(&a, &nginx.url("/pay"), "t1").status).collect();
+    let ok = pay.iter().filter(|&&s| s == 200).count();
+    // The Lua fallback is an approximate sliding window: 10 per window, one
+    // more at most if the burst straddles a window boundary.
+    assert!((10..=11).contains(&ok) && pay.iter().all(|&s| s == 200 || s == 429), "{pay:?}");
+    let log = nginx.error_log();
+    assert!(log.contains("ratelimitd: fail_closed key=order:t1"), "{log}");
+    assert!(log.contains("ratelimitd: fail_open key=search:"), "{log}");
+
+    d.start_again();
+    let back = get(&a, &nginx.url("/order"), "t1");
+    assert_eq!(back.status, 200);
+    assert!(back.num("RateLimit-Remaining") < 999, "counting resumed in Redis");
+}
+
+/// Redis stopped: the daemon applies the policy each location sent.
+#[test]
+fn redis_down_daemon_applies_each_policy() {
+    let mut redis = RedisServer::start();
+    // Redis down costs each request up to the daemon's deadline: keep it short
+    // so the 12 requests below fit in one 1 s window.
+    let d = daemon_with_timeout(&redis, 20);
+    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let a = agent();
+    assert_eq!(get(&a, &nginx.url("/pay"), "t1").status, 200);
+    redis.kill();
+    assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 503);
+    assert_eq!(get(&a, &nginx.url("/search"), "t1").status, 200);
+    // The daemon's local fallback is exact: 10 per window on this host.
+    let pay: Vec<Reply> = (0..12).map(|_| get(&a, &nginx.url("/pay"), "t2")).collect();
+    let statuses: Vec<u16> = pay.iter().map(|r| r.status).collect();
+    assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 10, "{statuses:?}");
+    assert_eq!(pay[0].num("RateLimit-Limit"), 10, "headers show the local quota");
+    let log = nginx.error_log();
+    assert!(log.contains("ratelimitd: daemon_fail_closed key=order:t1"), "{log}");
+}
+
+/// The socket's mode and group decide whether unprivileged workers get in.
+#[test]
+fn socket_permissions_gate_unprivileged_workers() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run nginx workers as another user");
+        return;
+    }
+    let redis = RedisServer::start();
+    let d = Daemon::start_with("socket_mode = \"0600\"", Some(&redis.url()), "timeout_ms = 500");
+    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let a = agent();
+    assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 503, "workers cannot connect: fail closed");
+    let log = nginx.error_log();
+    assert!(log.contains("Permission denied") || log.contains("permission denied"), "{log}");
+}
