@@ -35,7 +35,8 @@ need_cargo() {
 free_port() {
   local p
   for _ in $(seq 1 200); do
-    p=$((20000 + RANDOM % 30000))
+    # Below the usual ephemeral range (32768-60999), which load runs fill.
+    p=$((20000 + RANDOM % 12000))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
       echo "$p"
       return 0
@@ -93,9 +94,10 @@ start_daemon() {
 NGINX_PACKAGES=(nginx:nginx /usr/lib/nginx/modules/ngx_http_lua_module.so:libnginx-mod-http-lua curl:curl)
 REDIS_PACKAGES=(redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools)
 
-# start_nginx ORDER_WINDOW_MS: runs the shipped nginx/ratelimitd.conf and
-# nginx/example.conf against $SOCK, with a stub application behind them; sets
-# NGINX_PORT. Only ports, the socket path and the /order window are changed.
+# start_nginx ORDER_WINDOW_MS [EXTRA]: runs the shipped nginx/ratelimitd.conf
+# and nginx/example.conf against $SOCK, with a stub application behind them;
+# sets NGINX_PORT. Only ports, the socket path and the /order window are
+# changed; EXTRA (more locations) is added to the example's server.
 start_nginx() {
   local prefix="$WORK/nginx" app_port
   NGINX_PORT=$(free_port)
@@ -113,7 +115,9 @@ start_nginx() {
     echo "http { access_log off; lua_package_path \"$prefix/lua/?.lua;;\";"
     echo "client_body_temp_path $prefix/b; proxy_temp_path $prefix/p; fastcgi_temp_path $prefix/f; uwsgi_temp_path $prefix/u; scgi_temp_path $prefix/s;"
     sed "s#unix:/run/ratelimitd/ratelimitd.sock#unix:$SOCK#" "$ROOT/nginx/ratelimitd.conf"
-    sed -e "s#listen 8080;#listen 127.0.0.1:$NGINX_PORT;#" -e "s#server 127.0.0.1:9000;#server 127.0.0.1:$app_port;#" \
+    local extra=${2:-}
+    extra=${extra//$'\n'/ }
+    sed -e "s#listen 8080;#listen 127.0.0.1:$NGINX_PORT; $extra#" -e "s#server 127.0.0.1:9000;#server 127.0.0.1:$app_port;#" \
         -e "0,/window_ms = 1000,/s//window_ms = $1,/" "$ROOT/nginx/example.conf"
     echo "server { listen 127.0.0.1:$app_port; location / { return 200 \"ok\\n\"; } } }"
   } >"$prefix/nginx.conf"
