@@ -245,3 +245,25 @@ fn socket_permissions_gate_unprivileged_workers() {
     let log = nginx.error_log();
     assert!(log.contains("Permission denied") || log.contains("permission denied"), "{log}");
 }
+
+/// A daemon restart between two requests: pooled connections to the old
+/// daemon are dead, and the client resends on a fresh one, so no request
+/// falls to the fail policy.
+#[test]
+fn daemon_restart_between_requests_fails_no_request() {
+    let redis = RedisServer::start();
+    let mut d = daemon(&redis);
+    let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
+    let a = agent();
+    // Fill both workers' pools.
+    for _ in 0..20 {
+        assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 200);
+    }
+    assert!(d.terminate().success());
+    d.start_again();
+    let replies: Vec<Reply> = (0..20).map(|_| get(&a, &nginx.url("/order"), "t1")).collect();
+    for (i, r) in replies.iter().enumerate() {
+        assert_eq!(r.status, 200, "request {i} after the restart: {}", nginx.error_log());
+        assert_eq!(r.num("RateLimit-Remaining"), 1000 - 21 - i as u64);
+    }
+}

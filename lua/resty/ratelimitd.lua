@@ -146,57 +146,80 @@ local function next_id()
     return request_id
 end
 
--- One request/response exchange. Returns the parsed response, or nil and an
--- error; the socket is pooled only after a clean exchange.
-local function exchange(opts, on_error)
-    local key = opts.key
-    if #key > MAX_KEY_LEN then
-        return nil, "key longer than " .. MAX_KEY_LEN .. " bytes"
-    end
-    local sock, err = tcp()
-    if not sock then
-        return nil, "socket: " .. tostring(err)
-    end
-    sock:settimeouts(config.connect_timeout, config.send_timeout, config.read_timeout)
-    local ok
-    ok, err = sock:connect(config.socket)
-    if not ok then
-        return nil, "connect: " .. err
-    end
-    local id = next_id()
-    local local_limit = opts.local_limit or 0
-    local bytes
-    bytes, err = sock:send({
-        u32(28 + #key),
-        char(VERSION, OP_CHECK), u32(id),
-        "\0\0", char(POLICY[on_error], 1),
-        u32(opts.limit), u32(opts.window_ms), u32(opts.cost or 1), u32(local_limit),
-        char(band(rshift(#key, 8), 255), band(#key, 255)), key,
-    })
+-- Sends one frame and reads its response body on a connected socket.
+-- Returns the body, or nil and an error.
+local function roundtrip(sock, frame, id)
+    local bytes, err = sock:send(frame)
     if not bytes then
-        sock:close()
         return nil, "send: " .. err
     end
     local head
     head, err = sock:receive(4)
     if not head then
-        sock:close()
         return nil, "receive: " .. err
     end
     local len = be32(head, 1)
     if len < RESPONSE_FIXED_LEN or len > MAX_RESPONSE_LEN then
-        sock:close()
         return nil, "bad response length " .. len
     end
     local body
     body, err = sock:receive(len)
     if not body then
-        sock:close()
         return nil, "receive: " .. err
     end
     if byte(body, 1) ~= VERSION or be32(body, 3) ~= id then
-        sock:close()
         return nil, "response out of sync"
+    end
+    return body
+end
+
+-- Errors that mean the daemon had closed the connection before it read the
+-- request: safe to send again on a new connection.
+local CLOSED_BEFORE_READ = {
+    ["send: closed"] = true, ["send: broken pipe"] = true,
+    ["receive: closed"] = true, ["receive: connection reset by peer"] = true,
+}
+
+-- One request/response exchange. Returns the parsed response, or nil and an
+-- error; a socket is pooled only after a clean exchange, never after an error
+-- or a timeout.
+local function exchange(opts, on_error)
+    local key = opts.key
+    if #key > MAX_KEY_LEN then
+        return nil, "key longer than " .. MAX_KEY_LEN .. " bytes"
+    end
+    local id = next_id()
+    local frame = {
+        u32(28 + #key),
+        char(VERSION, OP_CHECK), u32(id),
+        "\0\0", char(POLICY[on_error], 1),
+        u32(opts.limit), u32(opts.window_ms), u32(opts.cost or 1), u32(opts.local_limit or 0),
+        char(band(rshift(#key, 8), 255), band(#key, 255)), key,
+    }
+    local sock, body, err
+    for attempt = 1, 2 do
+        sock, err = tcp()
+        if not sock then
+            return nil, "socket: " .. tostring(err)
+        end
+        sock:settimeouts(config.connect_timeout, config.send_timeout, config.read_timeout)
+        local ok
+        ok, err = sock:connect(config.socket)
+        if not ok then
+            return nil, "connect: " .. err
+        end
+        local reused = (sock:getreusedtimes() or 0) > 0
+        body, err = roundtrip(sock, frame, id)
+        if body then
+            break
+        end
+        sock:close()
+        -- A pooled connection that the daemon closed while it sat idle (a
+        -- daemon restart) fails at once; the request was never read, so it
+        -- is sent once more on a fresh connection. Timeouts are not retried.
+        if attempt == 2 or not reused or not CLOSED_BEFORE_READ[err] then
+            return nil, err
+        end
     end
     local code = be16(body, 25)
     local res = {
