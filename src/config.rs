@@ -81,27 +81,121 @@ pub enum ClockSource {
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
-    /// `redis://[user:password@]host:port/db` or `redis+unix:///path/to/redis.sock`.
-    pub url: String,
+    /// `redis://[user[:password]@]host:port/db`, `rediss://...` (TLS) or
+    /// `redis+unix:///path/to/redis.sock`. Unset: `redis://127.0.0.1:6379/0`,
+    /// or the master named by `[redis.sentinel]`.
+    pub url: Option<String>,
+    /// ACL user; overrides the URL's.
+    pub username: Option<String>,
+    /// File holding the password (one line); overrides the URL's.
+    pub password_file: Option<PathBuf>,
+    /// Environment variable holding the password; overrides the URL's.
+    pub password_env: Option<String>,
+    /// PEM file of the CA that signed the server's certificate (`rediss://`).
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate for mutual TLS; needs `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
     /// Deadline of one decision in Redis, in ms; past it the fail policy decides.
     pub timeout_ms: u64,
     /// Deadline of establishing a connection, in ms.
     pub connect_timeout_ms: u64,
+    /// Consecutive timeouts that open the circuit breaker.
+    pub breaker_failures: u32,
     /// Prepended to every key; keys cannot reach outside it.
     pub key_prefix: String,
     /// Which clock timestamps admissions.
     pub clock: ClockSource,
+    /// Find the master through Redis Sentinel instead of a fixed URL.
+    pub sentinel: Option<SentinelConfig>,
 }
+
+/// The default Redis URL.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379/0";
 
 impl Default for RedisConfig {
     fn default() -> Self {
         Self {
-            url: "redis://127.0.0.1:6379/0".into(),
+            url: None,
+            username: None,
+            password_file: None,
+            password_env: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             timeout_ms: 20,
             connect_timeout_ms: 250,
+            breaker_failures: 5,
             key_prefix: "ratelimitd:".into(),
             clock: ClockSource::Redis,
+            sentinel: None,
         }
+    }
+}
+
+impl RedisConfig {
+    /// The URL to connect to (direct mode).
+    pub fn url(&self) -> &str {
+        self.url.as_deref().unwrap_or(DEFAULT_REDIS_URL)
+    }
+
+    /// The password from `password_file` or `password_env`, if set.
+    pub fn password(&self) -> Result<Option<String>, String> {
+        read_secret(self.password_file.as_deref(), self.password_env.as_deref())
+    }
+
+    /// Where the link points, without credentials.
+    pub fn describe(&self) -> String {
+        match &self.sentinel {
+            Some(s) => format!("master '{}' via sentinels {}", s.master_name, s.addresses.join(",")),
+            None => redacted_url(self.url()),
+        }
+    }
+}
+
+/// `[redis.sentinel]`: the sentinels that know the master.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// The master's name in the sentinels' configuration.
+    pub master_name: String,
+    /// Sentinel addresses, "host:port".
+    pub addresses: Vec<String>,
+    /// ACL user for the sentinels (not the master).
+    #[serde(default)]
+    pub username: Option<String>,
+    /// File holding the sentinels' password.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// Environment variable holding the sentinels' password.
+    #[serde(default)]
+    pub password_env: Option<String>,
+}
+
+impl SentinelConfig {
+    pub fn password(&self) -> Result<Option<String>, String> {
+        read_secret(self.password_file.as_deref(), self.password_env.as_deref())
+    }
+}
+
+/// A secret from a file (first line) or an environment variable, never both.
+fn read_secret(file: Option<&Path>, env: Option<&str>) -> Result<Option<String>, String> {
+    match (file, env) {
+        (Some(_), Some(_)) => Err("set password_file or password_env, not both".into()),
+        (Some(path), None) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let line = text.lines().next().unwrap_or("").to_string();
+            if line.is_empty() {
+                return Err(format!("{} is empty", path.display()));
+            }
+            Ok(Some(line))
+        }
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(v) if !v.is_empty() => Ok(Some(v)),
+            _ => Err(format!("environment variable {var} is not set")),
+        },
+        (None, None) => Ok(None),
     }
 }
 
@@ -180,8 +274,48 @@ impl Config {
             return bad("server.max_in_flight_per_connection", "must be at least 1".into());
         }
         if let Some(r) = &self.redis {
-            if let Err(e) = redis::Client::open(r.url.as_str()) {
-                return bad("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(&r.url)));
+            if let Err(e) = redis::Client::open(r.url()) {
+                return bad("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(r.url())));
+            }
+            if let Err(m) = r.password() {
+                return bad("redis.password_file", m);
+            }
+            let tls = r.url().starts_with("rediss://");
+            for (field, path) in [("redis.tls_ca_file", &r.tls_ca_file), ("redis.tls_cert_file", &r.tls_cert_file), ("redis.tls_key_file", &r.tls_key_file)] {
+                if let Some(path) = path {
+                    if !tls {
+                        return bad(field, "needs a rediss:// url".into());
+                    }
+                    if let Err(e) = std::fs::metadata(path) {
+                        return bad(field, format!("{}: {e}", path.display()));
+                    }
+                }
+            }
+            if r.tls_cert_file.is_some() != r.tls_key_file.is_some() {
+                return bad("redis.tls_key_file", "tls_cert_file and tls_key_file go together".into());
+            }
+            if r.breaker_failures == 0 || r.breaker_failures > 1000 {
+                return bad("redis.breaker_failures", format!("{} is outside 1..=1000", r.breaker_failures));
+            }
+            if let Some(s) = &r.sentinel {
+                if r.url.is_some() {
+                    return bad("redis.url", "leave it unset with [redis.sentinel]: the sentinels name the master".into());
+                }
+                if s.master_name.is_empty() {
+                    return bad("redis.sentinel.master_name", "must not be empty".into());
+                }
+                if s.addresses.is_empty() {
+                    return bad("redis.sentinel.addresses", "needs at least one \"host:port\"".into());
+                }
+                for a in &s.addresses {
+                    let port = a.rsplit_once(':').and_then(|(h, p)| (!h.is_empty()).then(|| p.parse::<u16>().ok()).flatten());
+                    if port.is_none() {
+                        return bad("redis.sentinel.addresses", format!("'{a}' is not \"host:port\""));
+                    }
+                }
+                if let Err(m) = s.password() {
+                    return bad("redis.sentinel.password_file", m);
+                }
             }
             if r.timeout_ms == 0 || r.timeout_ms > 10_000 {
                 return bad("redis.timeout_ms", format!("{} is outside 1..=10000", r.timeout_ms));
@@ -285,6 +419,31 @@ mod tests {
         assert_eq!(c, Config::default());
         assert!(c.redis.is_none());
         assert_eq!(c.socket_mode().unwrap(), 0o660);
+    }
+
+    #[test]
+    fn secrets_come_from_a_file_or_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pw");
+        std::fs::write(&f, "s3cret\n").unwrap();
+        let c = parse(&format!("[redis]\npassword_file = \"{}\"\n", f.display())).unwrap();
+        assert_eq!(c.redis.unwrap().password().unwrap().as_deref(), Some("s3cret"));
+        let e = parse("[redis]\npassword_env = \"RATELIMITD_TEST_UNSET_VAR\"\n").unwrap_err().to_string();
+        assert!(e.contains("RATELIMITD_TEST_UNSET_VAR is not set"), "{e}");
+        let e = parse(&format!("[redis]\npassword_file = \"{}\"\npassword_env = \"X\"\n", f.display())).unwrap_err().to_string();
+        assert!(e.contains("not both"), "{e}");
+    }
+
+    #[test]
+    fn sentinel_and_tls_settings_are_checked() {
+        let ok = parse("[redis.sentinel]\nmaster_name = \"mymaster\"\naddresses = [\"127.0.0.1:26379\"]\n").unwrap();
+        assert_eq!(ok.redis.unwrap().sentinel.unwrap().master_name, "mymaster");
+        let e = parse("[redis]\nurl = \"redis://h\"\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.url"), "{e}");
+        let e = parse("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.sentinel.addresses"), "{e}");
+        let e = parse("[redis]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
+        assert!(e.contains("needs a rediss:// url"), "{e}");
     }
 
     #[test]

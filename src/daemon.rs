@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{redacted_url, Config};
+use crate::config::Config;
 use crate::limiter::{Backend, Limiter};
 use crate::redis_window::RedisWindow;
 use crate::server::{self, ServerSettings};
@@ -17,8 +17,8 @@ use crate::socket::{BoundSocket, SocketError};
 pub enum DaemonError {
     #[error(transparent)]
     Socket(#[from] SocketError),
-    #[error("redis.url: {0}")]
-    Redis(#[from] redis::RedisError),
+    #[error(transparent)]
+    Redis(#[from] crate::redis_link::ConnectorError),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
 }
@@ -36,9 +36,9 @@ pub async fn serve(cfg: Config) -> Result<(), DaemonError> {
         Some(r) => {
             let redis = RedisWindow::start(r, background.clone())?;
             if redis.wait_ready(READY_WAIT).await {
-                tracing::info!(url = %redacted_url(&r.url), sha = redis.script_sha(), timeout_ms = r.timeout_ms, clock = ?r.clock, "redis backend ready");
+                tracing::info!(redis = %r.describe(), sha = redis.script_sha(), timeout_ms = r.timeout_ms, clock = ?r.clock, "redis backend ready");
             } else {
-                tracing::warn!(url = %redacted_url(&r.url), "redis not reachable yet; serving with each request's fail policy until it is");
+                tracing::warn!(redis = %r.describe(), "redis not reachable yet; serving with each request's fail policy until it is");
             }
             Backend::Redis(redis)
         }

@@ -11,12 +11,15 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod breaker;
 pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod limiter;
 pub mod memory;
 pub mod protocol;
+pub mod redis_link;
 pub mod redis_window;
+pub mod sentinel;
 pub mod server;
 pub mod socket;

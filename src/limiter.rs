@@ -41,6 +41,8 @@ pub enum BackendError {
     Unavailable(String),
     #[error("redis error: {0}")]
     Redis(String),
+    #[error("circuit open: redis is down or too slow; waiting for a probe to succeed")]
+    CircuitOpen,
 }
 
 impl BackendError {
@@ -49,6 +51,7 @@ impl BackendError {
             Self::Timeout(_) => ErrorCode::RedisTimeout,
             Self::Unavailable(_) => ErrorCode::RedisUnavailable,
             Self::Redis(_) => ErrorCode::RedisError,
+            Self::CircuitOpen => ErrorCode::CircuitOpen,
         }
     }
 }

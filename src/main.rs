@@ -107,7 +107,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.server.listen = listen;
             }
             if let Some(url) = redis {
-                cfg.redis.get_or_insert_with(RedisConfig::default).url = url;
+                cfg.redis.get_or_insert_with(RedisConfig::default).url = Some(url);
             }
             let origin = match config {
                 Some(path) => PathBuf::from(format!("{} (with command-line overrides)", path.display())),
@@ -121,7 +121,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig { config } => {
             let cfg = Config::load(&config)?;
             let backend = match &cfg.redis {
-                Some(r) => format!("redis at {}", ratelimitd::config::redacted_url(&r.url)),
+                Some(r) => format!("redis: {}", r.describe()),
                 None => "in-memory (per host)".into(),
             };
             println!("{}: ok (socket {}, backend {backend})", config.display(), cfg.server.listen.display());

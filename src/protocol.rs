@@ -179,6 +179,7 @@ pub enum ErrorCode {
     RedisTimeout = 30,
     RedisUnavailable = 31,
     RedisError = 32,
+    CircuitOpen = 33,
 }
 
 impl ErrorCode {
@@ -201,6 +202,7 @@ impl ErrorCode {
             30 => RedisTimeout,
             31 => RedisUnavailable,
             32 => RedisError,
+            33 => CircuitOpen,
             _ => return Option::None,
         })
     }
@@ -224,6 +226,7 @@ impl ErrorCode {
             RedisTimeout => "REDIS_TIMEOUT",
             RedisUnavailable => "REDIS_UNAVAILABLE",
             RedisError => "REDIS_ERROR",
+            CircuitOpen => "CIRCUIT_OPEN",
         }
     }
 }

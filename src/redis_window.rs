@@ -1,25 +1,21 @@
 //! The exact sliding window in Redis: one ZSET per key, decided by one
-//! atomic Lua script called with EVALSHA over one shared, multiplexed,
-//! self-reconnecting connection.
-//!
-//! The script is loaded by a background keeper task: at start-up, after a
-//! connection error (a reconnect may have reached a restarted or promoted
-//! server), and when a call answers NOSCRIPT. Concurrent requests that hit
-//! NOSCRIPT wait on one reload and retry once; the hot path reads a single
-//! atomic and never takes a lock.
+//! atomic Lua script called with EVALSHA over the daemon's one shared link
+//! (`redis_link`), which reconnects, reloads the script and breaks the
+//! circuit on its own. Concurrent requests that hit NOSCRIPT wait on one
+//! reload and retry once; the hot path never takes a lock.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::MultiplexedConnection;
 use redis::{RedisError, RedisWrite, Script, ToRedisArgs};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ClockSource, RedisConfig};
 use crate::limiter::{BackendError, LimitSpec, Verdict};
+use crate::redis_link::{Connector, ConnectorError, LinkSettings, RedisLink};
 
 /// The script, as shipped in the binary.
 pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
@@ -82,64 +78,44 @@ impl ToRedisArgs for MemberId {
     }
 }
 
-/// Shared between the request path and the keeper task.
-#[derive(Debug, Default)]
-struct ScriptState {
-    /// Bumped after every successful SCRIPT LOAD.
-    generation: AtomicU64,
-    /// Wakes the keeper: a reload is wanted.
-    reload_wanted: Notify,
-    /// Wakes requests waiting for a reload.
-    loaded: Notify,
-}
-
 /// The Redis backend.
 pub struct RedisWindow {
-    conn: ConnectionManager,
+    link: Arc<RedisLink>,
     script: Script,
     key_prefix: Box<[u8]>,
     instance: u64,
     seq: AtomicU64,
-    timeout: Duration,
     clock: ClockSource,
-    state: Arc<ScriptState>,
 }
 
 impl std::fmt::Debug for RedisWindow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisWindow").field("instance", &format_args!("{:016x}", self.instance)).finish_non_exhaustive()
+        f.debug_struct("RedisWindow").field("instance", &format_args!("{:016x}", self.instance)).field("link", &self.link).finish()
     }
 }
 
 impl RedisWindow {
-    /// Builds the backend and starts its script keeper, which stops with
-    /// `shutdown`. Does not wait for Redis: until the script is loaded,
-    /// requests follow their fail policy. Use `wait_ready` to wait a bounded time.
-    pub fn start(cfg: &RedisConfig, shutdown: CancellationToken) -> Result<Arc<Self>, RedisError> {
-        let client = redis::Client::open(cfg.url.as_str())?;
-        let timeout = Duration::from_millis(cfg.timeout_ms);
-        let manager_cfg = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)))
-            .set_response_timeout(Some(timeout.max(Duration::from_millis(cfg.connect_timeout_ms))))
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_cfg)?;
+    /// Builds the backend and starts its link, which stops with `shutdown`.
+    /// Does not wait for Redis: until the link is up, requests follow their
+    /// fail policy. Use `wait_ready` to wait a bounded time.
+    pub fn start(cfg: &RedisConfig, shutdown: CancellationToken) -> Result<Arc<Self>, ConnectorError> {
+        let connector = Connector::from_config(cfg)?;
         let mut id = [0u8; 8];
-        getrandom::fill(&mut id).map_err(|e| RedisError::from(std::io::Error::other(e.to_string())))?;
-        let this = Arc::new(Self {
-            conn,
-            script: Script::new(SCRIPT_SOURCE),
+        getrandom::fill(&mut id).map_err(|e| ConnectorError::Config { field: "redis", message: format!("no randomness for member ids: {e}") })?;
+        let script = Script::new(SCRIPT_SOURCE);
+        let settings = LinkSettings {
+            timeout: Duration::from_millis(cfg.timeout_ms),
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            breaker_failures: cfg.breaker_failures,
+        };
+        Ok(Arc::new(Self {
+            link: RedisLink::start(connector, script.clone(), settings, shutdown),
+            script,
             key_prefix: cfg.key_prefix.as_bytes().into(),
             instance: u64::from_le_bytes(id),
             seq: AtomicU64::new(0),
-            timeout,
             clock: cfg.clock,
-            state: Arc::default(),
-        });
-        tokio::spawn(keep_script_loaded(this.conn.clone(), this.script.clone(), this.state.clone(), shutdown));
-        this.state.reload_wanted.notify_one();
-        Ok(this)
+        }))
     }
 
     /// The SHA1 that EVALSHA names.
@@ -147,23 +123,13 @@ impl RedisWindow {
         self.script.get_hash()
     }
 
-    /// True once the script has been loaded at least once.
-    pub fn is_ready(&self) -> bool {
-        self.state.generation.load(Ordering::Acquire) > 0
+    pub fn link(&self) -> &RedisLink {
+        &self.link
     }
 
-    /// Waits up to `limit` for the first script load; returns whether it happened.
+    /// Waits up to `limit` for the link to be up; returns whether it is.
     pub async fn wait_ready(&self, limit: Duration) -> bool {
-        let wait = async {
-            loop {
-                let loaded = self.state.loaded.notified();
-                if self.is_ready() {
-                    return;
-                }
-                loaded.await;
-            }
-        };
-        tokio::time::timeout(limit, wait).await.is_ok()
+        self.link.wait_ready(limit).await
     }
 
     /// The Redis key for a client key.
@@ -183,35 +149,32 @@ impl RedisWindow {
     /// Decides one request at `now_ms` (0: Redis TIME). Tests use a fixed
     /// time to put many requests in one millisecond.
     pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, BackendError> {
+        let mut conn = self.link.connection()?;
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let attempt = async {
-            let seen = self.state.generation.load(Ordering::Acquire);
-            match self.eval(spec, member, now_ms).await {
+            let seen = self.link.generation();
+            match self.eval(&mut conn, spec, member, now_ms).await {
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                    self.wait_for_reload(seen).await;
-                    self.eval(spec, member, now_ms).await
+                    self.link.wait_for_reload(seen).await;
+                    self.eval(&mut conn, spec, member, now_ms).await
                 }
                 other => other,
             }
         };
-        match tokio::time::timeout(self.timeout, attempt).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => {
-                if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
-                    // A new connection may reach a server without the script.
-                    self.state.reload_wanted.notify_one();
-                    Err(BackendError::Unavailable(e.to_string()))
-                } else if e.is_timeout() {
-                    Err(BackendError::Timeout(self.timeout))
-                } else {
-                    Err(BackendError::Redis(e.to_string()))
-                }
+        match tokio::time::timeout(self.link.timeout(), attempt).await {
+            Ok(Ok(v)) => {
+                self.link.record_success();
+                Ok(v)
             }
-            Err(_) => Err(BackendError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(self.link.record_failure(&e)),
+            Err(_) => {
+                self.link.record_timeout();
+                Err(BackendError::Timeout(self.link.timeout()))
+            }
         }
     }
 
-    async fn eval(&self, spec: &LimitSpec<'_>, member: MemberId, now_ms: u64) -> Result<Verdict, RedisError> {
+    async fn eval(&self, conn: &mut MultiplexedConnection, spec: &LimitSpec<'_>, member: MemberId, now_ms: u64) -> Result<Verdict, RedisError> {
         let mut cmd = redis::Cmd::with_capacity(9, 96 + self.key_prefix.len() + spec.key.len());
         cmd.arg("EVALSHA")
             .arg(self.script.get_hash())
@@ -222,8 +185,7 @@ impl RedisWindow {
             .arg(spec.cost)
             .arg(member)
             .arg(now_ms);
-        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) =
-            cmd.query_async(&mut self.conn.clone()).await?;
+        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = cmd.query_async(conn).await?;
         Ok(Verdict {
             allowed: allowed == 1,
             count: clamp_u32(count),
@@ -231,17 +193,6 @@ impl RedisWindow {
             retry_after_ms: clamp_u32(retry_after_ms),
             reset_ms: clamp_u32(reset_ms),
         })
-    }
-
-    async fn wait_for_reload(&self, seen: u64) {
-        let loaded = self.state.loaded.notified();
-        tokio::pin!(loaded);
-        loaded.as_mut().enable();
-        if self.state.generation.load(Ordering::Acquire) != seen {
-            return; // a reload finished since this request read the generation
-        }
-        self.state.reload_wanted.notify_one();
-        loaded.await;
     }
 }
 
@@ -252,61 +203,6 @@ fn clamp_u32(v: i64) -> u32 {
 /// Milliseconds since the Unix epoch on this host's clock.
 pub fn wall_clock_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
-/// Loads the script whenever asked, retrying with a capped backoff until
-/// Redis answers; one load serves every request that asked meanwhile.
-async fn keep_script_loaded(conn: ConnectionManager, script: Script, state: Arc<ScriptState>, shutdown: CancellationToken) {
-    let mut backoff = Duration::from_millis(50);
-    let mut failures = 0u32;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = state.reload_wanted.notified() => {}
-        }
-        loop {
-            let mut c = conn.clone();
-            let load = script.load_async(&mut c);
-            let result = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = tokio::time::timeout(Duration::from_secs(2), load) => r,
-            };
-            match result {
-                Ok(Ok(sha)) => {
-                    let generation = state.generation.fetch_add(1, Ordering::AcqRel) + 1;
-                    state.loaded.notify_waiters();
-                    if failures > 0 || generation == 1 {
-                        tracing::info!(%sha, generation, "sliding-window script loaded");
-                    } else {
-                        tracing::debug!(%sha, generation, "sliding-window script reloaded");
-                    }
-                    failures = 0;
-                    backoff = Duration::from_millis(50);
-                    break;
-                }
-                Ok(Err(e)) => {
-                    failures += 1;
-                    log_load_failure(failures, &e.to_string());
-                }
-                Err(_) => {
-                    failures += 1;
-                    log_load_failure(failures, "SCRIPT LOAD took over 2 s");
-                }
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(1));
-        }
-    }
-}
-
-fn log_load_failure(failures: u32, reason: &str) {
-    // Once at first, then every 30th try (about every 30 s at the capped backoff).
-    if failures == 1 || failures % 30 == 0 {
-        tracing::warn!(failures, reason, "cannot load the sliding-window script; requests follow their fail policy");
-    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ fn wall_ms() -> u64 {
 }
 
 async fn redis_window(r: &RedisServer, token: &CancellationToken) -> Arc<RedisWindow> {
-    let cfg = RedisConfig { url: r.url(), timeout_ms: 2000, ..RedisConfig::default() };
+    let cfg = RedisConfig { url: Some(r.url()), timeout_ms: 2000, ..RedisConfig::default() };
     let w = RedisWindow::start(&cfg, token.clone()).unwrap();
     assert!(w.wait_ready(Duration::from_secs(5)).await);
     w

@@ -1,0 +1,144 @@
+//! Finding the master through Redis Sentinel.
+//!
+//! On every (re)connect the sentinels are asked for the master's address;
+//! the new connection is used only once `ROLE` confirms it is a master (a
+//! sentinel's view can lag a failover by a moment). A watcher subscribed to
+//! `+switch-master` on the sentinels makes the link reconnect as soon as a
+//! failover is announced, rather than when the old master starts refusing
+//! writes.
+//!
+//! Replication to the replicas is asynchronous: admissions the old master
+//! had not yet replicated are lost at failover, so a few extra requests may
+//! pass in the current window. See docs/FAILURES.md.
+
+use std::sync::Weak;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::MultiplexedConnection;
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{AsyncConnectionConfig, ConnectionAddr, RedisError};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SentinelConfig;
+use crate::redis_link::RedisLink;
+
+pub struct SentinelConnector {
+    client: Mutex<SentinelClient>,
+    master_name: String,
+    addresses: Vec<(String, u16)>,
+    sentinel_auth: (Option<String>, Option<String>),
+}
+
+fn not_master(role: &str) -> RedisError {
+    RedisError::from(std::io::Error::other(format!("the server the sentinels named answers ROLE '{role}', not 'master'")))
+}
+
+impl SentinelConnector {
+    /// `master_auth` is (username, password) for the master itself.
+    pub fn new(cfg: &SentinelConfig, master_auth: (Option<String>, Option<String>), sentinel_password: Option<String>) -> Result<Self, RedisError> {
+        let addresses: Vec<(String, u16)> = cfg
+            .addresses
+            .iter()
+            .filter_map(|a| a.rsplit_once(':').and_then(|(h, p)| p.parse().ok().map(|p| (h.to_string(), p))))
+            .collect();
+        let addrs = addresses.iter().map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p));
+        let mut b = SentinelClientBuilder::new(addrs, &cfg.master_name, SentinelServerType::Master)?;
+        if let Some(u) = &master_auth.0 {
+            b = b.set_client_to_redis_username(u);
+        }
+        if let Some(p) = &master_auth.1 {
+            b = b.set_client_to_redis_password(p);
+        }
+        if let Some(u) = &cfg.username {
+            b = b.set_client_to_sentinel_username(u);
+        }
+        if let Some(p) = &sentinel_password {
+            b = b.set_client_to_sentinel_password(p);
+        }
+        Ok(Self {
+            client: Mutex::new(b.build()?),
+            master_name: cfg.master_name.clone(),
+            addresses,
+            sentinel_auth: (cfg.username.clone(), sentinel_password),
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        let list: Vec<String> = self.addresses.iter().map(|(h, p)| format!("{h}:{p}")).collect();
+        format!("master '{}' via sentinels {}", self.master_name, list.join(","))
+    }
+
+    /// Asks the sentinels for the master, connects, and checks its role.
+    pub async fn connect_master(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
+        let client = self.client.lock().await.async_get_client().await?;
+        let mut conn = client.get_multiplexed_async_connection_with_config(cfg).await?;
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
+        let name = match role.first() {
+            Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(redis::Value::SimpleString(s)) => s.clone(),
+            other => format!("{other:?}"),
+        };
+        if name != "master" {
+            return Err(not_master(&name));
+        }
+        tracing::info!(master = %client.get_connection_info().addr(), name = %self.master_name, "connected to the master named by the sentinels");
+        Ok(conn)
+    }
+
+    /// Subscribes to `+switch-master` on each sentinel in turn and asks the
+    /// link to reconnect when our master switches; runs until shutdown.
+    pub async fn watch_switches(self_addresses: Vec<(String, u16)>, auth: (Option<String>, Option<String>), master_name: String, link: Weak<RedisLink>, shutdown: CancellationToken) {
+        let mut next = 0usize;
+        loop {
+            let (host, port) = &self_addresses[next % self_addresses.len()];
+            next += 1;
+            let mut info = redis::RedisConnectionInfo::default();
+            if let Some(u) = &auth.0 {
+                info = info.set_username(u);
+            }
+            if let Some(p) = &auth.1 {
+                info = info.set_password(p);
+            }
+            let addr = ConnectionAddr::Tcp(host.clone(), *port);
+            let watch = async {
+                let client = redis::Client::open(redis::IntoConnectionInfo::into_connection_info(addr)?.set_redis_settings(info))?;
+                let mut pubsub = client.get_async_pubsub().await?;
+                pubsub.subscribe("+switch-master").await?;
+                tracing::debug!(sentinel = %format!("{host}:{port}"), "watching +switch-master");
+                let mut messages = pubsub.on_message();
+                while let Some(msg) = messages.next().await {
+                    let payload: String = msg.get_payload().unwrap_or_default();
+                    // "<master name> <old ip> <old port> <new ip> <new port>"
+                    if payload.split_whitespace().next() == Some(master_name.as_str()) {
+                        tracing::warn!(%payload, "sentinel announced a failover; reconnecting to the new master");
+                        match link.upgrade() {
+                            Some(l) => l.failover_announced(),
+                            None => return Ok(()),
+                        }
+                    }
+                }
+                Ok::<_, RedisError>(())
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = watch => if let Err(e) = r {
+                    tracing::debug!(sentinel = %format!("{host}:{port}"), error = %e, "sentinel watch ended; trying the next sentinel");
+                },
+            }
+            if link.strong_count() == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
+        }
+    }
+
+    /// What `watch_switches` needs, so it can run apart from the connector.
+    pub fn watch_params(&self) -> (Vec<(String, u16)>, (Option<String>, Option<String>), String) {
+        (self.addresses.clone(), self.sentinel_auth.clone(), self.master_name.clone())
+    }
+}
