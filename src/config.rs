@@ -52,6 +52,12 @@ pub struct ServerConfig {
     pub max_in_flight_per_connection: usize,
     /// On shutdown, how long to let in-flight requests finish, in ms.
     pub shutdown_grace_ms: u64,
+    /// Close a connection with nothing in flight after this long, in ms.
+    /// Keep it above the Lua client's keepalive_timeout (60 s).
+    pub idle_timeout_ms: u64,
+    /// Close a connection whose frame is not complete this long after its
+    /// first byte arrived (slow or stuck clients), in ms.
+    pub frame_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -63,6 +69,8 @@ impl Default for ServerConfig {
             max_connections: 4096,
             max_in_flight_per_connection: 128,
             shutdown_grace_ms: 5000,
+            idle_timeout_ms: 300_000,
+            frame_timeout_ms: 2000,
         }
     }
 }
@@ -212,12 +220,14 @@ pub struct LimitsConfig {
     /// Largest cost of one request. Each unit of cost is one ZSET member
     /// written inside the atomic script, so this bounds the script's run time.
     pub max_cost: u32,
+    /// Most keys the in-memory windows (memory backend, local fallback) hold.
+    pub max_local_keys: usize,
 }
 
 impl Default for LimitsConfig {
     fn default() -> Self {
         let b = Bounds::default();
-        Self { max_key_len: b.max_key_len, max_limit: b.max_limit, max_window_ms: b.max_window_ms, max_cost: b.max_cost }
+        Self { max_key_len: b.max_key_len, max_limit: b.max_limit, max_window_ms: b.max_window_ms, max_cost: b.max_cost, max_local_keys: 1_000_000 }
     }
 }
 
@@ -269,6 +279,12 @@ impl Config {
         }
         if s.max_connections == 0 {
             return bad("server.max_connections", "must be at least 1".into());
+        }
+        if s.idle_timeout_ms == 0 {
+            return bad("server.idle_timeout_ms", "must be at least 1".into());
+        }
+        if s.frame_timeout_ms == 0 {
+            return bad("server.frame_timeout_ms", "must be at least 1".into());
         }
         if s.max_in_flight_per_connection == 0 {
             return bad("server.max_in_flight_per_connection", "must be at least 1".into());
@@ -337,6 +353,9 @@ impl Config {
         }
         if l.max_window_ms == 0 || l.max_window_ms > 30 * 86_400_000 {
             return bad("limits.max_window_ms", format!("{} is outside 1..=2592000000 (30 days)", l.max_window_ms));
+        }
+        if l.max_local_keys < 64 {
+            return bad("limits.max_local_keys", format!("{} is below the minimum of 64", l.max_local_keys));
         }
         if l.max_cost == 0 || l.max_cost > 100_000 {
             return bad("limits.max_cost", format!("{} is outside 1..=100000", l.max_cost));

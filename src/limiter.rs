@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::memory::MemoryWindow;
-use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
+use crate::memory::{CapacityFull, MemoryWindow};
+use crate::protocol::{Bounds, CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
 use crate::redis_window::RedisWindow;
 
 /// One limit to check, borrowed from the request.
@@ -57,48 +57,79 @@ impl BackendError {
 }
 
 /// Where decisions are made.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Backend {
     Redis(Arc<RedisWindow>),
     /// Per-host only: no Redis configured.
     Memory,
 }
 
-/// The decision engine shared by all connections.
+/// The per-host windows and their clock, kept across configuration reloads
+/// so that a reload forgets no admission.
+#[derive(Debug)]
+pub struct LocalWindows {
+    windows: MemoryWindow,
+    epoch: Instant,
+}
+
+impl LocalWindows {
+    pub fn new(max_keys: usize) -> Self {
+        Self { windows: MemoryWindow::new(max_keys), epoch: Instant::now() }
+    }
+
+    /// Monotonic ms: immune to wall-clock steps.
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, CapacityFull> {
+        self.windows.check(spec, self.now())
+    }
+}
+
+/// The decision engine shared by all connections; replaced whole on reload.
 #[derive(Debug)]
 pub struct Limiter {
     backend: Backend,
     /// The primary store of the memory backend, and the fallback of the
     /// `local` fail policy with Redis.
-    local: MemoryWindow,
-    epoch: Instant,
+    local: Arc<LocalWindows>,
+    bounds: Bounds,
     failure_log: RateLimitedLog,
 }
 
 impl Limiter {
-    pub fn new(backend: Backend) -> Self {
-        Self { backend, local: MemoryWindow::new(), epoch: Instant::now(), failure_log: RateLimitedLog::new(Duration::from_secs(1)) }
+    pub fn new(backend: Backend, local: Arc<LocalWindows>, bounds: Bounds) -> Self {
+        Self { backend, local, bounds, failure_log: RateLimitedLog::new(Duration::from_secs(1)) }
     }
 
     pub fn backend(&self) -> &Backend {
         &self.backend
     }
 
-    /// Monotonic ms for the in-memory windows: immune to wall-clock steps.
-    fn local_now(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+    /// The bounds requests are validated against.
+    pub fn bounds(&self) -> Bounds {
+        self.bounds
+    }
+
+    /// `decide`, owning its limiter: the future outlives a reload.
+    pub async fn decide_owned(self: Arc<Self>, req: CheckRequest) -> Response {
+        self.decide(req).await
     }
 
     /// Drops idle keys from the in-memory windows; returns how many.
     pub fn sweep_local(&self) -> usize {
-        self.local.sweep(self.local_now())
+        self.local.windows.sweep(self.local.now())
     }
 
     /// Decides one request. Never fails: errors become responses.
     pub async fn decide(&self, req: CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
-            Backend::Memory => respond(&req, Source::Memory, self.local.check(&spec, self.local_now())),
+            Backend::Memory => match self.local.check(&spec) {
+                Ok(v) => respond(&req, Source::Memory, v),
+                Err(full) => capacity_error(&req, Source::Memory, full),
+            },
             Backend::Redis(redis) => match redis.check(&spec).await {
                 Ok(v) => respond(&req, Source::Redis, v),
                 Err(e) => self.on_backend_error(&req, spec, e),
@@ -135,7 +166,10 @@ impl Limiter {
                     // Can never fit the local quota: deny without recording.
                     Verdict { remaining: req.local_limit, retry_after_ms: req.window_ms, ..Verdict::default() }
                 } else {
-                    self.local.check(&LimitSpec { limit: req.local_limit, ..spec }, self.local_now())
+                    match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }) {
+                        Ok(v) => v,
+                        Err(full) => return capacity_error(req, Source::LocalFallback, full),
+                    }
                 };
                 respond(req, Source::LocalFallback, v)
             }
@@ -150,6 +184,11 @@ impl Default for Verdict {
     fn default() -> Self {
         Self { allowed: false, count: 0, remaining: 0, retry_after_ms: 0, reset_ms: 0 }
     }
+}
+
+/// No decision: the in-memory windows are full; the client's policy decides.
+fn capacity_error(req: &CheckRequest, source: Source, full: CapacityFull) -> Response {
+    Response { source, ..Response::error(req.id, OP_CHECK, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) }
 }
 
 fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
@@ -206,7 +245,7 @@ mod tests {
 
     #[tokio::test]
     async fn memory_backend_answers_with_source_memory() {
-        let l = Limiter::new(Backend::Memory);
+        let l = Limiter::new(Backend::Memory, Arc::new(LocalWindows::new(1000)), Bounds::default());
         let r = l.decide(req("a", 1, FailPolicy::Closed)).await;
         assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, Source::Memory, 1, 0));
         let r = l.decide(req("a", 1, FailPolicy::Closed)).await;
@@ -216,7 +255,7 @@ mod tests {
 
     #[test]
     fn fail_policies_decide_on_backend_errors() {
-        let l = Limiter::new(Backend::Memory);
+        let l = Limiter::new(Backend::Memory, Arc::new(LocalWindows::new(1000)), Bounds::default());
         let e = || BackendError::Timeout(Duration::from_millis(20));
         let spec_of = |r: &CheckRequest| LimitSpec { key: b"k", limit: r.limit, window_ms: r.window_ms, cost: r.cost };
 

@@ -8,7 +8,8 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use ratelimitd::bench::{self, BenchArgs};
 use ratelimitd::client::Client;
-use ratelimitd::config::{Config, RedisConfig};
+use ratelimitd::config::{Config, ConfigError, RedisConfig};
+use ratelimitd::daemon::Reload;
 use ratelimitd::protocol::{CheckArgs, FailPolicy};
 
 #[derive(Parser)]
@@ -99,23 +100,29 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve { config, listen, redis } => {
-            let mut cfg = match &config {
-                Some(path) => Config::load(path)?,
-                None => Config::default(),
+            // Read, overridden by flags, validated: at start and on every SIGHUP.
+            let load = move || -> Result<Config, ConfigError> {
+                let mut cfg = match &config {
+                    Some(path) => Config::load(path)?,
+                    None => Config::default(),
+                };
+                if let Some(listen) = &listen {
+                    cfg.server.listen = listen.clone();
+                }
+                if let Some(url) = &redis {
+                    cfg.redis.get_or_insert_with(RedisConfig::default).url = Some(url.clone());
+                }
+                let origin = match &config {
+                    Some(path) => PathBuf::from(format!("{} (with command-line overrides)", path.display())),
+                    None => PathBuf::from("command line"),
+                };
+                cfg.validate(&origin)?;
+                Ok(cfg)
             };
-            if let Some(listen) = listen {
-                cfg.server.listen = listen;
-            }
-            if let Some(url) = redis {
-                cfg.redis.get_or_insert_with(RedisConfig::default).url = Some(url);
-            }
-            let origin = match config {
-                Some(path) => PathBuf::from(format!("{} (with command-line overrides)", path.display())),
-                None => PathBuf::from("command line"),
-            };
-            cfg.validate(&origin)?;
-            init_logging(&cfg.log.level);
-            runtime()?.block_on(ratelimitd::daemon::serve(cfg))?;
+            let cfg = load()?;
+            let set_log_level = init_logging(&cfg.log.level);
+            let reload = Reload { load: Box::new(load), set_log_level };
+            runtime()?.block_on(ratelimitd::daemon::serve(cfg, reload))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig { config } => {
@@ -201,7 +208,23 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
-fn init_logging(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_writer(std::io::stderr).init();
+/// Logs to stderr; returns how to change the level later (SIGHUP). A
+/// `RUST_LOG` in the environment wins over `log.level`, then and later.
+fn init_logging(level: &str) -> Box<dyn Fn(&str) -> Result<(), String> + Send + Sync> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{fmt, reload, EnvFilter};
+    let from_env = EnvFilter::try_from_default_env().ok();
+    let env_set = from_env.is_some();
+    let (filter, handle) = reload::Layer::new(from_env.unwrap_or_else(|| EnvFilter::new(level)));
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())))
+        .init();
+    Box::new(move |level: &str| {
+        if env_set {
+            return Ok(());
+        }
+        handle.reload(EnvFilter::new(level)).map_err(|e| e.to_string())
+    })
 }

@@ -47,17 +47,22 @@ impl KeyWindow {
 pub struct MemoryWindow {
     shards: Vec<Mutex<HashMap<Box<[u8]>, KeyWindow>>>,
     hasher: RandomState,
+    keys_per_shard: usize,
 }
 
-impl Default for MemoryWindow {
-    fn default() -> Self {
-        Self::new()
-    }
-}
+/// The windows hold `max_keys` keys already, none of them idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the in-memory windows are full ({0} keys)")]
+pub struct CapacityFull(pub usize);
 
 impl MemoryWindow {
-    pub fn new() -> Self {
-        Self { shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(), hasher: RandomState::new() }
+    /// Windows for at most about `max_keys` keys (spread over shards).
+    pub fn new(max_keys: usize) -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
+        }
     }
 
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
@@ -68,8 +73,15 @@ impl MemoryWindow {
     }
 
     /// Decides one request at `now_ms` (any monotonic millisecond clock).
-    pub fn check(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
+    /// A new key is refused when its shard is full of keys still in use.
+    pub fn check(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, CapacityFull> {
         let mut shard = self.shard(spec.key);
+        if !shard.contains_key(spec.key) && shard.len() >= self.keys_per_shard {
+            shard.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
+            if shard.len() >= self.keys_per_shard {
+                return Err(CapacityFull(self.keys_per_shard * SHARDS));
+            }
+        }
         let w = match shard.get_mut(spec.key) {
             Some(w) => w,
             None => shard.entry(spec.key.into()).or_default(),
@@ -85,13 +97,13 @@ impl MemoryWindow {
                 _ => w.entries.push_back((now_ms, spec.cost)),
             }
             w.total += cost;
-            return Verdict {
+            return Ok(Verdict {
                 allowed: true,
                 count: w.total as u32,
                 remaining: (limit - w.total) as u32,
                 retry_after_ms: 0,
                 reset_ms: spec.window_ms,
-            };
+            });
         }
         // Denied: wait until enough of the oldest admissions leave the window.
         let need = w.total + cost - limit;
@@ -105,13 +117,13 @@ impl MemoryWindow {
             }
         }
         let reset_at = w.newest().map_or(now_ms, |t| t + window);
-        Verdict {
+        Ok(Verdict {
             allowed: false,
             count: w.total as u32,
             remaining: limit.saturating_sub(w.total) as u32,
             retry_after_ms: (retry_at - now_ms) as u32,
             reset_ms: (reset_at - now_ms) as u32,
-        }
+        })
     }
 
     /// Drops keys whose every admission has left the window; returns how many.
@@ -146,9 +158,9 @@ mod tests {
 
     #[test]
     fn seed_scenario_admits_exactly_the_limit() {
-        let m = MemoryWindow::new();
+        let m = MemoryWindow::new(1000);
         let s = spec(b"order:tenant-1001", 1000, 1000, 1);
-        let verdicts: Vec<_> = (0..1005).map(|_| m.check(&s, 1_000)).collect();
+        let verdicts: Vec<_> = (0..1005).map(|_| m.check(&s, 1_000).unwrap()).collect();
         assert_eq!(verdicts.iter().filter(|v| v.allowed).count(), 1000);
         assert_eq!((verdicts[999].count, verdicts[999].remaining), (1000, 0));
         let denied = &verdicts[1000];
@@ -158,53 +170,70 @@ mod tests {
 
     #[test]
     fn window_slides_and_retry_after_is_exact() {
-        let m = MemoryWindow::new();
+        let m = MemoryWindow::new(1000);
         let s = spec(b"k", 3, 100, 1);
-        assert!(m.check(&s, 10).allowed);
-        assert!(m.check(&s, 20).allowed);
-        assert!(m.check(&s, 30).allowed);
-        let d = m.check(&s, 40);
+        assert!(m.check(&s, 10).unwrap().allowed);
+        assert!(m.check(&s, 20).unwrap().allowed);
+        assert!(m.check(&s, 30).unwrap().allowed);
+        let d = m.check(&s, 40).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.retry_after_ms, d.reset_ms), (70, 90));
         // At 110 the admission at 10 has left (10 > 110 - 100 is false).
-        assert!(!m.check(&s, 109).allowed);
-        let v = m.check(&s, 110);
+        assert!(!m.check(&s, 109).unwrap().allowed);
+        let v = m.check(&s, 110).unwrap();
         assert!(v.allowed);
         assert_eq!(v.count, 3);
     }
 
     #[test]
     fn cost_is_all_or_nothing() {
-        let m = MemoryWindow::new();
-        assert!(m.check(&spec(b"k", 10, 100, 7), 0).allowed);
-        let d = m.check(&spec(b"k", 10, 100, 4), 1);
+        let m = MemoryWindow::new(1000);
+        assert!(m.check(&spec(b"k", 10, 100, 7), 0).unwrap().allowed);
+        let d = m.check(&spec(b"k", 10, 100, 4), 1).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.count, d.remaining, d.retry_after_ms), (7, 3, 99));
-        let v = m.check(&spec(b"k", 10, 100, 3), 2);
+        let v = m.check(&spec(b"k", 10, 100, 3), 2).unwrap();
         assert!(v.allowed);
         assert_eq!((v.count, v.remaining), (10, 0));
     }
 
     #[test]
     fn retry_after_counts_enough_admissions_for_the_cost() {
-        let m = MemoryWindow::new();
+        let m = MemoryWindow::new(1000);
         for t in 0..5 {
-            assert!(m.check(&spec(b"k", 5, 100, 1), t).allowed);
+            assert!(m.check(&spec(b"k", 5, 100, 1), t).unwrap().allowed);
         }
         // Cost 3 needs the three oldest (t = 0, 1, 2) gone: at 102.
-        let d = m.check(&spec(b"k", 5, 100, 3), 50);
+        let d = m.check(&spec(b"k", 5, 100, 3), 50).unwrap();
         assert_eq!(d.retry_after_ms, 52);
         assert_eq!(d.reset_ms, 54);
     }
 
     #[test]
     fn sweep_drops_idle_keys_only() {
-        let m = MemoryWindow::new();
-        m.check(&spec(b"old", 5, 100, 1), 0);
-        m.check(&spec(b"new", 5, 100, 1), 90);
+        let m = MemoryWindow::new(1000);
+        m.check(&spec(b"old", 5, 100, 1), 0).unwrap();
+        m.check(&spec(b"new", 5, 100, 1), 90).unwrap();
         assert_eq!(m.sweep(100), 1);
         assert_eq!(m.len(), 1);
         assert_eq!(m.sweep(190), 1);
         assert!(m.is_empty());
+    }
+
+    #[test]
+    fn new_keys_are_refused_when_full_of_live_keys() {
+        let m = MemoryWindow::new(SHARDS); // one key per shard
+        let mut refused = 0;
+        for i in 0..10 * SHARDS {
+            let key = format!("k{i}");
+            if m.check(&spec(key.as_bytes(), 5, 100, 1), 0).is_err() {
+                refused += 1;
+            }
+        }
+        assert!(m.len() <= SHARDS);
+        assert_eq!(refused, 10 * SHARDS - m.len());
+        assert!(refused >= 9 * SHARDS - 2);
+        // Once the window has passed, the idle keys make room.
+        assert!(m.check(&spec(b"later", 5, 100, 1), 200).is_ok());
     }
 }

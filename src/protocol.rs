@@ -180,6 +180,7 @@ pub enum ErrorCode {
     RedisUnavailable = 31,
     RedisError = 32,
     CircuitOpen = 33,
+    LocalCapacity = 34,
 }
 
 impl ErrorCode {
@@ -203,6 +204,7 @@ impl ErrorCode {
             31 => RedisUnavailable,
             32 => RedisError,
             33 => CircuitOpen,
+            34 => LocalCapacity,
             _ => return Option::None,
         })
     }
@@ -227,6 +229,7 @@ impl ErrorCode {
             RedisUnavailable => "REDIS_UNAVAILABLE",
             RedisError => "REDIS_ERROR",
             CircuitOpen => "CIRCUIT_OPEN",
+            LocalCapacity => "LOCAL_CAPACITY",
         }
     }
 }
@@ -331,6 +334,11 @@ pub struct RequestCodec {
 impl RequestCodec {
     pub fn new(bounds: Bounds) -> Self {
         Self { bounds }
+    }
+
+    /// New bounds for the frames still to come (configuration reload).
+    pub fn set_bounds(&mut self, bounds: Bounds) {
+        self.bounds = bounds;
     }
 }
 

@@ -14,25 +14,29 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
+use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::limiter::Limiter;
-use crate::protocol::{encode_response, Bounds, ErrorCode, Inbound, RequestCodec, Response};
+use crate::protocol::{encode_response, ErrorCode, Inbound, RequestCodec, Response};
 
-/// Connection handling settings, from `[server]` and `[limits]`.
+/// Connection handling settings, from `[server]`; fixed for the daemon's life.
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
     pub max_connections: usize,
     pub max_in_flight_per_connection: usize,
     pub shutdown_grace: Duration,
-    pub bounds: Bounds,
+    pub idle_timeout: Duration,
+    pub frame_timeout: Duration,
 }
 
-/// Serves `listener` until `shutdown` completes, then drains.
-pub async fn run(listener: UnixListener, limiter: Arc<Limiter>, settings: ServerSettings, shutdown: impl Future) {
+/// Serves `listener` until `shutdown` completes, then drains. Each request
+/// is decided by the limiter current when its frame is read; a new one can
+/// be sent on `limiter` at any time (configuration reload).
+pub async fn run(listener: UnixListener, limiter: watch::Receiver<Arc<Limiter>>, settings: ServerSettings, shutdown: impl Future) {
     let token = CancellationToken::new();
     let tracker = TaskTracker::new();
     tracker.spawn(sweep_local_windows(limiter.clone(), token.clone()));
@@ -61,7 +65,7 @@ pub async fn run(listener: UnixListener, limiter: Arc<Limiter>, settings: Server
 
 struct Listener {
     listener: UnixListener,
-    limiter: Arc<Limiter>,
+    limiter: watch::Receiver<Arc<Limiter>>,
     connections: Arc<Semaphore>,
     settings: ServerSettings,
     token: CancellationToken,
@@ -81,12 +85,7 @@ impl Listener {
             match self.listener.accept().await {
                 Ok((stream, _)) => {
                     backoff = Duration::from_millis(1);
-                    let handler = Handler {
-                        limiter: self.limiter.clone(),
-                        max_in_flight: self.settings.max_in_flight_per_connection,
-                        bounds: self.settings.bounds,
-                        token: self.token.clone(),
-                    };
+                    let handler = Handler { limiter: self.limiter.clone(), settings: self.settings.clone(), token: self.token.clone() };
                     self.tracker.spawn(async move {
                         handler.run(stream).await;
                         drop(permit);
@@ -102,24 +101,29 @@ impl Listener {
     }
 }
 
-/// Serves one connection: reads frames, decides up to `max_in_flight` of them
-/// concurrently, and writes each response as soon as it is ready (responses
-/// carry the request id, so they may overtake each other).
+/// Serves one connection: reads frames, decides up to
+/// `max_in_flight_per_connection` of them concurrently, and writes each
+/// response as soon as it is ready (responses carry the request id, so they
+/// may overtake each other). Closes the connection when it has been idle for
+/// `idle_timeout`, or when a frame stays incomplete for `frame_timeout`.
 struct Handler {
-    limiter: Arc<Limiter>,
-    max_in_flight: usize,
-    bounds: Bounds,
+    limiter: watch::Receiver<Arc<Limiter>>,
+    settings: ServerSettings,
     token: CancellationToken,
 }
 
 impl Handler {
-    async fn run(self, stream: UnixStream) {
+    async fn run(mut self, stream: UnixStream) {
         let (rd, mut wr) = stream.into_split();
-        let mut frames = FramedRead::with_capacity(rd, RequestCodec::new(self.bounds), 4096);
+        let mut limiter = self.limiter.borrow_and_update().clone();
+        let mut frames = FramedRead::with_capacity(rd, RequestCodec::new(limiter.bounds()), 4096);
         let mut out = BytesMut::with_capacity(1024);
         let mut in_flight = FuturesUnordered::new();
-        let limiter = &*self.limiter;
         let mut reading = true;
+        let mut last_frame = Instant::now();
+        let mut partial_since: Option<Instant> = None;
+        let timer = tokio::time::sleep_until(last_frame + self.settings.idle_timeout);
+        tokio::pin!(timer);
         while reading || !in_flight.is_empty() {
             tokio::select! {
                 biased;
@@ -130,24 +134,43 @@ impl Handler {
                         encode_response(&resp, &mut out);
                     }
                 }
-                frame = frames.next(), if reading && in_flight.len() < self.max_in_flight => match frame {
-                    Some(Ok(Inbound::Check(req))) => in_flight.push(limiter.decide(req)),
-                    Some(Ok(Inbound::Invalid { id, op, code, message })) => {
-                        tracing::debug!(id, %code, %message, "invalid request");
-                        encode_response(&Response::error(id, op, code, message), &mut out);
+                frame = frames.next(), if reading && in_flight.len() < self.settings.max_in_flight_per_connection => {
+                    last_frame = Instant::now();
+                    partial_since = None;
+                    if self.limiter.has_changed().unwrap_or(false) {
+                        limiter = self.limiter.borrow_and_update().clone();
+                        frames.decoder_mut().set_bounds(limiter.bounds());
                     }
-                    Some(Ok(Inbound::TooLarge { len })) => {
-                        tracing::debug!(len, "frame too large; closing the connection");
-                        let msg = format!("frame of {len} bytes exceeds the maximum of {}", crate::protocol::MAX_FRAME_LEN);
-                        encode_response(&Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()), &mut out);
+                    match frame {
+                        Some(Ok(Inbound::Check(req))) => in_flight.push(limiter.clone().decide_owned(req)),
+                        Some(Ok(Inbound::Invalid { id, op, code, message })) => {
+                            tracing::debug!(id, %code, %message, "invalid request");
+                            encode_response(&Response::error(id, op, code, message), &mut out);
+                        }
+                        Some(Ok(Inbound::TooLarge { len })) => {
+                            tracing::debug!(len, "frame too large; closing the connection");
+                            let msg = format!("frame of {len} bytes exceeds the maximum of {}", crate::protocol::MAX_FRAME_LEN);
+                            encode_response(&Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()), &mut out);
+                            reading = false;
+                        }
+                        Some(Err(e)) => {
+                            tracing::debug!(error = %e, "connection read failed");
+                            reading = false;
+                        }
+                        None => reading = false,
+                    }
+                }
+                _ = &mut timer, if reading => {
+                    if partial_since.is_some() {
+                        tracing::debug!(timeout_ms = self.settings.frame_timeout.as_millis() as u64, "frame not completed in time; closing the connection");
                         reading = false;
-                    }
-                    Some(Err(e)) => {
-                        tracing::debug!(error = %e, "connection read failed");
+                    } else if in_flight.is_empty() {
+                        tracing::debug!(idle_ms = self.settings.idle_timeout.as_millis() as u64, "closing an idle connection");
                         reading = false;
+                    } else {
+                        last_frame = Instant::now();
                     }
-                    None => reading = false,
-                },
+                }
                 _ = self.token.cancelled(), if reading => reading = false,
             }
             if !out.is_empty() {
@@ -156,20 +179,33 @@ impl Handler {
                     return;
                 }
             }
+            if reading {
+                // A partly received frame must complete within frame_timeout;
+                // otherwise the connection may idle for idle_timeout.
+                let deadline = if frames.read_buffer().is_empty() {
+                    partial_since = None;
+                    last_frame + self.settings.idle_timeout
+                } else {
+                    *partial_since.get_or_insert_with(Instant::now) + self.settings.frame_timeout
+                };
+                if timer.deadline() != deadline {
+                    timer.as_mut().reset(deadline);
+                }
+            }
         }
         let _ = wr.shutdown().await;
     }
 }
 
 /// Frees the memory of idle keys in the in-memory windows once a second.
-async fn sweep_local_windows(limiter: Arc<Limiter>, token: CancellationToken) {
+async fn sweep_local_windows(limiter: watch::Receiver<Arc<Limiter>>, token: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = token.cancelled() => return,
             _ = tick.tick() => {
-                let removed = limiter.sweep_local();
+                let removed = limiter.borrow().sweep_local();
                 if removed > 0 {
                     tracing::trace!(removed, "swept idle in-memory keys");
                 }
@@ -182,11 +218,18 @@ async fn sweep_local_windows(limiter: Arc<Limiter>, token: CancellationToken) {
 mod tests {
     use super::*;
     use crate::client::Client;
-    use crate::limiter::Backend;
+    use crate::limiter::{Backend, LocalWindows};
+    use crate::protocol::Bounds;
     use crate::protocol::{CheckArgs, Decision, FailPolicy};
 
     fn settings() -> ServerSettings {
-        ServerSettings { max_connections: 8, max_in_flight_per_connection: 4, shutdown_grace: Duration::from_secs(1), bounds: Bounds::default() }
+        ServerSettings {
+            max_connections: 8,
+            max_in_flight_per_connection: 4,
+            shutdown_grace: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(60),
+            frame_timeout: Duration::from_secs(1),
+        }
     }
 
     #[tokio::test]
@@ -195,7 +238,9 @@ mod tests {
         let path = dir.path().join("d.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(run(listener, Arc::new(Limiter::new(Backend::Memory)), settings(), rx));
+        let limiter = Arc::new(Limiter::new(Backend::Memory, Arc::new(LocalWindows::new(1000)), Bounds::default()));
+        let (_keep, limiter_rx) = watch::channel(limiter);
+        let server = tokio::spawn(run(listener, limiter_rx, settings(), rx));
         let mut c = Client::connect(&path).await.unwrap();
         let args = CheckArgs { key: b"k", limit: 2, window_ms: 60_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
         let mut decisions = Vec::new();

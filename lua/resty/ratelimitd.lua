@@ -38,7 +38,7 @@ local ERROR_NAME = {
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
     [11] = "INVALID_LOCAL_LIMIT", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
-    [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN",
+    [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
 }
 
 -- Settings shared by every call; changed with configure().
