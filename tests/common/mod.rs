@@ -33,8 +33,12 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start() -> Self {
+        Self::start_on(free_port())
+    }
+
+    pub fn start_on(port: u16) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = Self { child: None, port: free_port(), dir };
+        let mut s = Self { child: None, port, dir };
         s.spawn();
         s
     }
@@ -71,6 +75,21 @@ impl RedisServer {
         }
     }
 
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        let pid = self.child.as_ref().expect("running").id();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+    }
+
+    /// SIGSTOP: the server hangs with its connections open.
+    pub fn pause(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// SIGCONT after `pause`.
+    pub fn resume(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
     /// A fresh server on the same port (empty: nothing was saved).
     pub fn restart(&mut self) {
         self.kill();
@@ -80,6 +99,10 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            // A paused server must be woken to be killed cleanly.
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGCONT);
+        }
         self.kill();
     }
 }
@@ -144,6 +167,20 @@ impl Daemon {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Sends `sig` to the daemon.
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    /// Rewrites the configuration file (for SIGHUP tests).
+    pub fn rewrite_config(&self, text: &str) {
+        std::fs::write(&self.config, text).unwrap();
+    }
+
+    pub fn config_text(&self) -> String {
+        std::fs::read_to_string(&self.config).unwrap()
     }
 
     /// SIGTERM and wait; returns the exit status.
