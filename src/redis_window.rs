@@ -20,9 +20,10 @@ use crate::redis_link::{Connector, ConnectorError, LinkSettings, RedisLink};
 /// The script, as shipped in the binary.
 pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
 
-/// The Redis key of a client key: `<prefix>{<key>}`, or `<prefix><key>` when
+/// The Redis key of a client key: `<prefix>{<key>}`, or `<prefix>~<key>` when
 /// the key already carries a non-empty `{...}` hash tag of its own, so that
-/// callers can keep related keys in one Cluster slot. The prefix is always
+/// callers can keep related keys in one Cluster slot. The `~` keeps the two
+/// forms apart (`a` and `{a}` are different keys). The prefix is always
 /// there, so no client key reaches outside the namespace.
 #[derive(Clone, Copy, Debug)]
 pub struct WindowKey<'a> {
@@ -49,6 +50,7 @@ impl WindowKey<'_> {
     fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
         w.write_all(self.prefix)?;
         if self.has_hash_tag() {
+            w.write_all(b"~")?;
             w.write_all(self.key)
         } else {
             w.write_all(b"{")?;
@@ -216,7 +218,8 @@ mod tests {
     #[test]
     fn keys_are_prefixed_and_hash_tagged() {
         assert_eq!(key("rl:", "order:tenant-1001"), "rl:{order:tenant-1001}");
-        assert_eq!(key("rl:", "{tenant-1}:order"), "rl:{tenant-1}:order");
+        assert_eq!(key("rl:", "{tenant-1}:order"), "rl:~{tenant-1}:order");
+        assert_ne!(key("rl:", "a"), key("rl:", "{a}"));
         // An empty tag is no tag: the whole key is wrapped.
         assert_eq!(key("rl:", "a{}b"), "rl:{a{}b}");
         assert_eq!(key("rl:", "a}b{"), "rl:{a}b{}");

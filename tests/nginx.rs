@@ -127,6 +127,13 @@ fn seed_scenario_through_nginx() {
     assert_eq!((other.status, other.num("RateLimit-Remaining")), (200, 999));
     // No tenant header: the example refuses before limiting.
     assert_eq!(get(&a, &nginx.url("/order"), "").status, 400);
+    // A header too long to be a key is hashed, still counted: no way around
+    // the limit, and no push into the fail policy.
+    let long = "x".repeat(700);
+    let first = get(&a, &nginx.url("/order"), &long);
+    let second = get(&a, &nginx.url("/order"), &long);
+    assert_eq!((first.status, first.num("RateLimit-Remaining")), (200, 999));
+    assert_eq!((second.status, second.num("RateLimit-Remaining")), (200, 998));
     assert_no_errors(&nginx);
 }
 

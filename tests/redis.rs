@@ -150,13 +150,13 @@ async fn clients_cannot_leave_the_namespace() {
     let r = RedisServer::start();
     let d = Daemon::start(Some(&r.url()), "timeout_ms = 500\nkey_prefix = \"gw1:\"");
     let mut c = d.client().await;
-    for key in ["plain", "}escape{", "{tenant-1}:order", "*", "other:{x}", "../x", "a b"] {
+    for key in ["plain", "}escape{", "{tenant-1}:order", "*", "other:{x}", "../x", "a b", "{plain}"] {
         assert_eq!(c.check(&args(key, 5, 60_000)).await.unwrap().decision, Decision::Allowed);
     }
     let mut conn = r.conn();
     let keys: HashSet<String> = conn.keys("*").unwrap();
     let want: HashSet<String> =
-        ["gw1:{plain}", "gw1:{}escape{}", "gw1:{tenant-1}:order", "gw1:{*}", "gw1:other:{x}", "gw1:{../x}", "gw1:{a b}"].iter().map(|s| s.to_string()).collect();
+        ["gw1:{plain}", "gw1:~{plain}", "gw1:{}escape{}", "gw1:~{tenant-1}:order", "gw1:{*}", "gw1:~other:{x}", "gw1:{../x}", "gw1:{a b}"].iter().map(|s| s.to_string()).collect();
     assert_eq!(keys, want);
 }
 

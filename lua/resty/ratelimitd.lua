@@ -17,11 +17,13 @@ local ngx_exit = ngx.exit
 local ngx_header = ngx.header
 local ngx_shared = ngx.shared
 local tcp = ngx.socket.tcp
-local ERR, WARN, INFO = ngx.ERR, ngx.WARN, ngx.INFO
+local ERR, INFO = ngx.ERR, ngx.INFO
 local band, rshift = bit.band, bit.rshift
 local byte, char, sub, format = string.byte, string.char, string.sub, string.format
 local floor, ceil, max = math.floor, math.ceil, math.max
-local type, error, tostring, pairs, setmetatable = type, error, tostring, pairs, setmetatable
+local type, error, tostring, pairs, ipairs = type, error, tostring, pairs, ipairs
+local find = string.find
+local md5 = ngx.md5
 
 local _M = { _VERSION = "0.1.0" }
 
@@ -81,6 +83,19 @@ function _M.configure(opts)
     if opts.header_style and not HEADER_STYLES[opts.header_style] then
         error("configure: header_style must be 'ratelimit', 'draft' or 'x'", 2)
     end
+    for _, k in ipairs({ "connect_timeout", "send_timeout", "read_timeout", "pool_size", "keepalive_timeout" }) do
+        if opts[k] ~= nil and (opts[k] < 1 or floor(opts[k]) ~= opts[k]) then
+            error("configure: " .. k .. " must be a positive integer", 2)
+        end
+    end
+    for _, k in ipairs({ "status", "fail_closed_status" }) do
+        if opts[k] ~= nil and not (opts[k] >= 200 and opts[k] <= 599 and floor(opts[k]) == opts[k]) then
+            error("configure: " .. k .. " must be an HTTP status (200-599)", 2)
+        end
+    end
+    if opts.log_interval ~= nil and opts.log_interval < 0 then
+        error("configure: log_interval must not be negative", 2)
+    end
     for k, v in pairs(opts) do
         config[k] = v
     end
@@ -133,7 +148,32 @@ local function check_opts(opts, level)
     if on_error == "local" and not positive_int(opts.local_limit, 4294967295) then
         error("on_error = 'local' needs a positive integer local_limit", level)
     end
+    if opts.header_style ~= nil and not HEADER_STYLES[opts.header_style] then
+        error("header_style must be 'ratelimit', 'draft' or 'x'", level)
+    end
+    for _, k in ipairs({ "status", "fail_closed_status" }) do
+        local v = opts[k]
+        if v ~= nil and not (type(v) == "number" and v >= 200 and v <= 599 and floor(v) == v) then
+            error(k .. " must be an HTTP status (200-599)", level)
+        end
+    end
+    for _, k in ipairs({ "headers", "dry_run" }) do
+        if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
+            error(k .. " must be a boolean", level)
+        end
+    end
     return on_error
+end
+
+-- Keys come from request data (headers, addresses). One too long for the
+-- daemon, or with control bytes, is replaced by its MD5: a client cannot
+-- escape its limit, or push the location into its fail policy, by sending
+-- odd header values.
+local function wire_key(key)
+    if #key > MAX_KEY_LEN or find(key, "%c") then
+        return "md5:" .. md5(key)
+    end
+    return key
 end
 
 local request_id = 0
@@ -170,6 +210,9 @@ local function roundtrip(sock, frame, id)
     if byte(body, 1) ~= VERSION or be32(body, 3) ~= id then
         return nil, "response out of sync"
     end
+    if RESPONSE_FIXED_LEN + be16(body, 27) ~= len or not DECISION[byte(body, 7)] or not SOURCE[byte(body, 8)] then
+        return nil, "malformed response"
+    end
     return body
 end
 
@@ -184,10 +227,7 @@ local CLOSED_BEFORE_READ = {
 -- error; a socket is pooled only after a clean exchange, never after an error
 -- or a timeout.
 local function exchange(opts, on_error)
-    local key = opts.key
-    if #key > MAX_KEY_LEN then
-        return nil, "key longer than " .. MAX_KEY_LEN .. " bytes"
-    end
+    local key = wire_key(opts.key)
     local id = next_id()
     local frame = {
         u32(28 + #key),
@@ -222,17 +262,19 @@ local function exchange(opts, on_error)
         end
     end
     local code = be16(body, 25)
+    local source = SOURCE[byte(body, 8)]
     local res = {
-        decision = DECISION[byte(body, 7)] or "error",
-        source = SOURCE[byte(body, 8)] or "none",
+        decision = DECISION[byte(body, 7)],
+        source = source,
         count = be32(body, 9),
         remaining = be32(body, 13),
         retry_after_ms = be32(body, 17),
         reset_ms = be32(body, 21),
         error_code = code,
         error = ERROR_NAME[code] or tostring(code),
-        message = sub(body, RESPONSE_FIXED_LEN + 1, RESPONSE_FIXED_LEN + be16(body, 27)),
-        limit = opts.limit,
+        message = sub(body, RESPONSE_FIXED_LEN + 1),
+        -- The daemon's local fallback counts against the local quota.
+        limit = source == "local" and opts.local_limit or opts.limit,
     }
     res.allowed = res.decision == "allowed"
     if code >= 20 and code < 30 then
@@ -263,7 +305,9 @@ local function log_failure(what, opts, reason)
         return
     end
     last_log[what] = now
-    ngx_log(WARN, "ratelimitd: ", what, " key=", opts.key, " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
+    -- At error level: Debian's default error_log keeps only errors, and an
+    -- operator must see (and can alert on) every kind of fail-open.
+    ngx_log(ERR, "ratelimitd: ", what, " key=", opts.key, " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
     suppressed[what] = 0
 end
 
@@ -280,21 +324,25 @@ local function local_decision(opts)
     local cost = opts.cost or 1
     local now = ngx_now() * 1000
     local start = floor(now / window) * window
-    local cur_key = format("%s|%d|%d", opts.key, window, start)
-    local prev = dict:get(format("%s|%d|%d", opts.key, window, start - window)) or 0
-    local cur = dict:get(cur_key) or 0
-    local estimate = floor(prev * (window - (now - start)) / window) + cur
+    local key = wire_key(opts.key)
+    local cur_key = format("%s|%d|%d", key, window, start)
+    local prev = dict:get(format("%s|%d|%d", key, window, start - window)) or 0
+    local weighted = floor(prev * (window - (now - start)) / window)
     local reset_ms = ceil(start + window - now)
-    if estimate + cost > limit then
-        return { allowed = false, decision = "denied", source = "lua_local", count = estimate,
-                 remaining = max(limit - estimate, 0), retry_after_ms = reset_ms, reset_ms = reset_ms, limit = limit }
-    end
-    local _, err = dict:incr(cur_key, cost, 0, 2 * window / 1000)
-    if err then
+    -- Take the cost first and give it back if it does not fit: the shared
+    -- dict's incr is atomic across workers, a read-then-write would not be.
+    local cur, err = dict:incr(cur_key, cost, 0, 2 * window / 1000)
+    if not cur then
         return nil, "shared dict: " .. err
     end
-    return { allowed = true, decision = "allowed", source = "lua_local", count = estimate + cost,
-             remaining = limit - estimate - cost, retry_after_ms = 0, reset_ms = reset_ms, limit = limit }
+    if weighted + cur > limit then
+        dict:incr(cur_key, -cost)
+        local count = weighted + cur - cost
+        return { allowed = false, decision = "denied", source = "lua_local", count = count,
+                 remaining = max(limit - count, 0), retry_after_ms = reset_ms, reset_ms = reset_ms, limit = limit }
+    end
+    return { allowed = true, decision = "allowed", source = "lua_local", count = weighted + cur,
+             remaining = limit - weighted - cur, retry_after_ms = 0, reset_ms = reset_ms, limit = limit }
 end
 
 -- What the location's policy decides when the daemon gave no decision.
@@ -357,9 +405,6 @@ function _M.limit(opts)
     elseif res.source == "fail_open" or res.source == "fail_closed" or res.source == "local" then
         -- Redis failed behind the daemon, which applied this location's policy.
         log_failure("daemon_" .. res.source, opts, res.error .. ": " .. res.message)
-        if res.source == "local" then
-            res.limit = opts.local_limit
-        end
     end
     res.window_ms = opts.window_ms
     local headers = opts.headers
