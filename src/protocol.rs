@@ -748,4 +748,66 @@ mod tests {
         let back = decode_response(&mut buf).unwrap().unwrap();
         assert_eq!(back.message.len(), MAX_MESSAGE_LEN);
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+            /// Any bytes at all, in any chunking: the decoder never panics,
+            /// never buffers beyond one maximal frame, and every frame it
+            /// yields is a valid request, a coded error, or too large.
+            #[test]
+            fn any_byte_stream_decodes_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..6000), chunk in 1usize..700) {
+                let mut codec = RequestCodec::new(Bounds::default());
+                let mut buf = BytesMut::new();
+                for piece in bytes.chunks(chunk) {
+                    buf.extend_from_slice(piece);
+                    loop {
+                        match codec.decode(&mut buf).unwrap() {
+                            Some(Inbound::TooLarge { .. }) => { buf.clear(); break }
+                            Some(Inbound::Invalid { code, .. }) => prop_assert!((code as u16) < 20),
+                            Some(Inbound::Check(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
+                            None => break,
+                        }
+                    }
+                    prop_assert!(buf.len() <= LEN_PREFIX + MAX_FRAME_LEN);
+                }
+                let _ = codec.decode_eof(&mut buf).unwrap();
+            }
+
+            /// Requests with extreme field values are either valid and round
+            /// trip exactly, or rejected with the code of the bad field.
+            #[test]
+            fn extreme_fields_round_trip_or_get_their_code(
+                id: u32, limit: u32, window_ms: u32, cost: u32, local_limit: u32,
+                policy in 0u8..3, key in proptest::collection::vec(any::<u8>(), 0..600),
+            ) {
+                let a = CheckArgs { key: &key, limit, window_ms, cost, on_error: FailPolicy::from_wire(policy).unwrap(), local_limit };
+                let mut buf = BytesMut::new();
+                encode_request(id, &a, &mut buf);
+                let b = Bounds::default();
+                match RequestCodec::new(b).decode(&mut buf).unwrap().unwrap() {
+                    Inbound::Check(c) => {
+                        prop_assert_eq!((c.id, c.limit, c.window_ms, c.cost, &c.key[..]), (id, limit, window_ms, cost, &key[..]));
+                    }
+                    Inbound::Invalid { id: got, code, .. } => {
+                        prop_assert_eq!(got, id);
+                        let expected_bad = match code {
+                            ErrorCode::InvalidKey => key.is_empty() || key.len() > b.max_key_len || key.iter().any(|&k| k < 0x20 || k == 0x7f),
+                            ErrorCode::InvalidLimit => limit == 0 || limit > b.max_limit,
+                            ErrorCode::InvalidWindow => window_ms == 0 || window_ms > b.max_window_ms,
+                            ErrorCode::InvalidCost => cost == 0 || cost > limit || cost > b.max_cost,
+                            ErrorCode::InvalidLocalLimit => policy == 2 && (local_limit == 0 || local_limit > b.max_limit),
+                            _ => false,
+                        };
+                        prop_assert!(expected_bad, "{:?} for a request that is valid there", code);
+                    }
+                    Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
+                }
+            }
+        }
+    }
 }

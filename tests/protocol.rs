@@ -133,3 +133,42 @@ async fn pipelined_requests_are_matched_by_id() {
     }
     assert_eq!(ids, (1000..1300).collect());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_idle_connections_are_closed_others_keep_going() {
+    let d = Daemon::start_with("socket_mode = \"0600\"\nframe_timeout_ms = 200\nidle_timeout_ms = 600", None, "");
+    let mut slow = d.client().await;
+    let mut idle = d.client().await;
+    let mut good = d.client().await;
+    let t0 = std::time::Instant::now();
+    // Three bytes of a length prefix, then nothing: a slow-loris client.
+    slow.send_raw(&[0, 0, 0]).await.unwrap();
+    let mut answered = 0;
+    while t0.elapsed() < std::time::Duration::from_millis(400) {
+        assert_eq!(good.check(&args("busy", 1_000_000, 60_000)).await.unwrap().decision, Decision::Allowed);
+        answered += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(matches!(slow.read_response().await, Err(ClientError::Closed)), "the slow client was cut off");
+    assert!(answered > 5);
+    // The idle one goes after idle_timeout; the busy one stays.
+    assert!(matches!(idle.read_response().await, Err(ClientError::Closed)));
+    let idle_for = t0.elapsed();
+    assert!(idle_for >= std::time::Duration::from_millis(550), "closed too early: {idle_for:?}");
+    assert_eq!(good.check(&args("busy", 1_000_000, 60_000)).await.unwrap().decision, Decision::Allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_wait_until_one_closes() {
+    let d = Daemon::start_with("socket_mode = \"0600\"\nmax_connections = 2", None, "");
+    let mut a = d.client().await;
+    let b = d.client().await;
+    assert_eq!(a.check(&args("cap", 10, 60_000)).await.unwrap().decision, Decision::Allowed);
+    // The third is accepted by the kernel but not served while two are open.
+    let mut c = d.client().await;
+    let waiting = tokio::time::timeout(std::time::Duration::from_millis(300), c.check(&args("cap", 10, 60_000))).await;
+    assert!(waiting.is_err(), "served beyond max_connections");
+    drop(b);
+    let r = tokio::time::timeout(std::time::Duration::from_secs(2), c.read_response()).await.expect("served once a slot is free").unwrap();
+    assert_eq!(r.decision, Decision::Allowed);
+}

@@ -124,15 +124,22 @@ impl Daemon {
 
     /// Like `start`, with extra lines for the `[server]` table.
     pub fn start_with(server_extra: &str, redis_url: Option<&str>, redis_extra: &str) -> Self {
+        let mut rest = server_extra.to_string();
+        if let Some(url) = redis_url {
+            rest += &format!("\n[redis]\nurl = \"{url}\"\n{redis_extra}\n");
+        }
+        Self::start_config(&rest)
+    }
+
+    /// Starts with `[server] listen` set, followed by `rest` verbatim (more
+    /// `[server]` lines first, then any tables).
+    pub fn start_config(rest: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         // Other users (nginx workers) must be able to reach the socket inside.
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let socket = dir.path().join("ratelimitd.sock");
         let config = dir.path().join("ratelimitd.toml");
-        let mut text = format!("[server]\nlisten = \"{}\"\nshutdown_grace_ms = 2000\n{server_extra}\n", socket.display());
-        if let Some(url) = redis_url {
-            text += &format!("[redis]\nurl = \"{url}\"\n{redis_extra}\n");
-        }
+        let text = format!("[server]\nlisten = \"{}\"\nshutdown_grace_ms = 2000\n{rest}\n", socket.display());
         std::fs::write(&config, text).unwrap();
         let child = Self::spawn(&dir, &config);
         let d = Self { child, dir, socket, config };
