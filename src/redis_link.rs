@@ -334,9 +334,11 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, script: Script, s
         };
         match result {
             Ok(Ok(())) => {
+                // Close first, then wake the waiters: they check both.
+                let was_open = link.breaker.is_open();
+                link.breaker.close();
                 link.publish_load();
-                if link.breaker.is_open() {
-                    link.breaker.close();
+                if was_open {
                     tracing::info!(redis = %target, sha = script.get_hash(), after_failures = failures, "redis link up; script loaded; breaker closed");
                 } else {
                     tracing::debug!(sha = script.get_hash(), "sliding-window script reloaded");
