@@ -28,7 +28,6 @@ local md5 = ngx.md5
 local _M = { _VERSION = "0.1.0" }
 
 local VERSION, OP_CHECK = 1, 1
-local MAX_KEY_LEN = 512
 local RESPONSE_FIXED_LEN = 28
 local MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512
 
@@ -58,6 +57,8 @@ local config = {
     header_style = "ratelimit", -- "ratelimit" | "draft" (RateLimit + RateLimit-Policy) | "x" (X-RateLimit-*)
     shared_dict = "ratelimitd", -- lua_shared_dict of the local fallback
     log_interval = 1,         -- s between two fail-policy log lines per worker
+    max_key_len = 512,        -- longer keys are sent as "md5:<hex>"; keep it at or
+                              -- below the daemon's limits.max_key_len
 }
 
 local KNOWN_CONFIG = {}
@@ -83,7 +84,7 @@ function _M.configure(opts)
     if opts.header_style and not HEADER_STYLES[opts.header_style] then
         error("configure: header_style must be 'ratelimit', 'draft' or 'x'", 2)
     end
-    for _, k in ipairs({ "connect_timeout", "send_timeout", "read_timeout", "pool_size", "keepalive_timeout" }) do
+    for _, k in ipairs({ "connect_timeout", "send_timeout", "read_timeout", "pool_size", "keepalive_timeout", "max_key_len" }) do
         if opts[k] ~= nil and (opts[k] < 1 or floor(opts[k]) ~= opts[k]) then
             error("configure: " .. k .. " must be a positive integer", 2)
         end
@@ -148,6 +149,9 @@ local function check_opts(opts, level)
     if on_error == "local" and not positive_int(opts.local_limit, 4294967295) then
         error("on_error = 'local' needs a positive integer local_limit", level)
     end
+    if opts.local_limit ~= nil and not positive_int(opts.local_limit, 4294967295) then
+        error("local_limit must be a positive integer", level)
+    end
     if opts.header_style ~= nil and not HEADER_STYLES[opts.header_style] then
         error("header_style must be 'ratelimit', 'draft' or 'x'", level)
     end
@@ -170,7 +174,7 @@ end
 -- escape its limit, or push the location into its fail policy, by sending
 -- odd header values.
 local function wire_key(key)
-    if #key > MAX_KEY_LEN or find(key, "%c") then
+    if #key > config.max_key_len or find(key, "%c") then
         return "md5:" .. md5(key)
     end
     return key
@@ -306,8 +310,9 @@ local function log_failure(what, opts, reason)
     end
     last_log[what] = now
     -- At error level: Debian's default error_log keeps only errors, and an
-    -- operator must see (and can alert on) every kind of fail-open.
-    ngx_log(ERR, "ratelimitd: ", what, " key=", opts.key, " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
+    -- operator must see (and can alert on) every kind of fail-open. The key
+    -- is logged as sent: no control bytes from request headers reach the log.
+    ngx_log(ERR, "ratelimitd: ", what, " key=", wire_key(opts.key), " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
     suppressed[what] = 0
 end
 
@@ -331,9 +336,12 @@ local function local_decision(opts)
     local reset_ms = ceil(start + window - now)
     -- Take the cost first and give it back if it does not fit: the shared
     -- dict's incr is atomic across workers, a read-then-write would not be.
-    local cur, err = dict:incr(cur_key, cost, 0, 2 * window / 1000)
+    local cur, err, forcible = dict:incr(cur_key, cost, 0, 2 * window / 1000)
     if not cur then
         return nil, "shared dict: " .. err
+    end
+    if forcible then
+        log_failure("shared_dict_full", opts, "lua_shared_dict '" .. config.shared_dict .. "' evicted entries: enlarge it")
     end
     if weighted + cur > limit then
         dict:incr(cur_key, -cost)
@@ -418,7 +426,7 @@ function _M.limit(opts)
         return res
     end
     if opts.dry_run then
-        ngx_log(INFO, "ratelimitd: dry_run would deny key=", opts.key, " source=", res.source)
+        ngx_log(INFO, "ratelimitd: dry_run would deny key=", wire_key(opts.key), " source=", res.source)
         return res
     end
     local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
