@@ -35,6 +35,17 @@ pub struct Config {
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
+    /// The Prometheus endpoint. Absent: no metrics served.
+    #[serde(default)]
+    pub metrics: Option<MetricsConfig>,
+}
+
+/// `[metrics]`: Prometheus text format over HTTP, `GET /metrics`.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// A loopback address and port, e.g. "127.0.0.1:9464".
+    pub listen: std::net::SocketAddr,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -237,11 +248,21 @@ pub struct LogConfig {
     /// `error`, `warn`, `info`, `debug` or `trace`, or a tracing filter
     /// such as `ratelimitd=debug`. `RUST_LOG` overrides it.
     pub level: String,
+    /// `text` (human-readable) or `json` (one object per line).
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { level: "info".into() }
+        Self { level: "info".into(), format: LogFormat::Text }
     }
 }
 
@@ -363,6 +384,11 @@ impl Config {
         if !valid_log_filter(&self.log.level) {
             return bad("log.level", format!("'{}' is not error, warn, info, debug, trace or a filter such as \"ratelimitd=debug\"", self.log.level));
         }
+        if let Some(m) = &self.metrics {
+            if !m.listen.ip().is_loopback() {
+                return bad("metrics.listen", format!("{} is not a loopback address; the endpoint is for a local scraper or agent", m.listen));
+            }
+        }
         if let Some(group) = &self.server.socket_group {
             match nix::unistd::Group::from_name(group) {
                 Ok(Some(_)) => {}
@@ -463,6 +489,14 @@ mod tests {
         assert!(e.contains("redis.sentinel.addresses"), "{e}");
         let e = parse("[redis]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
         assert!(e.contains("needs a rediss:// url"), "{e}");
+    }
+
+    #[test]
+    fn metrics_only_on_loopback() {
+        assert!(parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").is_ok());
+        assert!(parse("[metrics]\nlisten = \"[::1]:9464\"\n").is_ok());
+        let e = parse("[metrics]\nlisten = \"0.0.0.0:9464\"\n").unwrap_err().to_string();
+        assert!(e.contains("metrics.listen"), "{e}");
     }
 
     #[test]

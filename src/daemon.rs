@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError};
 use crate::limiter::{Backend, Limiter, LocalWindows};
+use crate::metrics::METRICS;
 use crate::redis_link::ConnectorError;
 use crate::redis_window::RedisWindow;
 use crate::server::{self, ServerSettings};
@@ -23,6 +24,40 @@ pub enum DaemonError {
     Redis(#[from] ConnectorError),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error("the listener passed by systemd (LISTEN_FDS) cannot be used: {0}")]
+    Inherited(std::io::Error),
+    #[error("metrics.listen: {0}")]
+    Metrics(std::io::Error),
+}
+
+/// Tells systemd (Type=notify) about the daemon's state; a no-op elsewhere.
+fn notify_systemd(state: &[sd_notify::NotifyState]) {
+    if let Err(e) = sd_notify::notify(state) {
+        tracing::debug!(error = %e, "sd_notify failed");
+    }
+}
+
+/// The listening socket: bound here (and removed at exit), or passed in by
+/// systemd socket activation (which owns the file, so it is left alone).
+enum Socket {
+    Bound(BoundSocket),
+    Inherited,
+}
+
+/// Takes the Unix listener systemd passed (LISTEN_FDS), if any.
+fn inherited_listener() -> Result<Option<tokio::net::UnixListener>, DaemonError> {
+    let mut fds = listenfd::ListenFd::from_env();
+    if fds.len() == 0 {
+        return Ok(None);
+    }
+    let std_listener = fds.take_unix_listener(0).map_err(DaemonError::Inherited)?;
+    match std_listener {
+        Some(l) => {
+            l.set_nonblocking(true).map_err(DaemonError::Inherited)?;
+            Ok(Some(tokio::net::UnixListener::from_std(l).map_err(DaemonError::Inherited)?))
+        }
+        None => Ok(None),
+    }
 }
 
 /// What SIGHUP needs from the edge: reading the configuration again (file
@@ -84,15 +119,33 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
     let mut int = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut hup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
 
+    // A socket passed by systemd is already listening: connections wait in
+    // its queue while the backend starts, so a restart loses none.
+    let inherited = inherited_listener()?;
     let local = Arc::new(LocalWindows::new(cfg.limits.max_local_keys));
     let mut active = ActiveBackend::start(&cfg).await?;
-    // Bound only now: until the script is loaded (or the wait is over),
-    // clients get "connection refused" and apply their own fail policy at
-    // once, instead of queueing in the backlog.
     let mode = cfg.socket_mode().expect("validated");
-    let mut socket = BoundSocket::bind(&cfg.server.listen, mode, cfg.server.socket_group.as_deref())?;
-    let listener = socket.take_listener().expect("fresh socket");
+    let (listener, socket) = match inherited {
+        Some(l) => {
+            tracing::info!("using the socket passed by systemd (LISTEN_FDS); server.listen, socket_mode and socket_group are the socket unit's business");
+            (l, Socket::Inherited)
+        }
+        None => {
+            // Bound only now: until the script is loaded (or the wait is
+            // over), clients get "connection refused" and apply their own
+            // fail policy at once, instead of queueing in the backlog.
+            let mut bound = BoundSocket::bind(&cfg.server.listen, mode, cfg.server.socket_group.as_deref())?;
+            let l = bound.take_listener().expect("fresh socket");
+            (l, Socket::Bound(bound))
+        }
+    };
     let (limiter_tx, limiter_rx) = watch::channel(Arc::new(Limiter::new(active.backend.clone(), local.clone(), cfg.bounds())));
+    let metrics_token = CancellationToken::new();
+    if let Some(m) = &cfg.metrics {
+        let listener = crate::metrics::bind(m.listen).await.map_err(DaemonError::Metrics)?;
+        tracing::info!(listen = %m.listen, "serving metrics at /metrics");
+        tokio::spawn(crate::metrics::serve(listener, limiter_rx.clone(), metrics_token.clone()));
+    }
     let s = &cfg.server;
     let settings = ServerSettings {
         max_connections: s.max_connections,
@@ -101,7 +154,10 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
         idle_timeout: Duration::from_millis(s.idle_timeout_ms),
         frame_timeout: Duration::from_millis(s.frame_timeout_ms),
     };
-    tracing::info!(socket = %socket.path().display(), mode = format_args!("{mode:04o}"), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
+    if let Socket::Bound(b) = &socket {
+        tracing::info!(socket = %b.path().display(), mode = format_args!("{mode:04o}"), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
+    }
+    notify_systemd(&[sd_notify::NotifyState::Ready]);
 
     let mut current = cfg.clone();
     let control = async {
@@ -111,16 +167,29 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
                 _ = int.recv() => { tracing::info!("SIGINT received"); break }
                 _ = hup.recv() => {
                     tracing::info!("SIGHUP received: reloading the configuration");
+                    notify_systemd(&[sd_notify::NotifyState::Reloading, sd_notify::NotifyState::monotonic_usec_now().unwrap_or(sd_notify::NotifyState::Status("reloading"))]);
                     match (reload.load)() {
-                        Ok(new) => apply(&mut current, new, &mut active, &local, &limiter_tx, &reload).await,
-                        Err(e) => tracing::error!(error = %e, "configuration reload failed; still serving with the previous configuration"),
+                        Ok(new) => {
+                            apply(&mut current, new, &mut active, &local, &limiter_tx, &reload).await;
+                            METRICS.reloaded(true);
+                        }
+                        Err(e) => {
+                            METRICS.reloaded(false);
+                            tracing::error!(error = %e, "configuration reload failed; still serving with the previous configuration");
+                        }
                     }
+                    notify_systemd(&[sd_notify::NotifyState::Ready]);
                 }
             }
         }
     };
-    server::run(listener, limiter_rx, settings, control).await;
+    server::run(listener, limiter_rx, settings, async {
+        control.await;
+        notify_systemd(&[sd_notify::NotifyState::Stopping]);
+    })
+    .await;
     active.token.cancel();
+    metrics_token.cancel();
     drop(socket);
     tracing::info!("stopped");
     Ok(())
@@ -128,6 +197,14 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
 
 /// Puts a new, valid configuration in force without dropping a connection.
 async fn apply(current: &mut Config, mut new: Config, active: &mut ActiveBackend, local: &Arc<LocalWindows>, limiter_tx: &watch::Sender<Arc<Limiter>>, reload: &Reload) {
+    if new.metrics != current.metrics {
+        tracing::warn!("[metrics] changes take effect at the next restart; keeping the running endpoint");
+        new.metrics = current.metrics.clone();
+    }
+    if new.log.format != current.log.format {
+        tracing::warn!("log.format takes effect at the next restart");
+        new.log.format = current.log.format;
+    }
     if new.server != current.server {
         tracing::warn!("[server] changes (socket path, mode, limits on connections, timeouts) take effect at the next restart; keeping the running ones");
         new.server = current.server.clone();

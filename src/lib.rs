@@ -10,6 +10,7 @@
 //! - `client`, `bench`: the client side used by `query`, `bench` and tests.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod bench;
 pub mod breaker;
 pub mod client;
@@ -17,6 +18,7 @@ pub mod config;
 pub mod daemon;
 pub mod limiter;
 pub mod memory;
+pub mod metrics;
 pub mod protocol;
 pub mod redis_link;
 pub mod redis_window;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::memory::{CapacityFull, MemoryWindow};
+use crate::metrics::METRICS;
 use crate::protocol::{Bounds, CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
 use crate::redis_window::RedisWindow;
 
@@ -124,6 +125,12 @@ impl Limiter {
 
     /// Decides one request. Never fails: errors become responses.
     pub async fn decide(&self, req: CheckRequest) -> Response {
+        let resp = self.decide_inner(req).await;
+        METRICS.decided(resp.decision, resp.source, resp.error);
+        resp
+    }
+
+    async fn decide_inner(&self, req: CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
             Backend::Memory => match self.local.check(&spec) {
@@ -138,6 +145,7 @@ impl Limiter {
     }
 
     fn on_backend_error(&self, req: &CheckRequest, spec: LimitSpec<'_>, e: BackendError) -> Response {
+        METRICS.fail_policy_applied(req.on_error);
         if let Some(suppressed) = self.failure_log.permit() {
             tracing::warn!(
                 error = %e,

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use ratelimitd::bench::{self, BenchArgs};
 use ratelimitd::client::Client;
-use ratelimitd::config::{Config, ConfigError, RedisConfig};
+use ratelimitd::config::{Config, ConfigError, LogFormat, RedisConfig};
 use ratelimitd::daemon::Reload;
 use ratelimitd::protocol::{CheckArgs, FailPolicy};
 
@@ -45,6 +45,25 @@ enum Command {
         /// Print the response as one JSON object.
         #[arg(long)]
         json: bool,
+    },
+    /// Show one key's window in Redis (same key derivation as the daemon).
+    Inspect {
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
+        config: PathBuf,
+        #[arg(long)]
+        key: String,
+        /// Also count the admissions within the last MS milliseconds.
+        #[arg(long)]
+        window_ms: Option<u32>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete one key's window in Redis: its quota is whole again.
+    Reset {
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
+        config: PathBuf,
+        #[arg(long)]
+        key: String,
     },
     /// Load a running daemon: N requests over C connections.
     Bench {
@@ -120,7 +139,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(cfg)
             };
             let cfg = load()?;
-            let set_log_level = init_logging(&cfg.log.level);
+            let set_log_level = init_logging(&cfg.log.level, cfg.log.format);
             let reload = Reload { load: Box::new(load), set_log_level };
             runtime()?.block_on(ratelimitd::daemon::serve(cfg, reload))?;
             Ok(ExitCode::SUCCESS)
@@ -132,6 +151,32 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => "in-memory (per host)".into(),
             };
             println!("{}: ok (socket {}, backend {backend})", config.display(), cfg.server.listen.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect { config, key, window_ms, json } => {
+            let cfg = Config::load(&config)?;
+            let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
+            let i = runtime()?.block_on(ratelimitd::admin::inspect(redis, &key, window_ms))?;
+            if json {
+                println!("{}", serde_json::to_string(&i)?);
+            } else {
+                println!("key:          {}", i.redis_key);
+                println!("admissions:   {}", i.members);
+                if let (Some(n), Some(w)) = (i.in_window, window_ms) {
+                    println!("in last {w} ms: {n}");
+                }
+                let age = |a: Option<i64>| a.map_or("-".to_string(), |ms| format!("{ms} ms ago"));
+                println!("oldest:       {}", age(i.oldest_age_ms));
+                println!("newest:       {}", age(i.newest_age_ms));
+                println!("ttl:          {}", match i.ttl_ms { -2 => "no such key".to_string(), -1 => "none".to_string(), ms => format!("{ms} ms") });
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Reset { config, key } => {
+            let cfg = Config::load(&config)?;
+            let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
+            let (redis_key, existed) = runtime()?.block_on(ratelimitd::admin::reset(redis, &key))?;
+            println!("{redis_key}: {}", if existed { "deleted" } else { "no such key" });
             Ok(ExitCode::SUCCESS)
         }
         Command::Query { check, json } => {
@@ -210,17 +255,23 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Logs to stderr; returns how to change the level later (SIGHUP). A
 /// `RUST_LOG` in the environment wins over `log.level`, then and later.
-fn init_logging(level: &str) -> Box<dyn Fn(&str) -> Result<(), String> + Send + Sync> {
+fn init_logging(level: &str, format: LogFormat) -> Box<dyn Fn(&str) -> Result<(), String> + Send + Sync> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
-    use tracing_subscriber::{fmt, reload, EnvFilter};
+    use tracing_subscriber::{fmt, reload, EnvFilter, Layer};
     let from_env = EnvFilter::try_from_default_env().ok();
     let env_set = from_env.is_some();
     let (filter, handle) = reload::Layer::new(from_env.unwrap_or_else(|| EnvFilter::new(level)));
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())))
-        .init();
+    // Under systemd, stderr goes to the journal, which stamps every line
+    // itself: a second timestamp would only be noise.
+    let journald = std::env::var_os("JOURNAL_STREAM").is_some();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let output = match (format, journald) {
+        (LogFormat::Json, _) => fmt::layer().json().with_writer(std::io::stderr).boxed(),
+        (LogFormat::Text, true) => fmt::layer().without_time().with_ansi(false).with_writer(std::io::stderr).boxed(),
+        (LogFormat::Text, false) => fmt::layer().with_ansi(ansi).with_writer(std::io::stderr).boxed(),
+    };
+    tracing_subscriber::registry().with(filter).with(output).init();
     Box::new(move |level: &str| {
         if env_set {
             return Ok(());

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::breaker::Breaker;
 use crate::config::RedisConfig;
 use crate::limiter::BackendError;
+use crate::metrics::METRICS;
 use crate::sentinel::SentinelConnector;
 
 /// How the supervisor reaches the master.
@@ -82,7 +83,8 @@ impl Connector {
         Ok(Self::Direct(client))
     }
 
-    async fn connect(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
+    /// One connection to the master (verified with ROLE through Sentinel).
+    pub async fn connect(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
         match self {
             Self::Direct(client) => client.get_multiplexed_async_connection_with_config(cfg).await,
             Self::Sentinel(s) => s.connect_master(cfg).await,
@@ -181,7 +183,9 @@ impl RedisLink {
 
     /// A sentinel announced that our master changed: stop using the old one now.
     pub fn failover_announced(&self) {
-        self.breaker.trip();
+        if self.breaker.trip() {
+            METRICS.breaker_opened();
+        }
         self.want_reconnect();
     }
 
@@ -220,6 +224,7 @@ impl RedisLink {
         match classify(e) {
             Failure::Link => {
                 if self.breaker.trip() {
+                    METRICS.breaker_opened();
                     tracing::warn!(error = %e, "redis connection lost; breaker open, reconnecting");
                 }
                 self.want_reconnect();
@@ -236,6 +241,7 @@ impl RedisLink {
     /// Reports a call that passed its deadline.
     pub fn record_timeout(&self) {
         if self.breaker.record_failure() {
+            METRICS.breaker_opened();
             tracing::warn!(
                 failures = self.settings.breaker_failures,
                 timeout_ms = self.settings.timeout.as_millis() as u64,
@@ -334,6 +340,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, script: Script, s
         };
         match result {
             Ok(Ok(())) => {
+                METRICS.script_loaded();
                 // Close first, then wake the waiters: they check both.
                 let was_open = link.breaker.is_open();
                 link.breaker.close();
@@ -357,7 +364,9 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, script: Script, s
             }
         }
         // Whatever failed, the next attempt starts from a fresh connection.
-        link.breaker.trip();
+        if link.breaker.trip() {
+            METRICS.breaker_opened();
+        }
         link.reconnect_wanted.store(true, Ordering::Release);
         tokio::select! {
             _ = shutdown.cancelled() => return,

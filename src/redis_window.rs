@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{ClockSource, RedisConfig};
 use crate::limiter::{BackendError, LimitSpec, Verdict};
+use crate::metrics::METRICS;
 use crate::redis_link::{Connector, ConnectorError, LinkSettings, RedisLink};
 
 /// The script, as shipped in the binary.
@@ -157,13 +158,17 @@ impl RedisWindow {
             let seen = self.link.generation();
             match self.eval(&mut conn, spec, member, now_ms).await {
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    METRICS.noscript_reload();
                     self.link.wait_for_reload(seen).await;
                     self.eval(&mut conn, spec, member, now_ms).await
                 }
                 other => other,
             }
         };
-        match tokio::time::timeout(self.link.timeout(), attempt).await {
+        let started = std::time::Instant::now();
+        let outcome = tokio::time::timeout(self.link.timeout(), attempt).await;
+        METRICS.redis_call(started.elapsed());
+        match outcome {
             Ok(Ok(v)) => {
                 self.link.record_success();
                 Ok(v)

@@ -21,7 +21,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::limiter::Limiter;
-use crate::protocol::{encode_response, ErrorCode, Inbound, RequestCodec, Response};
+use crate::metrics::METRICS;
+use crate::protocol::{encode_response, Decision, ErrorCode, Inbound, RequestCodec, Response, Source};
 
 /// Connection handling settings, from `[server]`; fixed for the daemon's life.
 #[derive(Debug, Clone)]
@@ -113,7 +114,13 @@ struct Handler {
 }
 
 impl Handler {
-    async fn run(mut self, stream: UnixStream) {
+    async fn run(self, stream: UnixStream) {
+        METRICS.connection_opened();
+        self.serve(stream).await;
+        METRICS.connection_closed();
+    }
+
+    async fn serve(mut self, stream: UnixStream) {
         let (rd, mut wr) = stream.into_split();
         let mut limiter = self.limiter.borrow_and_update().clone();
         let mut frames = FramedRead::with_capacity(rd, RequestCodec::new(limiter.bounds()), 4096);
@@ -129,10 +136,13 @@ impl Handler {
                 biased;
                 Some(resp) = in_flight.next(), if !in_flight.is_empty() => {
                     encode_response(&resp, &mut out);
+                    let mut done = 1;
                     // Batch whatever else is ready into the same write.
                     while let Some(Some(resp)) = in_flight.next().now_or_never() {
                         encode_response(&resp, &mut out);
+                        done += 1;
                     }
+                    METRICS.in_flight(-done);
                 }
                 frame = frames.next(), if reading && in_flight.len() < self.settings.max_in_flight_per_connection => {
                     last_frame = Instant::now();
@@ -142,13 +152,18 @@ impl Handler {
                         frames.decoder_mut().set_bounds(limiter.bounds());
                     }
                     match frame {
-                        Some(Ok(Inbound::Check(req))) => in_flight.push(limiter.clone().decide_owned(req)),
+                        Some(Ok(Inbound::Check(req))) => {
+                            METRICS.in_flight(1);
+                            in_flight.push(limiter.clone().decide_owned(req));
+                        }
                         Some(Ok(Inbound::Invalid { id, op, code, message })) => {
                             tracing::debug!(id, %code, %message, "invalid request");
+                            METRICS.decided(Decision::Error, Source::None, code);
                             encode_response(&Response::error(id, op, code, message), &mut out);
                         }
                         Some(Ok(Inbound::TooLarge { len })) => {
                             tracing::debug!(len, "frame too large; closing the connection");
+                            METRICS.decided(Decision::Error, Source::None, ErrorCode::FrameTooLarge);
                             let msg = format!("frame of {len} bytes exceeds the maximum of {}", crate::protocol::MAX_FRAME_LEN);
                             encode_response(&Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()), &mut out);
                             reading = false;
@@ -176,6 +191,7 @@ impl Handler {
             if !out.is_empty() {
                 if let Err(e) = wr.write_all_buf(&mut out).await {
                     tracing::debug!(error = %e, "client went away before its response");
+                    METRICS.in_flight(-(in_flight.len() as i64));
                     return;
                 }
             }

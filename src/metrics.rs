@@ -1,0 +1,296 @@
+//! Counters of the daemon, served in the Prometheus text format on a
+//! loopback HTTP address (`[metrics] listen`).
+//!
+//! Every metric is a fixed atomic in one static: the request path adds to a
+//! counter with one relaxed atomic operation, never a lock, a map lookup or
+//! an allocation. Label sets are known up front (decision x source, error
+//! code, fail policy), so they are plain arrays.
+
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::limiter::{Backend, Limiter};
+use crate::protocol::{Decision, ErrorCode, FailPolicy, Source};
+
+const DECISIONS: [Decision; 3] = [Decision::Allowed, Decision::Denied, Decision::Error];
+const SOURCES: [Source; 6] = [Source::Redis, Source::LocalFallback, Source::FailOpen, Source::FailClosed, Source::Memory, Source::None];
+const POLICIES: [FailPolicy; 3] = [FailPolicy::Open, FailPolicy::Closed, FailPolicy::Local];
+/// Every code but `None`, in wire order.
+const ERRORS: [ErrorCode; 18] = [
+    ErrorCode::Malformed,
+    ErrorCode::UnsupportedVersion,
+    ErrorCode::UnknownOp,
+    ErrorCode::UnsupportedFlags,
+    ErrorCode::UnsupportedLimitCount,
+    ErrorCode::InvalidKey,
+    ErrorCode::InvalidLimit,
+    ErrorCode::InvalidWindow,
+    ErrorCode::InvalidCost,
+    ErrorCode::InvalidPolicy,
+    ErrorCode::InvalidLocalLimit,
+    ErrorCode::FrameTooLarge,
+    ErrorCode::RedisTimeout,
+    ErrorCode::RedisUnavailable,
+    ErrorCode::RedisError,
+    ErrorCode::CircuitOpen,
+    ErrorCode::LocalCapacity,
+    ErrorCode::None,
+];
+/// Upper bounds of the Redis latency buckets, in µs.
+const LATENCY_BUCKETS_US: [u64; 11] = [100, 250, 500, 1_000, 2_500, 5_000, 10_000, 20_000, 50_000, 100_000, 250_000];
+
+fn decision_index(d: Decision) -> usize {
+    DECISIONS.iter().position(|&x| x == d).unwrap_or(0)
+}
+
+fn source_index(s: Source) -> usize {
+    SOURCES.iter().position(|&x| x == s).unwrap_or(SOURCES.len() - 1)
+}
+
+fn error_index(e: ErrorCode) -> usize {
+    ERRORS.iter().position(|&x| x == e).unwrap_or(ERRORS.len() - 1)
+}
+
+/// All the daemon's counters.
+pub struct Metrics {
+    decisions: [[AtomicU64; SOURCES.len()]; DECISIONS.len()],
+    errors: [AtomicU64; ERRORS.len()],
+    fail_policy: [AtomicU64; POLICIES.len()],
+    redis_latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
+    redis_latency_sum_us: AtomicU64,
+    noscript_reloads: AtomicU64,
+    script_loads: AtomicU64,
+    breaker_opened: AtomicU64,
+    connections_open: AtomicI64,
+    connections_total: AtomicU64,
+    requests_in_flight: AtomicI64,
+    reloads: AtomicU64,
+    reload_failures: AtomicU64,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const ZERO: AtomicU64 = AtomicU64::new(0);
+
+/// The process's metrics.
+pub static METRICS: Metrics = Metrics {
+    decisions: [const { [ZERO; SOURCES.len()] }; DECISIONS.len()],
+    errors: [ZERO; ERRORS.len()],
+    fail_policy: [ZERO; POLICIES.len()],
+    redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
+    redis_latency_sum_us: ZERO,
+    noscript_reloads: ZERO,
+    script_loads: ZERO,
+    breaker_opened: ZERO,
+    connections_open: AtomicI64::new(0),
+    connections_total: ZERO,
+    requests_in_flight: AtomicI64::new(0),
+    reloads: ZERO,
+    reload_failures: ZERO,
+};
+
+impl Metrics {
+    #[inline]
+    pub fn decided(&self, decision: Decision, source: Source, error: ErrorCode) {
+        self.decisions[decision_index(decision)][source_index(source)].fetch_add(1, Ordering::Relaxed);
+        if error != ErrorCode::None {
+            self.errors[error_index(error)].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[inline]
+    pub fn fail_policy_applied(&self, policy: FailPolicy) {
+        let i = POLICIES.iter().position(|&p| p == policy).unwrap_or(0);
+        self.fail_policy[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub fn redis_call(&self, took: Duration) {
+        let us = took.as_micros() as u64;
+        let i = LATENCY_BUCKETS_US.iter().position(|&b| us <= b).unwrap_or(LATENCY_BUCKETS_US.len());
+        self.redis_latency_buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.redis_latency_sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    pub fn noscript_reload(&self) {
+        self.noscript_reloads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn script_loaded(&self) {
+        self.script_loads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn breaker_opened(&self) {
+        self.breaker_opened.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_opened(&self) {
+        self.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.connections_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub fn in_flight(&self, delta: i64) {
+        self.requests_in_flight.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    pub fn reloaded(&self, ok: bool) {
+        if ok { &self.reloads } else { &self.reload_failures }.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition of every metric. `breaker_open` is
+    /// None without Redis.
+    pub fn render(&self, breaker_open: Option<bool>) -> String {
+        let mut out = String::with_capacity(8192);
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let _ = writeln!(out, "# HELP ratelimitd_decisions_total Decisions by result and by who made them.\n# TYPE ratelimitd_decisions_total counter");
+        for (d, row) in DECISIONS.iter().zip(&self.decisions) {
+            for (s, n) in SOURCES.iter().zip(row) {
+                let _ = writeln!(out, "ratelimitd_decisions_total{{decision=\"{}\",source=\"{}\"}} {}", d.as_str(), s.as_str(), get(n));
+            }
+        }
+        let _ = writeln!(out, "# HELP ratelimitd_errors_total Responses carrying an error code, by code.\n# TYPE ratelimitd_errors_total counter");
+        for (e, n) in ERRORS.iter().zip(&self.errors).filter(|(e, _)| **e != ErrorCode::None) {
+            let _ = writeln!(out, "ratelimitd_errors_total{{code=\"{}\"}} {}", e.as_str(), get(n));
+        }
+        let _ = writeln!(out, "# HELP ratelimitd_fail_policy_total Requests decided by their fail policy because Redis could not, by policy.\n# TYPE ratelimitd_fail_policy_total counter");
+        for (p, n) in POLICIES.iter().zip(&self.fail_policy) {
+            let name = match p {
+                FailPolicy::Open => "open",
+                FailPolicy::Closed => "closed",
+                FailPolicy::Local => "local",
+            };
+            let _ = writeln!(out, "ratelimitd_fail_policy_total{{policy=\"{name}\"}} {}", get(n));
+        }
+        let _ = writeln!(out, "# HELP ratelimitd_redis_call_seconds Time of one decision's Redis call (EVALSHA, with a NOSCRIPT reload if any).\n# TYPE ratelimitd_redis_call_seconds histogram");
+        let mut cumulative = 0;
+        for (bound, n) in LATENCY_BUCKETS_US.iter().zip(&self.redis_latency_buckets) {
+            cumulative += get(n);
+            let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"{}\"}} {cumulative}", *bound as f64 / 1e6);
+        }
+        cumulative += get(&self.redis_latency_buckets[LATENCY_BUCKETS_US.len()]);
+        let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
+        let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
+        let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
+        let counters: [(&str, &str, &AtomicU64); 6] = [
+            ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
+            ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
+            ("ratelimitd_breaker_opened_total", "Times the circuit breaker opened.", &self.breaker_opened),
+            ("ratelimitd_connections_total", "Client connections accepted.", &self.connections_total),
+            ("ratelimitd_config_reloads_total", "Configuration reloads applied (SIGHUP).", &self.reloads),
+            ("ratelimitd_config_reload_failures_total", "Configuration reloads refused (SIGHUP with an invalid file).", &self.reload_failures),
+        ];
+        for (name, help, n) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));
+        }
+        let gauges: [(&str, &str, i64); 2] = [
+            ("ratelimitd_connections_open", "Client connections open now.", self.connections_open.load(Ordering::Relaxed)),
+            ("ratelimitd_requests_in_flight", "Requests being decided now.", self.requests_in_flight.load(Ordering::Relaxed)),
+        ];
+        for (name, help, v) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        if let Some(open) = breaker_open {
+            let _ = writeln!(out, "# HELP ratelimitd_breaker_open 1 while the circuit breaker to Redis is open.\n# TYPE ratelimitd_breaker_open gauge\nratelimitd_breaker_open {}", open as u8);
+        }
+        out
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown`.
+pub async fn serve(listener: TcpListener, limiter: watch::Receiver<Arc<Limiter>>, shutdown: CancellationToken) {
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::debug!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let limiter = limiter.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<hyper::body::Incoming>| {
+                let breaker = match limiter.borrow().backend() {
+                    Backend::Redis(r) => Some(r.link().breaker_open()),
+                    Backend::Memory => None,
+                };
+                async move {
+                    let resp = if req.uri().path() == "/metrics" {
+                        Response::builder()
+                            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+                            .body(Full::new(Bytes::from(METRICS.render(breaker))))
+                    } else {
+                        Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(Bytes::from_static(b"see /metrics\n")))
+                    };
+                    Ok::<_, hyper::http::Error>(resp.expect("static response parts"))
+                }
+            });
+            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await {
+                tracing::debug!(error = %e, "metrics connection ended");
+            }
+        });
+    }
+}
+
+/// Binds the metrics address; only loopback addresses are accepted (checked
+/// by the configuration).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_has_every_family_and_counts() {
+        let m = Metrics {
+            decisions: [const { [ZERO; SOURCES.len()] }; DECISIONS.len()],
+            errors: [ZERO; ERRORS.len()],
+            fail_policy: [ZERO; POLICIES.len()],
+            redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
+            redis_latency_sum_us: ZERO,
+            noscript_reloads: ZERO,
+            script_loads: ZERO,
+            breaker_opened: ZERO,
+            connections_open: AtomicI64::new(0),
+            connections_total: ZERO,
+            requests_in_flight: AtomicI64::new(0),
+            reloads: ZERO,
+            reload_failures: ZERO,
+        };
+        m.decided(Decision::Allowed, Source::FailOpen, ErrorCode::CircuitOpen);
+        m.fail_policy_applied(FailPolicy::Open);
+        m.redis_call(Duration::from_micros(300));
+        m.redis_call(Duration::from_secs(1));
+        let text = m.render(Some(true));
+        assert!(text.contains("ratelimitd_decisions_total{decision=\"allowed\",source=\"fail_open\"} 1"), "{text}");
+        assert!(text.contains("ratelimitd_errors_total{code=\"CIRCUIT_OPEN\"} 1"));
+        assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"));
+        assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"0.0005\"} 1"));
+        assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"+Inf\"} 2"));
+        assert!(text.contains("ratelimitd_redis_call_seconds_count 2"));
+        assert!(text.contains("ratelimitd_breaker_open 1"));
+        assert!(!text.contains("code=\"OK\""));
+    }
+}
