@@ -53,7 +53,8 @@ pub async fn inspect(cfg: &RedisConfig, key: &str, window_ms: Option<u32>) -> Re
     let now_ms = secs * 1000 + micros / 1000;
     let mut pipe = redis::pipe();
     pipe.zcard(&redis_key).zrange_withscores(&redis_key, 0, 0).zrange_withscores(&redis_key, -1, -1).pttl(&redis_key);
-    let (members, oldest, newest, ttl_ms): (u64, Vec<(String, i64)>, Vec<(String, i64)>, i64) = pipe.query_async(&mut conn).await?;
+    type Scored = Vec<(String, i64)>;
+    let (members, oldest, newest, ttl_ms): (u64, Scored, Scored, i64) = pipe.query_async(&mut conn).await?;
     let in_window = match window_ms {
         Some(w) => Some(redis::cmd("ZCOUNT").arg(&redis_key).arg(format!("({}", now_ms - w as i64)).arg("+inf").query_async(&mut conn).await?),
         None => None,

@@ -60,11 +60,14 @@ fn inherited_listener() -> Result<Option<tokio::net::UnixListener>, DaemonError>
     }
 }
 
+/// Changes the log filter of the running process.
+pub type SetLogLevel = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
 /// What SIGHUP needs from the edge: reading the configuration again (file
 /// plus command-line overrides) and changing the log filter.
 pub struct Reload {
     pub load: Box<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>,
-    pub set_log_level: Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>,
+    pub set_log_level: SetLogLevel,
 }
 
 /// How long start-up and reload wait for a new Redis link before going on.

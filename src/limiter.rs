@@ -21,7 +21,7 @@ pub struct LimitSpec<'a> {
 }
 
 /// A backend's answer for one limit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Verdict {
     pub allowed: bool,
     /// Admissions in the window after this request.
@@ -185,12 +185,6 @@ impl Limiter {
         r.error = e.code();
         r.message = Cow::Owned(e.to_string());
         r
-    }
-}
-
-impl Default for Verdict {
-    fn default() -> Self {
-        Self { allowed: false, count: 0, remaining: 0, retry_after_ms: 0, reset_ms: 0 }
     }
 }
 

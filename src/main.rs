@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use ratelimitd::bench::{self, BenchArgs};
 use ratelimitd::client::Client;
 use ratelimitd::config::{Config, ConfigError, LogFormat, RedisConfig};
-use ratelimitd::daemon::Reload;
+use ratelimitd::daemon::{Reload, SetLogLevel};
 use ratelimitd::protocol::{CheckArgs, FailPolicy};
 
 #[derive(Parser)]
@@ -255,7 +255,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Logs to stderr; returns how to change the level later (SIGHUP). A
 /// `RUST_LOG` in the environment wins over `log.level`, then and later.
-fn init_logging(level: &str, format: LogFormat) -> Box<dyn Fn(&str) -> Result<(), String> + Send + Sync> {
+fn init_logging(level: &str, format: LogFormat) -> SetLogLevel {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{fmt, reload, EnvFilter, Layer};

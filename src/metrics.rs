@@ -85,23 +85,33 @@ pub struct Metrics {
 const ZERO: AtomicU64 = AtomicU64::new(0);
 
 /// The process's metrics.
-pub static METRICS: Metrics = Metrics {
-    decisions: [const { [ZERO; SOURCES.len()] }; DECISIONS.len()],
-    errors: [ZERO; ERRORS.len()],
-    fail_policy: [ZERO; POLICIES.len()],
-    redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
-    redis_latency_sum_us: ZERO,
-    noscript_reloads: ZERO,
-    script_loads: ZERO,
-    breaker_opened: ZERO,
-    connections_open: AtomicI64::new(0),
-    connections_total: ZERO,
-    requests_in_flight: AtomicI64::new(0),
-    reloads: ZERO,
-    reload_failures: ZERO,
-};
+pub static METRICS: Metrics = Metrics::new();
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Metrics {
+    pub const fn new() -> Self {
+        Self {
+            decisions: [const { [ZERO; SOURCES.len()] }; DECISIONS.len()],
+            errors: [ZERO; ERRORS.len()],
+            fail_policy: [ZERO; POLICIES.len()],
+            redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
+            redis_latency_sum_us: ZERO,
+            noscript_reloads: ZERO,
+            script_loads: ZERO,
+            breaker_opened: ZERO,
+            connections_open: AtomicI64::new(0),
+            connections_total: ZERO,
+            requests_in_flight: AtomicI64::new(0),
+            reloads: ZERO,
+            reload_failures: ZERO,
+        }
+    }
+
     #[inline]
     pub fn decided(&self, decision: Decision, source: Source, error: ErrorCode) {
         self.decisions[decision_index(decision)][source_index(source)].fetch_add(1, Ordering::Relaxed);
@@ -264,21 +274,7 @@ mod tests {
 
     #[test]
     fn render_has_every_family_and_counts() {
-        let m = Metrics {
-            decisions: [const { [ZERO; SOURCES.len()] }; DECISIONS.len()],
-            errors: [ZERO; ERRORS.len()],
-            fail_policy: [ZERO; POLICIES.len()],
-            redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
-            redis_latency_sum_us: ZERO,
-            noscript_reloads: ZERO,
-            script_loads: ZERO,
-            breaker_opened: ZERO,
-            connections_open: AtomicI64::new(0),
-            connections_total: ZERO,
-            requests_in_flight: AtomicI64::new(0),
-            reloads: ZERO,
-            reload_failures: ZERO,
-        };
+        let m = Metrics::new();
         m.decided(Decision::Allowed, Source::FailOpen, ErrorCode::CircuitOpen);
         m.fail_policy_applied(FailPolicy::Open);
         m.redis_call(Duration::from_micros(300));

@@ -677,7 +677,7 @@ mod tests {
         assert_eq!(code_of(decode_one(&big)), ErrorCode::InvalidCost);
         assert_eq!(with(8, &[2]), ErrorCode::InvalidLocalLimit);
         assert_eq!(with(26, &[0, 9]), ErrorCode::Malformed);
-        assert_eq!(with(28, &[b'\n']), ErrorCode::InvalidKey);
+        assert_eq!(with(28, b"\n"), ErrorCode::InvalidKey);
         // Each error echoes the request id.
         let mut b = good.clone();
         b[0] = 9;

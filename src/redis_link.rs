@@ -26,7 +26,9 @@ use crate::limiter::BackendError;
 use crate::metrics::METRICS;
 use crate::sentinel::SentinelConnector;
 
-/// How the supervisor reaches the master.
+/// How the supervisor reaches the master. Built once per link, so the size
+/// difference between the variants does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum Connector {
     /// A fixed address (`redis://`, `rediss://`, `redis+unix://`).
     Direct(redis::Client),
@@ -174,8 +176,7 @@ impl RedisLink {
             settings,
         });
         if let Connector::Sentinel(s) = &connector {
-            let (addresses, auth, master) = s.watch_params();
-            tokio::spawn(SentinelConnector::watch_switches(addresses, auth, master, Arc::downgrade(&link), shutdown.clone()));
+            tokio::spawn(SentinelConnector::watch_switches(s.switch_watch(), Arc::downgrade(&link), shutdown.clone()));
         }
         tokio::spawn(supervise(link.clone(), connector, script, shutdown));
         link

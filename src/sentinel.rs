@@ -89,10 +89,11 @@ impl SentinelConnector {
 
     /// Subscribes to `+switch-master` on each sentinel in turn and asks the
     /// link to reconnect when our master switches; runs until shutdown.
-    pub async fn watch_switches(self_addresses: Vec<(String, u16)>, auth: (Option<String>, Option<String>), master_name: String, link: Weak<RedisLink>, shutdown: CancellationToken) {
+    pub async fn watch_switches(watch: SwitchWatch, link: Weak<RedisLink>, shutdown: CancellationToken) {
+        let SwitchWatch { addresses, auth, master_name } = watch;
         let mut next = 0usize;
         loop {
-            let (host, port) = &self_addresses[next % self_addresses.len()];
+            let (host, port) = &addresses[next % addresses.len()];
             next += 1;
             let mut info = redis::RedisConnectionInfo::default();
             if let Some(u) = &auth.0 {
@@ -138,7 +139,15 @@ impl SentinelConnector {
     }
 
     /// What `watch_switches` needs, so it can run apart from the connector.
-    pub fn watch_params(&self) -> (Vec<(String, u16)>, (Option<String>, Option<String>), String) {
-        (self.addresses.clone(), self.sentinel_auth.clone(), self.master_name.clone())
+    pub fn switch_watch(&self) -> SwitchWatch {
+        SwitchWatch { addresses: self.addresses.clone(), auth: self.sentinel_auth.clone(), master_name: self.master_name.clone() }
     }
+}
+
+/// The sentinels to watch for `+switch-master`, and the master's name.
+pub struct SwitchWatch {
+    addresses: Vec<(String, u16)>,
+    /// (username, password) for the sentinels.
+    auth: (Option<String>, Option<String>),
+    master_name: String,
 }
