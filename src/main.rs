@@ -262,13 +262,18 @@ fn init_logging(level: &str, format: LogFormat) -> SetLogLevel {
     let from_env = EnvFilter::try_from_default_env().ok();
     let env_set = from_env.is_some();
     let (filter, handle) = reload::Layer::new(from_env.unwrap_or_else(|| EnvFilter::new(level)));
-    // Under systemd, stderr goes to the journal, which stamps every line
-    // itself: a second timestamp would only be noise.
+    // Under systemd (JOURNAL_STREAM set) text logs go to the journal's own
+    // socket, with their level as the entry's priority and no timestamp of
+    // ours (the journal stamps each entry); if that socket cannot be used,
+    // to stderr without a timestamp.
     let journald = std::env::var_os("JOURNAL_STREAM").is_some();
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let output = match (format, journald) {
         (LogFormat::Json, _) => fmt::layer().json().with_writer(std::io::stderr).boxed(),
-        (LogFormat::Text, true) => fmt::layer().without_time().with_ansi(false).with_writer(std::io::stderr).boxed(),
+        (LogFormat::Text, true) => match tracing_journald::layer() {
+            Ok(layer) => layer.with_syslog_identifier("ratelimitd".into()).boxed(),
+            Err(_) => fmt::layer().without_time().with_ansi(false).with_writer(std::io::stderr).boxed(),
+        },
         (LogFormat::Text, false) => fmt::layer().with_ansi(ansi).with_writer(std::io::stderr).boxed(),
     };
     tracing_subscriber::registry().with(filter).with(output).init();
