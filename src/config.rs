@@ -315,7 +315,7 @@ impl Config {
                 return bad("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(r.url())));
             }
             if let Err(m) = r.password() {
-                return bad("redis.password_file", m);
+                return bad(if r.password_env.is_some() && r.password_file.is_none() { "redis.password_env" } else { "redis.password_file" }, m);
             }
             let tls = r.url().starts_with("rediss://");
             for (field, path) in [("redis.tls_ca_file", &r.tls_ca_file), ("redis.tls_cert_file", &r.tls_cert_file), ("redis.tls_key_file", &r.tls_key_file)] {
@@ -351,7 +351,7 @@ impl Config {
                     }
                 }
                 if let Err(m) = s.password() {
-                    return bad("redis.sentinel.password_file", m);
+                    return bad(if s.password_env.is_some() && s.password_file.is_none() { "redis.sentinel.password_env" } else { "redis.sentinel.password_file" }, m);
                 }
             }
             if r.timeout_ms == 0 || r.timeout_ms > 10_000 {
@@ -474,7 +474,7 @@ mod tests {
         let c = parse(&format!("[redis]\npassword_file = \"{}\"\n", f.display())).unwrap();
         assert_eq!(c.redis.unwrap().password().unwrap().as_deref(), Some("s3cret"));
         let e = parse("[redis]\npassword_env = \"RATELIMITD_TEST_UNSET_VAR\"\n").unwrap_err().to_string();
-        assert!(e.contains("RATELIMITD_TEST_UNSET_VAR is not set"), "{e}");
+        assert!(e.contains("redis.password_env: environment variable RATELIMITD_TEST_UNSET_VAR is not set"), "{e}");
         let e = parse(&format!("[redis]\npassword_file = \"{}\"\npassword_env = \"X\"\n", f.display())).unwrap_err().to_string();
         assert!(e.contains("not both"), "{e}");
     }

@@ -179,6 +179,7 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
                         Err(e) => {
                             METRICS.reloaded(false);
                             tracing::error!(error = %e, "configuration reload failed; still serving with the previous configuration");
+                            notify_systemd(&[sd_notify::NotifyState::Status("configuration reload failed; still serving with the previous configuration")]);
                         }
                     }
                     notify_systemd(&[sd_notify::NotifyState::Ready]);
@@ -230,12 +231,12 @@ async fn apply(current: &mut Config, mut new: Config, active: &mut ActiveBackend
                 old.retire(Duration::from_millis(current.server.shutdown_grace_ms));
             }
             Ok(fresh) => {
-                tracing::error!("the new [redis] settings do not reach a working Redis; keeping the running link");
+                tracing::error!("the new [redis] settings do not reach a working Redis; keeping the running backend");
                 fresh.token.cancel();
                 new.redis = current.redis.clone();
             }
             Err(e) => {
-                tracing::error!(error = %e, "the new [redis] settings cannot be used; keeping the running link");
+                tracing::error!(error = %e, "the new [redis] settings cannot be used; keeping the running backend");
                 new.redis = current.redis.clone();
             }
         }

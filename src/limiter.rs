@@ -97,11 +97,12 @@ pub struct Limiter {
     local: Arc<LocalWindows>,
     bounds: Bounds,
     failure_log: RateLimitedLog,
+    capacity_log: RateLimitedLog,
 }
 
 impl Limiter {
     pub fn new(backend: Backend, local: Arc<LocalWindows>, bounds: Bounds) -> Self {
-        Self { backend, local, bounds, failure_log: RateLimitedLog::new(Duration::from_secs(1)) }
+        Self { backend, local, bounds, failure_log: RateLimitedLog::new(Duration::from_secs(1)), capacity_log: RateLimitedLog::new(Duration::from_secs(10)) }
     }
 
     pub fn backend(&self) -> &Backend {
@@ -135,13 +136,21 @@ impl Limiter {
         match &self.backend {
             Backend::Memory => match self.local.check(&spec) {
                 Ok(v) => respond(&req, Source::Memory, v),
-                Err(full) => capacity_error(&req, Source::Memory, full),
+                Err(full) => self.capacity_error(&req, Source::Memory, full),
             },
             Backend::Redis(redis) => match redis.check(&spec).await {
                 Ok(v) => respond(&req, Source::Redis, v),
                 Err(e) => self.on_backend_error(&req, spec, e),
             },
         }
+    }
+
+    /// No decision: the in-memory windows are full; the client's policy decides.
+    fn capacity_error(&self, req: &CheckRequest, source: Source, full: CapacityFull) -> Response {
+        if let Some(suppressed) = self.capacity_log.permit() {
+            tracing::warn!(error = %full, suppressed, "in-memory windows full: new keys get LOCAL_CAPACITY; raise limits.max_local_keys or look for a flood of unique keys");
+        }
+        Response { source, ..Response::error(req.id, OP_CHECK, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) }
     }
 
     fn on_backend_error(&self, req: &CheckRequest, spec: LimitSpec<'_>, e: BackendError) -> Response {
@@ -176,7 +185,7 @@ impl Limiter {
                 } else {
                     match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }) {
                         Ok(v) => v,
-                        Err(full) => return capacity_error(req, Source::LocalFallback, full),
+                        Err(full) => return self.capacity_error(req, Source::LocalFallback, full),
                     }
                 };
                 respond(req, Source::LocalFallback, v)
@@ -188,10 +197,6 @@ impl Limiter {
     }
 }
 
-/// No decision: the in-memory windows are full; the client's policy decides.
-fn capacity_error(req: &CheckRequest, source: Source, full: CapacityFull) -> Response {
-    Response { source, ..Response::error(req.id, OP_CHECK, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) }
-}
 
 fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
     Response {

@@ -159,7 +159,9 @@ impl Source {
 
 /// Error codes carried in responses. Ranges: 1-19 the request was rejected and
 /// the stream is still in sync; 20-29 the connection is closed after the
-/// response; 30-49 the store failed and the fail policy decided.
+/// response; 30-49 the daemon could not decide as asked: with decision
+/// allowed/denied the request's fail policy decided (30-33), with decision
+/// error nothing did and the client's own policy applies (34).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]
 pub enum ErrorCode {

@@ -378,7 +378,8 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, script: Script, s
 }
 
 fn log_probe_failure(target: &str, failures: u32, reason: &str) {
-    // The first failure, then about every 30 s at the capped backoff.
+    // The first failure, then every 60th: about every 30 s when attempts
+    // fail at once, longer when each waits out a connect timeout.
     if failures == 1 || failures % 60 == 0 {
         tracing::warn!(redis = %target, failures, reason, "cannot reach redis; requests follow their fail policy");
     }

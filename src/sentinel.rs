@@ -41,7 +41,7 @@ impl SentinelConnector {
         let addresses: Vec<(String, u16)> = cfg
             .addresses
             .iter()
-            .filter_map(|a| a.rsplit_once(':').and_then(|(h, p)| p.parse().ok().map(|p| (h.to_string(), p))))
+            .filter_map(|a| a.rsplit_once(':').and_then(|(h, p)| p.parse().ok().map(|p| (h.trim_start_matches('[').trim_end_matches(']').to_string(), p))))
             .collect();
         let addrs = addresses.iter().map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p));
         let mut b = SentinelClientBuilder::new(addrs, &cfg.master_name, SentinelServerType::Master)?;

@@ -53,6 +53,10 @@ pub async fn run(listener: UnixListener, limiter: watch::Receiver<Arc<Limiter>>,
         _ = acceptor.accept_loop() => {}
         _ = shutdown => tracing::info!("shutting down: no new connections; draining"),
     }
+    // Close the listener now: new clients get "connection refused" (or, with
+    // socket activation, wait in systemd's queue for the next daemon) rather
+    // than a connection nobody will serve.
+    drop(acceptor);
     token.cancel();
     tracker.close();
     if tokio::time::timeout(settings.shutdown_grace, tracker.wait()).await.is_err() {
@@ -132,6 +136,11 @@ impl Handler {
         let timer = tokio::time::sleep_until(last_frame + self.settings.idle_timeout);
         tokio::pin!(timer);
         while reading || !in_flight.is_empty() {
+            // Before reading the next frame: a reload's bounds apply to it.
+            if self.limiter.has_changed().unwrap_or(false) {
+                limiter = self.limiter.borrow_and_update().clone();
+                frames.decoder_mut().set_bounds(limiter.bounds());
+            }
             tokio::select! {
                 biased;
                 Some(resp) = in_flight.next(), if !in_flight.is_empty() => {
@@ -147,10 +156,6 @@ impl Handler {
                 frame = frames.next(), if reading && in_flight.len() < self.settings.max_in_flight_per_connection => {
                     last_frame = Instant::now();
                     partial_since = None;
-                    if self.limiter.has_changed().unwrap_or(false) {
-                        limiter = self.limiter.borrow_and_update().clone();
-                        frames.decoder_mut().set_bounds(limiter.bounds());
-                    }
                     match frame {
                         Some(Ok(Inbound::Check(req))) => {
                             METRICS.in_flight(1);
