@@ -10,7 +10,7 @@ use crate::protocol::{decode_response, encode_request, CheckArgs, Response, Resp
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("socket error: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Protocol(#[from] ResponseError),
