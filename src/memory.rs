@@ -76,7 +76,8 @@ impl MemoryWindow {
     /// A new key is refused when its shard is full of keys still in use.
     pub fn check(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, CapacityFull> {
         let mut shard = self.shard(spec.key);
-        if !shard.contains_key(spec.key) && shard.len() >= self.keys_per_shard {
+        // Length first: below capacity the hit path hashes the key once.
+        if shard.len() >= self.keys_per_shard && !shard.contains_key(spec.key) {
             shard.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
             if shard.len() >= self.keys_per_shard {
                 return Err(CapacityFull(self.keys_per_shard * SHARDS));
