@@ -7,9 +7,8 @@ use std::time::Duration;
 use redis::AsyncConnectionConfig;
 use serde::Serialize;
 
-use crate::config::RedisConfig;
-use crate::redis_link::{Connector, ConnectorError};
-use crate::redis_window::WindowKey;
+use crate::config::{RedisConfig, RedisSecrets};
+use crate::redis::{Connector, ConnectorError, WindowKey};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -38,16 +37,16 @@ fn key_string(cfg: &RedisConfig, key: &str) -> String {
     String::from_utf8_lossy(&WindowKey { prefix: cfg.key_prefix.as_bytes(), key: key.as_bytes() }.to_vec()).into_owned()
 }
 
-async fn connect(cfg: &RedisConfig) -> Result<redis::aio::MultiplexedConnection, AdminError> {
-    let connector = Connector::from_config(cfg)?;
+async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<redis::aio::MultiplexedConnection, AdminError> {
+    let connector = Connector::new(cfg, secrets)?;
     let conn_cfg = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms.max(1000))))
+        .set_connection_timeout(Some(cfg.connect_timeout.max(Duration::from_secs(1))))
         .set_response_timeout(Some(Duration::from_secs(5)));
     Ok(connector.connect(&conn_cfg).await?)
 }
 
-pub async fn inspect(cfg: &RedisConfig, key: &str, window_ms: Option<u32>) -> Result<Inspection, AdminError> {
-    let mut conn = connect(cfg).await?;
+pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, window_ms: Option<u32>) -> Result<Inspection, AdminError> {
+    let mut conn = connect(cfg, secrets).await?;
     let redis_key = key_string(cfg, key);
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
     let now_ms = secs * 1000 + micros / 1000;
@@ -70,8 +69,8 @@ pub async fn inspect(cfg: &RedisConfig, key: &str, window_ms: Option<u32>) -> Re
 }
 
 /// Deletes the key's window; returns whether there was one.
-pub async fn reset(cfg: &RedisConfig, key: &str) -> Result<(String, bool), AdminError> {
-    let mut conn = connect(cfg).await?;
+pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str) -> Result<(String, bool), AdminError> {
+    let mut conn = connect(cfg, secrets).await?;
     let redis_key = key_string(cfg, key);
     let removed: u64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?;
     Ok((redis_key, removed > 0))

@@ -8,12 +8,13 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, ConfigError};
-use crate::limiter::{Backend, Limiter, LocalWindows};
+use crate::config::{Config, ConfigError, Resolved};
+use crate::limiter::{Backend, Limiter};
+use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
-use crate::redis_link::ConnectorError;
-use crate::redis_window::RedisWindow;
-use crate::server::{self, ServerSettings};
+use crate::metrics_server::{self, BreakerState};
+use crate::redis::{RedisWindow, StartError};
+use crate::server::{self, Reloadable, ServerSettings};
 use crate::socket::{BoundSocket, SocketError};
 
 #[derive(Debug, thiserror::Error)]
@@ -21,7 +22,7 @@ pub enum DaemonError {
     #[error(transparent)]
     Socket(#[from] SocketError),
     #[error(transparent)]
-    Redis(#[from] ConnectorError),
+    Redis(#[from] StartError),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
     #[error("the listener passed by systemd (LISTEN_FDS) cannot be used: {0}")]
@@ -35,13 +36,6 @@ fn notify_systemd(state: &[sd_notify::NotifyState]) {
     if let Err(e) = sd_notify::notify(state) {
         tracing::debug!(error = %e, "sd_notify failed");
     }
-}
-
-/// The listening socket: bound here (and removed at exit), or passed in by
-/// systemd socket activation (which owns the file, so it is left alone).
-enum Socket {
-    Bound(BoundSocket),
-    Inherited,
 }
 
 /// Takes the Unix listener systemd passed (LISTEN_FDS), if any.
@@ -63,10 +57,14 @@ fn inherited_listener() -> Result<Option<tokio::net::UnixListener>, DaemonError>
 /// Changes the log filter of the running process.
 pub type SetLogLevel = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
 
-/// What SIGHUP needs from the edge: reading the configuration again (file
-/// plus command-line overrides) and changing the log filter.
+/// Reads the configuration again (file plus command-line overrides) and
+/// runs its preflight.
+pub type LoadConfig = Box<dyn Fn() -> Result<(Config, Resolved), ConfigError> + Send + Sync>;
+
+/// What SIGHUP needs from the edge: loading the configuration again and
+/// changing the log filter.
 pub struct Reload {
-    pub load: Box<dyn Fn() -> Result<Config, ConfigError> + Send + Sync>,
+    pub load: LoadConfig,
     pub set_log_level: SetLogLevel,
 }
 
@@ -80,13 +78,13 @@ struct ActiveBackend {
 }
 
 impl ActiveBackend {
-    async fn start(cfg: &Config) -> Result<Self, ConnectorError> {
+    async fn start(cfg: &Config, resolved: &Resolved) -> Result<Self, StartError> {
         let token = CancellationToken::new();
         let backend = match &cfg.redis {
             Some(r) => {
-                let redis = RedisWindow::start(r, token.clone())?;
+                let redis = RedisWindow::start(r, &resolved.redis, token.clone())?;
                 if redis.wait_ready(READY_WAIT).await {
-                    tracing::info!(redis = %r.describe(), sha = redis.script_sha(), timeout_ms = r.timeout_ms, clock = ?r.clock, "redis backend ready");
+                    tracing::info!(redis = %r.describe(), sha = redis.script_sha(), timeout_ms = r.timeout.as_millis() as u64, clock = ?r.clock, "redis backend ready");
                 } else {
                     tracing::warn!(redis = %r.describe(), "redis not reachable yet; serving with each request's fail policy until it is");
                 }
@@ -94,7 +92,7 @@ impl ActiveBackend {
             }
             None => {
                 tracing::warn!("no [redis] configured: using the in-memory backend; limits are per host, not shared between gateways");
-                Backend::Memory
+                Backend::Local
             }
         };
         Ok(Self { backend, token })
@@ -102,8 +100,8 @@ impl ActiveBackend {
 
     fn is_ready(&self) -> bool {
         match &self.backend {
-            Backend::Redis(r) => r.link().is_ready(),
-            Backend::Memory => true,
+            Backend::Redis(r) => r.is_ready(),
+            Backend::Local => true,
         }
     }
 
@@ -116,8 +114,20 @@ impl ActiveBackend {
     }
 }
 
+/// The breaker gauge of whatever backend `reloadable` holds at scrape time.
+fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
+    Arc::new(move || match reloadable.borrow().limiter.backend() {
+        Backend::Redis(r) => Some(r.breaker_open()),
+        Backend::Local => None,
+    })
+}
+
+fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>) -> Reloadable {
+    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(Limiter::new(active.backend.clone(), local.clone())) }
+}
+
 /// Runs the daemon until a termination signal; returns once drained.
-pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
+pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<(), DaemonError> {
     let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut hup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
@@ -125,41 +135,35 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
     // A socket passed by systemd is already listening: connections wait in
     // its queue while the backend starts, so a restart loses none.
     let inherited = inherited_listener()?;
-    let local = Arc::new(LocalWindows::new(cfg.limits.max_local_keys));
-    let mut active = ActiveBackend::start(&cfg).await?;
-    let mode = cfg.socket_mode().expect("validated");
-    let (listener, socket) = match inherited {
+    let local = Arc::new(LocalStore::new(cfg.limits.max_local_keys));
+    let background = CancellationToken::new();
+    tokio::spawn(local.clone().sweep_every_second(background.clone()));
+    let mut active = ActiveBackend::start(&cfg, &resolved).await?;
+    let s = &cfg.server;
+    // A socket bound here is removed when `socket_file` drops; one passed by
+    // systemd belongs to the socket unit and is left alone.
+    let (listener, socket_file) = match inherited {
         Some(l) => {
             tracing::info!("using the socket passed by systemd (LISTEN_FDS); server.listen, socket_mode and socket_group are the socket unit's business");
-            (l, Socket::Inherited)
+            (l, None)
         }
         None => {
             // Bound only now: until the script is loaded (or the wait is
             // over), clients get "connection refused" and apply their own
             // fail policy at once, instead of queueing in the backlog.
-            let mut bound = BoundSocket::bind(&cfg.server.listen, mode, cfg.server.socket_group.as_deref())?;
+            let mut bound = BoundSocket::bind(&s.listen, s.socket_mode, resolved.socket_gid)?;
             let l = bound.take_listener().expect("fresh socket");
-            (l, Socket::Bound(bound))
+            tracing::info!(socket = %bound.path().display(), mode = format_args!("{:04o}", s.socket_mode), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
+            (l, Some(bound))
         }
     };
-    let (limiter_tx, limiter_rx) = watch::channel(Arc::new(Limiter::new(active.backend.clone(), local.clone(), cfg.bounds())));
-    let metrics_token = CancellationToken::new();
+    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local));
     if let Some(m) = &cfg.metrics {
-        let listener = crate::metrics::bind(m.listen).await.map_err(DaemonError::Metrics)?;
+        let listener = metrics_server::bind(m.listen).await.map_err(DaemonError::Metrics)?;
         tracing::info!(listen = %m.listen, "serving metrics at /metrics");
-        tokio::spawn(crate::metrics::serve(listener, limiter_rx.clone(), metrics_token.clone()));
+        tokio::spawn(metrics_server::serve(listener, breaker_state(reloadable_rx.clone()), background.clone()));
     }
-    let s = &cfg.server;
-    let settings = ServerSettings {
-        max_connections: s.max_connections,
-        max_in_flight_per_connection: s.max_in_flight_per_connection,
-        shutdown_grace: Duration::from_millis(s.shutdown_grace_ms),
-        idle_timeout: Duration::from_millis(s.idle_timeout_ms),
-        frame_timeout: Duration::from_millis(s.frame_timeout_ms),
-    };
-    if let Socket::Bound(b) = &socket {
-        tracing::info!(socket = %b.path().display(), mode = format_args!("{mode:04o}"), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
-    }
+    let settings = ServerSettings::from(s);
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
     let mut current = cfg.clone();
@@ -172,8 +176,8 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
                     tracing::info!("SIGHUP received: reloading the configuration");
                     notify_systemd(&[sd_notify::NotifyState::Reloading, sd_notify::NotifyState::monotonic_usec_now().unwrap_or(sd_notify::NotifyState::Status("reloading"))]);
                     match (reload.load)() {
-                        Ok(new) => {
-                            apply(&mut current, new, &mut active, &local, &limiter_tx, &reload).await;
+                        Ok((new, resolved)) => {
+                            apply(&mut current, new, &resolved, &mut active, &local, &reloadable_tx, &reload).await;
                             METRICS.reloaded(true);
                         }
                         Err(e) => {
@@ -187,20 +191,20 @@ pub async fn serve(cfg: Config, reload: Reload) -> Result<(), DaemonError> {
             }
         }
     };
-    server::run(listener, limiter_rx, settings, async {
+    server::run(listener, reloadable_rx, settings, async {
         control.await;
         notify_systemd(&[sd_notify::NotifyState::Stopping]);
     })
     .await;
     active.token.cancel();
-    metrics_token.cancel();
-    drop(socket);
+    background.cancel();
+    drop(socket_file);
     tracing::info!("stopped");
     Ok(())
 }
 
 /// Puts a new, valid configuration in force without dropping a connection.
-async fn apply(current: &mut Config, mut new: Config, active: &mut ActiveBackend, local: &Arc<LocalWindows>, limiter_tx: &watch::Sender<Arc<Limiter>>, reload: &Reload) {
+async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload) {
     if new.metrics != current.metrics {
         tracing::warn!("[metrics] changes take effect at the next restart; keeping the running endpoint");
         new.metrics = current.metrics.clone();
@@ -225,10 +229,10 @@ async fn apply(current: &mut Config, mut new: Config, active: &mut ActiveBackend
     // Always a fresh link when Redis is configured: secrets and certificate
     // files may have changed behind the same paths.
     if new.redis.is_some() || current.redis.is_some() {
-        match ActiveBackend::start(&new).await {
+        match ActiveBackend::start(&new, resolved).await {
             Ok(fresh) if fresh.is_ready() || !active.is_ready() => {
                 let old = std::mem::replace(active, fresh);
-                old.retire(Duration::from_millis(current.server.shutdown_grace_ms));
+                old.retire(current.server.shutdown_grace);
             }
             Ok(fresh) => {
                 tracing::error!("the new [redis] settings do not reach a working Redis; keeping the running backend");
@@ -241,7 +245,7 @@ async fn apply(current: &mut Config, mut new: Config, active: &mut ActiveBackend
             }
         }
     }
-    limiter_tx.send_replace(Arc::new(Limiter::new(active.backend.clone(), local.clone(), new.bounds())));
+    reloadable_tx.send_replace(reloadable(&new, active, local));
     *current = new;
     tracing::info!("configuration reloaded");
 }

@@ -1,27 +1,38 @@
 //! ratelimitd: a per-host daemon that answers "may this request pass?" for
 //! Nginx workers over a Unix socket, with an exact sliding window in Redis.
 //!
-//! Modules, one concern each:
-//! - `protocol`: frames, requests, responses, error codes (docs/PROTOCOL.md);
-//! - `config`: the TOML configuration (docs/CONFIG.md);
-//! - `limiter`: decisions and fail policies over a backend;
-//! - `redis_window`, `memory`: the two exact sliding-window backends;
-//! - `socket`, `server`, `daemon`: the listening socket, connections, `serve`;
-//! - `client`, `bench`: the client side used by `query`, `bench` and tests.
+//! Layout, from the bottom up; a module imports only from the rows above
+//! its own (tests/layout.rs fails on a cycle or an upward import):
+//!
+//! | layer | module | concern |
+//! |---|---|---|
+//! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
+//! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response` |
+//! | counters | `metrics` | lock-free counters and their Prometheus text |
+//! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
+//! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
+//! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, `eval`), `window` (the script) |
+//! | decisions | `limiter` | asks a store, applies the fail policy, builds the response |
+//! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` |
+//! | edges | `daemon`, `client`, `bench`, `admin` | `serve` wiring and reloads; the client side; `inspect`/`reset` |
+//!
+//! `main.rs` is the command line over this library. Modules are private
+//! unless the command line or the integration tests use them.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod bench;
-pub mod breaker;
 pub mod client;
 pub mod config;
 pub mod daemon;
-pub mod limiter;
-pub mod memory;
-pub mod metrics;
+mod limiter;
+mod local_store;
+mod metrics;
+mod metrics_server;
 pub mod protocol;
-pub mod redis_link;
-pub mod redis_window;
-pub mod sentinel;
-pub mod server;
-pub mod socket;
+mod redis;
+mod server;
+mod socket;
+pub mod window;
+
+pub use crate::redis::RedisWindow;

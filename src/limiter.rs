@@ -1,4 +1,4 @@
-//! Turns a validated request into a response: asks the backend, and when the
+//! Turns a validated request into a response: asks the store, and when the
 //! shared store fails, applies the request's fail policy.
 
 use std::borrow::Cow;
@@ -6,54 +6,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::memory::{CapacityFull, MemoryWindow};
+use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::metrics::METRICS;
-use crate::protocol::{Bounds, CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
-use crate::redis_window::RedisWindow;
+use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
+use crate::redis::RedisWindow;
+use crate::window::{LimitSpec, StoreError, Verdict};
 
-/// One limit to check, borrowed from the request.
-#[derive(Clone, Copy, Debug)]
-pub struct LimitSpec<'a> {
-    pub key: &'a [u8],
-    pub limit: u32,
-    pub window_ms: u32,
-    pub cost: u32,
-}
-
-/// A backend's answer for one limit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct Verdict {
-    pub allowed: bool,
-    /// Admissions in the window after this request.
-    pub count: u32,
-    pub remaining: u32,
-    /// 0 when allowed; else ms until a retry of the same cost can pass.
-    pub retry_after_ms: u32,
-    /// ms until the window holds no admissions.
-    pub reset_ms: u32,
-}
-
-/// Why the shared store could not decide.
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum BackendError {
-    #[error("redis did not answer within {0:?}")]
-    Timeout(Duration),
-    #[error("redis is unavailable: {0}")]
-    Unavailable(String),
-    #[error("redis error: {0}")]
-    Redis(String),
-    #[error("circuit open: redis is down or too slow; waiting for a probe to succeed")]
-    CircuitOpen,
-}
-
-impl BackendError {
-    pub fn code(&self) -> ErrorCode {
-        match self {
-            Self::Timeout(_) => ErrorCode::RedisTimeout,
-            Self::Unavailable(_) => ErrorCode::RedisUnavailable,
-            Self::Redis(_) => ErrorCode::RedisError,
-            Self::CircuitOpen => ErrorCode::CircuitOpen,
-        }
+/// The response code of a store failure.
+fn error_code(e: &StoreError) -> ErrorCode {
+    match e {
+        StoreError::Timeout(_) => ErrorCode::RedisTimeout,
+        StoreError::Unavailable(_) => ErrorCode::RedisUnavailable,
+        StoreError::Redis(_) => ErrorCode::RedisError,
+        StoreError::CircuitOpen => ErrorCode::CircuitOpen,
     }
 }
 
@@ -61,67 +26,33 @@ impl BackendError {
 #[derive(Debug, Clone)]
 pub enum Backend {
     Redis(Arc<RedisWindow>),
-    /// Per-host only: no Redis configured.
-    Memory,
-}
-
-/// The per-host windows and their clock, kept across configuration reloads
-/// so that a reload forgets no admission.
-#[derive(Debug)]
-pub struct LocalWindows {
-    windows: MemoryWindow,
-    epoch: Instant,
-}
-
-impl LocalWindows {
-    pub fn new(max_keys: usize) -> Self {
-        Self { windows: MemoryWindow::new(max_keys), epoch: Instant::now() }
-    }
-
-    /// Monotonic ms: immune to wall-clock steps.
-    fn now(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-
-    fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, CapacityFull> {
-        self.windows.check(spec, self.now())
-    }
+    /// No Redis configured: the per-host store decides; limits are per host.
+    Local,
 }
 
 /// The decision engine shared by all connections; replaced whole on reload.
 #[derive(Debug)]
 pub struct Limiter {
     backend: Backend,
-    /// The primary store of the memory backend, and the fallback of the
-    /// `local` fail policy with Redis.
-    local: Arc<LocalWindows>,
-    bounds: Bounds,
+    /// The store of the local backend, and the fallback of the `local` fail
+    /// policy with Redis; outlives reloads.
+    local: Arc<LocalStore>,
     failure_log: RateLimitedLog,
     capacity_log: RateLimitedLog,
 }
 
 impl Limiter {
-    pub fn new(backend: Backend, local: Arc<LocalWindows>, bounds: Bounds) -> Self {
-        Self { backend, local, bounds, failure_log: RateLimitedLog::new(Duration::from_secs(1)), capacity_log: RateLimitedLog::new(Duration::from_secs(10)) }
+    pub fn new(backend: Backend, local: Arc<LocalStore>) -> Self {
+        Self { backend, local, failure_log: RateLimitedLog::new(Duration::from_secs(1)), capacity_log: RateLimitedLog::new(Duration::from_secs(10)) }
     }
 
     pub fn backend(&self) -> &Backend {
         &self.backend
     }
 
-    /// The bounds requests are validated against.
-    pub fn bounds(&self) -> Bounds {
-        self.bounds
-    }
-
     /// `decide`, owning its limiter: the future outlives a reload.
     pub async fn decide_owned(self: Arc<Self>, req: CheckRequest) -> Response {
         self.decide(req).await
-    }
-
-    /// Drops idle keys from the in-memory windows; returns how many.
-    pub fn sweep_local(&self) -> usize {
-        self.local.windows.sweep(self.local.now())
     }
 
     /// Decides one request. Never fails: errors become responses.
@@ -134,7 +65,7 @@ impl Limiter {
     async fn decide_inner(&self, req: CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
-            Backend::Memory => match self.local.check(&spec) {
+            Backend::Local => match self.local.check(&spec) {
                 Ok(v) => respond(&req, Source::Memory, v),
                 Err(full) => self.capacity_error(&req, Source::Memory, full),
             },
@@ -146,14 +77,14 @@ impl Limiter {
     }
 
     /// No decision: the in-memory windows are full; the client's policy decides.
-    fn capacity_error(&self, req: &CheckRequest, source: Source, full: CapacityFull) -> Response {
+    fn capacity_error(&self, req: &CheckRequest, source: Source, full: LocalStoreFull) -> Response {
         if let Some(suppressed) = self.capacity_log.permit() {
             tracing::warn!(error = %full, suppressed, "in-memory windows full: new keys get LOCAL_CAPACITY; raise limits.max_local_keys or look for a flood of unique keys");
         }
         Response { source, ..Response::error(req.id, OP_CHECK, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) }
     }
 
-    fn on_backend_error(&self, req: &CheckRequest, spec: LimitSpec<'_>, e: BackendError) -> Response {
+    fn on_backend_error(&self, req: &CheckRequest, spec: LimitSpec<'_>, e: StoreError) -> Response {
         METRICS.fail_policy_applied(req.on_error);
         if let Some(suppressed) = self.failure_log.permit() {
             tracing::warn!(
@@ -191,7 +122,7 @@ impl Limiter {
                 respond(req, Source::LocalFallback, v)
             }
         };
-        r.error = e.code();
+        r.error = error_code(&e);
         r.message = Cow::Owned(e.to_string());
         r
     }
@@ -216,7 +147,7 @@ fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
 /// Lets one log line through per interval and counts the ones held back, so
 /// a Redis outage at 50k req/s gives one warning a second, not 50k.
 #[derive(Debug)]
-pub struct RateLimitedLog {
+struct RateLimitedLog {
     interval_ms: u64,
     epoch: Instant,
     next_ms: AtomicU64,
@@ -224,13 +155,13 @@ pub struct RateLimitedLog {
 }
 
 impl RateLimitedLog {
-    pub fn new(interval: Duration) -> Self {
+    fn new(interval: Duration) -> Self {
         Self { interval_ms: interval.as_millis() as u64, epoch: Instant::now(), next_ms: AtomicU64::new(0), suppressed: AtomicU64::new(0) }
     }
 
     /// `Some(n)` when a line may be logged now (n lines were held back since
     /// the last one); `None` when it must be held back.
-    pub fn permit(&self) -> Option<u64> {
+    fn permit(&self) -> Option<u64> {
         let now = self.epoch.elapsed().as_millis() as u64;
         let next = self.next_ms.load(Ordering::Relaxed);
         if now >= next && self.next_ms.compare_exchange(next, now + self.interval_ms, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
@@ -252,7 +183,7 @@ mod tests {
 
     #[tokio::test]
     async fn memory_backend_answers_with_source_memory() {
-        let l = Limiter::new(Backend::Memory, Arc::new(LocalWindows::new(1000)), Bounds::default());
+        let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000)));
         let r = l.decide(req("a", 1, FailPolicy::Closed)).await;
         assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, Source::Memory, 1, 0));
         let r = l.decide(req("a", 1, FailPolicy::Closed)).await;
@@ -262,8 +193,8 @@ mod tests {
 
     #[test]
     fn fail_policies_decide_on_backend_errors() {
-        let l = Limiter::new(Backend::Memory, Arc::new(LocalWindows::new(1000)), Bounds::default());
-        let e = || BackendError::Timeout(Duration::from_millis(20));
+        let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000)));
+        let e = || StoreError::Timeout(Duration::from_millis(20));
         let spec_of = |r: &CheckRequest| LimitSpec { key: b"k", limit: r.limit, window_ms: r.window_ms, cost: r.cost };
 
         let open = req("k", 10, FailPolicy::Open);

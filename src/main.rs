@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use ratelimitd::bench::{self, BenchArgs};
 use ratelimitd::client::Client;
-use ratelimitd::config::{Config, ConfigError, LogFormat, RedisConfig};
+use ratelimitd::config::{preflight, Config, ConfigError, LogFormat, Overrides, Resolved};
 use ratelimitd::daemon::{Reload, SetLogLevel};
 use ratelimitd::protocol::{CheckArgs, FailPolicy};
 
@@ -119,33 +119,24 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve { config, listen, redis } => {
-            // Read, overridden by flags, validated: at start and on every SIGHUP.
-            let load = move || -> Result<Config, ConfigError> {
-                let mut cfg = match &config {
-                    Some(path) => Config::load(path)?,
-                    None => Config::default(),
-                };
-                if let Some(listen) = &listen {
-                    cfg.server.listen = listen.clone();
-                }
-                if let Some(url) = &redis {
-                    cfg.redis.get_or_insert_with(RedisConfig::default).url = Some(url.clone());
-                }
-                let origin = match &config {
-                    Some(path) => PathBuf::from(format!("{} (with command-line overrides)", path.display())),
-                    None => PathBuf::from("command line"),
-                };
-                cfg.validate(&origin)?;
-                Ok(cfg)
+            // Read, overridden by flags, validated and preflighted: at start
+            // and on every SIGHUP.
+            let overrides = Overrides { listen, redis_url: redis };
+            let load = move || -> Result<(Config, Resolved), ConfigError> {
+                let cfg = Config::load_with(config.as_deref(), &overrides)?;
+                let origin = config.clone().unwrap_or_else(|| PathBuf::from("command line"));
+                let resolved = preflight(&cfg, &origin)?;
+                Ok((cfg, resolved))
             };
-            let cfg = load()?;
+            let (cfg, resolved) = load()?;
             let set_log_level = init_logging(&cfg.log.level, cfg.log.format);
             let reload = Reload { load: Box::new(load), set_log_level };
-            runtime()?.block_on(ratelimitd::daemon::serve(cfg, reload))?;
+            runtime()?.block_on(ratelimitd::daemon::serve(cfg, resolved, reload))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig { config } => {
             let cfg = Config::load(&config)?;
+            preflight(&cfg, &config)?;
             let backend = match &cfg.redis {
                 Some(r) => format!("redis: {}", r.describe()),
                 None => "in-memory (per host)".into(),
@@ -154,9 +145,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { config, key, window_ms, json } => {
-            let cfg = Config::load(&config)?;
+            let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let i = runtime()?.block_on(ratelimitd::admin::inspect(redis, &key, window_ms))?;
+            let i = runtime()?.block_on(ratelimitd::admin::inspect(redis, &resolved.redis, &key, window_ms))?;
             if json {
                 println!("{}", serde_json::to_string(&i)?);
             } else {
@@ -173,9 +164,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Reset { config, key } => {
-            let cfg = Config::load(&config)?;
+            let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let (redis_key, existed) = runtime()?.block_on(ratelimitd::admin::reset(redis, &key))?;
+            let (redis_key, existed) = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &key))?;
             println!("{redis_key}: {}", if existed { "deleted" } else { "no such key" });
             Ok(ExitCode::SUCCESS)
         }
@@ -247,6 +238,13 @@ impl CheckOpts {
             local_limit: self.local_limit,
         }
     }
+}
+
+/// The configuration and its secrets, for `inspect` and `reset`.
+fn load_for_admin(path: &std::path::Path) -> Result<(Config, Resolved), ConfigError> {
+    let cfg = Config::load(path)?;
+    let resolved = preflight(&cfg, path)?;
+    Ok((cfg, resolved))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

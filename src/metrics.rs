@@ -1,74 +1,30 @@
-//! Counters of the daemon, served in the Prometheus text format on a
-//! loopback HTTP address (`[metrics] listen`).
+//! Counters of the daemon and their Prometheus text exposition (served by
+//! `metrics_server`).
 //!
 //! Every metric is a fixed atomic in one static: the request path adds to a
 //! counter with one relaxed atomic operation, never a lock, a map lookup or
-//! an allocation. Label sets are known up front (decision x source, error
-//! code, fail policy), so they are plain arrays.
+//! an allocation. Label sets are the protocol's own vocabulary (decision x
+//! source, error code, fail policy), so they are plain arrays indexed by
+//! each value's position in its `ALL`.
 
 use std::fmt::Write;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
-
-use crate::limiter::{Backend, Limiter};
 use crate::protocol::{Decision, ErrorCode, FailPolicy, Source};
 
-const DECISIONS: [Decision; 3] = [Decision::Allowed, Decision::Denied, Decision::Error];
-const SOURCES: [Source; 6] = [Source::Redis, Source::LocalFallback, Source::FailOpen, Source::FailClosed, Source::Memory, Source::None];
-const POLICIES: [FailPolicy; 3] = [FailPolicy::Open, FailPolicy::Closed, FailPolicy::Local];
-/// Every code but `None`, in wire order.
-const ERRORS: [ErrorCode; 18] = [
-    ErrorCode::Malformed,
-    ErrorCode::UnsupportedVersion,
-    ErrorCode::UnknownOp,
-    ErrorCode::UnsupportedFlags,
-    ErrorCode::UnsupportedLimitCount,
-    ErrorCode::InvalidKey,
-    ErrorCode::InvalidLimit,
-    ErrorCode::InvalidWindow,
-    ErrorCode::InvalidCost,
-    ErrorCode::InvalidPolicy,
-    ErrorCode::InvalidLocalLimit,
-    ErrorCode::FrameTooLarge,
-    ErrorCode::RedisTimeout,
-    ErrorCode::RedisUnavailable,
-    ErrorCode::RedisError,
-    ErrorCode::CircuitOpen,
-    ErrorCode::LocalCapacity,
-    ErrorCode::None,
-];
+const DECISIONS: usize = Decision::ALL.len();
+const SOURCES: usize = Source::ALL.len();
+const POLICIES: usize = FailPolicy::ALL.len();
+const ERRORS: usize = ErrorCode::ALL.len();
 /// Upper bounds of the Redis latency buckets, in µs.
 const LATENCY_BUCKETS_US: [u64; 11] = [100, 250, 500, 1_000, 2_500, 5_000, 10_000, 20_000, 50_000, 100_000, 250_000];
 
-fn decision_index(d: Decision) -> usize {
-    DECISIONS.iter().position(|&x| x == d).unwrap_or(0)
-}
-
-fn source_index(s: Source) -> usize {
-    SOURCES.iter().position(|&x| x == s).unwrap_or(SOURCES.len() - 1)
-}
-
-fn error_index(e: ErrorCode) -> usize {
-    ERRORS.iter().position(|&x| x == e).unwrap_or(ERRORS.len() - 1)
-}
-
 /// All the daemon's counters.
 pub struct Metrics {
-    decisions: [[AtomicU64; SOURCES.len()]; DECISIONS.len()],
-    errors: [AtomicU64; ERRORS.len()],
-    fail_policy: [AtomicU64; POLICIES.len()],
+    decisions: [[AtomicU64; SOURCES]; DECISIONS],
+    errors: [AtomicU64; ERRORS],
+    fail_policy: [AtomicU64; POLICIES],
     redis_latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     redis_latency_sum_us: AtomicU64,
     noscript_reloads: AtomicU64,
@@ -96,9 +52,9 @@ impl Default for Metrics {
 impl Metrics {
     pub const fn new() -> Self {
         Self {
-            decisions: [const { [ZERO; SOURCES.len()] }; DECISIONS.len()],
-            errors: [ZERO; ERRORS.len()],
-            fail_policy: [ZERO; POLICIES.len()],
+            decisions: [const { [ZERO; SOURCES] }; DECISIONS],
+            errors: [ZERO; ERRORS],
+            fail_policy: [ZERO; POLICIES],
             redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
             redis_latency_sum_us: ZERO,
             noscript_reloads: ZERO,
@@ -114,16 +70,15 @@ impl Metrics {
 
     #[inline]
     pub fn decided(&self, decision: Decision, source: Source, error: ErrorCode) {
-        self.decisions[decision_index(decision)][source_index(source)].fetch_add(1, Ordering::Relaxed);
+        self.decisions[decision.index()][source.index()].fetch_add(1, Ordering::Relaxed);
         if error != ErrorCode::None {
-            self.errors[error_index(error)].fetch_add(1, Ordering::Relaxed);
+            self.errors[error.index()].fetch_add(1, Ordering::Relaxed);
         }
     }
 
     #[inline]
     pub fn fail_policy_applied(&self, policy: FailPolicy) {
-        let i = POLICIES.iter().position(|&p| p == policy).unwrap_or(0);
-        self.fail_policy[i].fetch_add(1, Ordering::Relaxed);
+        self.fail_policy[policy.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     #[inline]
@@ -170,23 +125,18 @@ impl Metrics {
         let mut out = String::with_capacity(8192);
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let _ = writeln!(out, "# HELP ratelimitd_decisions_total Decisions by result and by who made them.\n# TYPE ratelimitd_decisions_total counter");
-        for (d, row) in DECISIONS.iter().zip(&self.decisions) {
-            for (s, n) in SOURCES.iter().zip(row) {
+        for (d, row) in Decision::ALL.iter().zip(&self.decisions) {
+            for (s, n) in Source::ALL.iter().zip(row) {
                 let _ = writeln!(out, "ratelimitd_decisions_total{{decision=\"{}\",source=\"{}\"}} {}", d.as_str(), s.as_str(), get(n));
             }
         }
         let _ = writeln!(out, "# HELP ratelimitd_errors_total Responses carrying an error code, by code.\n# TYPE ratelimitd_errors_total counter");
-        for (e, n) in ERRORS.iter().zip(&self.errors).filter(|(e, _)| **e != ErrorCode::None) {
+        for (e, n) in ErrorCode::ALL.iter().zip(&self.errors).filter(|(e, _)| **e != ErrorCode::None) {
             let _ = writeln!(out, "ratelimitd_errors_total{{code=\"{}\"}} {}", e.as_str(), get(n));
         }
         let _ = writeln!(out, "# HELP ratelimitd_fail_policy_total Requests decided by their fail policy because Redis could not, by policy.\n# TYPE ratelimitd_fail_policy_total counter");
-        for (p, n) in POLICIES.iter().zip(&self.fail_policy) {
-            let name = match p {
-                FailPolicy::Open => "open",
-                FailPolicy::Closed => "closed",
-                FailPolicy::Local => "local",
-            };
-            let _ = writeln!(out, "ratelimitd_fail_policy_total{{policy=\"{name}\"}} {}", get(n));
+        for (p, n) in FailPolicy::ALL.iter().zip(&self.fail_policy) {
+            let _ = writeln!(out, "ratelimitd_fail_policy_total{{policy=\"{}\"}} {}", p.as_str(), get(n));
         }
         let _ = writeln!(out, "# HELP ratelimitd_redis_call_seconds Time of one decision's Redis call (EVALSHA, with a NOSCRIPT reload if any).\n# TYPE ratelimitd_redis_call_seconds histogram");
         let mut cumulative = 0;
@@ -221,51 +171,6 @@ impl Metrics {
         }
         out
     }
-}
-
-/// Serves `GET /metrics` on `listener` until `shutdown`.
-pub async fn serve(listener: TcpListener, limiter: watch::Receiver<Arc<Limiter>>, shutdown: CancellationToken) {
-    loop {
-        let stream = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    tracing::debug!(error = %e, "metrics accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let limiter = limiter.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req: Request<hyper::body::Incoming>| {
-                let breaker = match limiter.borrow().backend() {
-                    Backend::Redis(r) => Some(r.link().breaker_open()),
-                    Backend::Memory => None,
-                };
-                async move {
-                    let resp = if req.uri().path() == "/metrics" {
-                        Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-                            .body(Full::new(Bytes::from(METRICS.render(breaker))))
-                    } else {
-                        Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(Bytes::from_static(b"see /metrics\n")))
-                    };
-                    Ok::<_, hyper::http::Error>(resp.expect("static response parts"))
-                }
-            });
-            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await {
-                tracing::debug!(error = %e, "metrics connection ended");
-            }
-        });
-    }
-}
-
-/// Binds the metrics address; only loopback addresses are accepted (checked
-/// by the configuration).
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
 }
 
 #[cfg(test)]

@@ -20,9 +20,10 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::config::ServerConfig;
 use crate::limiter::Limiter;
 use crate::metrics::METRICS;
-use crate::protocol::{encode_response, Decision, ErrorCode, Inbound, RequestCodec, Response, Source};
+use crate::protocol::{encode_response, Bounds, Decision, ErrorCode, Inbound, RequestCodec, Response, Source, MAX_FRAME_LEN};
 
 /// Connection handling settings, from `[server]`; fixed for the daemon's life.
 #[derive(Debug, Clone)]
@@ -34,16 +35,35 @@ pub struct ServerSettings {
     pub frame_timeout: Duration,
 }
 
+impl From<&ServerConfig> for ServerSettings {
+    fn from(s: &ServerConfig) -> Self {
+        Self {
+            max_connections: s.max_connections,
+            max_in_flight_per_connection: s.max_in_flight_per_connection,
+            shutdown_grace: s.shutdown_grace,
+            idle_timeout: s.idle_timeout,
+            frame_timeout: s.frame_timeout,
+        }
+    }
+}
+
+/// What a configuration reload replaces for the frames still to come: the
+/// bounds they are validated against and the limiter that decides them.
+#[derive(Debug, Clone)]
+pub struct Reloadable {
+    pub bounds: Bounds,
+    pub limiter: Arc<Limiter>,
+}
+
 /// Serves `listener` until `shutdown` completes, then drains. Each request
-/// is decided by the limiter current when its frame is read; a new one can
-/// be sent on `limiter` at any time (configuration reload).
-pub async fn run(listener: UnixListener, limiter: watch::Receiver<Arc<Limiter>>, settings: ServerSettings, shutdown: impl Future) {
+/// is validated and decided with what is current on `reloadable` when its
+/// frame is read; a reload may send a new one at any time.
+pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>, settings: ServerSettings, shutdown: impl Future) {
     let token = CancellationToken::new();
     let tracker = TaskTracker::new();
-    tracker.spawn(sweep_local_windows(limiter.clone(), token.clone()));
     let acceptor = Listener {
         listener,
-        limiter,
+        reloadable,
         connections: Arc::new(Semaphore::new(settings.max_connections)),
         settings: settings.clone(),
         token: token.clone(),
@@ -70,7 +90,7 @@ pub async fn run(listener: UnixListener, limiter: watch::Receiver<Arc<Limiter>>,
 
 struct Listener {
     listener: UnixListener,
-    limiter: watch::Receiver<Arc<Limiter>>,
+    reloadable: watch::Receiver<Reloadable>,
     connections: Arc<Semaphore>,
     settings: ServerSettings,
     token: CancellationToken,
@@ -90,7 +110,7 @@ impl Listener {
             match self.listener.accept().await {
                 Ok((stream, _)) => {
                     backoff = Duration::from_millis(1);
-                    let handler = Handler { limiter: self.limiter.clone(), settings: self.settings.clone(), token: self.token.clone() };
+                    let handler = Handler { reloadable: self.reloadable.clone(), settings: self.settings.clone(), token: self.token.clone() };
                     self.tracker.spawn(async move {
                         handler.run(stream).await;
                         drop(permit);
@@ -112,7 +132,7 @@ impl Listener {
 /// may overtake each other). Closes the connection when it has been idle for
 /// `idle_timeout`, or when a frame stays incomplete for `frame_timeout`.
 struct Handler {
-    limiter: watch::Receiver<Arc<Limiter>>,
+    reloadable: watch::Receiver<Reloadable>,
     settings: ServerSettings,
     token: CancellationToken,
 }
@@ -126,8 +146,8 @@ impl Handler {
 
     async fn serve(mut self, stream: UnixStream) {
         let (rd, mut wr) = stream.into_split();
-        let mut limiter = self.limiter.borrow_and_update().clone();
-        let mut frames = FramedRead::with_capacity(rd, RequestCodec::new(limiter.bounds()), 4096);
+        let Reloadable { bounds, mut limiter } = self.reloadable.borrow_and_update().clone();
+        let mut frames = FramedRead::with_capacity(rd, RequestCodec::new(bounds), 4096);
         let mut out = BytesMut::with_capacity(1024);
         let mut in_flight = FuturesUnordered::new();
         let mut reading = true;
@@ -137,9 +157,10 @@ impl Handler {
         tokio::pin!(timer);
         while reading || !in_flight.is_empty() {
             // Before reading the next frame: a reload's bounds apply to it.
-            if self.limiter.has_changed().unwrap_or(false) {
-                limiter = self.limiter.borrow_and_update().clone();
-                frames.decoder_mut().set_bounds(limiter.bounds());
+            if self.reloadable.has_changed().unwrap_or(false) {
+                let current = self.reloadable.borrow_and_update().clone();
+                limiter = current.limiter;
+                frames.decoder_mut().set_bounds(current.bounds);
             }
             tokio::select! {
                 biased;
@@ -169,7 +190,7 @@ impl Handler {
                         Some(Ok(Inbound::TooLarge { len })) => {
                             tracing::debug!(len, "frame too large; closing the connection");
                             METRICS.decided(Decision::Error, Source::None, ErrorCode::FrameTooLarge);
-                            let msg = format!("frame of {len} bytes exceeds the maximum of {}", crate::protocol::MAX_FRAME_LEN);
+                            let msg = format!("frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}");
                             encode_response(&Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()), &mut out);
                             reading = false;
                         }
@@ -218,30 +239,13 @@ impl Handler {
     }
 }
 
-/// Frees the memory of idle keys in the in-memory windows once a second.
-async fn sweep_local_windows(limiter: watch::Receiver<Arc<Limiter>>, token: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = token.cancelled() => return,
-            _ = tick.tick() => {
-                let removed = limiter.borrow().sweep_local();
-                if removed > 0 {
-                    tracing::trace!(removed, "swept idle in-memory keys");
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::client::Client;
-    use crate::limiter::{Backend, LocalWindows};
-    use crate::protocol::Bounds;
-    use crate::protocol::{CheckArgs, Decision, FailPolicy};
+    use crate::limiter::Backend;
+    use crate::local_store::LocalStore;
+    use crate::protocol::{CheckArgs, FailPolicy};
 
     fn settings() -> ServerSettings {
         ServerSettings {
@@ -259,9 +263,9 @@ mod tests {
         let path = dir.path().join("d.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let limiter = Arc::new(Limiter::new(Backend::Memory, Arc::new(LocalWindows::new(1000)), Bounds::default()));
-        let (_keep, limiter_rx) = watch::channel(limiter);
-        let server = tokio::spawn(run(listener, limiter_rx, settings(), rx));
+        let limiter = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))));
+        let (_keep, reloadable) = watch::channel(Reloadable { bounds: Bounds::default(), limiter });
+        let server = tokio::spawn(run(listener, reloadable, settings(), rx));
         let mut c = Client::connect(&path).await.unwrap();
         let args = CheckArgs { key: b"k", limit: 2, window_ms: 60_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
         let mut decisions = Vec::new();

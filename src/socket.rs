@@ -16,8 +16,6 @@ pub enum SocketError {
     NotASocket { path: PathBuf },
     #[error("{path}: {action}: {err}")]
     Io { path: PathBuf, action: &'static str, err: io::Error },
-    #[error("server.socket_group: group '{0}' does not exist")]
-    NoSuchGroup(String),
 }
 
 /// A bound listener whose file is removed on drop (if it is still ours).
@@ -29,8 +27,9 @@ pub struct BoundSocket {
 }
 
 impl BoundSocket {
-    /// Removes a stale socket file, binds, and applies mode and group.
-    pub fn bind(path: &Path, mode: u32, group: Option<&str>) -> Result<Self, SocketError> {
+    /// Removes a stale socket file, binds, and applies mode and group id
+    /// (resolved by the configuration's preflight).
+    pub fn bind(path: &Path, mode: u32, gid: Option<u32>) -> Result<Self, SocketError> {
         let io_err = |action: &'static str| move |err| SocketError::Io { path: path.into(), action, err };
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
@@ -44,15 +43,6 @@ impl BoundSocket {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_err("inspect")(e)),
         }
-        let gid = match group {
-            Some(name) => Some(
-                nix::unistd::Group::from_name(name)
-                    .map_err(|e| io_err("look up socket group")(e.into()))?
-                    .ok_or_else(|| SocketError::NoSuchGroup(name.into()))?
-                    .gid,
-            ),
-            None => None,
-        };
         // Bind under a temporary name, set group and mode, then rename into
         // place: clients never see the socket with the umask's permissions.
         let mut tmp = path.as_os_str().to_owned();
@@ -62,7 +52,7 @@ impl BoundSocket {
         let listener = UnixListener::bind(&tmp).map_err(io_err("bind"))?;
         let prepared = (|| {
             if let Some(gid) = gid {
-                std::os::unix::fs::chown(&tmp, None, Some(gid.as_raw())).map_err(io_err("set socket group"))?;
+                std::os::unix::fs::chown(&tmp, None, Some(gid)).map_err(io_err("set socket group"))?;
             }
             std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io_err("set socket mode"))?;
             std::fs::rename(&tmp, path).map_err(io_err("move socket into place"))?;
@@ -127,6 +117,5 @@ mod tests {
         std::fs::write(&file, b"x").unwrap();
         assert!(matches!(BoundSocket::bind(&file, 0o600, None), Err(SocketError::NotASocket { .. })));
         assert!(file.exists());
-        assert!(matches!(BoundSocket::bind(&dir.path().join("g.sock"), 0o600, Some("no-such-group-xyz")), Err(SocketError::NoSuchGroup(_))));
     }
 }

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{args, Daemon, RedisServer};
-use ratelimitd::config::RedisConfig;
-use ratelimitd::limiter::LimitSpec;
+use ratelimitd::config::{RedisConfig, RedisTarget, RedisSecrets};
 use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, Source};
-use ratelimitd::redis_window::RedisWindow;
+use ratelimitd::window::LimitSpec;
+use ratelimitd::RedisWindow;
 use redis::Commands;
 use tokio_util::sync::CancellationToken;
 
@@ -21,8 +21,8 @@ fn wall_ms() -> u64 {
 }
 
 async fn redis_window(r: &RedisServer, token: &CancellationToken) -> Arc<RedisWindow> {
-    let cfg = RedisConfig { url: Some(r.url()), timeout_ms: 2000, ..RedisConfig::default() };
-    let w = RedisWindow::start(&cfg, token.clone()).unwrap();
+    let cfg = RedisConfig { target: RedisTarget::Url(r.url()), timeout: Duration::from_secs(2), ..RedisConfig::default() };
+    let w = RedisWindow::start(&cfg, &RedisSecrets::default(), token.clone()).unwrap();
     assert!(w.wait_ready(Duration::from_secs(5)).await);
     w
 }

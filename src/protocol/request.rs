@@ -1,246 +1,14 @@
-//! The wire protocol between Nginx workers and the daemon (see docs/PROTOCOL.md).
-//!
-//! Every frame is a 4-byte big-endian body length followed by the body. The
-//! first six body bytes (version, op, request id) keep their place in every
-//! protocol version, so an error can always echo the request id. All integers
-//! are big-endian and unsigned, so LuaJIT can build and parse frames with
-//! `string.char`/`string.byte` and the `bit` library alone.
+//! Requests: the decoder the daemon reads frames with (bytes to a validated
+//! `CheckRequest`, or a coded error that keeps the stream in sync), and the
+//! encoder clients write them with.
 
 use std::borrow::Cow;
-use std::fmt;
 use std::io;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use tokio_util::codec::{Decoder, Encoder};
+use tokio_util::codec::Decoder;
 
-/// The protocol version this daemon speaks.
-pub const VERSION: u8 = 1;
-/// Op code of a rate-limit check.
-pub const OP_CHECK: u8 = 1;
-/// Bytes in the length prefix.
-pub const LEN_PREFIX: usize = 4;
-/// Largest body accepted, in bytes. A check with a 512-byte key is 540 bytes;
-/// the rest is headroom for several limits in one request.
-pub const MAX_FRAME_LEN: usize = 4096;
-/// Bytes before the first limit entry: version, op, id, flags, policy, count.
-pub const REQUEST_HEADER_LEN: usize = 10;
-/// Bytes of one limit entry before its key.
-pub const LIMIT_ENTRY_LEN: usize = 18;
-/// Bytes of a response body before its message.
-pub const RESPONSE_FIXED_LEN: usize = 28;
-/// Longest error message sent; longer ones are cut at a char boundary.
-pub const MAX_MESSAGE_LEN: usize = 512;
-
-/// What to do when the shared store (Redis) cannot decide in time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FailPolicy {
-    /// Allow the request; the response's source is `FailOpen`.
-    Open,
-    /// Deny the request; the response's source is `FailClosed`.
-    Closed,
-    /// Decide with a per-host exact sliding window using the request's local quota.
-    Local,
-}
-
-impl FailPolicy {
-    pub fn from_wire(b: u8) -> Option<Self> {
-        match b {
-            0 => Some(Self::Open),
-            1 => Some(Self::Closed),
-            2 => Some(Self::Local),
-            _ => None,
-        }
-    }
-
-    pub fn to_wire(self) -> u8 {
-        match self {
-            Self::Open => 0,
-            Self::Closed => 1,
-            Self::Local => 2,
-        }
-    }
-}
-
-impl std::str::FromStr for FailPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "open" => Ok(Self::Open),
-            "closed" => Ok(Self::Closed),
-            "local" => Ok(Self::Local),
-            other => Err(format!("unknown fail policy '{other}' (expected open, closed or local)")),
-        }
-    }
-}
-
-/// The outcome of a check.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decision {
-    Allowed,
-    Denied,
-    Error,
-}
-
-impl Decision {
-    pub fn to_wire(self) -> u8 {
-        match self {
-            Self::Allowed => 0,
-            Self::Denied => 1,
-            Self::Error => 2,
-        }
-    }
-    pub fn from_wire(b: u8) -> Option<Self> {
-        match b {
-            0 => Some(Self::Allowed),
-            1 => Some(Self::Denied),
-            2 => Some(Self::Error),
-            _ => None,
-        }
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Allowed => "allowed",
-            Self::Denied => "denied",
-            Self::Error => "error",
-        }
-    }
-}
-
-/// Who made the decision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// The shared sliding window in Redis.
-    Redis,
-    /// The per-host fallback window (fail policy `local`).
-    LocalFallback,
-    /// Redis failed and the request's policy was `open`.
-    FailOpen,
-    /// Redis failed and the request's policy was `closed`.
-    FailClosed,
-    /// The in-memory backend (no Redis configured): limits are per host.
-    Memory,
-    /// No decision was made (the request was invalid).
-    None,
-}
-
-impl Source {
-    pub fn to_wire(self) -> u8 {
-        match self {
-            Self::Redis => 0,
-            Self::LocalFallback => 1,
-            Self::FailOpen => 2,
-            Self::FailClosed => 3,
-            Self::Memory => 4,
-            Self::None => 255,
-        }
-    }
-    pub fn from_wire(b: u8) -> Option<Self> {
-        match b {
-            0 => Some(Self::Redis),
-            1 => Some(Self::LocalFallback),
-            2 => Some(Self::FailOpen),
-            3 => Some(Self::FailClosed),
-            4 => Some(Self::Memory),
-            255 => Some(Self::None),
-            _ => None,
-        }
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Redis => "redis",
-            Self::LocalFallback => "local",
-            Self::FailOpen => "fail_open",
-            Self::FailClosed => "fail_closed",
-            Self::Memory => "memory",
-            Self::None => "none",
-        }
-    }
-}
-
-/// Error codes carried in responses. Ranges: 1-19 the request was rejected and
-/// the stream is still in sync; 20-29 the connection is closed after the
-/// response; 30-49 the daemon could not decide as asked: with decision
-/// allowed/denied the request's fail policy decided (30-33), with decision
-/// error nothing did and the client's own policy applies (34).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u16)]
-pub enum ErrorCode {
-    None = 0,
-    Malformed = 1,
-    UnsupportedVersion = 2,
-    UnknownOp = 3,
-    UnsupportedFlags = 4,
-    UnsupportedLimitCount = 5,
-    InvalidKey = 6,
-    InvalidLimit = 7,
-    InvalidWindow = 8,
-    InvalidCost = 9,
-    InvalidPolicy = 10,
-    InvalidLocalLimit = 11,
-    FrameTooLarge = 20,
-    RedisTimeout = 30,
-    RedisUnavailable = 31,
-    RedisError = 32,
-    CircuitOpen = 33,
-    LocalCapacity = 34,
-}
-
-impl ErrorCode {
-    pub fn from_wire(v: u16) -> Option<Self> {
-        use ErrorCode::*;
-        Some(match v {
-            0 => None,
-            1 => Malformed,
-            2 => UnsupportedVersion,
-            3 => UnknownOp,
-            4 => UnsupportedFlags,
-            5 => UnsupportedLimitCount,
-            6 => InvalidKey,
-            7 => InvalidLimit,
-            8 => InvalidWindow,
-            9 => InvalidCost,
-            10 => InvalidPolicy,
-            11 => InvalidLocalLimit,
-            20 => FrameTooLarge,
-            30 => RedisTimeout,
-            31 => RedisUnavailable,
-            32 => RedisError,
-            33 => CircuitOpen,
-            34 => LocalCapacity,
-            _ => return Option::None,
-        })
-    }
-
-    pub fn as_str(self) -> &'static str {
-        use ErrorCode::*;
-        match self {
-            None => "OK",
-            Malformed => "MALFORMED",
-            UnsupportedVersion => "UNSUPPORTED_VERSION",
-            UnknownOp => "UNKNOWN_OP",
-            UnsupportedFlags => "UNSUPPORTED_FLAGS",
-            UnsupportedLimitCount => "UNSUPPORTED_LIMIT_COUNT",
-            InvalidKey => "INVALID_KEY",
-            InvalidLimit => "INVALID_LIMIT",
-            InvalidWindow => "INVALID_WINDOW",
-            InvalidCost => "INVALID_COST",
-            InvalidPolicy => "INVALID_POLICY",
-            InvalidLocalLimit => "INVALID_LOCAL_LIMIT",
-            FrameTooLarge => "FRAME_TOO_LARGE",
-            RedisTimeout => "REDIS_TIMEOUT",
-            RedisUnavailable => "REDIS_UNAVAILABLE",
-            RedisError => "REDIS_ERROR",
-            CircuitOpen => "CIRCUIT_OPEN",
-            LocalCapacity => "LOCAL_CAPACITY",
-        }
-    }
-}
-
-impl fmt::Display for ErrorCode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+use super::wire::{be32, ErrorCode, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK, REQUEST_HEADER_LEN, VERSION};
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -292,39 +60,6 @@ pub enum Inbound {
     Invalid { id: u32, op: u8, code: ErrorCode, message: Cow<'static, str> },
     /// The length prefix is beyond `MAX_FRAME_LEN`: answer, then close.
     TooLarge { len: usize },
-}
-
-/// A response, as encoded by the daemon and decoded by clients.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Response {
-    pub id: u32,
-    pub op: u8,
-    pub decision: Decision,
-    pub source: Source,
-    pub count: u32,
-    pub remaining: u32,
-    pub retry_after_ms: u32,
-    pub reset_ms: u32,
-    pub error: ErrorCode,
-    pub message: Cow<'static, str>,
-}
-
-impl Response {
-    /// A response for a request that was not decided at all.
-    pub fn error(id: u32, op: u8, code: ErrorCode, message: Cow<'static, str>) -> Self {
-        Self {
-            id,
-            op,
-            decision: Decision::Error,
-            source: Source::None,
-            count: 0,
-            remaining: 0,
-            retry_after_ms: 0,
-            reset_ms: 0,
-            error: code,
-            message,
-        }
-    }
 }
 
 /// Decodes requests from a byte stream; validates them against `Bounds`.
@@ -392,10 +127,6 @@ fn invalid(id: u32, op: u8, code: ErrorCode, message: impl Into<Cow<'static, str
     Inbound::Invalid { id, op, code, message: message.into() }
 }
 
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
 /// Parses and validates one request body. Never panics: every index is
 /// checked against the body length first.
 pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
@@ -455,48 +186,6 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body })
 }
 
-/// Encodes responses; the message is cut to `MAX_MESSAGE_LEN` bytes.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct ResponseCodec;
-
-impl Encoder<&Response> for ResponseCodec {
-    type Error = io::Error;
-    fn encode(&mut self, r: &Response, dst: &mut BytesMut) -> io::Result<()> {
-        encode_response(r, dst);
-        Ok(())
-    }
-}
-
-/// Appends one response frame to `dst`.
-pub fn encode_response(r: &Response, dst: &mut BytesMut) {
-    let msg = truncate_utf8(&r.message, MAX_MESSAGE_LEN);
-    dst.reserve(LEN_PREFIX + RESPONSE_FIXED_LEN + msg.len());
-    dst.put_u32((RESPONSE_FIXED_LEN + msg.len()) as u32);
-    dst.put_u8(VERSION);
-    dst.put_u8(r.op);
-    dst.put_u32(r.id);
-    dst.put_u8(r.decision.to_wire());
-    dst.put_u8(r.source.to_wire());
-    dst.put_u32(r.count);
-    dst.put_u32(r.remaining);
-    dst.put_u32(r.retry_after_ms);
-    dst.put_u32(r.reset_ms);
-    dst.put_u16(r.error as u16);
-    dst.put_u16(msg.len() as u16);
-    dst.put_slice(msg.as_bytes());
-}
-
-fn truncate_utf8(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
-}
-
 /// Appends one check request frame to `dst`.
 pub fn encode_request(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
     let body_len = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN + a.key.len();
@@ -516,56 +205,6 @@ pub fn encode_request(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
     dst.put_slice(a.key);
 }
 
-/// Why a response frame could not be decoded (client side).
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum ResponseError {
-    #[error("response frame of {0} bytes is too large")]
-    TooLarge(usize),
-    #[error("response body is malformed: {0}")]
-    Malformed(&'static str),
-}
-
-/// Decodes one response frame from `src` if it holds a whole one.
-pub fn decode_response(src: &mut BytesMut) -> Result<Option<Response>, ResponseError> {
-    if src.len() < LEN_PREFIX {
-        return Ok(None);
-    }
-    let len = be32(src, 0) as usize;
-    if len > RESPONSE_FIXED_LEN + MAX_MESSAGE_LEN {
-        return Err(ResponseError::TooLarge(len));
-    }
-    if src.len() < LEN_PREFIX + len {
-        return Ok(None);
-    }
-    src.advance(LEN_PREFIX);
-    let b = src.split_to(len);
-    if len < RESPONSE_FIXED_LEN {
-        return Err(ResponseError::Malformed("shorter than the fixed fields"));
-    }
-    if b[0] != VERSION {
-        return Err(ResponseError::Malformed("unknown version"));
-    }
-    let decision = Decision::from_wire(b[6]).ok_or(ResponseError::Malformed("unknown decision"))?;
-    let source = Source::from_wire(b[7]).ok_or(ResponseError::Malformed("unknown source"))?;
-    let error = ErrorCode::from_wire(u16::from_be_bytes([b[24], b[25]])).ok_or(ResponseError::Malformed("unknown error code"))?;
-    let msg_len = u16::from_be_bytes([b[26], b[27]]) as usize;
-    if RESPONSE_FIXED_LEN + msg_len != len {
-        return Err(ResponseError::Malformed("message length does not match the frame"));
-    }
-    let message = String::from_utf8_lossy(&b[RESPONSE_FIXED_LEN..]).into_owned();
-    Ok(Some(Response {
-        id: be32(&b, 2),
-        op: b[1],
-        decision,
-        source,
-        count: be32(&b, 8),
-        remaining: be32(&b, 12),
-        retry_after_ms: be32(&b, 16),
-        reset_ms: be32(&b, 20),
-        error,
-        message: Cow::Owned(message),
-    }))
-}
 
 #[cfg(test)]
 mod tests {
@@ -607,28 +246,6 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn response_round_trip_matches_documented_hex() {
-        let r = Response {
-            id: 7,
-            op: OP_CHECK,
-            decision: Decision::Denied,
-            source: Source::Redis,
-            count: 1000,
-            remaining: 0,
-            retry_after_ms: 250,
-            reset_ms: 999,
-            error: ErrorCode::None,
-            message: Cow::Borrowed(""),
-        };
-        let mut buf = BytesMut::new();
-        encode_response(&r, &mut buf);
-        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex, "0000001c0101000000070100000003e800000000000000fa000003e700000000");
-        assert_eq!(decode_response(&mut buf).unwrap().unwrap(), r);
-        assert!(buf.is_empty());
     }
 
     #[test]
@@ -739,16 +356,6 @@ mod tests {
             let _ = codec.decode(&mut raw);
             let _ = codec.decode_eof(&mut raw);
         }
-    }
-
-    #[test]
-    fn long_messages_are_cut_at_a_char_boundary() {
-        let msg = "é".repeat(MAX_MESSAGE_LEN);
-        let r = Response::error(1, OP_CHECK, ErrorCode::Malformed, Cow::Owned(msg));
-        let mut buf = BytesMut::new();
-        encode_response(&r, &mut buf);
-        let back = decode_response(&mut buf).unwrap().unwrap();
-        assert_eq!(back.message.len(), MAX_MESSAGE_LEN);
     }
 
     mod fuzz {

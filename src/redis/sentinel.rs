@@ -11,7 +11,6 @@
 //! had not yet replicated are lost at failover, so a few extra requests may
 //! pass in the current window. See docs/FAILURES.md.
 
-use std::sync::Weak;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -21,13 +20,12 @@ use redis::{AsyncConnectionConfig, ConnectionAddr, RedisError};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::SentinelConfig;
-use crate::redis_link::RedisLink;
+use crate::config::{HostPort, SentinelConfig};
 
 pub struct SentinelConnector {
     client: Mutex<SentinelClient>,
     master_name: String,
-    addresses: Vec<(String, u16)>,
+    addresses: Vec<HostPort>,
     sentinel_auth: (Option<String>, Option<String>),
 }
 
@@ -38,12 +36,8 @@ fn not_master(role: &str) -> RedisError {
 impl SentinelConnector {
     /// `master_auth` is (username, password) for the master itself.
     pub fn new(cfg: &SentinelConfig, master_auth: (Option<String>, Option<String>), sentinel_password: Option<String>) -> Result<Self, RedisError> {
-        let addresses: Vec<(String, u16)> = cfg
-            .addresses
-            .iter()
-            .filter_map(|a| a.rsplit_once(':').and_then(|(h, p)| p.parse().ok().map(|p| (h.trim_start_matches('[').trim_end_matches(']').to_string(), p))))
-            .collect();
-        let addrs = addresses.iter().map(|(h, p)| ConnectionAddr::Tcp(h.clone(), *p));
+        let addresses = cfg.addresses.clone();
+        let addrs = addresses.iter().map(|a| ConnectionAddr::Tcp(a.host.clone(), a.port));
         let mut b = SentinelClientBuilder::new(addrs, &cfg.master_name, SentinelServerType::Master)?;
         if let Some(u) = &master_auth.0 {
             b = b.set_client_to_redis_username(u);
@@ -66,7 +60,7 @@ impl SentinelConnector {
     }
 
     pub fn describe(&self) -> String {
-        let list: Vec<String> = self.addresses.iter().map(|(h, p)| format!("{h}:{p}")).collect();
+        let list: Vec<String> = self.addresses.iter().map(HostPort::to_string).collect();
         format!("master '{}' via sentinels {}", self.master_name, list.join(","))
     }
 
@@ -87,13 +81,14 @@ impl SentinelConnector {
         Ok(conn)
     }
 
-    /// Subscribes to `+switch-master` on each sentinel in turn and asks the
-    /// link to reconnect when our master switches; runs until shutdown.
-    pub async fn watch_switches(watch: SwitchWatch, link: Weak<RedisLink>, shutdown: CancellationToken) {
+    /// Subscribes to `+switch-master` on each sentinel in turn and calls
+    /// `on_switch` when our master switches; runs until shutdown, or until
+    /// `on_switch` returns false (nobody to tell any more).
+    pub async fn watch_switches(watch: SwitchWatch, on_switch: impl Fn() -> bool, shutdown: CancellationToken) {
         let SwitchWatch { addresses, auth, master_name } = watch;
         let mut next = 0usize;
         loop {
-            let (host, port) = &addresses[next % addresses.len()];
+            let sentinel = &addresses[next % addresses.len()];
             next += 1;
             let mut info = redis::RedisConnectionInfo::default();
             if let Some(u) = &auth.0 {
@@ -102,34 +97,32 @@ impl SentinelConnector {
             if let Some(p) = &auth.1 {
                 info = info.set_password(p);
             }
-            let addr = ConnectionAddr::Tcp(host.clone(), *port);
+            let addr = ConnectionAddr::Tcp(sentinel.host.clone(), sentinel.port);
             let watch = async {
                 let client = redis::Client::open(redis::IntoConnectionInfo::into_connection_info(addr)?.set_redis_settings(info))?;
                 let mut pubsub = client.get_async_pubsub().await?;
                 pubsub.subscribe("+switch-master").await?;
-                tracing::debug!(sentinel = %format!("{host}:{port}"), "watching +switch-master");
+                tracing::debug!(%sentinel, "watching +switch-master");
                 let mut messages = pubsub.on_message();
                 while let Some(msg) = messages.next().await {
                     let payload: String = msg.get_payload().unwrap_or_default();
                     // "<master name> <old ip> <old port> <new ip> <new port>"
                     if payload.split_whitespace().next() == Some(master_name.as_str()) {
                         tracing::warn!(%payload, "sentinel announced a failover; reconnecting to the new master");
-                        match link.upgrade() {
-                            Some(l) => l.failover_announced(),
-                            None => return Ok(()),
+                        if !on_switch() {
+                            return Ok(false);
                         }
                     }
                 }
-                Ok::<_, RedisError>(())
+                Ok::<_, RedisError>(true)
             };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                r = watch => if let Err(e) = r {
-                    tracing::debug!(sentinel = %format!("{host}:{port}"), error = %e, "sentinel watch ended; trying the next sentinel");
+                r = watch => match r {
+                    Ok(false) => return,
+                    Ok(true) => tracing::debug!(%sentinel, "sentinel closed the subscription; trying the next sentinel"),
+                    Err(e) => tracing::debug!(%sentinel, error = %e, "sentinel watch ended; trying the next sentinel"),
                 },
-            }
-            if link.strong_count() == 0 {
-                return;
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -146,7 +139,7 @@ impl SentinelConnector {
 
 /// The sentinels to watch for `+switch-master`, and the master's name.
 pub struct SwitchWatch {
-    addresses: Vec<(String, u16)>,
+    addresses: Vec<HostPort>,
     /// (username, password) for the sentinels.
     auth: (Option<String>, Option<String>),
     master_name: String,

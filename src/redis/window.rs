@@ -1,22 +1,21 @@
 //! The exact sliding window in Redis: one ZSET per key, decided by one
 //! atomic Lua script called with EVALSHA over the daemon's one shared link
-//! (`redis_link`), which reconnects, reloads the script and breaks the
-//! circuit on its own. Concurrent requests that hit NOSCRIPT wait on one
-//! reload and retry once; the hot path never takes a lock.
+//! (`link`), which owns the deadline, reconnects, reloads the script and
+//! breaks the circuit on its own. This module knows the script: its keys,
+//! its arguments and its reply. The hot path never takes a lock.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use redis::aio::MultiplexedConnection;
-use redis::{RedisError, RedisWrite, Script, ToRedisArgs};
+use redis::{RedisWrite, Script, ToRedisArgs};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{ClockSource, RedisConfig};
-use crate::limiter::{BackendError, LimitSpec, Verdict};
-use crate::metrics::METRICS;
-use crate::redis_link::{Connector, ConnectorError, LinkSettings, RedisLink};
+use super::connector::{Connector, ConnectorError};
+use super::link::{LinkSettings, RedisLink};
+use crate::config::{ClockSource, RedisConfig, RedisSecrets};
+use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// The script, as shipped in the binary.
 pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
@@ -42,7 +41,7 @@ impl WindowKey<'_> {
 
     /// The full key as bytes (admin tools and tests; the hot path writes it
     /// straight into the command buffer).
-    pub fn to_vec(&self) -> Vec<u8> {
+    pub fn to_vec(self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
         self.write_into(&mut v).expect("writing to a Vec cannot fail");
         v
@@ -84,7 +83,6 @@ impl ToRedisArgs for MemberId {
 /// The Redis backend.
 pub struct RedisWindow {
     link: Arc<RedisLink>,
-    script: Script,
     key_prefix: Box<[u8]>,
     instance: u64,
     seq: AtomicU64,
@@ -101,21 +99,13 @@ impl RedisWindow {
     /// Builds the backend and starts its link, which stops with `shutdown`.
     /// Does not wait for Redis: until the link is up, requests follow their
     /// fail policy. Use `wait_ready` to wait a bounded time.
-    pub fn start(cfg: &RedisConfig, shutdown: CancellationToken) -> Result<Arc<Self>, ConnectorError> {
-        let connector = Connector::from_config(cfg)?;
-        let mut id = [0u8; 8];
-        getrandom::fill(&mut id).map_err(|e| ConnectorError::Config { field: "redis", message: format!("no randomness for member ids: {e}") })?;
-        let script = Script::new(SCRIPT_SOURCE);
-        let settings = LinkSettings {
-            timeout: Duration::from_millis(cfg.timeout_ms),
-            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
-            breaker_failures: cfg.breaker_failures,
-        };
+    pub fn start(cfg: &RedisConfig, secrets: &RedisSecrets, shutdown: CancellationToken) -> Result<Arc<Self>, StartError> {
+        let connector = Connector::new(cfg, secrets)?;
+        let instance = instance_id()?;
         Ok(Arc::new(Self {
-            link: RedisLink::start(connector, script.clone(), settings, shutdown),
-            script,
+            link: RedisLink::start(connector, Script::new(SCRIPT_SOURCE), LinkSettings::from(cfg), shutdown),
             key_prefix: cfg.key_prefix.as_bytes().into(),
-            instance: u64::from_le_bytes(id),
+            instance,
             seq: AtomicU64::new(0),
             clock: cfg.clock,
         }))
@@ -123,11 +113,16 @@ impl RedisWindow {
 
     /// The SHA1 that EVALSHA names.
     pub fn script_sha(&self) -> &str {
-        self.script.get_hash()
+        self.link.script_sha()
     }
 
-    pub fn link(&self) -> &RedisLink {
-        &self.link
+    /// True while requests reach Redis: connected, script loaded, breaker closed.
+    pub fn is_ready(&self) -> bool {
+        self.link.is_ready()
+    }
+
+    pub fn breaker_open(&self) -> bool {
+        self.link.breaker_open()
     }
 
     /// Waits up to `limit` for the link to be up; returns whether it is.
@@ -136,12 +131,12 @@ impl RedisWindow {
     }
 
     /// The Redis key for a client key.
-    pub fn window_key<'a>(&'a self, key: &'a [u8]) -> WindowKey<'a> {
+    fn window_key<'a>(&'a self, key: &'a [u8]) -> WindowKey<'a> {
         WindowKey { prefix: &self.key_prefix, key }
     }
 
     /// Decides one request within the configured deadline.
-    pub async fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, BackendError> {
+    pub async fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, StoreError> {
         let now_ms = match self.clock {
             ClockSource::Redis => 0,
             ClockSource::Local => wall_clock_ms(),
@@ -151,40 +146,11 @@ impl RedisWindow {
 
     /// Decides one request at `now_ms` (0: Redis TIME). Tests use a fixed
     /// time to put many requests in one millisecond.
-    pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, BackendError> {
-        let mut conn = self.link.connection()?;
+    pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
-        let attempt = async {
-            let seen = self.link.generation();
-            match self.eval(&mut conn, spec, member, now_ms).await {
-                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                    METRICS.noscript_reload();
-                    self.link.wait_for_reload(seen).await;
-                    self.eval(&mut conn, spec, member, now_ms).await
-                }
-                other => other,
-            }
-        };
-        let started = std::time::Instant::now();
-        let outcome = tokio::time::timeout(self.link.timeout(), attempt).await;
-        METRICS.redis_call(started.elapsed());
-        match outcome {
-            Ok(Ok(v)) => {
-                self.link.record_success();
-                Ok(v)
-            }
-            Ok(Err(e)) => Err(self.link.record_failure(&e)),
-            Err(_) => {
-                self.link.record_timeout();
-                Err(BackendError::Timeout(self.link.timeout()))
-            }
-        }
-    }
-
-    async fn eval(&self, conn: &mut MultiplexedConnection, spec: &LimitSpec<'_>, member: MemberId, now_ms: u64) -> Result<Verdict, RedisError> {
         let mut cmd = redis::Cmd::with_capacity(9, 96 + self.key_prefix.len() + spec.key.len());
         cmd.arg("EVALSHA")
-            .arg(self.script.get_hash())
+            .arg(self.link.script_sha())
             .arg(1)
             .arg(self.window_key(spec.key))
             .arg(spec.limit)
@@ -192,7 +158,7 @@ impl RedisWindow {
             .arg(spec.cost)
             .arg(member)
             .arg(now_ms);
-        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = cmd.query_async(conn).await?;
+        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
         Ok(Verdict {
             allowed: allowed == 1,
             count: clamp_u32(count),
@@ -203,12 +169,30 @@ impl RedisWindow {
     }
 }
 
+/// Why the Redis backend could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Connector(#[from] ConnectorError),
+    /// Member ids must differ across daemons: no guessable fallback.
+    #[error("redis: no OS randomness for member ids: {0}")]
+    Randomness(getrandom::Error),
+}
+
+/// A random 64-bit id for this process's ZSET members: distinct across
+/// daemons and restarts.
+fn instance_id() -> Result<u64, StartError> {
+    let mut id = [0u8; 8];
+    getrandom::fill(&mut id).map_err(StartError::Randomness)?;
+    Ok(u64::from_le_bytes(id))
+}
+
 fn clamp_u32(v: i64) -> u32 {
     v.clamp(0, u32::MAX as i64) as u32
 }
 
 /// Milliseconds since the Unix epoch on this host's clock.
-pub fn wall_clock_ms() -> u64 {
+fn wall_clock_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 

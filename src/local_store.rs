@@ -1,4 +1,4 @@
-//! An exact sliding window held in this process's memory.
+//! The per-host store: exact sliding windows held in this process's memory.
 //!
 //! Same semantics as the Redis script: an admission at time `t` counts while
 //! `t > now - window`; a request of cost `c` is admitted whole if
@@ -10,9 +10,12 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use crate::limiter::{LimitSpec, Verdict};
+use tokio_util::sync::CancellationToken;
+
+use crate::window::{LimitSpec, Verdict};
 
 const SHARDS: usize = 64;
 
@@ -42,27 +45,41 @@ impl KeyWindow {
     }
 }
 
-/// The in-memory exact sliding window, shared by all connections of the process.
+/// The per-host windows, shared by all connections of the process and kept
+/// across configuration reloads, so that a reload forgets no admission.
 #[derive(Debug)]
-pub struct MemoryWindow {
+pub struct LocalStore {
     shards: Vec<Mutex<HashMap<Box<[u8]>, KeyWindow>>>,
     hasher: RandomState,
     keys_per_shard: usize,
+    /// Origin of the store's monotonic clock: immune to wall-clock steps.
+    epoch: Instant,
 }
 
 /// The windows hold `max_keys` keys already, none of them idle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the in-memory windows are full ({0} keys)")]
-pub struct CapacityFull(pub usize);
+pub struct LocalStoreFull(pub usize);
 
-impl MemoryWindow {
+impl LocalStore {
     /// Windows for at most about `max_keys` keys (spread over shards).
     pub fn new(max_keys: usize) -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
             keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
+            epoch: Instant::now(),
         }
+    }
+
+    /// Milliseconds on the store's monotonic clock.
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Decides one request now.
+    pub fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, LocalStoreFull> {
+        self.check_at(spec, self.now_ms())
     }
 
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
@@ -72,15 +89,15 @@ impl MemoryWindow {
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Decides one request at `now_ms` (any monotonic millisecond clock).
+    /// Decides one request at `now_ms` on a monotonic millisecond clock.
     /// A new key is refused when its shard is full of keys still in use.
-    pub fn check(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, CapacityFull> {
+    fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, LocalStoreFull> {
         let mut shard = self.shard(spec.key);
         // Length first: below capacity the hit path hashes the key once.
         if shard.len() >= self.keys_per_shard && !shard.contains_key(spec.key) {
             shard.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
             if shard.len() >= self.keys_per_shard {
-                return Err(CapacityFull(self.keys_per_shard * SHARDS));
+                return Err(LocalStoreFull(self.keys_per_shard * SHARDS));
             }
         }
         let w = match shard.get_mut(spec.key) {
@@ -127,8 +144,25 @@ impl MemoryWindow {
         })
     }
 
+    /// Frees the memory of idle keys once a second until `shutdown`.
+    pub async fn sweep_every_second(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {
+                    let removed = self.sweep_at(self.now_ms());
+                    if removed > 0 {
+                        tracing::trace!(removed, "swept idle per-host keys");
+                    }
+                }
+            }
+        }
+    }
+
     /// Drops keys whose every admission has left the window; returns how many.
-    pub fn sweep(&self, now_ms: u64) -> usize {
+    fn sweep_at(&self, now_ms: u64) -> usize {
         let mut removed = 0;
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
@@ -140,12 +174,9 @@ impl MemoryWindow {
     }
 
     /// Number of keys held.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.shards.iter().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len()).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -159,9 +190,9 @@ mod tests {
 
     #[test]
     fn seed_scenario_admits_exactly_the_limit() {
-        let m = MemoryWindow::new(1000);
+        let m = LocalStore::new(1000);
         let s = spec(b"order:tenant-1001", 1000, 1000, 1);
-        let verdicts: Vec<_> = (0..1005).map(|_| m.check(&s, 1_000).unwrap()).collect();
+        let verdicts: Vec<_> = (0..1005).map(|_| m.check_at(&s, 1_000).unwrap()).collect();
         assert_eq!(verdicts.iter().filter(|v| v.allowed).count(), 1000);
         assert_eq!((verdicts[999].count, verdicts[999].remaining), (1000, 0));
         let denied = &verdicts[1000];
@@ -171,63 +202,63 @@ mod tests {
 
     #[test]
     fn window_slides_and_retry_after_is_exact() {
-        let m = MemoryWindow::new(1000);
+        let m = LocalStore::new(1000);
         let s = spec(b"k", 3, 100, 1);
-        assert!(m.check(&s, 10).unwrap().allowed);
-        assert!(m.check(&s, 20).unwrap().allowed);
-        assert!(m.check(&s, 30).unwrap().allowed);
-        let d = m.check(&s, 40).unwrap();
+        assert!(m.check_at(&s, 10).unwrap().allowed);
+        assert!(m.check_at(&s, 20).unwrap().allowed);
+        assert!(m.check_at(&s, 30).unwrap().allowed);
+        let d = m.check_at(&s, 40).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.retry_after_ms, d.reset_ms), (70, 90));
         // At 110 the admission at 10 has left (10 > 110 - 100 is false).
-        assert!(!m.check(&s, 109).unwrap().allowed);
-        let v = m.check(&s, 110).unwrap();
+        assert!(!m.check_at(&s, 109).unwrap().allowed);
+        let v = m.check_at(&s, 110).unwrap();
         assert!(v.allowed);
         assert_eq!(v.count, 3);
     }
 
     #[test]
     fn cost_is_all_or_nothing() {
-        let m = MemoryWindow::new(1000);
-        assert!(m.check(&spec(b"k", 10, 100, 7), 0).unwrap().allowed);
-        let d = m.check(&spec(b"k", 10, 100, 4), 1).unwrap();
+        let m = LocalStore::new(1000);
+        assert!(m.check_at(&spec(b"k", 10, 100, 7), 0).unwrap().allowed);
+        let d = m.check_at(&spec(b"k", 10, 100, 4), 1).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.count, d.remaining, d.retry_after_ms), (7, 3, 99));
-        let v = m.check(&spec(b"k", 10, 100, 3), 2).unwrap();
+        let v = m.check_at(&spec(b"k", 10, 100, 3), 2).unwrap();
         assert!(v.allowed);
         assert_eq!((v.count, v.remaining), (10, 0));
     }
 
     #[test]
     fn retry_after_counts_enough_admissions_for_the_cost() {
-        let m = MemoryWindow::new(1000);
+        let m = LocalStore::new(1000);
         for t in 0..5 {
-            assert!(m.check(&spec(b"k", 5, 100, 1), t).unwrap().allowed);
+            assert!(m.check_at(&spec(b"k", 5, 100, 1), t).unwrap().allowed);
         }
         // Cost 3 needs the three oldest (t = 0, 1, 2) gone: at 102.
-        let d = m.check(&spec(b"k", 5, 100, 3), 50).unwrap();
+        let d = m.check_at(&spec(b"k", 5, 100, 3), 50).unwrap();
         assert_eq!(d.retry_after_ms, 52);
         assert_eq!(d.reset_ms, 54);
     }
 
     #[test]
     fn sweep_drops_idle_keys_only() {
-        let m = MemoryWindow::new(1000);
-        m.check(&spec(b"old", 5, 100, 1), 0).unwrap();
-        m.check(&spec(b"new", 5, 100, 1), 90).unwrap();
-        assert_eq!(m.sweep(100), 1);
+        let m = LocalStore::new(1000);
+        m.check_at(&spec(b"old", 5, 100, 1), 0).unwrap();
+        m.check_at(&spec(b"new", 5, 100, 1), 90).unwrap();
+        assert_eq!(m.sweep_at(100), 1);
         assert_eq!(m.len(), 1);
-        assert_eq!(m.sweep(190), 1);
-        assert!(m.is_empty());
+        assert_eq!(m.sweep_at(190), 1);
+        assert_eq!(m.len(), 0);
     }
 
     #[test]
     fn new_keys_are_refused_when_full_of_live_keys() {
-        let m = MemoryWindow::new(SHARDS); // one key per shard
+        let m = LocalStore::new(SHARDS); // one key per shard
         let mut refused = 0;
         for i in 0..10 * SHARDS {
             let key = format!("k{i}");
-            if m.check(&spec(key.as_bytes(), 5, 100, 1), 0).is_err() {
+            if m.check_at(&spec(key.as_bytes(), 5, 100, 1), 0).is_err() {
                 refused += 1;
             }
         }
@@ -235,6 +266,6 @@ mod tests {
         assert_eq!(refused, 10 * SHARDS - m.len());
         assert!(refused >= 9 * SHARDS - 2);
         // Once the window has passed, the idle keys make room.
-        assert!(m.check(&spec(b"later", 5, 100, 1), 200).is_ok());
+        assert!(m.check_at(&spec(b"later", 5, 100, 1), 200).is_ok());
     }
 }

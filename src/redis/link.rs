@@ -2,105 +2,34 @@
 //! request, a circuit breaker, and a supervisor task that (re)connects and
 //! loads the script.
 //!
-//! The request path takes the current connection from an `ArcSwap` (no
-//! lock), checks the breaker (one atomic), and reports how the call went.
-//! Everything slow happens in the supervisor: connecting (directly, or
-//! through Sentinel to the current master), `SCRIPT LOAD` at start-up, after
-//! every reconnect and on `NOSCRIPT`, and probing while the breaker is open.
-//! A new connection is only put in place once it has loaded the script, so
-//! requests never race a half-ready link.
+//! Requests go through one entry point, `eval`, which owns what every call
+//! needs: the deadline, the single-flight reload and one retry on
+//! `NOSCRIPT`, the breaker's bookkeeping and the latency metric. It takes
+//! the current connection from an `ArcSwap` (no lock) and checks the breaker
+//! (one atomic). Everything slow happens in the supervisor: connecting
+//! (directly, or through Sentinel to the current master), `SCRIPT LOAD` at
+//! start-up, after every reconnect and on `NOSCRIPT`, and probing while the
+//! breaker is open. A new connection is only put in place once it has loaded
+//! the script, so requests never race a half-ready link.
+
+mod breaker;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, RedisError, Script};
+use redis::{AsyncConnectionConfig, Cmd, FromRedisValue, RedisError, Script};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::breaker::Breaker;
+use self::breaker::Breaker;
+use super::connector::Connector;
+use super::sentinel::SentinelConnector;
 use crate::config::RedisConfig;
-use crate::limiter::BackendError;
 use crate::metrics::METRICS;
-use crate::sentinel::SentinelConnector;
-
-/// How the supervisor reaches the master. Built once per link, so the size
-/// difference between the variants does not matter.
-#[allow(clippy::large_enum_variant)]
-pub enum Connector {
-    /// A fixed address (`redis://`, `rediss://`, `redis+unix://`).
-    Direct(redis::Client),
-    /// Ask the sentinels for the master, connect, and check `ROLE`.
-    Sentinel(Box<SentinelConnector>),
-}
-
-/// Why a connector could not be built from the configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum ConnectorError {
-    #[error("{field}: {message}")]
-    Config { field: &'static str, message: String },
-    #[error("redis.url: {0}")]
-    Redis(#[from] RedisError),
-}
-
-fn read_pem(field: &'static str, path: &Option<std::path::PathBuf>) -> Result<Option<Vec<u8>>, ConnectorError> {
-    match path {
-        None => Ok(None),
-        Some(p) => std::fs::read(p).map(Some).map_err(|e| ConnectorError::Config { field, message: format!("{}: {e}", p.display()) }),
-    }
-}
-
-impl Connector {
-    /// Builds the connector `[redis]` describes, with its secrets read now.
-    pub fn from_config(cfg: &RedisConfig) -> Result<Self, ConnectorError> {
-        let password = cfg.password().map_err(|message| ConnectorError::Config { field: "redis.password_file", message })?;
-        if let Some(s) = &cfg.sentinel {
-            let sentinel_password = s.password().map_err(|message| ConnectorError::Config { field: "redis.sentinel.password_file", message })?;
-            let connector = SentinelConnector::new(s, (cfg.username.clone(), password), sentinel_password)?;
-            return Ok(Self::Sentinel(Box::new(connector)));
-        }
-        let info = redis::IntoConnectionInfo::into_connection_info(cfg.url())?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(u) = &cfg.username {
-            settings = settings.set_username(u);
-        }
-        if let Some(p) = &password {
-            settings = settings.set_password(p);
-        }
-        let info = info.set_redis_settings(settings);
-        let ca = read_pem("redis.tls_ca_file", &cfg.tls_ca_file)?;
-        let cert = read_pem("redis.tls_cert_file", &cfg.tls_cert_file)?;
-        let key = read_pem("redis.tls_key_file", &cfg.tls_key_file)?;
-        let client = if ca.is_some() || cert.is_some() {
-            let client_tls = match (cert, key) {
-                (Some(client_cert), Some(client_key)) => Some(redis::ClientTlsConfig { client_cert, client_key }),
-                _ => None,
-            };
-            redis::Client::build_with_tls(info, redis::TlsCertificates { client_tls, root_cert: ca })?
-        } else {
-            redis::Client::open(info)?
-        };
-        Ok(Self::Direct(client))
-    }
-
-    /// One connection to the master (verified with ROLE through Sentinel).
-    pub async fn connect(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
-        match self {
-            Self::Direct(client) => client.get_multiplexed_async_connection_with_config(cfg).await,
-            Self::Sentinel(s) => s.connect_master(cfg).await,
-        }
-    }
-
-    /// Where the link points, for logs (no credentials).
-    fn describe(&self) -> String {
-        match self {
-            Self::Direct(client) => client.get_connection_info().addr().to_string(),
-            Self::Sentinel(s) => s.describe(),
-        }
-    }
-}
+use crate::window::StoreError;
 
 /// Timings of the link.
 #[derive(Debug, Clone)]
@@ -111,6 +40,12 @@ pub struct LinkSettings {
     pub connect_timeout: Duration,
     /// Consecutive timeouts that open the breaker.
     pub breaker_failures: u32,
+}
+
+impl From<&RedisConfig> for LinkSettings {
+    fn from(cfg: &RedisConfig) -> Self {
+        Self { timeout: cfg.timeout, connect_timeout: cfg.connect_timeout, breaker_failures: cfg.breaker_failures }
+    }
 }
 
 pub struct RedisLink {
@@ -125,6 +60,7 @@ pub struct RedisLink {
     /// Wakes requests waiting for a reload.
     loaded: Notify,
     settings: LinkSettings,
+    script: Script,
 }
 
 impl std::fmt::Debug for RedisLink {
@@ -163,7 +99,7 @@ fn classify(e: &RedisError) -> Failure {
 
 impl RedisLink {
     /// Starts the supervisor; the link is down (breaker open) until it has
-    /// connected and loaded `script`.
+    /// connected and loaded `script`. Background tasks stop with `shutdown`.
     pub fn start(connector: Connector, script: Script, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
         let link = Arc::new(Self {
             conn: ArcSwapOption::empty(),
@@ -174,24 +110,67 @@ impl RedisLink {
             wake: Notify::new(),
             loaded: Notify::new(),
             settings,
+            script,
         });
         if let Connector::Sentinel(s) = &connector {
-            tokio::spawn(SentinelConnector::watch_switches(s.switch_watch(), Arc::downgrade(&link), shutdown.clone()));
+            let link = Arc::downgrade(&link);
+            let on_switch = move || match link.upgrade() {
+                Some(l) => {
+                    l.failover_announced();
+                    true
+                }
+                None => false,
+            };
+            tokio::spawn(SentinelConnector::watch_switches(s.switch_watch(), on_switch, shutdown.clone()));
         }
-        tokio::spawn(supervise(link.clone(), connector, script, shutdown));
+        tokio::spawn(supervise(link.clone(), connector, shutdown));
         link
     }
 
+    /// The SHA1 that EVALSHA names.
+    pub fn script_sha(&self) -> &str {
+        self.script.get_hash()
+    }
+
+    /// Runs `cmd`, an EVALSHA of the link's script, within the deadline. On
+    /// `NOSCRIPT` (Redis lost its script cache) it waits for the one reload
+    /// the supervisor does for all requests, then retries once. Every
+    /// outcome is reported to the breaker and the latency metric.
+    pub async fn eval<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        let mut conn = self.connection()?;
+        let attempt = async {
+            let seen = self.generation();
+            match cmd.query_async::<T>(&mut conn).await {
+                Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                    METRICS.noscript_reload();
+                    self.wait_for_reload(seen).await;
+                    cmd.query_async::<T>(&mut conn).await
+                }
+                other => other,
+            }
+        };
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(self.settings.timeout, attempt).await;
+        METRICS.redis_call(started.elapsed());
+        match outcome {
+            Ok(Ok(v)) => {
+                self.breaker.record_success();
+                Ok(v)
+            }
+            Ok(Err(e)) => Err(self.record_failure(&e)),
+            Err(_) => {
+                self.record_timeout();
+                Err(StoreError::Timeout(self.settings.timeout))
+            }
+        }
+    }
+
     /// A sentinel announced that our master changed: stop using the old one now.
-    pub fn failover_announced(&self) {
+    fn failover_announced(&self) {
         if self.breaker.trip() {
             METRICS.breaker_opened();
         }
         self.want_reconnect();
-    }
-
-    pub fn timeout(&self) -> Duration {
-        self.settings.timeout
     }
 
     pub fn breaker_open(&self) -> bool {
@@ -200,28 +179,23 @@ impl RedisLink {
 
     /// The connection to use now, or why there is none.
     #[inline]
-    pub fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
+    fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
         if self.breaker.is_open() {
-            return Err(BackendError::CircuitOpen);
+            return Err(StoreError::CircuitOpen);
         }
         match &*self.conn.load() {
             Some(c) => Ok((**c).clone()),
-            None => Err(BackendError::CircuitOpen),
+            None => Err(StoreError::CircuitOpen),
         }
     }
 
     #[inline]
-    pub fn generation(&self) -> u64 {
+    fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }
 
-    #[inline]
-    pub fn record_success(&self) {
-        self.breaker.record_success();
-    }
-
     /// Reports a failed call and returns the error to answer with.
-    pub fn record_failure(&self, e: &RedisError) -> BackendError {
+    fn record_failure(&self, e: &RedisError) -> StoreError {
         match classify(e) {
             Failure::Link => {
                 if self.breaker.trip() {
@@ -229,18 +203,18 @@ impl RedisLink {
                     tracing::warn!(error = %e, "redis connection lost; breaker open, reconnecting");
                 }
                 self.want_reconnect();
-                BackendError::Unavailable(e.to_string())
+                StoreError::Unavailable(e.to_string())
             }
             Failure::Slow => {
                 self.record_timeout();
-                BackendError::Timeout(self.settings.timeout)
+                StoreError::Timeout(self.settings.timeout)
             }
-            Failure::Call => BackendError::Redis(e.to_string()),
+            Failure::Call => StoreError::Redis(e.to_string()),
         }
     }
 
     /// Reports a call that passed its deadline.
-    pub fn record_timeout(&self) {
+    fn record_timeout(&self) {
         if self.breaker.record_failure() {
             METRICS.breaker_opened();
             tracing::warn!(
@@ -258,7 +232,7 @@ impl RedisLink {
     }
 
     /// Waits for a script load newer than generation `seen` (after NOSCRIPT).
-    pub async fn wait_for_reload(&self, seen: u64) {
+    async fn wait_for_reload(&self, seen: u64) {
         let loaded = self.loaded.notified();
         tokio::pin!(loaded);
         loaded.as_mut().enable();
@@ -301,7 +275,8 @@ const MIN_BACKOFF: Duration = Duration::from_millis(25);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
 /// (Re)connects, reloads the script and closes the breaker; runs until shutdown.
-async fn supervise(link: Arc<RedisLink>, connector: Connector, script: Script, shutdown: CancellationToken) {
+async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: CancellationToken) {
+    let script = &link.script;
     let conn_cfg = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(link.settings.connect_timeout))
         .set_response_timeout(Some(link.settings.timeout.max(Duration::from_secs(1))));

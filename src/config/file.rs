@@ -1,0 +1,139 @@
+//! The configuration file's schema, as serde reads it: plain numbers and
+//! strings with their defaults. `Config::from_file` turns it into typed
+//! values once; nothing downstream sees this form.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use crate::protocol::Bounds;
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct File {
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub redis: Option<RedisSection>,
+    #[serde(default)]
+    pub limits: LimitsSection,
+    #[serde(default)]
+    pub log: LogSection,
+    #[serde(default)]
+    pub metrics: Option<MetricsSection>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct MetricsSection {
+    pub listen: std::net::SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct ServerSection {
+    pub listen: PathBuf,
+    pub socket_mode: String,
+    pub socket_group: Option<String>,
+    pub max_connections: usize,
+    pub max_in_flight_per_connection: usize,
+    pub shutdown_grace_ms: u64,
+    pub idle_timeout_ms: u64,
+    pub frame_timeout_ms: u64,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            listen: PathBuf::from("/run/ratelimitd/ratelimitd.sock"),
+            socket_mode: "0660".into(),
+            socket_group: None,
+            max_connections: 4096,
+            max_in_flight_per_connection: 128,
+            shutdown_grace_ms: 5000,
+            idle_timeout_ms: 300_000,
+            frame_timeout_ms: 2000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RedisSection {
+    pub url: Option<String>,
+    pub username: Option<String>,
+    pub password_file: Option<PathBuf>,
+    pub password_env: Option<String>,
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    pub timeout_ms: u64,
+    pub connect_timeout_ms: u64,
+    pub breaker_failures: u32,
+    pub key_prefix: String,
+    pub clock: super::ClockSource,
+    pub sentinel: Option<SentinelSection>,
+}
+
+impl Default for RedisSection {
+    fn default() -> Self {
+        Self {
+            url: None,
+            username: None,
+            password_file: None,
+            password_env: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            timeout_ms: 20,
+            connect_timeout_ms: 250,
+            breaker_failures: 5,
+            key_prefix: "ratelimitd:".into(),
+            clock: super::ClockSource::Redis,
+            sentinel: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SentinelSection {
+    pub master_name: String,
+    pub addresses: Vec<String>,
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    #[serde(default)]
+    pub password_env: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct LimitsSection {
+    pub max_key_len: usize,
+    pub max_limit: u32,
+    pub max_window_ms: u32,
+    pub max_cost: u32,
+    pub max_local_keys: usize,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        let b = Bounds::default();
+        Self { max_key_len: b.max_key_len, max_limit: b.max_limit, max_window_ms: b.max_window_ms, max_cost: b.max_cost, max_local_keys: 1_000_000 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct LogSection {
+    pub level: String,
+    pub format: super::LogFormat,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        Self { level: "info".into(), format: super::LogFormat::Text }
+    }
+}

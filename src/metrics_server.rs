@@ -1,0 +1,64 @@
+//! The Prometheus endpoint: `GET /metrics` over HTTP/1.1 on a loopback
+//! address (`[metrics] listen`), rendering the process's counters.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::METRICS;
+
+/// Whether the breaker to Redis is open now; `None` without Redis. Asked at
+/// each scrape, so the gauge follows reloads without the metrics knowing
+/// about backends.
+pub type BreakerState = Arc<dyn Fn() -> Option<bool> + Send + Sync>;
+
+/// Binds the metrics address; only loopback addresses are accepted (checked
+/// by the configuration).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown`.
+pub async fn serve(listener: TcpListener, breaker_state: BreakerState, shutdown: CancellationToken) {
+    loop {
+        let stream = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::debug!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let breaker_state = breaker_state.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<hyper::body::Incoming>| {
+                let breaker = breaker_state();
+                async move {
+                    let resp = if req.uri().path() == "/metrics" {
+                        Response::builder()
+                            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+                            .body(Full::new(Bytes::from(METRICS.render(breaker))))
+                    } else {
+                        Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(Bytes::from_static(b"see /metrics\n")))
+                    };
+                    Ok::<_, hyper::http::Error>(resp.expect("static response parts"))
+                }
+            });
+            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await {
+                tracing::debug!(error = %e, "metrics connection ended");
+            }
+        });
+    }
+}

@@ -1,0 +1,20 @@
+//! The wire protocol between Nginx workers and the daemon (docs/PROTOCOL.md).
+//!
+//! Every frame is a 4-byte big-endian body length followed by the body. The
+//! first six body bytes (version, op, request id) keep their place in every
+//! protocol version, so an error can always echo the request id. All integers
+//! are big-endian and unsigned, so LuaJIT can build and parse frames with
+//! `string.char`/`string.byte` and the `bit` library alone.
+//!
+//! - `wire`: the vocabulary (fail policy, decision, source, error code) and
+//!   the frame constants, each written once;
+//! - `request`: bytes to a validated request (daemon) and back (clients);
+//! - `response`: a response to bytes (daemon) and back (clients).
+
+mod request;
+mod response;
+mod wire;
+
+pub use request::{encode_request, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, RequestCodec};
+pub use response::{decode_response, encode_response, Response, ResponseError};
+pub use wire::{Decision, ErrorCode, FailPolicy, Source, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_MESSAGE_LEN, OP_CHECK, REQUEST_HEADER_LEN, RESPONSE_FIXED_LEN, VERSION};

@@ -1,0 +1,161 @@
+//! Responses: the encoder the daemon answers with, and the decoder clients
+//! read them with.
+
+use std::borrow::Cow;
+
+use bytes::{Buf, BufMut, BytesMut};
+
+use super::wire::{be32, Decision, ErrorCode, Source, LEN_PREFIX, MAX_MESSAGE_LEN, RESPONSE_FIXED_LEN, VERSION};
+
+/// A response, as encoded by the daemon and decoded by clients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub id: u32,
+    pub op: u8,
+    pub decision: Decision,
+    pub source: Source,
+    pub count: u32,
+    pub remaining: u32,
+    pub retry_after_ms: u32,
+    pub reset_ms: u32,
+    pub error: ErrorCode,
+    pub message: Cow<'static, str>,
+}
+
+impl Response {
+    /// A response for a request that was not decided at all.
+    pub fn error(id: u32, op: u8, code: ErrorCode, message: Cow<'static, str>) -> Self {
+        Self {
+            id,
+            op,
+            decision: Decision::Error,
+            source: Source::None,
+            count: 0,
+            remaining: 0,
+            retry_after_ms: 0,
+            reset_ms: 0,
+            error: code,
+            message,
+        }
+    }
+}
+
+/// Appends one response frame to `dst`.
+pub fn encode_response(r: &Response, dst: &mut BytesMut) {
+    let msg = truncate_utf8(&r.message, MAX_MESSAGE_LEN);
+    dst.reserve(LEN_PREFIX + RESPONSE_FIXED_LEN + msg.len());
+    dst.put_u32((RESPONSE_FIXED_LEN + msg.len()) as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(r.op);
+    dst.put_u32(r.id);
+    dst.put_u8(r.decision.to_wire());
+    dst.put_u8(r.source.to_wire());
+    dst.put_u32(r.count);
+    dst.put_u32(r.remaining);
+    dst.put_u32(r.retry_after_ms);
+    dst.put_u32(r.reset_ms);
+    dst.put_u16(r.error as u16);
+    dst.put_u16(msg.len() as u16);
+    dst.put_slice(msg.as_bytes());
+}
+
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Why a response frame could not be decoded (client side).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ResponseError {
+    #[error("response frame of {0} bytes is too large")]
+    TooLarge(usize),
+    #[error("response body is malformed: {0}")]
+    Malformed(&'static str),
+}
+
+/// Decodes one response frame from `src` if it holds a whole one.
+pub fn decode_response(src: &mut BytesMut) -> Result<Option<Response>, ResponseError> {
+    if src.len() < LEN_PREFIX {
+        return Ok(None);
+    }
+    let len = be32(src, 0) as usize;
+    if len > RESPONSE_FIXED_LEN + MAX_MESSAGE_LEN {
+        return Err(ResponseError::TooLarge(len));
+    }
+    if src.len() < LEN_PREFIX + len {
+        return Ok(None);
+    }
+    src.advance(LEN_PREFIX);
+    let b = src.split_to(len);
+    if len < RESPONSE_FIXED_LEN {
+        return Err(ResponseError::Malformed("shorter than the fixed fields"));
+    }
+    if b[0] != VERSION {
+        return Err(ResponseError::Malformed("unknown version"));
+    }
+    let decision = Decision::from_wire(b[6]).ok_or(ResponseError::Malformed("unknown decision"))?;
+    let source = Source::from_wire(b[7]).ok_or(ResponseError::Malformed("unknown source"))?;
+    let error = ErrorCode::from_wire(u16::from_be_bytes([b[24], b[25]])).ok_or(ResponseError::Malformed("unknown error code"))?;
+    let msg_len = u16::from_be_bytes([b[26], b[27]]) as usize;
+    if RESPONSE_FIXED_LEN + msg_len != len {
+        return Err(ResponseError::Malformed("message length does not match the frame"));
+    }
+    let message = String::from_utf8_lossy(&b[RESPONSE_FIXED_LEN..]).into_owned();
+    Ok(Some(Response {
+        id: be32(&b, 2),
+        op: b[1],
+        decision,
+        source,
+        count: be32(&b, 8),
+        remaining: be32(&b, 12),
+        retry_after_ms: be32(&b, 16),
+        reset_ms: be32(&b, 20),
+        error,
+        message: Cow::Owned(message),
+    }))
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::wire::OP_CHECK;
+
+    #[test]
+    fn response_round_trip_matches_documented_hex() {
+        let r = Response {
+            id: 7,
+            op: OP_CHECK,
+            decision: Decision::Denied,
+            source: Source::Redis,
+            count: 1000,
+            remaining: 0,
+            retry_after_ms: 250,
+            reset_ms: 999,
+            error: ErrorCode::None,
+            message: Cow::Borrowed(""),
+        };
+        let mut buf = BytesMut::new();
+        encode_response(&r, &mut buf);
+        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "0000001c0101000000070100000003e800000000000000fa000003e700000000");
+        assert_eq!(decode_response(&mut buf).unwrap().unwrap(), r);
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn long_messages_are_cut_at_a_char_boundary() {
+        let msg = "é".repeat(MAX_MESSAGE_LEN);
+        let r = Response::error(1, OP_CHECK, ErrorCode::Malformed, Cow::Owned(msg));
+        let mut buf = BytesMut::new();
+        encode_response(&r, &mut buf);
+        let back = decode_response(&mut buf).unwrap().unwrap();
+        assert_eq!(back.message.len(), MAX_MESSAGE_LEN);
+    }
+}

@@ -1,0 +1,190 @@
+//! The protocol's vocabulary, each enum written once: its wire value and its
+//! name come from one table, and `from_wire`, `to_wire`, `as_str`,
+//! `from_name` and `ALL` are generated from it. Metrics label sets iterate
+//! over `ALL`; tests/vocabulary.rs checks the Lua client's tables and
+//! docs/PROTOCOL.md against the same lists, so the three cannot drift.
+
+use std::fmt;
+
+/// The protocol version this daemon speaks.
+pub const VERSION: u8 = 1;
+/// Op code of a rate-limit check.
+pub const OP_CHECK: u8 = 1;
+/// Bytes in the length prefix.
+pub const LEN_PREFIX: usize = 4;
+/// Largest body accepted, in bytes. A check with a 512-byte key is 540 bytes;
+/// the rest is headroom for several limits in one request.
+pub const MAX_FRAME_LEN: usize = 4096;
+/// Bytes before the first limit entry: version, op, id, flags, policy, count.
+pub const REQUEST_HEADER_LEN: usize = 10;
+/// Bytes of one limit entry before its key.
+pub const LIMIT_ENTRY_LEN: usize = 18;
+/// Bytes of a response body before its message.
+pub const RESPONSE_FIXED_LEN: usize = 28;
+/// Longest error message sent; longer ones are cut at a char boundary.
+pub const MAX_MESSAGE_LEN: usize = 512;
+
+/// The big-endian u32 at `at`; callers check the length first.
+pub(super) fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Defines a wire enum from rows of `Variant = value => "name"`.
+macro_rules! wire_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident: $repr:ty {
+            $( $(#[$vmeta:meta])* $variant:ident = $value:literal => $text:literal, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr($repr)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant = $value, )+
+        }
+
+        impl $name {
+            /// Every value, in wire order.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
+
+            pub const fn from_wire(v: $repr) -> Option<Self> {
+                match v {
+                    $($value => Some(Self::$variant),)+
+                    _ => None,
+                }
+            }
+
+            pub const fn to_wire(self) -> $repr {
+                self as $repr
+            }
+
+            /// The name in logs, metrics labels, docs and the Lua client.
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $text,)+
+                }
+            }
+
+            pub fn from_name(name: &str) -> Option<Self> {
+                Self::ALL.iter().copied().find(|v| v.as_str() == name)
+            }
+
+            /// Position in `ALL`: an index into per-value arrays (metrics).
+            #[inline]
+            pub const fn index(self) -> usize {
+                let mut i = 0;
+                while i < Self::ALL.len() {
+                    if Self::ALL[i] as $repr == self as $repr {
+                        return i;
+                    }
+                    i += 1;
+                }
+                unreachable!()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+wire_enum! {
+    /// What to do when the shared store (Redis) cannot decide in time.
+    pub enum FailPolicy: u8 {
+        /// Allow the request; the response's source is `FailOpen`.
+        Open = 0 => "open",
+        /// Deny the request; the response's source is `FailClosed`.
+        Closed = 1 => "closed",
+        /// Decide with a per-host exact sliding window using the request's local quota.
+        Local = 2 => "local",
+    }
+}
+
+impl std::str::FromStr for FailPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::from_name(s).ok_or_else(|| format!("unknown fail policy '{s}' (expected open, closed or local)"))
+    }
+}
+
+wire_enum! {
+    /// The outcome of a check.
+    pub enum Decision: u8 {
+        Allowed = 0 => "allowed",
+        Denied = 1 => "denied",
+        Error = 2 => "error",
+    }
+}
+
+wire_enum! {
+    /// Who made the decision.
+    pub enum Source: u8 {
+        /// The shared sliding window in Redis.
+        Redis = 0 => "redis",
+        /// The per-host fallback window (fail policy `local`).
+        LocalFallback = 1 => "local",
+        /// Redis failed and the request's policy was `open`.
+        FailOpen = 2 => "fail_open",
+        /// Redis failed and the request's policy was `closed`.
+        FailClosed = 3 => "fail_closed",
+        /// The per-host windows as the only store (no Redis configured).
+        Memory = 4 => "memory",
+        /// No decision was made (the request was invalid).
+        None = 255 => "none",
+    }
+}
+
+wire_enum! {
+    /// Error codes carried in responses. Ranges: 1-19 the request was
+    /// rejected and the stream is still in sync; 20-29 the connection is
+    /// closed after the response; 30-49 the daemon could not decide as
+    /// asked: with decision allowed/denied the request's fail policy decided
+    /// (30-33), with decision error nothing did and the client's own policy
+    /// applies (34).
+    pub enum ErrorCode: u16 {
+        None = 0 => "OK",
+        Malformed = 1 => "MALFORMED",
+        UnsupportedVersion = 2 => "UNSUPPORTED_VERSION",
+        UnknownOp = 3 => "UNKNOWN_OP",
+        UnsupportedFlags = 4 => "UNSUPPORTED_FLAGS",
+        UnsupportedLimitCount = 5 => "UNSUPPORTED_LIMIT_COUNT",
+        InvalidKey = 6 => "INVALID_KEY",
+        InvalidLimit = 7 => "INVALID_LIMIT",
+        InvalidWindow = 8 => "INVALID_WINDOW",
+        InvalidCost = 9 => "INVALID_COST",
+        InvalidPolicy = 10 => "INVALID_POLICY",
+        InvalidLocalLimit = 11 => "INVALID_LOCAL_LIMIT",
+        FrameTooLarge = 20 => "FRAME_TOO_LARGE",
+        RedisTimeout = 30 => "REDIS_TIMEOUT",
+        RedisUnavailable = 31 => "REDIS_UNAVAILABLE",
+        RedisError = 32 => "REDIS_ERROR",
+        CircuitOpen = 33 => "CIRCUIT_OPEN",
+        LocalCapacity = 34 => "LOCAL_CAPACITY",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_conversions_agree() {
+        for &e in ErrorCode::ALL {
+            assert_eq!(ErrorCode::from_wire(e.to_wire()), Some(e));
+            assert_eq!(ErrorCode::from_name(e.as_str()), Some(e));
+            assert_eq!(ErrorCode::ALL[e.index()], e);
+        }
+        for &s in Source::ALL {
+            assert_eq!(Source::from_wire(s.to_wire()), Some(s));
+            assert_eq!(Source::ALL[s.index()], s);
+        }
+        assert_eq!(Source::None.to_wire(), 255);
+        assert_eq!(ErrorCode::from_wire(12), None);
+        assert_eq!("local".parse::<FailPolicy>(), Ok(FailPolicy::Local));
+        assert!("nope".parse::<FailPolicy>().unwrap_err().contains("open, closed or local"));
+    }
+}

@@ -1,0 +1,17 @@
+//! The shared store: the exact sliding window in Redis.
+//!
+//! - `connector`: how to open a connection to the master (direct, TLS, or
+//!   through Sentinel), from `[redis]` and the resolved secrets;
+//! - `sentinel`: master discovery and the `+switch-master` watch, which
+//!   tells its owner through a callback;
+//! - `link`: the one shared connection, its supervisor and its circuit
+//!   breaker, and `eval`, the single entry point every call goes through;
+//! - `window`: the sliding-window script, its keys and its reply.
+
+mod connector;
+mod link;
+mod sentinel;
+mod window;
+
+pub use connector::{Connector, ConnectorError};
+pub use window::{RedisWindow, StartError, WindowKey};
