@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
+use super::model::{ClockSource, LogFormat};
 use crate::protocol::Bounds;
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -71,7 +72,7 @@ pub(super) struct RedisSection {
     pub connect_timeout_ms: u64,
     pub breaker_failures: u32,
     pub key_prefix: String,
-    pub clock: super::ClockSource,
+    pub clock: ClockSource,
     pub sentinel: Option<SentinelSection>,
 }
 
@@ -89,7 +90,7 @@ impl Default for RedisSection {
             connect_timeout_ms: 250,
             breaker_failures: 5,
             key_prefix: "ratelimitd:".into(),
-            clock: super::ClockSource::Redis,
+            clock: ClockSource::Redis,
             sentinel: None,
         }
     }
@@ -129,11 +130,11 @@ impl Default for LimitsSection {
 #[serde(deny_unknown_fields, default)]
 pub(super) struct LogSection {
     pub level: String,
-    pub format: super::LogFormat,
+    pub format: LogFormat,
 }
 
 impl Default for LogSection {
     fn default() -> Self {
-        Self { level: "info".into(), format: super::LogFormat::Text }
+        Self { level: "info".into(), format: LogFormat::Text }
     }
 }

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{Config, ConfigError, Problems, RedisTarget, SecretSource};
+use super::model::{Config, ConfigError, Problems, RedisTarget, SecretSource};
 
 /// What `preflight` fetched.
 #[derive(Clone, Default)]

@@ -1,0 +1,282 @@
+//! The configuration as the daemon uses it: typed values (durations,
+//! permission bits, host:port pairs, where each secret is kept), and the
+//! errors that name the file and the field.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::protocol::Bounds;
+
+/// Where a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {err}")]
+    Read { path: PathBuf, err: std::io::Error },
+    #[error("{path}: line {line}: {message}")]
+    Parse { path: PathBuf, line: usize, message: String },
+    /// Every field that parsed but cannot work, in file order.
+    #[error("{}", FieldErrors { path, errors })]
+    Invalid { path: PathBuf, errors: Vec<FieldError> },
+}
+
+/// One bad field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+struct FieldErrors<'a> {
+    path: &'a Path,
+    errors: &'a [FieldError],
+}
+
+impl fmt::Display for FieldErrors<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{}: {}: {}", self.path.display(), e.field, e.message)?;
+        }
+        Ok(())
+    }
+}
+
+/// Collects field errors during one validation pass.
+#[derive(Default)]
+pub(super) struct Problems(pub(super) Vec<FieldError>);
+
+impl Problems {
+    pub(super) fn add(&mut self, field: &'static str, message: impl Into<String>) {
+        self.0.push(FieldError { field, message: message.into() });
+    }
+
+    pub(super) fn into_result<T>(self, path: &Path, value: T) -> Result<T, ConfigError> {
+        if self.0.is_empty() {
+            Ok(value)
+        } else {
+            Err(ConfigError::Invalid { path: path.into(), errors: self.0 })
+        }
+    }
+}
+
+/// The whole configuration, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// The Unix socket and connection handling.
+    pub server: ServerConfig,
+    /// The shared store. Absent: the per-host store only, limits per host.
+    pub redis: Option<RedisConfig>,
+    /// Bounds every request must respect, and the per-host store's size.
+    pub limits: LimitsConfig,
+    pub log: LogConfig,
+    /// The Prometheus endpoint. Absent: no metrics served.
+    pub metrics: Option<MetricsConfig>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Path of the Unix socket Nginx workers connect to.
+    pub listen: PathBuf,
+    /// Permission bits of the socket file.
+    pub socket_mode: u32,
+    /// Group that owns the socket file; unset keeps the daemon's group.
+    /// Looked up by `preflight`.
+    pub socket_group: Option<String>,
+    /// Most client connections served at once; more wait in the accept queue.
+    pub max_connections: usize,
+    /// Most requests one connection may have in flight (pipelined) at once.
+    pub max_in_flight_per_connection: usize,
+    /// On shutdown, how long in-flight requests may take to finish.
+    pub shutdown_grace: Duration,
+    /// Close a connection with nothing in flight after this long.
+    pub idle_timeout: Duration,
+    /// Close a connection whose frame is not complete this long after its
+    /// first byte arrived (slow or stuck clients).
+    pub frame_timeout: Duration,
+}
+
+/// Which clock timestamps admissions.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ClockSource {
+    /// Redis `TIME`, read inside the script: one clock for every gateway.
+    #[default]
+    Redis,
+    /// This host's wall clock, sent with each call; hosts must be in sync.
+    Local,
+}
+
+/// `[redis]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// Where the master is.
+    pub target: RedisTarget,
+    /// ACL user; overrides the URL's.
+    pub username: Option<String>,
+    /// Where the password is; overrides the URL's. Read by `preflight`.
+    pub password: Option<SecretSource>,
+    /// PEM files for `rediss://`. Read by `preflight`.
+    pub tls: TlsFiles,
+    /// Deadline of one decision in Redis; past it the fail policy decides.
+    pub timeout: Duration,
+    /// Deadline of establishing a connection.
+    pub connect_timeout: Duration,
+    /// Consecutive timeouts that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// Prepended to every key; keys cannot reach outside it.
+    pub key_prefix: String,
+    /// Which clock timestamps admissions.
+    pub clock: ClockSource,
+}
+
+/// The default Redis URL.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+
+/// How to reach the master.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// `redis://`, `rediss://` or `redis+unix://`, checked to parse.
+    Url(String),
+    /// Ask Redis Sentinel for the master.
+    Sentinel(SentinelConfig),
+}
+
+/// `[redis.sentinel]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentinelConfig {
+    /// The master's name in the sentinels' configuration.
+    pub master_name: String,
+    pub addresses: Vec<HostPort>,
+    /// ACL user for the sentinels (not the master).
+    pub username: Option<String>,
+    /// The sentinels' password. Read by `preflight`.
+    pub password: Option<SecretSource>,
+}
+
+/// A `host:port` pair; IPv6 hosts are written in brackets and kept without.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPort {
+    pub host: String,
+    pub port: u16,
+}
+
+impl HostPort {
+    pub(super) fn parse(s: &str) -> Option<Self> {
+        let (host, port) = s.rsplit_once(':')?;
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+        if host.is_empty() || host.contains(['[', ']']) {
+            return None;
+        }
+        Some(Self { host: host.to_string(), port: port.parse().ok()? })
+    }
+}
+
+impl fmt::Display for HostPort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Where a secret is kept: never in the configuration file itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretSource {
+    /// The first line of a file.
+    File(PathBuf),
+    /// An environment variable.
+    Env(String),
+}
+
+/// PEM files for TLS to Redis.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TlsFiles {
+    /// The CA that signed the server's certificate.
+    pub ca: Option<PathBuf>,
+    /// Client certificate and key for mutual TLS.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl RedisConfig {
+    /// Where the link points, without credentials.
+    pub fn describe(&self) -> String {
+        match &self.target {
+            RedisTarget::Sentinel(s) => {
+                let list: Vec<String> = s.addresses.iter().map(HostPort::to_string).collect();
+                format!("master '{}' via sentinels {}", s.master_name, list.join(","))
+            }
+            RedisTarget::Url(url) => redacted_url(url),
+        }
+    }
+}
+
+/// `[limits]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitsConfig {
+    /// What a request may ask for.
+    pub bounds: Bounds,
+    /// Most keys the per-host store (local backend, local fallback) holds.
+    pub max_local_keys: usize,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogConfig {
+    /// A level or a tracing filter; `RUST_LOG` overrides it.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// `[metrics]`: Prometheus text format over HTTP, `GET /metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// A loopback address and port.
+    pub listen: SocketAddr,
+}
+
+/// Command-line values that replace the file's.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// Replaces `server.listen`.
+    pub listen: Option<PathBuf>,
+    /// Replaces `redis.url` (and enables Redis if the file has no `[redis]`).
+    pub redis_url: Option<String>,
+}
+
+impl Overrides {
+    pub(super) fn is_empty(&self) -> bool {
+        self.listen.is_none() && self.redis_url.is_none()
+    }
+}
+
+/// The URL with its password replaced by `***`, for logs and messages.
+pub fn redacted_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+

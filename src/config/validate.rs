@@ -1,0 +1,380 @@
+//! Turns the file's values into typed ones in one pass that reports every
+//! bad field. Pure: it reads the file it is given and nothing else.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::file;
+use super::model::{
+    redacted_url, Config, ConfigError, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Problems, RedisConfig, RedisTarget, SecretSource, SentinelConfig, ServerConfig, TlsFiles,
+    DEFAULT_REDIS_URL,
+};
+use crate::protocol::{Bounds, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, REQUEST_HEADER_LEN};
+
+impl Default for Config {
+    /// The configuration of an empty file.
+    fn default() -> Self {
+        Self::from_file(Path::new("defaults"), file::File::default()).expect("the defaults are valid")
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Config::default().server
+    }
+}
+
+impl Default for RedisConfig {
+    /// The defaults of an empty `[redis]` table.
+    fn default() -> Self {
+        let mut p = Problems::default();
+        redis_config(file::RedisSection::default(), &mut p).expect("the defaults are valid")
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_with(Some(path), &Overrides::default())
+    }
+
+    /// Reads `path` (none: the defaults), applies `overrides`, and validates.
+    pub fn load_with(path: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let mut raw = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.into(), err })?;
+                parse_file(path, &text)?
+            }
+            None => file::File::default(),
+        };
+        if let Some(listen) = &overrides.listen {
+            raw.server.listen = listen.clone();
+        }
+        if let Some(url) = &overrides.redis_url {
+            raw.redis.get_or_insert_with(file::RedisSection::default).url = Some(url.clone());
+        }
+        let origin = match (path, overrides.is_empty()) {
+            (Some(path), true) => path.to_path_buf(),
+            (Some(path), false) => PathBuf::from(format!("{} (with command-line overrides)", path.display())),
+            (None, _) => PathBuf::from("command line"),
+        };
+        Self::from_file(&origin, raw)
+    }
+
+    /// Parses and validates TOML text; errors name `path`.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        Self::from_file(path, parse_file(path, text)?)
+    }
+
+    /// Turns the file's values into typed ones, reporting every bad field.
+    fn from_file(path: &Path, f: file::File) -> Result<Self, ConfigError> {
+        let mut p = Problems::default();
+        let server = server_config(f.server, &mut p);
+        let redis = f.redis.and_then(|r| redis_config(r, &mut p));
+        let limits = limits_config(f.limits, &mut p);
+        if !valid_log_filter(&f.log.level) {
+            p.add("log.level", format!("'{}' is not error, warn, info, debug, trace or a filter such as \"ratelimitd=debug\"", f.log.level));
+        }
+        let metrics = f.metrics.map(|m| {
+            if !m.listen.ip().is_loopback() {
+                p.add("metrics.listen", format!("{} is not a loopback address; the endpoint is for a local scraper or agent", m.listen));
+            }
+            MetricsConfig { listen: m.listen }
+        });
+        let log = LogConfig { level: f.log.level, format: f.log.format };
+        p.into_result(path, Self { server, redis, limits, log, metrics })
+    }
+}
+
+fn parse_file(path: &Path, text: &str) -> Result<file::File, ConfigError> {
+    toml::from_str(text).map_err(|e| {
+        let line = e.span().map_or(0, |s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        ConfigError::Parse { path: path.into(), line, message: e.message().trim().replace('\n', " ") }
+    })
+}
+
+fn at_least_one<T: PartialEq + Default>(p: &mut Problems, field: &'static str, v: T) -> T {
+    if v == T::default() {
+        p.add(field, "must be at least 1");
+    }
+    v
+}
+
+fn server_config(s: file::ServerSection, p: &mut Problems) -> ServerConfig {
+    if s.listen.as_os_str().is_empty() {
+        p.add("server.listen", "must be a socket path");
+    }
+    // sun_path holds 108 bytes including the NUL, and the socket is bound
+    // first as "<listen>.<pid>.tmp" (up to 16 bytes more).
+    if s.listen.as_os_str().len() > 91 {
+        p.add("server.listen", format!("{} bytes is longer than the 91 a socket path may have here (sun_path is 108 bytes, less a temporary suffix)", s.listen.as_os_str().len()));
+    }
+    let socket_mode = match u32::from_str_radix(s.socket_mode.trim_start_matches("0o"), 8) {
+        Ok(bits) if bits <= 0o777 => bits,
+        _ => {
+            p.add("server.socket_mode", format!("'{}' is not an octal mode such as \"0660\"", s.socket_mode));
+            0
+        }
+    };
+    if s.socket_group.as_deref() == Some("") {
+        p.add("server.socket_group", "must not be empty (leave it unset to keep the daemon's group)");
+    }
+    ServerConfig {
+        listen: s.listen,
+        socket_mode,
+        socket_group: s.socket_group,
+        max_connections: at_least_one(p, "server.max_connections", s.max_connections),
+        max_in_flight_per_connection: at_least_one(p, "server.max_in_flight_per_connection", s.max_in_flight_per_connection),
+        shutdown_grace: Duration::from_millis(s.shutdown_grace_ms),
+        idle_timeout: Duration::from_millis(at_least_one(p, "server.idle_timeout_ms", s.idle_timeout_ms)),
+        frame_timeout: Duration::from_millis(at_least_one(p, "server.frame_timeout_ms", s.frame_timeout_ms)),
+    }
+}
+
+fn in_range(p: &mut Problems, field: &'static str, v: u64, max: u64) -> u64 {
+    if v == 0 || v > max {
+        p.add(field, format!("{v} is outside 1..={max}"));
+    }
+    v
+}
+
+/// Where a secret comes from: a file or a variable, never both.
+fn secret_source(p: &mut Problems, file_field: &'static str, file: Option<PathBuf>, env: Option<String>) -> Option<SecretSource> {
+    match (file, env) {
+        (Some(_), Some(_)) => {
+            p.add(file_field, "set password_file or password_env, not both");
+            None
+        }
+        (Some(path), None) => Some(SecretSource::File(path)),
+        (None, Some(var)) => Some(SecretSource::Env(var)),
+        (None, None) => None,
+    }
+}
+
+/// `None` only when the section had errors (they are in `p`).
+fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> {
+    let before = p.0.len();
+    let target = match r.sentinel {
+        Some(s) => {
+            if r.url.is_some() {
+                p.add("redis.url", "leave it unset with [redis.sentinel]: the sentinels name the master");
+            }
+            if s.master_name.is_empty() {
+                p.add("redis.sentinel.master_name", "must not be empty");
+            }
+            if s.addresses.is_empty() {
+                p.add("redis.sentinel.addresses", "needs at least one \"host:port\"");
+            }
+            let mut addresses = Vec::with_capacity(s.addresses.len());
+            for a in &s.addresses {
+                match HostPort::parse(a) {
+                    Some(hp) => addresses.push(hp),
+                    None => p.add("redis.sentinel.addresses", format!("'{a}' is not \"host:port\"")),
+                }
+            }
+            let password = secret_source(p, "redis.sentinel.password_file", s.password_file, s.password_env);
+            RedisTarget::Sentinel(SentinelConfig { master_name: s.master_name, addresses, username: s.username, password })
+        }
+        None => {
+            let url = r.url.unwrap_or_else(|| DEFAULT_REDIS_URL.to_string());
+            if let Err(e) = redis::Client::open(url.as_str()) {
+                p.add("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(&url)));
+            }
+            RedisTarget::Url(url)
+        }
+    };
+    let tls_url = matches!(&target, RedisTarget::Url(u) if u.starts_with("rediss://"));
+    for (field, path) in [("redis.tls_ca_file", &r.tls_ca_file), ("redis.tls_cert_file", &r.tls_cert_file), ("redis.tls_key_file", &r.tls_key_file)] {
+        if path.is_some() && !tls_url {
+            p.add(field, "needs a rediss:// url");
+        }
+    }
+    let client = match (r.tls_cert_file, r.tls_key_file) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => {
+            p.add("redis.tls_key_file", "tls_cert_file and tls_key_file go together");
+            None
+        }
+    };
+    let password = secret_source(p, "redis.password_file", r.password_file, r.password_env);
+    let breaker_failures = in_range(p, "redis.breaker_failures", r.breaker_failures.into(), 1000) as u32;
+    let timeout = Duration::from_millis(in_range(p, "redis.timeout_ms", r.timeout_ms, 10_000));
+    let connect_timeout = Duration::from_millis(in_range(p, "redis.connect_timeout_ms", r.connect_timeout_ms, 60_000));
+    if r.key_prefix.len() > 64 || r.key_prefix.contains(['{', '}']) || r.key_prefix.chars().any(char::is_control) {
+        p.add("redis.key_prefix", "must be at most 64 bytes, without braces or control characters");
+    }
+    let cfg = RedisConfig {
+        target,
+        username: r.username,
+        password,
+        tls: TlsFiles { ca: r.tls_ca_file, client },
+        timeout,
+        connect_timeout,
+        breaker_failures,
+        key_prefix: r.key_prefix,
+        clock: r.clock,
+    };
+    (p.0.len() == before).then_some(cfg)
+}
+
+fn limits_config(l: file::LimitsSection, p: &mut Problems) -> LimitsConfig {
+    let max_key = MAX_FRAME_LEN - REQUEST_HEADER_LEN - LIMIT_ENTRY_LEN;
+    in_range(p, "limits.max_key_len", l.max_key_len as u64, max_key as u64);
+    in_range(p, "limits.max_limit", l.max_limit.into(), 100_000_000);
+    if l.max_window_ms == 0 || l.max_window_ms > 30 * 86_400_000 {
+        p.add("limits.max_window_ms", format!("{} is outside 1..=2592000000 (30 days)", l.max_window_ms));
+    }
+    in_range(p, "limits.max_cost", l.max_cost.into(), 100_000);
+    if l.max_local_keys < 64 {
+        p.add("limits.max_local_keys", format!("{} is below the minimum of 64", l.max_local_keys));
+    }
+    LimitsConfig {
+        bounds: Bounds { max_key_len: l.max_key_len, max_limit: l.max_limit, max_window_ms: l.max_window_ms, max_cost: l.max_cost },
+        max_local_keys: l.max_local_keys,
+    }
+}
+
+/// A bare level, or directives each of which names a level after `=`:
+/// a typo such as "infoo" would otherwise parse as a target and log nothing.
+fn valid_log_filter(filter: &str) -> bool {
+    const LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+    let level_ok = |l: &str| LEVELS.contains(&l.trim().to_ascii_lowercase().as_str());
+    !filter.trim().is_empty()
+        && filter.split(',').all(|d| match d.split_once('=') {
+            Some((target, level)) => !target.trim().is_empty() && level_ok(level),
+            None => level_ok(d),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("test.toml"), text)
+    }
+
+    fn redis_of(c: Config) -> RedisConfig {
+        c.redis.expect("a [redis] table")
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redacted_url("redis://u:secret@h:6379/0"), "redis://u:***@h:6379/0");
+        assert_eq!(redacted_url("redis://:secret@h"), "redis://:***@h");
+        assert_eq!(redacted_url("redis://h:6379"), "redis://h:6379");
+    }
+
+    #[test]
+    fn empty_file_gives_defaults_and_the_local_backend() {
+        let c = parse("").unwrap();
+        assert_eq!(c, Config::default());
+        assert!(c.redis.is_none());
+        assert_eq!(c.server.socket_mode, 0o660);
+        assert_eq!(c.server.idle_timeout, Duration::from_secs(300));
+        assert_eq!(c.limits.bounds, Bounds::default());
+    }
+
+    #[test]
+    fn values_become_typed_once() {
+        let c = parse("[server]\nsocket_mode = \"0o640\"\nframe_timeout_ms = 500\n[redis]\ntimeout_ms = 35\n").unwrap();
+        assert_eq!(c.server.socket_mode, 0o640);
+        assert_eq!(c.server.frame_timeout, Duration::from_millis(500));
+        let r = redis_of(c);
+        assert_eq!(r.timeout, Duration::from_millis(35));
+        assert_eq!(r.target, RedisTarget::Url(DEFAULT_REDIS_URL.into()));
+    }
+
+    #[test]
+    fn secrets_are_named_not_read() {
+        let r = redis_of(parse("[redis]\npassword_env = \"RATELIMITD_TEST_UNSET_VAR\"\n").unwrap());
+        assert_eq!(r.password, Some(SecretSource::Env("RATELIMITD_TEST_UNSET_VAR".into())));
+        let e = parse("[redis]\npassword_file = \"/x\"\npassword_env = \"X\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.password_file: set password_file or password_env, not both"), "{e}");
+    }
+
+    #[test]
+    fn sentinel_and_tls_settings_are_checked() {
+        let ok = redis_of(parse("[redis.sentinel]\nmaster_name = \"mymaster\"\naddresses = [\"127.0.0.1:26379\", \"[::1]:26380\"]\n").unwrap());
+        let RedisTarget::Sentinel(s) = ok.target else { panic!("sentinel target") };
+        assert_eq!(s.master_name, "mymaster");
+        assert_eq!(s.addresses, [HostPort { host: "127.0.0.1".into(), port: 26379 }, HostPort { host: "::1".into(), port: 26380 }]);
+        assert_eq!(s.addresses[1].to_string(), "[::1]:26380");
+        let e = parse("[redis]\nurl = \"redis://h\"\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.url"), "{e}");
+        let e = parse("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.sentinel.addresses"), "{e}");
+        let e = parse("[redis]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
+        assert!(e.contains("needs a rediss:// url"), "{e}");
+        let e = parse("[redis]\nurl = \"rediss://h\"\ntls_cert_file = \"/c\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.tls_key_file: tls_cert_file and tls_key_file go together"), "{e}");
+    }
+
+    #[test]
+    fn metrics_only_on_loopback() {
+        assert!(parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").is_ok());
+        assert!(parse("[metrics]\nlisten = \"[::1]:9464\"\n").is_ok());
+        let e = parse("[metrics]\nlisten = \"0.0.0.0:9464\"\n").unwrap_err().to_string();
+        assert!(e.contains("metrics.listen"), "{e}");
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let c = parse(include_str!("../../ratelimitd.example.toml")).unwrap();
+        assert_eq!(redis_of(c).timeout, Duration::from_millis(20));
+    }
+
+    #[test]
+    fn unknown_fields_are_named() {
+        let e = parse("[redis]\nurl = \"redis://127.0.0.1\"\ntimeout = 5\n").unwrap_err().to_string();
+        assert!(e.starts_with("test.toml: line 3:"), "{e}");
+        assert!(e.contains("unknown field `timeout`"), "{e}");
+        let e = parse("[sever]\n").unwrap_err().to_string();
+        assert!(e.contains("unknown field `sever`"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_field() {
+        let e = parse("[server]\nsocket_mode = \"0999\"\n").unwrap_err().to_string();
+        assert_eq!(e, "test.toml: server.socket_mode: '0999' is not an octal mode such as \"0660\"");
+        let e = parse("[redis]\ntimeout_ms = 0\n").unwrap_err().to_string();
+        assert!(e.contains("redis.timeout_ms"), "{e}");
+        let e = parse("[redis]\nkey_prefix = \"a{b}\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.key_prefix"), "{e}");
+        let e = parse("[redis]\nurl = \"http://x\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.url"), "{e}");
+        let e = parse("[log]\nlevel = \"infoo\"\n").unwrap_err().to_string();
+        assert!(e.contains("log.level"), "{e}");
+        assert!(parse("[log]\nlevel = \"warn,ratelimitd=debug\"\n").is_ok());
+        let e = parse("[redis]\nurl = \"http://u:secret@x\"\n").unwrap_err().to_string();
+        assert!(!e.contains("secret"), "{e}");
+        let e = parse("[redis]\nclock = \"ntp\"\n").unwrap_err().to_string();
+        assert!(e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn every_bad_field_is_reported_at_once() {
+        let e = parse("[server]\nsocket_mode = \"x\"\nmax_connections = 0\n[redis]\ntimeout_ms = 0\nbreaker_failures = 0\n[limits]\nmax_cost = 0\n[log]\nlevel = \"loud\"\n")
+            .unwrap_err();
+        let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
+        let fields: Vec<_> = errors.iter().map(|e| e.field).collect();
+        assert_eq!(fields, ["server.socket_mode", "server.max_connections", "redis.breaker_failures", "redis.timeout_ms", "limits.max_cost", "log.level"]);
+        assert_eq!(e.to_string().lines().count(), 6);
+        assert!(e.to_string().lines().all(|l| l.starts_with("test.toml: ")));
+    }
+
+    #[test]
+    fn overrides_replace_the_file_and_are_named_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[server]\nsocket_mode = \"0600\"\n").unwrap();
+        let o = Overrides { listen: Some("/tmp/x.sock".into()), redis_url: Some("redis://127.0.0.1:7000/0".into()) };
+        let c = Config::load_with(Some(&path), &o).unwrap();
+        assert_eq!(c.server.listen, Path::new("/tmp/x.sock"));
+        assert_eq!(redis_of(c).target, RedisTarget::Url("redis://127.0.0.1:7000/0".into()));
+        let bad = Overrides { redis_url: Some("http://x".into()), ..Overrides::default() };
+        let e = Config::load_with(Some(&path), &bad).unwrap_err().to_string();
+        assert!(e.contains("(with command-line overrides): redis.url"), "{e}");
+    }
+}
