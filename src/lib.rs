@@ -8,13 +8,14 @@
 //! |---|---|---|
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response` |
+//! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
 //! | counters | `metrics` | lock-free counters and their Prometheus text |
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, `eval`), `window` (the script) |
 //! | decisions | `limiter` | asks a store, applies the fail policy, builds the response |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` |
-//! | edges | `daemon`, `client`, `bench`, `admin` | `serve` wiring and reloads; the client side; `inspect`/`reset` |
+//! | edges | `daemon`, `bench`, `admin` | `serve` wiring and reloads; the load generator; `inspect`/`reset` |
 //!
 //! `main.rs` is the command line over this library. Modules are private
 //! unless the command line or the integration tests use them.
