@@ -18,14 +18,16 @@ pub enum AdminError {
     Redis(#[from] redis::RedisError),
 }
 
-/// One key's window as Redis holds it.
+/// One window of a key as Redis holds it.
 #[derive(Debug, Serialize, PartialEq)]
 pub struct Inspection {
     pub redis_key: String,
+    /// The window length this ZSET is for.
+    pub window_ms: u32,
     /// Admissions stored (members of the ZSET).
     pub members: u64,
-    /// Admissions within the last `window_ms`, if one was given.
-    pub in_window: Option<u64>,
+    /// Admissions within the last `window_ms`: what the next check counts.
+    pub in_window: u64,
     /// Age in ms of the oldest and newest admission, on Redis's clock.
     pub oldest_age_ms: Option<i64>,
     pub newest_age_ms: Option<i64>,
@@ -33,8 +35,8 @@ pub struct Inspection {
     pub ttl_ms: i64,
 }
 
-fn key_string(cfg: &RedisConfig, key: &str) -> String {
-    String::from_utf8_lossy(&WindowKey { prefix: cfg.key_prefix.as_bytes(), key: key.as_bytes() }.to_vec()).into_owned()
+fn window_key<'a>(cfg: &'a RedisConfig, key: &'a str, window_ms: u32) -> WindowKey<'a> {
+    WindowKey { prefix: cfg.key_prefix.as_bytes(), key: key.as_bytes(), window_ms }
 }
 
 async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<redis::aio::MultiplexedConnection, AdminError> {
@@ -45,33 +47,75 @@ async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<redis::aio
     Ok(connector.connect(&conn_cfg).await?)
 }
 
-pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, window_ms: Option<u32>) -> Result<Inspection, AdminError> {
-    let mut conn = connect(cfg, secrets).await?;
-    let redis_key = key_string(cfg, key);
-    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
-    let now_ms = secs * 1000 + micros / 1000;
-    let mut pipe = redis::pipe();
-    pipe.zcard(&redis_key).zrange_withscores(&redis_key, 0, 0).zrange_withscores(&redis_key, -1, -1).pttl(&redis_key);
-    type Scored = Vec<(String, i64)>;
-    let (members, oldest, newest, ttl_ms): (u64, Scored, Scored, i64) = pipe.query_async(&mut conn).await?;
-    let in_window = match window_ms {
-        Some(w) => Some(redis::cmd("ZCOUNT").arg(&redis_key).arg(format!("({}", now_ms - w as i64)).arg("+inf").query_async(&mut conn).await?),
-        None => None,
-    };
-    Ok(Inspection {
-        redis_key,
-        members,
-        in_window,
-        oldest_age_ms: oldest.first().map(|(_, t)| now_ms - t),
-        newest_age_ms: newest.first().map(|(_, t)| now_ms - t),
-        ttl_ms,
-    })
+/// The Redis keys of `key`'s windows: the one of `window_ms`, or every one
+/// that exists (found with SCAN: its cost grows with the keyspace), with
+/// their window lengths, shortest first.
+async fn windows_of(conn: &mut redis::aio::MultiplexedConnection, cfg: &RedisConfig, key: &str, window_ms: Option<u32>) -> Result<Vec<(Vec<u8>, u32)>, AdminError> {
+    if let Some(w) = window_ms {
+        return Ok(vec![(window_key(cfg, key, w).to_vec(), w)]);
+    }
+    let pattern = window_key(cfg, key, 0).all_windows_pattern();
+    let stem_len = window_key(cfg, key, 0).to_vec().len() - ":0ms".len();
+    let mut found = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn).await?;
+        for k in keys {
+            // The pattern's `*` could also match a longer key that merely
+            // starts like ours: keep only "<stem>:<digits>ms".
+            let window = k.get(stem_len..).and_then(|t| t.strip_prefix(b":")).and_then(|t| t.strip_suffix(b"ms")).and_then(|d| std::str::from_utf8(d).ok()).and_then(|d| d.parse::<u32>().ok());
+            if let Some(w) = window.filter(|&w| window_key(cfg, key, w).to_vec() == k) {
+                found.push((k, w));
+            }
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    found.sort_by_key(|&(_, w)| w);
+    found.dedup();
+    Ok(found)
 }
 
-/// Deletes the key's window; returns whether there was one.
-pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str) -> Result<(String, bool), AdminError> {
+/// Every window of `key` (or the one of `window_ms`), as Redis holds it.
+pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, window_ms: Option<u32>) -> Result<Vec<Inspection>, AdminError> {
     let mut conn = connect(cfg, secrets).await?;
-    let redis_key = key_string(cfg, key);
-    let removed: u64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?;
-    Ok((redis_key, removed > 0))
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let now_ms = secs * 1000 + micros / 1000;
+    let mut out = Vec::new();
+    for (redis_key, w) in windows_of(&mut conn, cfg, key, window_ms).await? {
+        let mut pipe = redis::pipe();
+        pipe.zcard(&redis_key)
+            .zcount(&redis_key, format!("({}", now_ms - i64::from(w)), "+inf")
+            .zrange_withscores(&redis_key, 0, 0)
+            .zrange_withscores(&redis_key, -1, -1)
+            .pttl(&redis_key);
+        type Scored = Vec<(String, i64)>;
+        let (members, in_window, oldest, newest, ttl_ms): (u64, u64, Scored, Scored, i64) = pipe.query_async(&mut conn).await?;
+        out.push(Inspection {
+            redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
+            window_ms: w,
+            members,
+            in_window,
+            oldest_age_ms: oldest.first().map(|(_, t)| now_ms - t),
+            newest_age_ms: newest.first().map(|(_, t)| now_ms - t),
+            ttl_ms,
+        });
+    }
+    Ok(out)
+}
+
+/// Deletes every window of `key` (or the one of `window_ms`): its quota is
+/// whole again. Returns the Redis keys deleted.
+pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, window_ms: Option<u32>) -> Result<Vec<String>, AdminError> {
+    let mut conn = connect(cfg, secrets).await?;
+    let mut deleted = Vec::new();
+    for (redis_key, _) in windows_of(&mut conn, cfg, key, window_ms).await? {
+        let removed: u64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?;
+        if removed > 0 {
+            deleted.push(String::from_utf8_lossy(&redis_key).into_owned());
+        }
+    }
+    Ok(deleted)
 }

@@ -4,8 +4,10 @@
 //! `t > now - window`; a request of cost `c` is admitted whole if
 //! `count + c <= limit`, and a denied request records nothing. It serves as
 //! the backend when no Redis is configured and as the per-host fallback of
-//! the `local` fail policy. Keys are spread over shards, each behind a plain
-//! mutex that is never held across an await.
+//! the `local` fail policy. A window is named by its key and its length, as
+//! in Redis, so two locations sharing a key with different windows never
+//! erase each other's history. Windows are spread over shards, each behind
+//! a plain mutex that is never held across an await.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
@@ -18,6 +20,44 @@ use tokio_util::sync::CancellationToken;
 use crate::window::{LimitSpec, Verdict};
 
 const SHARDS: usize = 64;
+
+/// Names up to this long are composed on the stack.
+const INLINE_NAME: usize = 256;
+
+/// A window's name in the map: the window length (4 bytes, big-endian), then
+/// the key. Composed on the stack for usual key lengths, so a lookup
+/// allocates nothing; only a new window copies it to the heap.
+// Built on the stack for one call and dropped: the size is the point.
+#[allow(clippy::large_enum_variant)]
+enum WindowName {
+    Inline([u8; INLINE_NAME], usize),
+    Heap(Vec<u8>),
+}
+
+impl WindowName {
+    fn new(spec: &LimitSpec<'_>) -> Self {
+        let len = 4 + spec.key.len();
+        let window = spec.window_ms.to_be_bytes();
+        if len <= INLINE_NAME {
+            let mut buf = [0u8; INLINE_NAME];
+            buf[..4].copy_from_slice(&window);
+            buf[4..len].copy_from_slice(spec.key);
+            Self::Inline(buf, len)
+        } else {
+            let mut v = Vec::with_capacity(len);
+            v.extend_from_slice(&window);
+            v.extend_from_slice(spec.key);
+            Self::Heap(v)
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Inline(buf, len) => &buf[..*len],
+            Self::Heap(v) => v,
+        }
+    }
+}
 
 /// Admissions of one key: (time in ms, cost) in time order. Admissions in the
 /// same millisecond share one entry, so memory is bounded by the window's
@@ -92,19 +132,20 @@ impl LocalStore {
     /// Decides one request at `now_ms` on a monotonic millisecond clock.
     /// A new key is refused when its shard is full of keys still in use.
     fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, LocalStoreFull> {
-        let mut shard = self.shard(spec.key);
-        // Length first: below capacity the hit path hashes the key once.
-        if shard.len() >= self.keys_per_shard && !shard.contains_key(spec.key) {
+        let name = WindowName::new(spec);
+        let name = name.as_bytes();
+        let mut shard = self.shard(name);
+        // Length first: below capacity the hit path hashes the name once.
+        if shard.len() >= self.keys_per_shard && !shard.contains_key(name) {
             shard.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
             if shard.len() >= self.keys_per_shard {
                 return Err(LocalStoreFull(self.keys_per_shard * SHARDS));
             }
         }
-        let w = match shard.get_mut(spec.key) {
+        let w = match shard.get_mut(name) {
             Some(w) => w,
-            None => shard.entry(spec.key.into()).or_default(),
+            None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
         };
-        w.window_ms = spec.window_ms;
         w.evict(now_ms, spec.window_ms);
         let window = spec.window_ms as u64;
         let limit = spec.limit as u64;
@@ -250,6 +291,21 @@ mod tests {
         assert_eq!(m.len(), 1);
         assert_eq!(m.sweep_at(190), 1);
         assert_eq!(m.len(), 0);
+    }
+
+    #[test]
+    fn one_key_with_two_windows_keeps_both_histories() {
+        let m = LocalStore::new(1000);
+        for t in 0..5 {
+            assert!(m.check_at(&spec(b"k", 5, 60_000, 1), t).unwrap().allowed);
+        }
+        // A short window on the same key is its own window...
+        assert!(m.check_at(&spec(b"k", 5, 100, 1), 200).unwrap().allowed);
+        // ...and does not erase the long one's admissions.
+        let d = m.check_at(&spec(b"k", 5, 60_000, 1), 300).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.count, 5);
+        assert_eq!(m.len(), 2);
     }
 
     #[test]

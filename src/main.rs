@@ -46,24 +46,27 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Show one key's window in Redis (same key derivation as the daemon).
+    /// Show a key's windows in Redis (same key derivation as the daemon).
     Inspect {
         #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
         #[arg(long)]
         key: String,
-        /// Also count the admissions within the last MS milliseconds.
+        /// Only the window of this length; without it, every window of the key.
         #[arg(long)]
         window_ms: Option<u32>,
         #[arg(long)]
         json: bool,
     },
-    /// Delete one key's window in Redis: its quota is whole again.
+    /// Delete a key's windows in Redis: its quota is whole again.
     Reset {
         #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
         #[arg(long)]
         key: String,
+        /// Only the window of this length; without it, every window of the key.
+        #[arg(long)]
+        window_ms: Option<u32>,
     },
     /// Load a running daemon: N requests over C connections.
     Bench {
@@ -147,15 +150,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Inspect { config, key, window_ms, json } => {
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let i = runtime()?.block_on(ratelimitd::admin::inspect(redis, &resolved.redis, &key, window_ms))?;
+            let windows = runtime()?.block_on(ratelimitd::admin::inspect(redis, &resolved.redis, &key, window_ms))?;
             if json {
-                println!("{}", serde_json::to_string(&i)?);
-            } else {
-                println!("key:          {}", i.redis_key);
-                println!("admissions:   {}", i.members);
-                if let (Some(n), Some(w)) = (i.in_window, window_ms) {
-                    println!("in last {w} ms: {n}");
+                println!("{}", serde_json::to_string(&windows)?);
+            } else if windows.is_empty() {
+                println!("{key}: no window in redis");
+            }
+            for (n, i) in windows.iter().enumerate().filter(|_| !json) {
+                if n > 0 {
+                    println!();
                 }
+                println!("key:          {}", i.redis_key);
+                println!("window:       {} ms", i.window_ms);
+                println!("admissions:   {}", i.members);
+                println!("in window:    {}", i.in_window);
                 let age = |a: Option<i64>| a.map_or("-".to_string(), |ms| format!("{ms} ms ago"));
                 println!("oldest:       {}", age(i.oldest_age_ms));
                 println!("newest:       {}", age(i.newest_age_ms));
@@ -163,11 +171,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Reset { config, key } => {
+        Command::Reset { config, key, window_ms } => {
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let (redis_key, existed) = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &key))?;
-            println!("{redis_key}: {}", if existed { "deleted" } else { "no such key" });
+            let deleted = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &key, window_ms))?;
+            if deleted.is_empty() {
+                println!("{key}: no such key");
+            }
+            for redis_key in deleted {
+                println!("{redis_key}: deleted");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Query { check, json } => {

@@ -1,10 +1,17 @@
+#!lua
 -- ratelimitd: exact sliding-window limit, run atomically by Redis.
+--
+-- The shebang (Redis 7.0 or later) declares a script that may write, with
+-- no flags: Redis refuses to start it when used memory is over maxmemory
+-- (an OOM error, answered with the request's fail policy). Without it,
+-- Redis checks memory only at the script's first write and lets every
+-- later one through, so admissions would grow past maxmemory.
 --
 -- One ZSET per key; score = admission time in ms; member = unique id.
 -- An admission at t counts while t > now - window. A request of cost c is
 -- admitted whole if count + c <= limit; a denied request records nothing.
 --
--- KEYS[1]  the window key, "<prefix>{<hash tag>}..." (one Cluster slot)
+-- KEYS[1]  the window key, "<prefix>{<key>}:<window>ms" (one Cluster slot)
 -- ARGV[1]  limit: admissions allowed per window (1 <= limit)
 -- ARGV[2]  window length in ms
 -- ARGV[3]  cost: 1 <= cost <= limit
@@ -12,11 +19,8 @@
 -- ARGV[5]  now in ms from the caller's clock, or 0 to use Redis TIME
 -- Returns {allowed (1|0), count, remaining, retry_after_ms, reset_ms}
 
--- TIME is non-deterministic: Redis before 5.0 needs effects replication for
--- it to be followed by writes. Later versions do this by default.
-if redis.replicate_commands then
-  redis.replicate_commands()
-end
+-- TIME is non-deterministic; scripts with a shebang always replicate their
+-- effects, so writes after it are safe.
 
 local key = KEYS[1]
 local limit = tonumber(ARGV[1])

@@ -20,15 +20,20 @@ use crate::window::{LimitSpec, StoreError, Verdict};
 /// The script, as shipped in the binary.
 pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
 
-/// The Redis key of a client key: `<prefix>{<key>}`, or `<prefix>~<key>` when
-/// the key already carries a non-empty `{...}` hash tag of its own, so that
-/// callers can keep related keys in one Cluster slot. The `~` keeps the two
-/// forms apart (`a` and `{a}` are different keys). The prefix is always
-/// there, so no client key reaches outside the namespace.
+/// The Redis key of a client key and window: `<prefix>{<key>}:<window>ms`,
+/// or `<prefix>~<key>:<window>ms` when the key already carries a non-empty
+/// `{...}` hash tag of its own, so that callers can keep related keys in
+/// one Cluster slot. The `~` keeps the two forms apart (`a` and `{a}` are
+/// different keys). The window is part of the key because two locations
+/// may share a key with different windows: in one ZSET, the shorter
+/// window's cleanup would erase the longer one's history. It sits outside
+/// the hash tag, so every window of a key lives in the key's slot. The
+/// prefix is always there, so no client key reaches outside the namespace.
 #[derive(Clone, Copy, Debug)]
 pub struct WindowKey<'a> {
     pub prefix: &'a [u8],
     pub key: &'a [u8],
+    pub window_ms: u32,
 }
 
 impl WindowKey<'_> {
@@ -47,7 +52,8 @@ impl WindowKey<'_> {
         v
     }
 
-    fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
+    /// Everything before the window: the part all windows of a key share.
+    fn write_stem(&self, w: &mut impl Write) -> std::io::Result<()> {
         w.write_all(self.prefix)?;
         if self.has_hash_tag() {
             w.write_all(b"~")?;
@@ -57,6 +63,27 @@ impl WindowKey<'_> {
             w.write_all(self.key)?;
             w.write_all(b"}")
         }
+    }
+
+    fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
+        self.write_stem(w)?;
+        write!(w, ":{}ms", self.window_ms)
+    }
+
+    /// A `SCAN MATCH` pattern for every window of this key (admin tools):
+    /// the stem with glob characters escaped, then `:*ms`.
+    pub fn all_windows_pattern(&self) -> Vec<u8> {
+        let mut stem = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
+        self.write_stem(&mut stem).expect("writing to a Vec cannot fail");
+        let mut out = Vec::with_capacity(stem.len() * 2 + 4);
+        for b in stem {
+            if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+                out.push(b'\\');
+            }
+            out.push(b);
+        }
+        out.extend_from_slice(b":*ms");
+        out
     }
 }
 
@@ -131,8 +158,8 @@ impl RedisWindow {
     }
 
     /// The Redis key for a client key.
-    fn window_key<'a>(&'a self, key: &'a [u8]) -> WindowKey<'a> {
-        WindowKey { prefix: &self.key_prefix, key }
+    fn window_key<'a>(&'a self, key: &'a [u8], window_ms: u32) -> WindowKey<'a> {
+        WindowKey { prefix: &self.key_prefix, key, window_ms }
     }
 
     /// Decides one request within the configured deadline.
@@ -152,7 +179,7 @@ impl RedisWindow {
         cmd.arg("EVALSHA")
             .arg(self.link.script_sha())
             .arg(1)
-            .arg(self.window_key(spec.key))
+            .arg(self.window_key(spec.key, spec.window_ms))
             .arg(spec.limit)
             .arg(spec.window_ms)
             .arg(spec.cost)
@@ -201,17 +228,21 @@ mod tests {
     use super::*;
 
     fn key(prefix: &str, key: &str) -> String {
-        String::from_utf8(WindowKey { prefix: prefix.as_bytes(), key: key.as_bytes() }.to_vec()).unwrap()
+        String::from_utf8(WindowKey { prefix: prefix.as_bytes(), key: key.as_bytes(), window_ms: 1000 }.to_vec()).unwrap()
     }
 
     #[test]
-    fn keys_are_prefixed_and_hash_tagged() {
-        assert_eq!(key("rl:", "order:tenant-1001"), "rl:{order:tenant-1001}");
-        assert_eq!(key("rl:", "{tenant-1}:order"), "rl:~{tenant-1}:order");
+    fn keys_are_prefixed_hash_tagged_and_name_their_window() {
+        assert_eq!(key("rl:", "order:tenant-1001"), "rl:{order:tenant-1001}:1000ms");
+        assert_eq!(key("rl:", "{tenant-1}:order"), "rl:~{tenant-1}:order:1000ms");
         assert_ne!(key("rl:", "a"), key("rl:", "{a}"));
         // An empty tag is no tag: the whole key is wrapped.
-        assert_eq!(key("rl:", "a{}b"), "rl:{a{}b}");
-        assert_eq!(key("rl:", "a}b{"), "rl:{a}b{}");
+        assert_eq!(key("rl:", "a{}b"), "rl:{a{}b}:1000ms");
+        assert_eq!(key("rl:", "a}b{"), "rl:{a}b{}:1000ms");
+        let k = |w| WindowKey { prefix: b"rl:", key: b"k", window_ms: w }.to_vec();
+        assert_ne!(k(100), k(60_000));
+        let glob = WindowKey { prefix: b"rl:", key: b"a*b?[c]", window_ms: 5 }.all_windows_pattern();
+        assert_eq!(String::from_utf8(glob).unwrap(), r"rl:{a\*b\?\[c\]}:*ms");
     }
 
     #[test]
