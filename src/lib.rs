@@ -6,6 +6,7 @@
 //!
 //! | layer | module | concern |
 //! |---|---|---|
+//! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response` |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
@@ -28,6 +29,7 @@ pub mod config;
 pub mod daemon;
 mod limiter;
 mod local_store;
+mod log_limit;
 mod metrics;
 mod metrics_server;
 pub mod protocol;

@@ -259,7 +259,7 @@ async fn sighup_under_load_reloads_without_dropping_a_request() {
     let samples = collect(tasks).await;
     assert!(samples.iter().all(|s| s.resp.source == Source::Redis && s.resp.error == ErrorCode::None), "no request fell to its policy");
     let mut conn2 = r2.conn();
-    let moved_keys: bool = redis::Commands::exists(&mut conn2, "ratelimitd:{hup}").unwrap();
+    let moved_keys: bool = redis::Commands::exists(&mut conn2, "ratelimitd:{hup}:1000ms").unwrap();
     assert!(moved_keys, "decisions moved to the new Redis");
     assert!(d.log().contains("configuration reloaded"));
     eprintln!("SIGHUP under load: {} requests, none failed", samples.len());

@@ -52,12 +52,18 @@ impl Connector {
         Ok(Self::Direct(client))
     }
 
-    /// One connection to the master (verified with ROLE through Sentinel).
+    /// One connection to the master, verified with `ROLE`: a direct URL can
+    /// point at a replica (after a `REPLICAOF`), and a sentinel's view can
+    /// lag a failover. `SCRIPT LOAD` succeeds on a replica, so without this
+    /// check every reconnect would "succeed" and the next request would
+    /// meet `READONLY`.
     pub async fn connect(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
-        match self {
-            Self::Direct(client) => client.get_multiplexed_async_connection_with_config(cfg).await,
-            Self::Sentinel(s) => s.connect_master(cfg).await,
-        }
+        let mut conn = match self {
+            Self::Direct(client) => client.get_multiplexed_async_connection_with_config(cfg).await?,
+            Self::Sentinel(s) => s.connect_master(cfg).await?,
+        };
+        ensure_master(&mut conn).await?;
+        Ok(conn)
     }
 
     /// Where the link points, for logs (no credentials).
@@ -67,4 +73,27 @@ impl Connector {
             Self::Sentinel(s) => s.describe(),
         }
     }
+}
+
+/// Fails unless the server answers `ROLE` with `master`. An ACL user not
+/// allowed `ROLE` (NOPERM) is let through: the link then learns of a replica
+/// from `READONLY`, and the supervisor's backoff bounds the reconnects.
+async fn ensure_master(conn: &mut MultiplexedConnection) -> Result<(), RedisError> {
+    let role: Vec<redis::Value> = match redis::cmd("ROLE").query_async(conn).await {
+        Ok(role) => role,
+        Err(e) if e.code() == Some("NOPERM") => {
+            tracing::debug!("the ACL user may not run ROLE; the master is not verified");
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    let name = match role.first() {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(redis::Value::SimpleString(s)) => s.clone(),
+        other => format!("{other:?}"),
+    };
+    if name != "master" {
+        return Err(RedisError::from(std::io::Error::other(format!("the server answers ROLE '{name}', not 'master'"))));
+    }
+    Ok(())
 }

@@ -28,6 +28,7 @@ use self::breaker::Breaker;
 use super::connector::Connector;
 use super::sentinel::SentinelConnector;
 use crate::config::RedisConfig;
+use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::window::StoreError;
 
@@ -61,6 +62,15 @@ pub struct RedisLink {
     loaded: Notify,
     settings: LinkSettings,
     script: Script,
+    /// A real call of the script (on a key of its own) that a new connection
+    /// must answer before the breaker closes: `SCRIPT LOAD` alone succeeds on
+    /// a server that then refuses or blocks writes (`CLIENT PAUSE WRITE`,
+    /// OOM), and the breaker would flap on every request.
+    probe: Cmd,
+    /// Warnings of the breaker opening, and of it closing again: at most one
+    /// each per interval however often a sick Redis trips it.
+    trip_log: RateLimitedLog,
+    up_log: RateLimitedLog,
 }
 
 impl std::fmt::Debug for RedisLink {
@@ -100,7 +110,7 @@ fn classify(e: &RedisError) -> Failure {
 impl RedisLink {
     /// Starts the supervisor; the link is down (breaker open) until it has
     /// connected and loaded `script`. Background tasks stop with `shutdown`.
-    pub fn start(connector: Connector, script: Script, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
+    pub fn start(connector: Connector, script: Script, probe: Cmd, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
         let link = Arc::new(Self {
             conn: ArcSwapOption::empty(),
             breaker: Breaker::new(settings.breaker_failures),
@@ -111,6 +121,9 @@ impl RedisLink {
             loaded: Notify::new(),
             settings,
             script,
+            probe,
+            trip_log: RateLimitedLog::new(LOG_INTERVAL),
+            up_log: RateLimitedLog::new(LOG_INTERVAL),
         });
         if let Connector::Sentinel(s) = &connector {
             let link = Arc::downgrade(&link);
@@ -136,7 +149,15 @@ impl RedisLink {
     /// `NOSCRIPT` (Redis lost its script cache) it waits for the one reload
     /// the supervisor does for all requests, then retries once. Every
     /// outcome is reported to the breaker and the latency metric.
+    ///
+    /// A connection found dead (Redis or a proxy closed it while idle,
+    /// `CLIENT KILL`, a restart) is not an answer: the request waits, within
+    /// its deadline, for the fresh connection the supervisor opens and is
+    /// sent once more. If the first copy did reach Redis before the
+    /// connection died, it is counted twice: the error is on the side of
+    /// refusing, never of admitting too much.
     pub async fn eval<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        let started = Instant::now();
         let mut conn = self.connection()?;
         let attempt = async {
             let seen = self.generation();
@@ -146,10 +167,21 @@ impl RedisLink {
                     self.wait_for_reload(seen).await;
                     cmd.query_async::<T>(&mut conn).await
                 }
+                Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                    self.link_lost(&e);
+                    // Leave a little of the deadline for the call itself.
+                    let wait = self.settings.timeout.saturating_sub(started.elapsed() + Duration::from_millis(1));
+                    if !self.wait_ready(wait).await {
+                        return Err(e);
+                    }
+                    match self.connection() {
+                        Ok(mut fresh) => cmd.query_async::<T>(&mut fresh).await,
+                        Err(_) => Err(e),
+                    }
+                }
                 other => other,
             }
         };
-        let started = Instant::now();
         let outcome = tokio::time::timeout(self.settings.timeout, attempt).await;
         METRICS.redis_call(started.elapsed());
         match outcome {
@@ -198,11 +230,7 @@ impl RedisLink {
     fn record_failure(&self, e: &RedisError) -> StoreError {
         match classify(e) {
             Failure::Link => {
-                if self.breaker.trip() {
-                    METRICS.breaker_opened();
-                    tracing::warn!(error = %e, "redis connection lost; breaker open, reconnecting");
-                }
-                self.want_reconnect();
+                self.link_lost(e);
                 StoreError::Unavailable(e.to_string())
             }
             Failure::Slow => {
@@ -213,15 +241,30 @@ impl RedisLink {
         }
     }
 
+    /// The connection is gone or points at the wrong server: open the
+    /// breaker and reconnect.
+    fn link_lost(&self, e: &RedisError) {
+        if self.breaker.trip() {
+            METRICS.breaker_opened();
+            if let Some(suppressed) = self.trip_log.permit() {
+                tracing::warn!(error = %e, breaker_opened_before = suppressed, "redis connection lost; breaker open, reconnecting");
+            }
+        }
+        self.want_reconnect();
+    }
+
     /// Reports a call that passed its deadline.
     fn record_timeout(&self) {
         if self.breaker.record_failure() {
             METRICS.breaker_opened();
-            tracing::warn!(
-                failures = self.settings.breaker_failures,
-                timeout_ms = self.settings.timeout.as_millis() as u64,
-                "redis too slow; breaker open, requests follow their fail policy until a probe succeeds"
-            );
+            if let Some(suppressed) = self.trip_log.permit() {
+                tracing::warn!(
+                    failures = self.settings.breaker_failures,
+                    timeout_ms = self.settings.timeout.as_millis() as u64,
+                    breaker_opened_before = suppressed,
+                    "redis too slow; breaker open, requests follow their fail policy until a probe succeeds"
+                );
+            }
             self.want_reconnect();
         }
     }
@@ -273,6 +316,14 @@ const MIN_BACKOFF: Duration = Duration::from_millis(25);
 /// Caps the pause between probes, so a returning Redis is back in use
 /// within about half a second plus one connect.
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
+/// A link that fails again this soon after it came up is flapping: the
+/// backoff goes on growing instead of starting over.
+const STABLE_AFTER: Duration = Duration::from_secs(2);
+/// An idle link sends PING this often, so that a Redis `timeout` or a
+/// proxy's idle timeout (1 s at the least) never closes it under us.
+const KEEPALIVE: Duration = Duration::from_millis(500);
+/// Interval of the breaker's open/close log lines.
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// (Re)connects, reloads the script and closes the breaker; runs until shutdown.
 async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: CancellationToken) {
@@ -284,6 +335,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
     let target = connector.describe();
     let mut backoff = MIN_BACKOFF;
     let mut failures = 0u32;
+    let mut up_since: Option<Instant> = None;
     loop {
         let needs_link = link.reconnect_wanted.load(Ordering::Acquire) || link.breaker.is_open();
         let needs_load = link.reload_wanted.load(Ordering::Acquire);
@@ -291,6 +343,30 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = link.wake.notified() => continue,
+                _ = tokio::time::sleep(KEEPALIVE) => {
+                    // A request's trip wakes us: reconnecting must not wait
+                    // for a PING to a hung server.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = link.wake.notified() => {}
+                        _ = keepalive(&link) => {}
+                    }
+                    continue;
+                }
+            }
+        }
+        if needs_link {
+            if let Some(since) = up_since.take() {
+                if since.elapsed() < STABLE_AFTER {
+                    // Up, then down again at once: wait as after a failure.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                } else {
+                    backoff = MIN_BACKOFF;
+                }
             }
         }
         let attempt = async {
@@ -299,6 +375,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                 link.reload_wanted.store(false, Ordering::Release);
                 let mut conn = connector.connect(&conn_cfg).await?;
                 script.load_async(&mut conn).await?;
+                link.probe.query_async::<redis::Value>(&mut conn).await?;
                 link.conn.store(Some(Arc::new(conn)));
             } else {
                 link.reload_wanted.store(false, Ordering::Release);
@@ -321,13 +398,15 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                 let was_open = link.breaker.is_open();
                 link.breaker.close();
                 link.publish_load();
-                if was_open {
-                    tracing::info!(redis = %target, sha = script.get_hash(), after_failures = failures, "redis link up; script loaded; breaker closed");
-                } else {
+                if needs_link {
+                    up_since = Some(Instant::now());
+                }
+                if !was_open {
                     tracing::debug!(sha = script.get_hash(), "sliding-window script reloaded");
+                } else if let Some(suppressed) = link.up_log.permit() {
+                    tracing::info!(redis = %target, sha = script.get_hash(), after_failures = failures, closed_before = suppressed, "redis link up; script loaded; breaker closed");
                 }
                 failures = 0;
-                backoff = MIN_BACKOFF;
                 continue;
             }
             Ok(Err(e)) => {
@@ -349,6 +428,22 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// PINGs the idle link. A lost connection is found here rather than by the
+/// next request; a slow answer is left to the requests' own deadlines.
+async fn keepalive(link: &RedisLink) {
+    let Some(conn) = &*link.conn.load() else { return };
+    if link.breaker.is_open() {
+        return;
+    }
+    let mut conn = (**conn).clone();
+    let ping = tokio::time::timeout(Duration::from_secs(1), redis::cmd("PING").query_async::<redis::Value>(&mut conn)).await;
+    if let Ok(Err(e)) = ping {
+        if matches!(classify(&e), Failure::Link) {
+            link.link_lost(&e);
+        }
     }
 }
 

@@ -29,10 +29,6 @@ pub struct SentinelConnector {
     sentinel_auth: (Option<String>, Option<String>),
 }
 
-fn not_master(role: &str) -> RedisError {
-    RedisError::from(std::io::Error::other(format!("the server the sentinels named answers ROLE '{role}', not 'master'")))
-}
-
 impl SentinelConnector {
     /// `master_auth` is (username, password) for the master itself.
     pub fn new(cfg: &SentinelConfig, master_auth: (Option<String>, Option<String>), sentinel_password: Option<String>) -> Result<Self, RedisError> {
@@ -64,20 +60,12 @@ impl SentinelConnector {
         format!("master '{}' via sentinels {}", self.master_name, list.join(","))
     }
 
-    /// Asks the sentinels for the master, connects, and checks its role.
+    /// Asks the sentinels for the master and connects (the connector then
+    /// checks its role: a sentinel's view can lag a failover).
     pub async fn connect_master(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
         let client = self.client.lock().await.async_get_client().await?;
-        let mut conn = client.get_multiplexed_async_connection_with_config(cfg).await?;
-        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
-        let name = match role.first() {
-            Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-            Some(redis::Value::SimpleString(s)) => s.clone(),
-            other => format!("{other:?}"),
-        };
-        if name != "master" {
-            return Err(not_master(&name));
-        }
-        tracing::info!(master = %client.get_connection_info().addr(), name = %self.master_name, "connected to the master named by the sentinels");
+        let conn = client.get_multiplexed_async_connection_with_config(cfg).await?;
+        tracing::debug!(master = %client.get_connection_info().addr(), name = %self.master_name, "connected to the server the sentinels name as master");
         Ok(conn)
     }
 

@@ -129,8 +129,10 @@ impl RedisWindow {
     pub fn start(cfg: &RedisConfig, secrets: &RedisSecrets, shutdown: CancellationToken) -> Result<Arc<Self>, StartError> {
         let connector = Connector::new(cfg, secrets)?;
         let instance = instance_id()?;
+        let script = Script::new(SCRIPT_SOURCE);
+        let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
         Ok(Arc::new(Self {
-            link: RedisLink::start(connector, Script::new(SCRIPT_SOURCE), LinkSettings::from(cfg), shutdown),
+            link: RedisLink::start(connector, script, probe, LinkSettings::from(cfg), shutdown),
             key_prefix: cfg.key_prefix.as_bytes().into(),
             instance,
             seq: AtomicU64::new(0),
@@ -194,6 +196,23 @@ impl RedisWindow {
             reset_ms: clamp_u32(reset_ms),
         })
     }
+}
+
+/// The link's probe: one admission on a key no client can name (a client
+/// key never contains a NUL) with a 1 ms window, so it writes what a
+/// request writes and leaves nothing behind.
+fn probe_command(script: &Script, prefix: &[u8], instance: u64) -> redis::Cmd {
+    let mut cmd = redis::Cmd::new();
+    cmd.arg("EVALSHA")
+        .arg(script.get_hash())
+        .arg(1)
+        .arg(WindowKey { prefix, key: b"\0probe", window_ms: 1 })
+        .arg(1_000_000)
+        .arg(1)
+        .arg(1)
+        .arg(MemberId { instance, seq: u64::MAX })
+        .arg(0);
+    cmd
 }
 
 /// Why the Redis backend could not be started.
