@@ -12,7 +12,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{args, Daemon, RedisServer};
+use common::{args, Daemon, Deadline, RedisServer};
 use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, Response, Source};
 use tokio::sync::Notify;
 
@@ -66,7 +66,7 @@ fn max_latency(samples: &[Sample]) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_under_load_every_request_is_answered_in_time() {
-    let mut r = RedisServer::start();
+    let mut r = RedisServer::start_unix();
     let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}"));
     let start = Instant::now();
     let stop = Arc::new(Notify::new());
@@ -92,7 +92,7 @@ async fn redis_killed_under_load_every_request_is_answered_in_time() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_hung_breaker_opens_latency_stays_bounded_and_limiting_resumes() {
-    let r = RedisServer::start();
+    let r = RedisServer::start_unix();
     let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}\nbreaker_failures = 5"));
     let start = Instant::now();
     let stop = Arc::new(Notify::new());
@@ -129,7 +129,7 @@ async fn redis_hung_breaker_opens_latency_stays_bounded_and_limiting_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_kill_and_restart_recover_within_a_second() {
-    let mut r = RedisServer::start();
+    let mut r = RedisServer::start_unix();
     let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}"));
     let mut c = d.client().await;
     let a = CheckArgs { on_error: FailPolicy::Open, ..args("recover", 1_000_000, 1000) };
@@ -141,39 +141,40 @@ async fn client_kill_and_restart_recover_within_a_second() {
             let mut conn = r.conn();
             let _: redis::Value = redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal").query(&mut conn).unwrap();
         }
-        let t0 = Instant::now();
+        let back = Deadline::start(format!("{what}: back on Redis"), Duration::from_secs(3));
         loop {
             let resp = c.check(&a).await.unwrap();
             if resp.source == Source::Redis {
                 break;
             }
-            assert!(t0.elapsed() < Duration::from_secs(3), "{what}: not back on Redis: {}", resp.message);
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            back.retry_in(Duration::from_millis(5), || resp.message.clone()).await;
         }
-        eprintln!("{what}: Redis-backed again after {:?}", t0.elapsed());
-        assert!(t0.elapsed() < Duration::from_millis(1500), "{what}: {:?}", t0.elapsed());
+        eprintln!("{what}: Redis-backed again after {:?}", back.elapsed());
+        assert!(back.elapsed() < Duration::from_millis(1500), "{what}: {:?}", back.elapsed());
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_at_start_then_up() {
-    // A port with no server yet: the daemon starts anyway and answers by policy.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let d = Daemon::start(Some(&format!("redis://127.0.0.1:{port}/0")), &format!("timeout_ms = {DEADLINE_MS}"));
+    // An address with no server yet: the daemon starts anyway and answers by
+    // policy. A socket path in our own dir, so that no other test's server
+    // can be there first.
+    let late = tempfile::tempdir().unwrap();
+    let socket = late.path().join("redis.sock");
+    let d = Daemon::start(Some(&format!("redis+unix://{}", socket.display())), &format!("timeout_ms = {DEADLINE_MS}"));
     let mut c = d.client().await;
     let closed = c.check(&args("late", 5, 1000)).await.unwrap();
     assert_eq!((closed.decision, closed.source, closed.error), (Decision::Denied, Source::FailClosed, ErrorCode::CircuitOpen));
-    let _r = RedisServer::start_on(port);
-    let t0 = Instant::now();
+    let _r = RedisServer::start_unix_at(&socket);
+    let reached = Deadline::start("reached the late Redis", Duration::from_secs(3));
     while c.check(&args("late", 5, 1000)).await.unwrap().source != Source::Redis {
-        assert!(t0.elapsed() < Duration::from_secs(3), "never reached the late Redis");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        reached.retry_in(Duration::from_millis(10), String::new).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_under_load_answers_in_flight_and_exits_zero() {
-    let r = RedisServer::start();
+    let r = RedisServer::start_unix();
     let mut d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -224,8 +225,8 @@ async fn sigterm_under_load_answers_in_flight_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_under_load_reloads_without_dropping_a_request() {
-    let r = RedisServer::start();
-    let r2 = RedisServer::start();
+    let r = RedisServer::start_unix();
+    let r2 = RedisServer::start_unix();
     let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
     let start = Instant::now();
     let stop = Arc::new(Notify::new());
@@ -245,14 +246,13 @@ async fn sighup_under_load_reloads_without_dropping_a_request() {
     let moved = good.replace(&r.url(), &r2.url());
     d.rewrite_config(&format!("{moved}\n[limits]\nmax_key_len = 100\n"));
     d.signal(nix::sys::signal::Signal::SIGHUP);
-    let t0 = Instant::now();
+    let applied = Deadline::start("new limits applied", Duration::from_secs(5));
     loop {
         let resp = long_key.check(&args(&key, 5, 1000)).await.unwrap();
         if resp.error == ErrorCode::InvalidKey {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(5), "new limits never applied");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        applied.retry_in(Duration::from_millis(20), || resp.message.clone()).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     stop.notify_waiters();

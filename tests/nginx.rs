@@ -46,20 +46,17 @@ fn replace_once(text: &str, from: &str, to: &str) -> String {
 }
 
 /// The `http {}` body: the shipped snippet and example, pointed at `socket`,
-/// plus the application the example proxies to.
+/// plus the application the example proxies to, served by the same nginx on
+/// a port of its own (`{PORT:app}`).
 fn gateway_config(socket: &std::path::Path, order_window_ms: u32) -> String {
-    let app_port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
     let snippet = replace_once(SNIPPET, "unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()));
     // Loaded CI machines stall processes for tens of ms: these tests are about
     // decisions, so the Lua side waits as long as the daemon may take.
     let snippet = replace_once(&snippet, "read_timeout = 50,", "read_timeout = 1000,");
     let mut example = replace_once(EXAMPLE, "listen 8080;", &format!("listen 127.0.0.1:{{PORT}};\n{TEST_LOCATIONS}"));
-    example = replace_once(&example, "server 127.0.0.1:9000;", &format!("server 127.0.0.1:{app_port};"));
+    example = replace_once(&example, "server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};");
     example = replace_once(&example, "window_ms = 1000,", &format!("window_ms = {order_window_ms},"));
-    format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{app_port}; location / {{ return 200 \"ok\\n\"; }} }}\n")
+    format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{{PORT:app}}; location / {{ return 200 \"ok\\n\"; }} }}\n")
 }
 
 /// A daemon whose socket nginx's unprivileged workers can reach.
@@ -105,7 +102,7 @@ fn assert_no_errors(nginx: &Nginx) {
 
 #[test]
 fn seed_scenario_through_nginx() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
     let a = agent();
@@ -139,7 +136,7 @@ fn seed_scenario_through_nginx() {
 
 #[test]
 fn window_slides_dry_run_and_header_styles() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
@@ -165,7 +162,7 @@ fn window_slides_dry_run_and_header_styles() {
 /// Two gateways, each with its own daemon, on one Redis: one global limit.
 #[test]
 fn two_gateways_hold_one_global_limit() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let (d1, d2) = (daemon(&redis), daemon(&redis));
     let (n1, n2) = (Nginx::start(&gateway_config(&d1.socket, 60_000)), Nginx::start(&gateway_config(&d2.socket, 60_000)));
     let urls = [n1.url("/order"), n2.url("/order")];
@@ -188,7 +185,7 @@ fn two_gateways_hold_one_global_limit() {
 /// started again: limiting resumes without an nginx reload.
 #[test]
 fn daemon_down_each_location_follows_its_policy() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let mut d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
@@ -218,7 +215,7 @@ fn daemon_down_each_location_follows_its_policy() {
 /// Redis stopped: the daemon applies the policy each location sent.
 #[test]
 fn redis_down_daemon_applies_each_policy() {
-    let mut redis = RedisServer::start();
+    let mut redis = RedisServer::start_unix();
     // Redis down costs each request up to the daemon's deadline: keep it short
     // so the 12 requests below fit in one 1 s window.
     let d = daemon_with_timeout(&redis, 20);
@@ -244,7 +241,7 @@ fn socket_permissions_gate_unprivileged_workers() {
         eprintln!("skipped: needs root to run nginx workers as another user");
         return;
     }
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let d = Daemon::start_with("socket_mode = \"0600\"", Some(&redis.url()), "timeout_ms = 500");
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
@@ -258,7 +255,7 @@ fn socket_permissions_gate_unprivileged_workers() {
 /// falls to the fail policy.
 #[test]
 fn daemon_restart_between_requests_fails_no_request() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let mut d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
     let a = agent();

@@ -82,7 +82,7 @@ async fn truncated_frame_at_eof_is_answered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_clients_do_not_disturb_others() {
-    let r = RedisServer::start();
+    let r = RedisServer::start_unix();
     let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
     let mut garbage = Vec::new();
     let mut x: u64 = 0x2545_f491_4f6c_dd1d;
@@ -117,7 +117,7 @@ async fn garbage_clients_do_not_disturb_others() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_requests_are_matched_by_id() {
-    let r = RedisServer::start();
+    let r = RedisServer::start_unix();
     let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
     let mut c = d.client().await;
     let mut burst = BytesMut::new();

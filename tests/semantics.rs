@@ -100,6 +100,23 @@ async fn concurrent_connections_hold_the_limit(s: Setup) {
     assert_eq!(counts, (1..=1000).collect::<Vec<u32>>(), "3840 requests: exactly 1000 admitted, each with a distinct count");
 }
 
+/// Two locations sharing a key with different windows never interfere: a
+/// 100 ms window's cleanup must not erase the 60 s window's history (it did
+/// when one sorted set held both: 4 extra requests passed a limit of 5/60 s).
+async fn one_key_two_windows_keep_apart(s: Setup) {
+    let mut c = s.daemon().client().await;
+    for _ in 0..5 {
+        assert_eq!(c.check(&args("shared", 5, 60_000)).await.unwrap().decision, Decision::Allowed);
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let short = c.check(&args("shared", 5, 100)).await.unwrap();
+    assert_eq!((short.decision, short.count), (Decision::Allowed, 1), "the short window is its own");
+    for _ in 0..5 {
+        let r = c.check(&args("shared", 5, 60_000)).await.unwrap();
+        assert_eq!((r.decision, r.count), (Decision::Denied, 5), "the long window kept its five admissions");
+    }
+}
+
 macro_rules! both_backends {
     ($($case:ident),* $(,)?) => {
         mod redis_backend {
@@ -113,4 +130,4 @@ macro_rules! both_backends {
     };
 }
 
-both_backends!(seed_scenario, window_slides, cost_is_all_or_nothing, keys_are_independent, concurrent_connections_hold_the_limit);
+both_backends!(seed_scenario, window_slides, cost_is_all_or_nothing, keys_are_independent, concurrent_connections_hold_the_limit, one_key_two_windows_keep_apart);

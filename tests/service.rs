@@ -6,41 +6,31 @@ mod common;
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixDatagram, UnixListener};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use command_fds::{CommandFdExt, FdMapping};
-use common::{args, Daemon, RedisServer};
+use common::{args, ChildGuard, Daemon, RedisServer};
 use ratelimitd::client::{Client, ClientError};
 use ratelimitd::protocol::{Decision, Source};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Starts the daemon the way systemd does with a socket unit: the listening
 /// socket is fd 3 and LISTEN_FDS=1.
-fn spawn_activated(listener: &UnixListener, config: &std::path::Path, log: &std::path::Path) -> Child {
+fn spawn_activated(listener: &UnixListener, config: &std::path::Path, log: &std::path::Path) -> ChildGuard {
     let fd: OwnedFd = listener.try_clone().unwrap().into();
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
     let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--config"]).arg(config).env("LISTEN_FDS", "1").env_remove("LISTEN_PID").stderr(log);
+    cmd.args(["serve", "--config"]).arg(config).env("LISTEN_FDS", "1").env_remove("LISTEN_PID").stderr(file);
     cmd.fd_mappings(vec![FdMapping { parent_fd: fd, child_fd: 3 }]).unwrap();
-    cmd.spawn().unwrap()
+    ChildGuard::spawn("ratelimitd (socket-activated)", &mut cmd, Some(log.to_path_buf()))
 }
 
-fn term(child: &mut Child) {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "no exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+/// How long the daemon may take to exit on SIGTERM.
+const EXIT_LIMIT: Duration = Duration::from_secs(10);
 
 /// One request on a fresh connection; a connection the old daemon closed
 /// before reading the request is retried once, as the Lua client does.
@@ -61,7 +51,7 @@ async fn one_request(path: &std::path::Path) -> Result<Decision, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn socket_activation_restart_under_load_loses_no_connection() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("activated.sock");
     // The socket unit's part: bind and listen, once, for the whole test.
@@ -94,7 +84,7 @@ async fn socket_activation_restart_under_load_loses_no_connection() {
     let before = ok.load(Ordering::Relaxed);
     // Restart twice: stop the old daemon, then start a new one on the same socket.
     for _ in 0..2 {
-        term(&mut daemon);
+        daemon.terminate(EXIT_LIMIT);
         tokio::time::sleep(Duration::from_millis(100)).await; // attempts queue in the kernel meanwhile
         daemon = spawn_activated(&listener, &config, &log);
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -110,7 +100,7 @@ async fn socket_activation_restart_under_load_loses_no_connection() {
     assert!(!dir.path().join("unused.sock").exists());
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("LISTEN_FDS"), "{text}");
-    term(&mut daemon);
+    daemon.terminate(EXIT_LIMIT);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +112,9 @@ async fn sd_notify_ready_reloading_stopping() {
     let socket = dir.path().join("d.sock");
     let config = dir.path().join("c.toml");
     std::fs::write(&config, format!("[server]\nlisten = \"{}\"\n", socket.display())).unwrap();
-    let mut child = Command::new(BIN).args(["serve", "--config"]).arg(&config).env("NOTIFY_SOCKET", &notify_path).stderr(Stdio::null()).spawn().unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--config"]).arg(&config).env("NOTIFY_SOCKET", &notify_path).stderr(Stdio::null());
+    let mut child = ChildGuard::spawn("ratelimitd", &mut cmd, None);
     let mut buf = [0u8; 512];
     let mut next = || {
         let n = notify.recv(&mut buf).expect("a notification");
@@ -131,31 +123,32 @@ async fn sd_notify_ready_reloading_stopping() {
     let ready = next();
     assert!(ready.contains("READY=1"), "{ready}");
     assert!(socket.exists(), "READY only once the socket is there");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGHUP).unwrap();
+    child.signal(nix::sys::signal::Signal::SIGHUP);
     let reloading = next();
     assert!(reloading.contains("RELOADING=1") && reloading.contains("MONOTONIC_USEC="), "{reloading}");
     assert!(next().contains("READY=1"));
-    term(&mut child);
+    child.terminate(EXIT_LIMIT);
     assert!(next().contains("STOPPING=1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_decisions_failures_and_breaker() {
-    let mut redis = RedisServer::start();
-    let port = free_port();
-    let d = Daemon::start_config(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n", redis.url()));
+    let mut redis = RedisServer::start_unix();
+    // The metrics port is confirmed to be held by this daemon.
+    let d = Daemon::start_config_with_metrics(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
     let mut c = d.client().await;
     for _ in 0..3 {
         assert_eq!(c.check(&args("m", 2, 60_000)).await.unwrap().source, Source::Redis);
     }
     c.send_raw(&[0, 0, 0, 0]).await.unwrap(); // an empty frame: MALFORMED
     let _ = c.read_response().await.unwrap();
-    let scrape = |port: u16| -> String {
-        let mut r = ureq::get(&format!("http://127.0.0.1:{port}/metrics")).call().unwrap();
+    let url = d.metrics_url();
+    let scrape = move || -> String {
+        let mut r = ureq::get(&url).call().unwrap();
         assert_eq!(r.headers().get("content-type").unwrap().to_str().unwrap(), "text/plain; version=0.0.4; charset=utf-8");
         r.body_mut().read_to_string().unwrap()
     };
-    let text = tokio::task::spawn_blocking(move || scrape(port)).await.unwrap();
+    let text = tokio::task::spawn_blocking(scrape.clone()).await.unwrap();
     for line in [
         "ratelimitd_decisions_total{decision=\"allowed\",source=\"redis\"} 2",
         "ratelimitd_decisions_total{decision=\"denied\",source=\"redis\"} 1",
@@ -170,7 +163,7 @@ async fn metrics_count_decisions_failures_and_breaker() {
     redis.kill();
     let r = c.check(&ratelimitd::protocol::CheckArgs { on_error: ratelimitd::protocol::FailPolicy::Open, ..args("m", 2, 60_000) }).await.unwrap();
     assert_eq!(r.source, Source::FailOpen);
-    let text = tokio::task::spawn_blocking(move || scrape(port)).await.unwrap();
+    let text = tokio::task::spawn_blocking(scrape).await.unwrap();
     assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"), "{text}");
     assert!(text.contains("ratelimitd_breaker_open 1"), "{text}");
     assert!(text.contains("ratelimitd_breaker_opened_total 1"), "{text}");
@@ -190,15 +183,11 @@ fn json_logs_and_no_doubled_timestamps_under_journald() {
         } else {
             cmd.env_remove("JOURNAL_STREAM");
         }
-        let mut child = cmd.spawn().unwrap();
-        let t0 = Instant::now();
-        while !socket.exists() {
-            assert!(t0.elapsed() < Duration::from_secs(10));
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        term(&mut child);
+        let mut child = ChildGuard::spawn("ratelimitd", &mut cmd, None);
+        child.wait_until("socket bound", Duration::from_secs(10), || socket.exists());
+        child.terminate(EXIT_LIMIT);
         let mut out = String::new();
-        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut out).unwrap();
+        std::io::Read::read_to_string(&mut child.take_stderr().unwrap(), &mut out).unwrap();
         out
     };
     let json = run("format = \"json\"", false);
@@ -217,7 +206,7 @@ fn json_logs_and_no_doubled_timestamps_under_journald() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_and_reset_use_the_daemons_keys() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start_unix();
     let d = Daemon::start(Some(&redis.url()), "timeout_ms = 500\nkey_prefix = \"gw:\"");
     let mut c = d.client().await;
     for _ in 0..3 {
@@ -225,12 +214,19 @@ async fn inspect_and_reset_use_the_daemons_keys() {
     }
     let out = Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--window-ms", "60000", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["redis_key"], "gw:{order:t1}");
-    assert_eq!((v["members"].as_u64(), v["in_window"].as_u64()), (Some(3), Some(3)));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = &all[0];
+    assert_eq!(v["redis_key"], "gw:{order:t1}:60000ms");
+    assert_eq!((v["window_ms"].as_u64(), v["members"].as_u64(), v["in_window"].as_u64()), (Some(60_000), Some(3), Some(3)));
     assert!(v["ttl_ms"].as_i64().unwrap() > 59_000);
+    // Without --window-ms: every window of the key, found by SCAN.
+    c.check(&args("order:t1", 10, 1000)).await.unwrap();
+    let out = Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--json"]).output().unwrap();
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let windows: Vec<u64> = all.as_array().unwrap().iter().map(|w| w["window_ms"].as_u64().unwrap()).collect();
+    assert_eq!(windows, [1000, 60_000]);
     let out = Command::new(BIN).args(["reset", "--config"]).arg(&d.config).args(["--key", "order:t1"]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gw:{order:t1}: deleted");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gw:{order:t1}:1000ms: deleted\ngw:{order:t1}:60000ms: deleted");
     let r = c.check(&args("order:t1", 10, 60_000)).await.unwrap();
     assert_eq!((r.decision, r.count), (Decision::Allowed, 1), "the quota is whole again");
 }

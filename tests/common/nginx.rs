@@ -1,0 +1,109 @@
+//! Real nginx with the Lua module, in a temp prefix, on loopback ports
+//! confirmed to be its own.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tempfile::TempDir;
+
+use super::ports::{listens_on, on_own_ports};
+use super::process::ChildGuard;
+use super::wait::{poll, Waited};
+use super::{is_root, WORKER_GROUP};
+
+const START_LIMIT: Duration = Duration::from_secs(10);
+
+/// As root, its workers run as `nobody:nogroup`. Stopped with SIGQUIT when
+/// dropped, so that the master takes its workers down with it.
+pub struct Nginx {
+    child: ChildGuard,
+    pub prefix: TempDir,
+    /// The port `{PORT}` stands for.
+    pub port: u16,
+    /// The ports `{PORT:name}` stand for, by name.
+    named_ports: BTreeMap<String, u16>,
+}
+
+impl Nginx {
+    /// Starts nginx with `http_body` inside `http { }`. In it, `{PORT}` and
+    /// each `{PORT:name}` are replaced by loopback ports of nginx's own, and
+    /// `{LUA}` by the directory holding the shipped Lua client.
+    pub fn start(http_body: &str) -> Self {
+        let names = port_names(http_body);
+        on_own_ports("nginx", 1 + names.len(), |ports| {
+            let named_ports: BTreeMap<String, u16> = names.iter().cloned().zip(ports[1..].iter().copied()).collect();
+            Self::launch(http_body, ports[0], named_ports)
+        })
+    }
+
+    /// On `Err` (nginx exited: a port was taken) the attempt's processes and
+    /// prefix are gone.
+    fn launch(http_body: &str, port: u16, named_ports: BTreeMap<String, u16>) -> Result<Self, String> {
+        let prefix = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(prefix.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        // A copy the workers can read wherever the checkout lives.
+        let lua_dir = prefix.path().join("lua");
+        std::fs::create_dir_all(lua_dir.join("resty")).unwrap();
+        std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/resty/ratelimitd.lua"), lua_dir.join("resty/ratelimitd.lua")).unwrap();
+        std::fs::create_dir_all(prefix.path().join("logs")).unwrap();
+        let mut body = http_body.replace("{PORT}", &port.to_string()).replace("{LUA}", &lua_dir.display().to_string());
+        for (name, p) in &named_ports {
+            body = body.replace(&format!("{{PORT:{name}}}"), &p.to_string());
+        }
+        let user = if is_root() { format!("user nobody {WORKER_GROUP};") } else { String::new() };
+        let conf = format!(
+            "load_module /usr/lib/nginx/modules/ndk_http_module.so;\n\
+             load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;\n\
+             {user}\nworker_processes 2;\npid {p}/nginx.pid;\nerror_log {p}/logs/error.log info;\n\
+             events {{ worker_connections 1024; }}\n\
+             http {{\n access_log off;\n client_body_temp_path {p}/tmp_body;\n proxy_temp_path {p}/tmp_proxy;\n\
+             fastcgi_temp_path {p}/tmp_fastcgi;\n uwsgi_temp_path {p}/tmp_uwsgi;\n scgi_temp_path {p}/tmp_scgi;\n\
+             lua_package_path \"{p}/lua/?.lua;;\";\n{body}\n}}\n",
+            p = prefix.path().display(),
+        );
+        let conf_path = prefix.path().join("nginx.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        let error_log = prefix.path().join("logs/error.log");
+        let mut cmd = Command::new("nginx");
+        cmd.arg("-p").arg(prefix.path()).arg("-c").arg(&conf_path).arg("-e").arg(&error_log).args(["-g", "daemon off;"]).stderr(Stdio::null());
+        let mut child = ChildGuard::spawn("nginx", &mut cmd, Some(error_log)).stop_politely_with(Signal::SIGQUIT, Duration::from_secs(5));
+        // The master binds every listening socket before it forks workers;
+        // holding them all means the ports are its own, and connections
+        // wait in the backlog until a worker accepts them.
+        let master = child.pid();
+        let ports: Vec<u16> = std::iter::once(port).chain(named_ports.values().copied()).collect();
+        match poll(START_LIMIT, Some(&mut child), || ports.iter().all(|&p| listens_on(master, p))) {
+            Waited::Ready => Ok(Self { child, prefix, port, named_ports }),
+            Waited::Exited(status) => Err(format!("nginx exited with {status}: {}", child.log().lines().last().unwrap_or(""))),
+            Waited::TimedOut => panic!("nginx not listening on {ports:?} after {START_LIMIT:?}\n{}", child.log()),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// The port `{PORT:name}` stood for.
+    pub fn named_port(&self, name: &str) -> u16 {
+        *self.named_ports.get(name).unwrap_or_else(|| panic!("no {{PORT:{name}}} in the configuration"))
+    }
+
+    pub fn error_log(&self) -> String {
+        self.child.log()
+    }
+}
+
+/// The distinct `name`s of `{PORT:name}` in `text`.
+fn port_names(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for (at, _) in text.match_indices("{PORT:") {
+        let rest = &text[at + "{PORT:".len()..];
+        let name = &rest[..rest.find('}').expect("{PORT:name} closed by }")];
+        if !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    names
+}
