@@ -89,7 +89,7 @@ async fn failover_under_load_moves_the_daemon_to_the_new_master() {
         served += t.await.unwrap();
     }
     assert!(served > 100, "{served} requests through the failover");
-    assert!(d.log().contains("connected to the master named by the sentinels"), "{}", d.log());
+    assert!(d.log().contains("connected to the server the sentinels name as master"), "{}", d.log());
     assert!(d.log().contains("sentinel announced a failover"), "the +switch-master watch saw it: {}", d.log());
     drop(master);
 }

@@ -65,7 +65,7 @@ impl SentinelConnector {
     pub async fn connect_master(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
         let client = self.client.lock().await.async_get_client().await?;
         let conn = client.get_multiplexed_async_connection_with_config(cfg).await?;
-        tracing::debug!(master = %client.get_connection_info().addr(), name = %self.master_name, "connected to the server the sentinels name as master");
+        tracing::info!(master = %client.get_connection_info().addr(), name = %self.master_name, "connected to the server the sentinels name as master");
         Ok(conn)
     }
 

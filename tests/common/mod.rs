@@ -32,6 +32,7 @@ pub fn args(key: &str, limit: u32, window_ms: u32) -> CheckArgs<'_> {
 }
 
 /// Redis-backed or in-memory daemon, for cases both backends must pass.
+#[allow(clippy::large_enum_variant)] // one per test
 pub enum Setup {
     Redis(RedisServer, Daemon),
     Memory(Daemon),
