@@ -9,7 +9,7 @@
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response` |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
-//! | counters | `metrics` | lock-free counters and their Prometheus text |
+//! | counters | `metrics`, `log_limit` | lock-free counters and their Prometheus text; log lines rate-limited per kind |
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, `eval`), `window` (the script) |
@@ -28,6 +28,7 @@ pub mod config;
 pub mod daemon;
 mod limiter;
 mod local_store;
+mod log_limit;
 mod metrics;
 mod metrics_server;
 pub mod protocol;

@@ -2,11 +2,11 @@
 //! shared store fails, applies the request's fail policy.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::local_store::{LocalStore, LocalStoreFull};
+use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
 use crate::redis::RedisWindow;
@@ -144,34 +144,6 @@ fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
     }
 }
 
-/// Lets one log line through per interval and counts the ones held back, so
-/// a Redis outage at 50k req/s gives one warning a second, not 50k.
-#[derive(Debug)]
-struct RateLimitedLog {
-    interval_ms: u64,
-    epoch: Instant,
-    next_ms: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl RateLimitedLog {
-    fn new(interval: Duration) -> Self {
-        Self { interval_ms: interval.as_millis() as u64, epoch: Instant::now(), next_ms: AtomicU64::new(0), suppressed: AtomicU64::new(0) }
-    }
-
-    /// `Some(n)` when a line may be logged now (n lines were held back since
-    /// the last one); `None` when it must be held back.
-    fn permit(&self) -> Option<u64> {
-        let now = self.epoch.elapsed().as_millis() as u64;
-        let next = self.next_ms.load(Ordering::Relaxed);
-        if now >= next && self.next_ms.compare_exchange(next, now + self.interval_ms, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
-            return Some(self.suppressed.swap(0, Ordering::Relaxed));
-        }
-        self.suppressed.fetch_add(1, Ordering::Relaxed);
-        None
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,14 +180,5 @@ mod tests {
         let local = req("k", 10, FailPolicy::Local);
         let got: Vec<_> = (0..3).map(|_| l.on_backend_error(&local, spec_of(&local), e()).decision).collect();
         assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::Denied]);
-    }
-
-    #[test]
-    fn rate_limited_log_counts_what_it_holds_back() {
-        let log = RateLimitedLog::new(Duration::from_secs(60));
-        assert_eq!(log.permit(), Some(0));
-        assert_eq!(log.permit(), None);
-        assert_eq!(log.permit(), None);
-        assert_eq!(log.suppressed.load(Ordering::Relaxed), 2);
     }
 }
