@@ -20,6 +20,33 @@ const ERRORS: usize = ErrorCode::ALL.len();
 /// Upper bounds of the Redis latency buckets, in µs.
 const LATENCY_BUCKETS_US: [u64; 11] = [100, 250, 500, 1_000, 2_500, 5_000, 10_000, 20_000, 50_000, 100_000, 250_000];
 
+/// Why the daemon closed a client connection on its own (not counted: the
+/// client closed it, shutdown, a too-large frame).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// Nothing in flight and no byte for `server.idle_timeout_ms`.
+    Idle,
+    /// A frame still incomplete `server.frame_timeout_ms` after its first byte.
+    FrameTimeout,
+    /// Responses waiting and none written for `server.write_timeout_ms`.
+    WriteTimeout,
+    /// At `server.max_connections`: the longest-idle connection, closed for a new one.
+    Evicted,
+}
+
+impl CloseReason {
+    pub const ALL: [CloseReason; 4] = [Self::Idle, Self::FrameTimeout, Self::WriteTimeout, Self::Evicted];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::FrameTimeout => "frame_timeout",
+            Self::WriteTimeout => "write_timeout",
+            Self::Evicted => "evicted",
+        }
+    }
+}
+
 /// All the daemon's counters.
 pub struct Metrics {
     decisions: [[AtomicU64; SOURCES]; DECISIONS],
@@ -32,6 +59,7 @@ pub struct Metrics {
     breaker_opened: AtomicU64,
     connections_open: AtomicI64,
     connections_total: AtomicU64,
+    connections_closed: [AtomicU64; CloseReason::ALL.len()],
     requests_in_flight: AtomicI64,
     reloads: AtomicU64,
     reload_failures: AtomicU64,
@@ -62,6 +90,7 @@ impl Metrics {
             breaker_opened: ZERO,
             connections_open: AtomicI64::new(0),
             connections_total: ZERO,
+            connections_closed: [ZERO; CloseReason::ALL.len()],
             requests_in_flight: AtomicI64::new(0),
             reloads: ZERO,
             reload_failures: ZERO,
@@ -108,6 +137,10 @@ impl Metrics {
 
     pub fn connection_closed(&self) {
         self.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn connection_closed_by_daemon(&self, reason: CloseReason) {
+        self.connections_closed[reason as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     #[inline]
@@ -159,6 +192,10 @@ impl Metrics {
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));
         }
+        let _ = writeln!(out, "# HELP ratelimitd_connections_closed_total Client connections the daemon closed on its own, by reason.\n# TYPE ratelimitd_connections_closed_total counter");
+        for (r, n) in CloseReason::ALL.iter().zip(&self.connections_closed) {
+            let _ = writeln!(out, "ratelimitd_connections_closed_total{{reason=\"{}\"}} {}", r.as_str(), get(n));
+        }
         let gauges: [(&str, &str, i64); 2] = [
             ("ratelimitd_connections_open", "Client connections open now.", self.connections_open.load(Ordering::Relaxed)),
             ("ratelimitd_requests_in_flight", "Requests being decided now.", self.requests_in_flight.load(Ordering::Relaxed)),
@@ -184,6 +221,7 @@ mod tests {
         m.fail_policy_applied(FailPolicy::Open);
         m.redis_call(Duration::from_micros(300));
         m.redis_call(Duration::from_secs(1));
+        m.connection_closed_by_daemon(CloseReason::WriteTimeout);
         let text = m.render(Some(true));
         assert!(text.contains("ratelimitd_decisions_total{decision=\"allowed\",source=\"fail_open\"} 1"), "{text}");
         assert!(text.contains("ratelimitd_errors_total{code=\"CIRCUIT_OPEN\"} 1"));
@@ -192,6 +230,8 @@ mod tests {
         assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"+Inf\"} 2"));
         assert!(text.contains("ratelimitd_redis_call_seconds_count 2"));
         assert!(text.contains("ratelimitd_breaker_open 1"));
+        assert!(text.contains("ratelimitd_connections_closed_total{reason=\"write_timeout\"} 1"));
+        assert!(text.contains("ratelimitd_connections_closed_total{reason=\"evicted\"} 0"));
         assert!(!text.contains("code=\"OK\""));
     }
 }

@@ -41,6 +41,7 @@ pub(super) struct ServerSection {
     pub shutdown_grace_ms: u64,
     pub idle_timeout_ms: u64,
     pub frame_timeout_ms: u64,
+    pub write_timeout_ms: u64,
 }
 
 impl Default for ServerSection {
@@ -54,6 +55,7 @@ impl Default for ServerSection {
             shutdown_grace_ms: 5000,
             idle_timeout_ms: 300_000,
             frame_timeout_ms: 2000,
+            write_timeout_ms: 2000,
         }
     }
 }

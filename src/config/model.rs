@@ -89,7 +89,9 @@ pub struct ServerConfig {
     /// Group that owns the socket file; unset keeps the daemon's group.
     /// Looked up by `preflight`.
     pub socket_group: Option<String>,
-    /// Most client connections served at once; more wait in the accept queue.
+    /// Most client connections served at once. At the cap, the connection
+    /// idle the longest (at least 1 s) is closed for a new one; if none is,
+    /// new ones wait in the accept queue.
     pub max_connections: usize,
     /// Most requests one connection may have in flight (pipelined) at once.
     pub max_in_flight_per_connection: usize,
@@ -100,6 +102,9 @@ pub struct ServerConfig {
     /// Close a connection whose frame is not complete this long after its
     /// first byte arrived (slow or stuck clients).
     pub frame_timeout: Duration,
+    /// Close a connection with responses waiting to be sent when none of
+    /// them could be written for this long (a client that does not read).
+    pub write_timeout: Duration,
 }
 
 /// Which clock timestamps admissions.

@@ -128,6 +128,7 @@ fn server_config(s: file::ServerSection, p: &mut Problems) -> ServerConfig {
         shutdown_grace: Duration::from_millis(s.shutdown_grace_ms),
         idle_timeout: Duration::from_millis(at_least_one(p, "server.idle_timeout_ms", s.idle_timeout_ms)),
         frame_timeout: Duration::from_millis(at_least_one(p, "server.frame_timeout_ms", s.frame_timeout_ms)),
+        write_timeout: Duration::from_millis(at_least_one(p, "server.write_timeout_ms", s.write_timeout_ms)),
     }
 }
 
@@ -273,14 +274,16 @@ mod tests {
         assert!(c.redis.is_none());
         assert_eq!(c.server.socket_mode, 0o660);
         assert_eq!(c.server.idle_timeout, Duration::from_secs(300));
+        assert_eq!(c.server.write_timeout, Duration::from_secs(2));
         assert_eq!(c.limits.bounds, Bounds::default());
     }
 
     #[test]
     fn values_become_typed_once() {
-        let c = parse("[server]\nsocket_mode = \"0o640\"\nframe_timeout_ms = 500\n[redis]\ntimeout_ms = 35\n").unwrap();
+        let c = parse("[server]\nsocket_mode = \"0o640\"\nframe_timeout_ms = 500\nwrite_timeout_ms = 750\n[redis]\ntimeout_ms = 35\n").unwrap();
         assert_eq!(c.server.socket_mode, 0o640);
         assert_eq!(c.server.frame_timeout, Duration::from_millis(500));
+        assert_eq!(c.server.write_timeout, Duration::from_millis(750));
         let r = redis_of(c);
         assert_eq!(r.timeout, Duration::from_millis(35));
         assert_eq!(r.target, RedisTarget::Url(DEFAULT_REDIS_URL.into()));
@@ -340,6 +343,8 @@ mod tests {
         assert_eq!(e, "test.toml: server.socket_mode: '0999' is not an octal mode such as \"0660\"");
         let e = parse("[redis]\ntimeout_ms = 0\n").unwrap_err().to_string();
         assert!(e.contains("redis.timeout_ms"), "{e}");
+        let e = parse("[server]\nwrite_timeout_ms = 0\n").unwrap_err().to_string();
+        assert_eq!(e, "test.toml: server.write_timeout_ms: must be at least 1");
         let e = parse("[redis]\nkey_prefix = \"a{b}\"\n").unwrap_err().to_string();
         assert!(e.contains("redis.key_prefix"), "{e}");
         let e = parse("[redis]\nurl = \"http://x\"\n").unwrap_err().to_string();
