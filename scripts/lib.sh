@@ -94,10 +94,12 @@ start_daemon() {
 NGINX_PACKAGES=(nginx:nginx /usr/lib/nginx/modules/ngx_http_lua_module.so:libnginx-mod-http-lua curl:curl)
 REDIS_PACKAGES=(redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools)
 
-# start_nginx ORDER_WINDOW_MS [EXTRA]: runs the shipped nginx/ratelimitd.conf
-# and nginx/example.conf against $SOCK, with a stub application behind them;
-# sets NGINX_PORT. Only ports, the socket path and the /order window are
-# changed; EXTRA (more locations) is added to the example's server.
+# start_nginx ORDER_WINDOW_MS [EXTRA] [LIMITERS]: runs the shipped
+# nginx/ratelimitd.conf and nginx/example.conf against $SOCK, with a stub
+# application behind them; sets NGINX_PORT. Only ports, the socket path and
+# the /order window are changed; EXTRA (more locations) is added to the
+# example's server, LIMITERS (more `name = assert(ratelimitd.new{...}),`
+# entries) to the example's `limiters` table, after the window is changed.
 start_nginx() {
   local prefix="$WORK/nginx" app_port
   NGINX_PORT=$(free_port)
@@ -117,8 +119,14 @@ start_nginx() {
     sed "s#unix:/run/ratelimitd/ratelimitd.sock#unix:$SOCK#" "$ROOT/nginx/ratelimitd.conf"
     local extra=${2:-}
     extra=${extra//$'\n'/ }
-    sed -e "s#listen 8080;#listen 127.0.0.1:$NGINX_PORT; $extra#" -e "s#server 127.0.0.1:9000;#server 127.0.0.1:$app_port;#" \
-        -e "0,/window_ms = 1000,/s//window_ms = $1,/" "$ROOT/nginx/example.conf"
+    local example
+    example=$(sed -e "s#listen 8080;#listen 127.0.0.1:$NGINX_PORT; $extra#" -e "s#server 127.0.0.1:9000;#server 127.0.0.1:$app_port;#" \
+        -e "0,/window_ms = 1000,/s//window_ms = $1,/" "$ROOT/nginx/example.conf")
+    if [ -n "${3:-}" ]; then
+      [[ $example == *"limiters = {"* ]] || { echo "nginx/example.conf has no 'limiters = {' table" >&2; return 1; }
+      example=${example/"limiters = {"/"limiters = { $3"}
+    fi
+    printf '%s\n' "$example"
     echo "server { listen 127.0.0.1:$app_port; location / { return 200 \"ok\\n\"; } } }"
   } >"$prefix/nginx.conf"
   nginx -p "$prefix" -c "$prefix/nginx.conf" -e "$prefix/logs/error.log" -g 'daemon off;' &

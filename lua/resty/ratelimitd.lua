@@ -4,7 +4,16 @@
 -- cosocket to a Unix socket, applies the location's fail policy when the
 -- daemon is unreachable or slow, and sets the RateLimit headers.
 --
---   init_by_lua_block    { require("resty.ratelimitd").configure{ socket = "unix:/run/ratelimitd/ratelimitd.sock" } }
+-- Object form: options are validated once, the constant part of the request
+-- frame is built once, and each request only encodes its id, cost and key.
+--
+--   init_by_lua_block    { local ratelimitd = require "resty.ratelimitd"
+--                          ratelimitd.configure{ socket = "unix:/run/ratelimitd/ratelimitd.sock" }
+--                          order = assert(ratelimitd.new{ limit = 1000, window_ms = 1000, on_error = "closed" }) }
+--   access_by_lua_block  { order:limit("order:" .. ngx.var.http_x_tenant_id) }
+--
+-- Table form (validates and builds everything on every call; still supported):
+--
 --   access_by_lua_block  { require("resty.ratelimitd").limit{ key = "order:" .. ngx.var.http_x_tenant_id,
 --                                                               limit = 1000, window_ms = 1000, on_error = "closed" } }
 
@@ -22,10 +31,11 @@ local band, rshift = bit.band, bit.rshift
 local byte, char, sub, format = string.byte, string.char, string.sub, string.format
 local floor, ceil, max = math.floor, math.ceil, math.max
 local type, error, tostring, pairs, ipairs = type, error, tostring, pairs, ipairs
+local setmetatable = setmetatable
 local find = string.find
 local md5 = ngx.md5
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 local VERSION, OP_CHECK = 1, 1
 local RESPONSE_FIXED_LEN = 28
@@ -69,6 +79,8 @@ end
 local HEADER_STYLES = { ratelimit = true, draft = true, x = true }
 
 --- Sets defaults for every later call; call once from init_by_lua*.
+-- Limiters made with new() read these at each request, so configure() may
+-- run before or after they are created.
 function _M.configure(opts)
     if type(opts) ~= "table" then
         error("configure: expects a table", 2)
@@ -124,7 +136,52 @@ local function positive_int(v, max_value)
     return type(v) == "number" and v >= 1 and v <= max_value and floor(v) == v
 end
 
--- Validates the options of check() and limit(); bad ones are the caller's bug.
+-- The checks of new() and of the table form, returning a message instead of
+-- raising: new() hands it back as nil, err, the table form raises it. Split
+-- in two so that the table form keeps its historical order (key, limit,
+-- window_ms, cost, then the rest) and so its first error stays the same.
+local function limit_window_error(opts)
+    if not positive_int(opts.limit, 4294967295) then
+        return "limit must be a positive integer"
+    end
+    if not positive_int(opts.window_ms, 4294967295) then
+        return "window_ms must be a positive integer"
+    end
+end
+
+local STATUS_OPTIONS = { "status", "fail_closed_status" }
+local BOOLEAN_OPTIONS = { "headers", "dry_run" }
+
+-- Returns the policy name, or nil and a message.
+local function policy_options(opts)
+    local on_error = opts.on_error or "closed"
+    if POLICY[on_error] == nil then
+        return nil, "on_error must be 'open', 'closed' or 'local'"
+    end
+    if on_error == "local" and not positive_int(opts.local_limit, 4294967295) then
+        return nil, "on_error = 'local' needs a positive integer local_limit"
+    end
+    if opts.local_limit ~= nil and not positive_int(opts.local_limit, 4294967295) then
+        return nil, "local_limit must be a positive integer"
+    end
+    if opts.header_style ~= nil and not HEADER_STYLES[opts.header_style] then
+        return nil, "header_style must be 'ratelimit', 'draft' or 'x'"
+    end
+    for _, k in ipairs(STATUS_OPTIONS) do
+        local v = opts[k]
+        if v ~= nil and not (type(v) == "number" and v >= 200 and v <= 599 and floor(v) == v) then
+            return nil, k .. " must be an HTTP status (200-599)"
+        end
+    end
+    for _, k in ipairs(BOOLEAN_OPTIONS) do
+        if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
+            return nil, k .. " must be a boolean"
+        end
+    end
+    return on_error
+end
+
+-- Validates the options of the table form; bad ones are the caller's bug.
 local function check_opts(opts, level)
     if type(opts) ~= "table" then
         error("expects a table of options", level)
@@ -133,38 +190,17 @@ local function check_opts(opts, level)
     if type(key) ~= "string" or key == "" then
         error("key must be a non-empty string", level)
     end
-    if not positive_int(opts.limit, 4294967295) then
-        error("limit must be a positive integer", level)
-    end
-    if not positive_int(opts.window_ms, 4294967295) then
-        error("window_ms must be a positive integer", level)
+    local err = limit_window_error(opts)
+    if err then
+        error(err, level)
     end
     if opts.cost ~= nil and not positive_int(opts.cost, 4294967295) then
         error("cost must be a positive integer", level)
     end
-    local on_error = opts.on_error or "closed"
-    if POLICY[on_error] == nil then
-        error("on_error must be 'open', 'closed' or 'local'", level)
-    end
-    if on_error == "local" and not positive_int(opts.local_limit, 4294967295) then
-        error("on_error = 'local' needs a positive integer local_limit", level)
-    end
-    if opts.local_limit ~= nil and not positive_int(opts.local_limit, 4294967295) then
-        error("local_limit must be a positive integer", level)
-    end
-    if opts.header_style ~= nil and not HEADER_STYLES[opts.header_style] then
-        error("header_style must be 'ratelimit', 'draft' or 'x'", level)
-    end
-    for _, k in ipairs({ "status", "fail_closed_status" }) do
-        local v = opts[k]
-        if v ~= nil and not (type(v) == "number" and v >= 200 and v <= 599 and floor(v) == v) then
-            error(k .. " must be an HTTP status (200-599)", level)
-        end
-    end
-    for _, k in ipairs({ "headers", "dry_run" }) do
-        if opts[k] ~= nil and type(opts[k]) ~= "boolean" then
-            error(k .. " must be a boolean", level)
-        end
+    local on_error
+    on_error, err = policy_options(opts)
+    if not on_error then
+        error(err, level)
     end
     return on_error
 end
@@ -172,7 +208,8 @@ end
 -- Keys come from request data (headers, addresses). One too long for the
 -- daemon, or with control bytes, is replaced by its MD5: a client cannot
 -- escape its limit, or push the location into its fail policy, by sending
--- odd header values.
+-- odd header values. Computed once per request: the frame, the local
+-- fallback and every log line use the same value.
 local function wire_key(key)
     if #key > config.max_key_len or find(key, "%c") then
         return "md5:" .. md5(key)
@@ -188,6 +225,116 @@ local function next_id()
         request_id = 1
     end
     return request_id
+end
+
+-- Request body after the id (PROTOCOL.md section 4): flags (0), policy,
+-- n_limits (1), limit, window_ms | cost | local_limit. The parts around cost
+-- never change for a limiter, so new() builds them once.
+local COST_ONE = u32(1)
+
+-- Objects keep the options that only decide what limit() does with a
+-- decision under the option names (status, fail_closed_status, headers,
+-- header_style, dry_run), so that the table form can pass its own options
+-- table in their place; what goes into the frame is kept under "_" names.
+local Limiter = {}
+local limiter_mt = { __index = Limiter }
+
+-- A limiter from values already validated (by new() or by the table form),
+-- without the behaviour options (all nil: configure()'s values).
+local function build(limit, window_ms, on_error, local_limit)
+    local before_cost = "\0\0" .. char(POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
+    local after_cost = u32(local_limit or 0)
+    return setmetatable({
+        _limit = limit,
+        _window_ms = window_ms,
+        _on_error = on_error,
+        _local_limit = local_limit,
+        _before_cost = before_cost,
+        _after_cost = after_cost,
+        -- The whole constant part for the usual cost of 1: one piece fewer.
+        _cost_one = before_cost .. COST_ONE .. after_cost,
+    }, limiter_mt)
+end
+
+-- The table form does not build a limiter per call (measured: that alone
+-- costs more than the whole call did before the object form): the limiters
+-- of the option sets it has seen are kept by what goes into the frame
+-- (policy, limit, window_ms, local_limit), and its other options are read
+-- from its own table at each call. Bounded: past CACHE_MAX limiters the cache
+-- starts over, so limits computed per request cannot grow it without end.
+local CACHE_MAX = 256
+local cache, cached = {}, 0
+
+local function cached_limiter(opts, on_error)
+    local limit, window_ms, local_limit = opts.limit, opts.window_ms, opts.local_limit
+    local by_limit = cache[on_error]
+    local by_window = by_limit and by_limit[limit]
+    local by_local = by_window and by_window[window_ms]
+    local lim = by_local and by_local[local_limit or 0]
+    if lim then
+        return lim
+    end
+    if cached >= CACHE_MAX then
+        cache, cached = {}, 0
+        by_limit, by_window, by_local = nil, nil, nil
+    end
+    if not by_limit then
+        by_limit = {}
+        cache[on_error] = by_limit
+    end
+    if not by_window then
+        by_window = {}
+        by_limit[limit] = by_window
+    end
+    if not by_local then
+        by_local = {}
+        by_window[window_ms] = by_local
+    end
+    lim = build(limit, window_ms, on_error, local_limit)
+    by_local[local_limit or 0] = lim
+    cached = cached + 1
+    return lim
+end
+
+local NEW_OPTIONS = {
+    limit = true, window_ms = true, on_error = true, local_limit = true, status = true,
+    fail_closed_status = true, headers = true, header_style = true, dry_run = true,
+}
+
+--- Makes a limiter: validates the options once and precomputes the constant
+-- part of its request frame. Options as in the table form, without key and
+-- cost (given per request to lim:limit(key, cost) and lim:check(key, cost)).
+-- Returns the object, or nil and a message on a bad or unknown option.
+-- Raises only when not given a table (a call as ratelimitd:new{} included):
+-- that is a bug in the code, not in a value, as configure() raises for it.
+function _M.new(opts)
+    if type(opts) ~= "table" or opts == _M then
+        error("new: expects a table of options: ratelimitd.new{ limit = ..., window_ms = ... }", 2)
+    end
+    for k in pairs(opts) do
+        if not NEW_OPTIONS[k] then
+            if k == "key" or k == "cost" then
+                return nil, "new: " .. k .. " is given per request: lim:limit(key, cost)"
+            end
+            return nil, "new: unknown option '" .. tostring(k) .. "'"
+        end
+    end
+    local err = limit_window_error(opts)
+    if err then
+        return nil, "new: " .. err
+    end
+    local on_error
+    on_error, err = policy_options(opts)
+    if not on_error then
+        return nil, "new: " .. err
+    end
+    local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit)
+    lim.status = opts.status
+    lim.fail_closed_status = opts.fail_closed_status
+    lim.headers = opts.headers
+    lim.header_style = opts.header_style
+    lim.dry_run = opts.dry_run
+    return lim
 end
 
 -- Sends one frame and reads its response body on a connected socket.
@@ -229,17 +376,26 @@ local CLOSED_BEFORE_READ = {
 
 -- One request/response exchange. Returns the parsed response, or nil and an
 -- error; a socket is pooled only after a clean exchange, never after an error
--- or a timeout.
-local function exchange(opts, on_error)
-    local key = wire_key(opts.key)
+-- or a timeout. `key` is the wire key, `cost` already checked.
+local function exchange(self, key, cost)
+    local n = #key
+    local len = 28 + n
     local id = next_id()
-    local frame = {
-        u32(28 + #key),
-        char(VERSION, OP_CHECK), u32(id),
-        "\0\0", char(POLICY[on_error], 1),
-        u32(opts.limit), u32(opts.window_ms), u32(opts.cost or 1), u32(opts.local_limit or 0),
-        char(band(rshift(#key, 8), 255), band(#key, 255)), key,
-    }
+    -- Per request only the length, the id, the cost and the key are encoded:
+    -- length, version, op and id in one string, then the limiter's constant
+    -- parts. One concatenation, not a table of pieces: for four short pieces
+    -- sock:send(table) walks the table three times through the C API, which
+    -- measured no cheaper than LuaJIT's concatenation (docs/NGINX.md, section 4).
+    local frame
+    local head = char(band(rshift(len, 24), 255), band(rshift(len, 16), 255), band(rshift(len, 8), 255), band(len, 255),
+                      VERSION, OP_CHECK,
+                      band(rshift(id, 24), 255), band(rshift(id, 16), 255), band(rshift(id, 8), 255), band(id, 255))
+    local key_len = char(band(rshift(n, 8), 255), band(n, 255))
+    if cost == 1 then
+        frame = head .. self._cost_one .. key_len .. key
+    else
+        frame = head .. self._before_cost .. u32(cost) .. self._after_cost .. key_len .. key
+    end
     local sock, body, err
     for attempt = 1, 2 do
         sock, err = tcp()
@@ -278,7 +434,7 @@ local function exchange(opts, on_error)
         error = ERROR_NAME[code] or tostring(code),
         message = sub(body, RESPONSE_FIXED_LEN + 1),
         -- The daemon's local fallback counts against the local quota.
-        limit = source == "local" and opts.local_limit or opts.limit,
+        limit = source == "local" and self._local_limit or self._limit,
     }
     res.allowed = res.decision == "allowed"
     if code >= 20 and code < 30 then
@@ -289,12 +445,41 @@ local function exchange(opts, on_error)
     return res
 end
 
---- Asks the daemon. Returns a table { allowed, decision, source, count,
--- remaining, retry_after_ms, reset_ms, limit, error_code, error, message },
--- or nil and a string when the daemon could not be reached or answered badly.
+-- Per-request arguments of the object form: the same kind of bug as a bad
+-- option of the table form, so raised the same way (level 3: the line that
+-- called lim:limit or lim:check). Cheap: a few comparisons, no tables.
+local function call_args(self, key, cost)
+    if type(self) ~= "table" or self._cost_one == nil then
+        error("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()", 3)
+    end
+    if type(key) ~= "string" or key == "" then
+        error("key must be a non-empty string", 3)
+    end
+    if cost == nil then
+        return 1
+    end
+    -- Above the limit a request can never be admitted; the daemon would
+    -- refuse it (INVALID_COST) and the fail policy would decide, which for
+    -- "open" lets it through. A bug in how the cost is computed, so raised.
+    if type(cost) ~= "number" or cost < 1 or cost > self._limit or floor(cost) ~= cost then
+        error("cost must be an integer from 1 to the limit (" .. self._limit .. ")", 3)
+    end
+    return cost
+end
+
+--- Asks the daemon for `key` (cost 1 by default). Returns a table { allowed,
+-- decision, source, count, remaining, retry_after_ms, reset_ms, limit,
+-- error_code, error, message }, or nil and a string when the daemon could not
+-- be reached or answered badly.
+function Limiter.check(self, key, cost)
+    cost = call_args(self, key, cost)
+    return exchange(self, wire_key(key), cost)
+end
+
+--- Asks the daemon; table form of check (see docs/NGINX.md).
 function _M.check(opts)
     local on_error = check_opts(opts, 3)
-    return exchange(opts, on_error)
+    return exchange(cached_limiter(opts, on_error), wire_key(opts.key), opts.cost or 1)
 end
 
 -- Rate-limited per worker and per kind of failure, so an outage gives one
@@ -302,7 +487,7 @@ end
 -- is never hidden behind a fail-closed.
 local last_log, suppressed = {}, {}
 
-local function log_failure(what, opts, reason)
+local function log_failure(what, key, reason)
     local now = ngx_now()
     if now - (last_log[what] or 0) < config.log_interval then
         suppressed[what] = (suppressed[what] or 0) + 1
@@ -312,24 +497,22 @@ local function log_failure(what, opts, reason)
     -- At error level: Debian's default error_log keeps only errors, and an
     -- operator must see (and can alert on) every kind of fail-open. The key
     -- is logged as sent: no control bytes from request headers reach the log.
-    ngx_log(ERR, "ratelimitd: ", what, " key=", wire_key(opts.key), " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
+    ngx_log(ERR, "ratelimitd: ", what, " key=", key, " reason=\"", reason, "\" suppressed=", suppressed[what] or 0)
     suppressed[what] = 0
 end
 
 -- The fallback when the daemon gives no decision: an approximate sliding
 -- window per host (the previous fixed window weighted by its overlap, plus
 -- the current one) in a lua_shared_dict shared by all workers.
-local function local_decision(opts)
+local function local_decision(self, key, cost)
     local dict = ngx_shared[config.shared_dict]
     if not dict then
         return nil, "lua_shared_dict '" .. config.shared_dict .. "' is not defined"
     end
-    local window = opts.window_ms
-    local limit = opts.local_limit
-    local cost = opts.cost or 1
+    local window = self._window_ms
+    local limit = self._local_limit
     local now = ngx_now() * 1000
     local start = floor(now / window) * window
-    local key = wire_key(opts.key)
     local cur_key = format("%s|%d|%d", key, window, start)
     local prev = dict:get(format("%s|%d|%d", key, window, start - window)) or 0
     local weighted = floor(prev * (window - (now - start)) / window)
@@ -341,7 +524,7 @@ local function local_decision(opts)
         return nil, "shared dict: " .. err
     end
     if forcible then
-        log_failure("shared_dict_full", opts, "lua_shared_dict '" .. config.shared_dict .. "' evicted entries: enlarge it")
+        log_failure("shared_dict_full", key, "lua_shared_dict '" .. config.shared_dict .. "' evicted entries: enlarge it")
     end
     if weighted + cur > limit then
         dict:incr(cur_key, -cost)
@@ -354,21 +537,22 @@ local function local_decision(opts)
 end
 
 -- What the location's policy decides when the daemon gave no decision.
-local function fallback(opts, on_error, reason)
+local function fallback(self, key, cost, reason)
+    local on_error = self._on_error
     if on_error == "open" then
-        log_failure("fail_open", opts, reason)
-        return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = opts.limit }
+        log_failure("fail_open", key, reason)
+        return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = self._limit }
     end
     if on_error == "local" then
-        local res, err = local_decision(opts)
+        local res, err = local_decision(self, key, cost)
         if res then
-            log_failure("local_fallback", opts, reason)
+            log_failure("local_fallback", key, reason)
             return res
         end
         reason = reason .. "; local fallback: " .. err
     end
-    log_failure("fail_closed", opts, reason)
-    return { allowed = false, decision = "denied", source = "lua_fail_closed", limit = opts.limit,
+    log_failure("fail_closed", key, reason)
+    return { allowed = false, decision = "denied", source = "lua_fail_closed", limit = self._limit,
              retry_after_ms = 1000 }
 end
 
@@ -396,37 +580,35 @@ local function set_headers(res, style)
     end
 end
 
---- For access_by_lua*: lets the request through, or ends it with `status`
--- (429 by default; 503 when the policy is closed and nothing could decide).
--- Options: key, limit, window_ms, cost, on_error, local_limit, status,
--- fail_closed_status, headers, header_style, dry_run.
--- Returns the decision table (after a pass, or in dry run).
-function _M.limit(opts)
-    local on_error = check_opts(opts, 3)
-    local res, err = exchange(opts, on_error)
+-- The access-phase decision of both forms. `key` is the wire key (computed
+-- once by the caller), `cost` already checked; `beh` holds status,
+-- fail_closed_status, headers, header_style and dry_run: the object itself,
+-- or the options table of the table form.
+local function enforce(self, beh, key, cost)
+    local res, err = exchange(self, key, cost)
     if not res then
-        res = fallback(opts, on_error, err)
+        res = fallback(self, key, cost, err)
     elseif res.decision == "error" then
         -- The daemon refused the request itself (e.g. a key from a header
         -- that is too long): a bug to log, decided by the policy.
-        res = fallback(opts, on_error, res.error .. ": " .. res.message)
+        res = fallback(self, key, cost, res.error .. ": " .. res.message)
     elseif res.source == "fail_open" or res.source == "fail_closed" or res.source == "local" then
         -- Redis failed behind the daemon, which applied this location's policy.
-        log_failure("daemon_" .. res.source, opts, res.error .. ": " .. res.message)
+        log_failure("daemon_" .. res.source, key, res.error .. ": " .. res.message)
     end
-    res.window_ms = opts.window_ms
-    local headers = opts.headers
+    res.window_ms = self._window_ms
+    local headers = beh.headers
     if headers == nil then
         headers = config.headers
     end
     if headers then
-        set_headers(res, opts.header_style or config.header_style)
+        set_headers(res, beh.header_style or config.header_style)
     end
     if res.allowed then
         return res
     end
-    if opts.dry_run then
-        ngx_log(INFO, "ratelimitd: dry_run would deny key=", wire_key(opts.key), " source=", res.source)
+    if beh.dry_run then
+        ngx_log(INFO, "ratelimitd: dry_run would deny key=", key, " source=", res.source)
         return res
     end
     local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
@@ -434,9 +616,27 @@ function _M.limit(opts)
         ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
     end
     if closed then
-        return ngx_exit(opts.fail_closed_status or config.fail_closed_status)
+        return ngx_exit(beh.fail_closed_status or config.fail_closed_status)
     end
-    return ngx_exit(opts.status or config.status)
+    return ngx_exit(beh.status or config.status)
+end
+
+--- For access_by_lua*: lets the request through, or ends it with the
+-- limiter's `status` (429 by default; 503 when the policy is closed and
+-- nothing could decide). Returns the decision table (after a pass, or in dry
+-- run).
+function Limiter.limit(self, key, cost)
+    cost = call_args(self, key, cost)
+    return enforce(self, self, wire_key(key), cost)
+end
+
+--- Table form of limit, for access_by_lua*. Options: key, limit, window_ms,
+-- cost, on_error, local_limit, status, fail_closed_status, headers,
+-- header_style, dry_run. Validates them on every call (raising on a bad one)
+-- and builds a limiter for the call.
+function _M.limit(opts)
+    local on_error = check_opts(opts, 3)
+    return enforce(cached_limiter(opts, on_error), opts, wire_key(opts.key), opts.cost or 1)
 end
 
 return _M
