@@ -375,12 +375,14 @@ fn per_call_cost_is_checked_against_the_limit() {
     assert_eq!(over.status, 500);
     let log = nginx.error_log();
     assert!(log.contains(cost_msg), "{log}");
-    // ...while the table form keeps its old behaviour: the daemon refuses the
-    // request (INVALID_COST) and the location's policy (closed) decides.
+    // ...while the table form sends it: the daemon refuses the request
+    // (INVALID_COST), a configuration bug answered with invalid_status (500),
+    // not by the location's fail policy.
     let over = get(&a, &nginx.url("/tbl/cost?t=c&cost=6"));
-    assert_eq!(over.status, 503);
+    assert_eq!(over.status, 500);
     let log = nginx.error_log();
-    assert!(log.contains("ratelimitd: fail_closed key=cost-tbl:c reason=\"INVALID_COST"), "{log}");
+    assert!(log.contains("ratelimitd: invalid_request key=cost-tbl:c reason=\"INVALID_COST"), "{log}");
+    assert!(!log.contains("ratelimitd: fail_closed key=cost-tbl:c"), "{log}");
 }
 
 #[test]
@@ -455,7 +457,17 @@ fn daemon_down_object_form_applies_its_policy() {
     // (nginx itself appends the request line, which holds it.)
     assert!(!log.contains(&format!("key=open-obj:{}", "x".repeat(100))), "the long key was logged as given");
 
+    // A worker whose connects failed pauses before it tries the daemon again
+    // (at most 1 s; docs/NGINX.md section 8): counting resumes within it.
     d.start_again();
-    let back = get(&a, &nginx.url("/obj/closed?t=1"));
+    let back_at = std::time::Instant::now();
+    let back = loop {
+        let r = get(&a, &nginx.url("/obj/closed?t=1"));
+        if r.status == 200 || back_at.elapsed() > Duration::from_secs(5) {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!((back.status, back.num("RateLimit-Remaining")), (200, 98), "counting resumed in Redis");
+    assert!(back_at.elapsed() < Duration::from_millis(2500), "resumed after {:?}", back_at.elapsed());
 }

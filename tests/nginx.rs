@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
 
@@ -206,10 +206,149 @@ fn daemon_down_each_location_follows_its_policy() {
     assert!(log.contains("ratelimitd: fail_closed key=order:t1"), "{log}");
     assert!(log.contains("ratelimitd: fail_open key=search:"), "{log}");
 
+    // A worker whose connects failed pauses before it tries again (at most
+    // 1 s; docs/NGINX.md section 8): counting resumes within that.
     d.start_again();
-    let back = get(&a, &nginx.url("/order"), "t1");
+    let back_at = Instant::now();
+    let back = loop {
+        let r = get(&a, &nginx.url("/order"), "t1");
+        if r.status == 200 || back_at.elapsed() > Duration::from_secs(5) {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!(back.status, 200);
     assert!(back.num("RateLimit-Remaining") < 999, "counting resumed in Redis");
+    assert!(back_at.elapsed() < Duration::from_millis(2500), "resumed after {:?}", back_at.elapsed());
+}
+
+/// Lines of `log` at error level or above.
+fn error_lines(log: &str) -> Vec<&str> {
+    log.lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]") || l.contains("[emerg]")).collect()
+}
+
+/// `threads` clients sending GETs to `paths` in turn for `run`; returns the
+/// statuses seen, by status.
+fn hammer(nginx: &Nginx, paths: &[&str], threads: usize, run: Duration) -> std::collections::BTreeMap<u16, usize> {
+    let until = Instant::now() + run;
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let urls: Vec<String> = paths.iter().map(|p| nginx.url(p)).collect();
+            std::thread::spawn(move || {
+                let a = agent();
+                let mut seen = std::collections::BTreeMap::new();
+                let mut i = t;
+                while Instant::now() < until {
+                    *seen.entry(get(&a, &urls[i % urls.len()], "t1").status).or_insert(0) += 1;
+                    i += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut all = std::collections::BTreeMap::new();
+    for h in handles {
+        for (status, n) in h.join().unwrap() {
+            *all.entry(status).or_insert(0) += n;
+        }
+    }
+    all
+}
+
+/// The daemon stopped under load: every request still gets its location's
+/// policy, and error.log stays bounded. Before, each request wrote nginx's
+/// own `connect() failed` line (and, on timeouts, the cosocket layer's):
+/// 50,000 lines in 3 s. Now the snippet turns the cosocket lines off and a
+/// worker pauses its connects to a missing daemon (50 ms doubling to 1 s),
+/// so 2 workers write a few lines a second.
+#[test]
+fn stopped_daemon_does_not_flood_the_error_log() {
+    let redis = RedisServer::start_unix();
+    let mut d = daemon(&redis);
+    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let a = agent();
+    assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 200);
+    assert!(d.terminate().success());
+    let before = error_lines(&nginx.error_log()).len();
+
+    let statuses = hammer(&nginx, &["/order", "/search"], 4, Duration::from_secs(3));
+    let total: usize = statuses.values().sum();
+    let log = nginx.error_log();
+    let lines = error_lines(&log);
+    let new_lines = &lines[before..];
+    let connect_lines = new_lines.iter().filter(|l| l.contains("connect() to unix:")).count();
+    eprintln!("{total} requests in 3 s with the daemon stopped: {statuses:?}; {} error lines, {connect_lines} of them nginx's connect() failed", new_lines.len());
+    // Closed for /order, open for /search: every request got its policy.
+    assert_eq!(statuses.get(&503).copied().unwrap_or(0) + statuses.get(&200).copied().unwrap_or(0), total, "{statuses:?}");
+    assert!(total >= 200, "only {total} requests: the bound below would prove nothing");
+    // 2 workers x 3 s: per worker at most ~8 connect lines (pauses of
+    // 0.05, 0.1, 0.2, 0.4, 0.8, 1, 1 s) and one module line per kind
+    // (fail_closed, fail_open) per second; 80 leaves room for a slow machine.
+    assert!(new_lines.len() <= 80, "{} error lines for {total} requests:\n{}", new_lines.len(), new_lines.join("\n"));
+    assert!(!log.contains("lua tcp socket"), "cosocket lines are off in the snippet:\n{log}");
+    assert!(log.contains("ratelimitd: fail_closed key=order:t1 reason=\"connect: "), "{log}");
+
+    // Back: each worker is using the daemon again within its pause (<= 1 s).
+    d.start_again();
+    let back_at = Instant::now();
+    let mut served = [false; 2];
+    while back_at.elapsed() < Duration::from_secs(5) && served.iter().any(|s| !s) {
+        for (i, s) in served.iter_mut().enumerate() {
+            // A fresh connection per request lands on either worker.
+            if get(&agent(), &nginx.url("/order"), &format!("back{i}")).status == 200 {
+                *s = true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let elapsed = back_at.elapsed();
+    assert!(served.iter().all(|&s| s), "not served 5 s after the restart:\n{}", nginx.error_log());
+    assert!(elapsed < Duration::from_millis(2500), "served again after {elapsed:?}");
+}
+
+/// A location whose limit the daemon refuses (above `limits.max_limit`) is
+/// misconfigured, not in an outage: with `on_error = "open"` it used to pass
+/// every request unlimited. Now every such request gets `invalid_status`
+/// (500), both sides log it at error level (rate-limited), and the daemon
+/// counts it.
+#[test]
+fn misconfigured_location_gets_500_not_its_fail_policy() {
+    let redis = RedisServer::start_unix();
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_with(&format!("{server}\n[limits]\nmax_limit = 100"), Some(&redis.url()), "timeout_ms = 500");
+    let snippet = replace_once(SNIPPET, "unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()));
+    let snippet = replace_once(&snippet, "read_timeout = 50,", "read_timeout = 1000,");
+    let body = format!(
+        "{snippet}\n\
+         init_worker_by_lua_block {{\n\
+             local ratelimitd = require \"resty.ratelimitd\"\n\
+             too_high = assert(ratelimitd.new{{ limit = 1000, window_ms = 1000, on_error = \"open\" }})\n\
+             teapot = assert(ratelimitd.new{{ limit = 1000, window_ms = 1000, on_error = \"open\", invalid_status = 418 }})\n\
+             dry = assert(ratelimitd.new{{ limit = 1000, window_ms = 1000, on_error = \"closed\", dry_run = true }})\n\
+             fine = assert(ratelimitd.new{{ limit = 100, window_ms = 1000, on_error = \"open\" }})\n\
+         }}\n\
+         server {{ listen 127.0.0.1:{{PORT}};\n\
+             location /open {{ access_by_lua_block {{ too_high:limit(\"open\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+             location /teapot {{ access_by_lua_block {{ teapot:limit(\"teapot\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+             location /dry {{ access_by_lua_block {{ dry:limit(\"dry\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+             location /fine {{ access_by_lua_block {{ fine:limit(\"fine\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         }}\n"
+    );
+    let nginx = Nginx::start(&body);
+    let a = agent();
+    let open: Vec<u16> = (0..30).map(|_| get(&a, &nginx.url("/open"), "t").status).collect();
+    assert!(open.iter().all(|&s| s == 500), "on_error = open must not pass a misconfigured request: {open:?}");
+    assert_eq!(get(&a, &nginx.url("/teapot"), "t").status, 418, "invalid_status per limiter");
+    assert_eq!(get(&a, &nginx.url("/dry"), "t").status, 200, "dry run never blocks");
+    assert_eq!(get(&a, &nginx.url("/fine"), "t").status, 200, "a valid location next to it is served");
+
+    let log = nginx.error_log();
+    let invalid = log.lines().filter(|l| l.contains("[error]") && l.contains("ratelimitd: invalid_request key=open reason=\"INVALID_LIMIT")).count();
+    // 30 requests within about a second, 2 workers: one line per worker per second.
+    assert!((1..=4).contains(&invalid), "{invalid} invalid_request lines:\n{log}");
+    assert!(!log.contains("fail_open"), "{log}");
+    let dlog = d.log();
+    assert!(dlog.contains("invalid request refused") && dlog.contains("INVALID_LIMIT"), "{dlog}");
 }
 
 /// Redis stopped: the daemon applies the policy each location sent.

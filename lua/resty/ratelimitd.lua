@@ -29,7 +29,7 @@ local tcp = ngx.socket.tcp
 local ERR, INFO = ngx.ERR, ngx.INFO
 local band, rshift = bit.band, bit.rshift
 local byte, char, sub, format = string.byte, string.char, string.sub, string.format
-local floor, ceil, max = math.floor, math.ceil, math.max
+local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local type, error, tostring, pairs, ipairs = type, error, tostring, pairs, ipairs
 local setmetatable = setmetatable
 local find = string.find
@@ -63,6 +63,8 @@ local config = {
     keepalive_timeout = 60000, -- ms an idle pooled connection is kept
     status = 429,             -- status of a denied request
     fail_closed_status = 503, -- status when the policy is "closed" and no decision could be made
+    invalid_status = 500,     -- status when the daemon refuses the request as invalid
+                              -- (a configuration bug, never decided by on_error)
     headers = true,           -- set RateLimit headers
     header_style = "ratelimit", -- "ratelimit" | "draft" (RateLimit + RateLimit-Policy) | "x" (X-RateLimit-*)
     shared_dict = "ratelimitd", -- lua_shared_dict of the local fallback
@@ -101,7 +103,7 @@ function _M.configure(opts)
             error("configure: " .. k .. " must be a positive integer", 2)
         end
     end
-    for _, k in ipairs({ "status", "fail_closed_status" }) do
+    for _, k in ipairs({ "status", "fail_closed_status", "invalid_status" }) do
         if opts[k] ~= nil and not (opts[k] >= 200 and opts[k] <= 599 and floor(opts[k]) == opts[k]) then
             error("configure: " .. k .. " must be an HTTP status (200-599)", 2)
         end
@@ -149,7 +151,7 @@ local function limit_window_error(opts)
     end
 end
 
-local STATUS_OPTIONS = { "status", "fail_closed_status" }
+local STATUS_OPTIONS = { "status", "fail_closed_status", "invalid_status" }
 local BOOLEAN_OPTIONS = { "headers", "dry_run" }
 
 -- Returns the policy name, or nil and a message.
@@ -298,7 +300,7 @@ end
 
 local NEW_OPTIONS = {
     limit = true, window_ms = true, on_error = true, local_limit = true, status = true,
-    fail_closed_status = true, headers = true, header_style = true, dry_run = true,
+    fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
 }
 
 --- Makes a limiter: validates the options once and precomputes the constant
@@ -331,6 +333,7 @@ function _M.new(opts)
     local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit)
     lim.status = opts.status
     lim.fail_closed_status = opts.fail_closed_status
+    lim.invalid_status = opts.invalid_status
     lim.headers = opts.headers
     lim.header_style = opts.header_style
     lim.dry_run = opts.dry_run
@@ -374,6 +377,21 @@ local CLOSED_BEFORE_READ = {
     ["receive: closed"] = true, ["receive: connection reset by peer"] = true,
 }
 
+-- A daemon that cannot be connected to at all (socket missing, permission
+-- denied, a stale socket: errors that come back at once) is not tried again
+-- by this worker for a while: each failed connect makes nginx's core log a
+-- "connect() ... failed" line of its own, at crit or error level and per
+-- request, which lua_socket_log_errors cannot turn off (it covers only the
+-- cosocket layer's own lines). Without this, a stopped daemon wrote some
+-- 50,000 lines (10 MB) in 3 s. While skipped, requests get the location's
+-- policy at once with the last connect error; the pause starts at
+-- CONNECT_RETRY_MIN and doubles on each failed retry up to CONNECT_RETRY_MAX,
+-- so a daemon that is back is used again within that bound (one request per
+-- worker tries it when the pause ends). Timeouts do not count: a slow
+-- daemon is not a missing one.
+local CONNECT_RETRY_MIN, CONNECT_RETRY_MAX = 0.05, 1 -- s
+local connect_retry_at, connect_pause, connect_error = 0, 0, nil
+
 -- One request/response exchange. Returns the parsed response, or nil and an
 -- error; a socket is pooled only after a clean exchange, never after an error
 -- or a timeout. `key` is the wire key, `cost` already checked.
@@ -402,11 +420,29 @@ local function exchange(self, key, cost)
         if not sock then
             return nil, "socket: " .. tostring(err)
         end
+        if connect_error then
+            local now = ngx_now()
+            if now < connect_retry_at then
+                return nil, connect_error
+            end
+            -- This request tries; the others of the worker keep skipping
+            -- until it has failed again or succeeded.
+            connect_retry_at = now + connect_pause
+        end
         sock:settimeouts(config.connect_timeout, config.send_timeout, config.read_timeout)
         local ok
         ok, err = sock:connect(config.socket)
         if not ok then
-            return nil, "connect: " .. err
+            err = "connect: " .. err
+            if err ~= "connect: timeout" then
+                connect_pause = min(max(connect_pause * 2, CONNECT_RETRY_MIN), CONNECT_RETRY_MAX)
+                connect_retry_at = ngx_now() + connect_pause
+                connect_error = err
+            end
+            return nil, err
+        end
+        if connect_error then
+            connect_error, connect_pause = nil, 0
         end
         local reused = (sock:getreusedtimes() or 0) > 0
         body, err = roundtrip(sock, frame, id)
@@ -588,9 +624,20 @@ local function enforce(self, beh, key, cost)
     local res, err = exchange(self, key, cost)
     if not res then
         res = fallback(self, key, cost, err)
+    elseif res.decision == "error" and res.error_code < 30 then
+        -- The daemon refused the request as invalid (codes 1-29: a limit,
+        -- window or cost outside its bounds): this location is misconfigured.
+        -- That is not an outage, so on_error does not decide (with "open" it
+        -- would pass every request unlimited): the request gets its own
+        -- status, 500 by default, and the error is logged as such.
+        log_failure("invalid_request", key, res.error .. ": " .. res.message)
+        if beh.dry_run then
+            return res
+        end
+        return ngx_exit(beh.invalid_status or config.invalid_status)
     elseif res.decision == "error" then
-        -- The daemon refused the request itself (e.g. a key from a header
-        -- that is too long): a bug to log, decided by the policy.
+        -- No decision for a reason of the daemon's own (its in-memory
+        -- windows are full: LOCAL_CAPACITY): decided by the policy.
         res = fallback(self, key, cost, res.error .. ": " .. res.message)
     elseif res.source == "fail_open" or res.source == "fail_closed" or res.source == "local" then
         -- Redis failed behind the daemon, which applied this location's policy.
