@@ -21,6 +21,9 @@ use crate::window::{LimitSpec, Verdict};
 
 const SHARDS: usize = 64;
 
+/// A shard's map is not shrunk below this many slots.
+const SHRINK_ABOVE: usize = 128;
+
 /// Names up to this long are composed on the stack.
 const INLINE_NAME: usize = 256;
 
@@ -208,8 +211,24 @@ impl LocalStore {
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
             let before = map.len();
-            map.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
+            map.retain(|_, w| {
+                let live = w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms);
+                // A key still in use after a burst keeps its deque's buffer:
+                // trimmed the same way as the map below.
+                if live && w.entries.capacity() > 64 && w.entries.len() < w.entries.capacity() / 4 {
+                    w.entries.shrink_to(w.entries.len() * 2);
+                }
+                live
+            });
             removed += before - map.len();
+            // A map keeps its table after a flood of keys has gone: give
+            // most of it back once it is mostly empty (a flood of 200,000
+            // keys otherwise kept ~40 MB for good). Halving at a quarter
+            // full leaves room to grow again without thrashing.
+            if map.capacity() > SHRINK_ABOVE && map.len() < map.capacity() / 4 {
+                let keep = (map.len() * 2).max(SHRINK_ABOVE);
+                map.shrink_to(keep);
+            }
         }
         removed
     }

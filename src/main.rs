@@ -12,6 +12,13 @@ use ratelimitd::config::{preflight, Config, ConfigError, LogFormat, Overrides, R
 use ratelimitd::daemon::{Reload, SetLogLevel};
 use ratelimitd::protocol::{CheckArgs, FailPolicy};
 
+/// jemalloc, built with a background thread that hands freed pages back to
+/// the kernel after 1 s (`.cargo/config.toml`): after a flood of keys has
+/// expired, glibc's malloc kept the daemon's RSS at its peak for good
+/// (docs/OPERATIONS.md, "The daemon's memory").
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(name = "ratelimitd", version, about = "Sliding-window rate limits for Nginx, shared through Redis")]
 struct Cli {
