@@ -20,7 +20,7 @@ def load(raw_path):
         for line in f:
             r = json.loads(line)
             if r["kind"] == "wrk":
-                runs[(r["case"], r["path"])] = r
+                runs.setdefault((r["case"], r["path"]), []).append(r)
             elif r["kind"] == "redis-benchmark":
                 rb.append(r)
             else:
@@ -28,14 +28,26 @@ def load(raw_path):
     return runs, rb, rl
 
 
-def per_decision(r):
-    """The figures per request of one wrk run."""
+SUMMED = ("requests", "non2xx", "socket_errors", "nginx_error_lines", "evalsha", "redis_calls", "redis_cpu_s",
+          "daemon_cpu_s", "daemon_vcsw", "daemon_ivcsw", "nginx_cpu_s", "daemon_fail_policy", "daemon_redis_calls", "daemon_redis_call_s")
+
+
+def per_decision(rounds):
+    """The figures per request of one case and path over its rounds: req/s
+    and percentiles are the means of the rounds, counters are summed."""
+    r = {k: sum(x[k] for x in rounds) for k in SUMMED}
+    r["path"] = rounds[0]["path"]
+    mean = lambda k: sum(x[k] for x in rounds) / len(rounds)
     n = max(r["requests"], 1)
+    rps = [x["rps"] for x in rounds]
     return {
-        "rps": r["rps"],
+        "rounds": len(rounds),
+        "rps_each_round": rps,
+        "rps_spread": (max(rps) - min(rps)) / mean("rps") if mean("rps") else 0,
+        "rps": mean("rps"),
+        "p50_us": mean("p50_us"),
+        "p99_us": mean("p99_us"),
         "admitted": (r["requests"] - r["non2xx"]) / n,
-        "p50_us": r["p50_us"],
-        "p99_us": r["p99_us"],
         "evalsha_per_decision": r["evalsha"] / n,
         "redis_commands_per_decision": r["redis_calls"] / n,
         "redis_cpu_us_per_decision": r["redis_cpu_s"] * 1e6 / n,
@@ -46,7 +58,7 @@ def per_decision(r):
         # Requests not decided by a limit: socket errors, failed direct calls
         # (each logged), the daemon's fail-policy decisions and the Lua
         # client's fail-policy log lines (rate-limited: a lower bound).
-        "errors": r["socket_errors"] + r["nginx_error_lines"] + (r["daemon_fail_policy"] if r["path"] == "rl" else 0),
+        "errors": int(r["socket_errors"] + r["nginx_error_lines"] + (r["daemon_fail_policy"] if r["path"] == "rl" else 0)),
     }
 
 
@@ -59,7 +71,7 @@ def main():
             r = runs.get((case, path))
             if r:
                 rows.append({"case": case, "case_label": case_label, "path": path, "path_label": path_label,
-                             "conns": r["conns"], **per_decision(r)})
+                             "conns": r[0]["conns"], **per_decision(r)})
     fig = {(r["case"], r["path"]): r for r in rows}
 
     def rps(case, path):
@@ -85,17 +97,17 @@ def main():
     ratio_rows = [{"what": w, "value": v, "target": t, "met": (f(v) if f else None)} for w, v, t, f in ratios]
 
     md = []
-    md.append(f"wrk {meta['wrk_seconds']} s per run, {meta['cores']} cores shared by wrk, nginx (2 workers), ratelimitd and "
+    md.append(f"wrk {meta['wrk_seconds']} s per run, {meta['rounds']} rounds (means; spread: (max - min) / mean of req/s), {meta['cores']} cores shared by wrk, nginx (2 workers), ratelimitd and "
               f"redis-server; {meta['conns']} connections except \"one connection\"; attack limit {meta['attack_limit']}/s, "
               f"hot key limit {meta['hot_limit']}/s; daemon to Redis over {meta['redis_link']}; {meta['date']}, commit {meta['commit']}"
               + (f"; {meta['note']}" if meta.get("note") else "") + ".")
     md.append("")
-    md.append("| case | path | req/s | admitted | p50 µs | p99 µs | Redis calls / decision | Redis CPU µs / decision | daemon CPU µs / req | nginx CPU µs / req | errors |")
+    md.append("| case | path | req/s (spread) | admitted | p50 µs | p99 µs | Redis calls / decision | Redis CPU µs / decision | daemon CPU µs / req | nginx CPU µs / req | errors |")
     md.append("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         lim = r["path"] != "plain"
-        md.append("| {} | {} | {:,.0f} | {:.1%} | {:.0f} | {:.0f} | {} | {} | {} | {:.1f} | {} |".format(
-            r["case_label"] + ("" if r["case"] == "c1" else f" (c{r['conns']})"), r["path_label"], r["rps"], r["admitted"],
+        md.append("| {} | {} | {:,.0f} ({:.0%}) | {:.1%} | {:.0f} | {:.0f} | {} | {} | {} | {:.1f} | {} |".format(
+            r["case_label"] + ("" if r["case"] == "c1" else f" (c{r['conns']})"), r["path_label"], r["rps"], r["rps_spread"], r["admitted"],
             r["p50_us"], r["p99_us"],
             f"{r['evalsha_per_decision']:.2f}" if lim else "–",
             f"{r['redis_cpu_us_per_decision']:.1f}" if lim else "–",
