@@ -54,7 +54,9 @@ local member_prefix
 -- One EVALSHA; returns allowed, remaining, reset_ms, retry_after_ms, or nil and an error.
 local function evalsha(self, key)
     local sock = tcp()
-    sock:settimeouts(20, 20, 50)
+    -- The daemon's redis.timeout_ms (20): Redis gets the same deadline on
+    -- both paths, and a miss is an error on both.
+    sock:settimeouts(20, 20, 20)
     local ok, err = sock:connect(self.host, self.port)
     if not ok then
         return nil, "connect: " .. err
