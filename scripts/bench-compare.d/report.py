@@ -94,7 +94,7 @@ def main():
         ("hot key c64: ratelimitd Redis calls per decision", hot["evalsha_per_decision"], "<= 0.2 admitting, ~0 refusing", lambda v: v <= 0.2),
         ("attack c64: ratelimitd Redis calls per decision", fig[("attack", "rl")]["evalsha_per_decision"], "~0", lambda v: v <= 0.05),
     ]
-    ratio_rows = [{"what": w, "value": v, "target": t, "met": (f(v) if f else None)} for w, v, t, f in ratios]
+    ratio_rows = [{"what": w, "value": v, "target": t, "met": (f(v) if f and v == v else None)} for w, v, t, f in ratios]
 
     md = []
     md.append(f"wrk {meta['wrk_seconds']} s per run, {meta['rounds']} rounds (means; spread: (max - min) / mean of req/s), {meta['cores']} cores shared by wrk, nginx (2 workers), ratelimitd and "
@@ -123,7 +123,8 @@ def main():
     md.append("|---|--:|---|---|")
     for r in ratio_rows:
         met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
-        md.append(f"| {r['what']} | {r['value']:.2f} | {r['target']} | {met} |")
+        value = "n/a" if r["value"] != r["value"] else f"{r['value']:.2f}"  # NaN: the direct path added nothing
+        md.append(f"| {r['what']} | {value} | {r['target']} | {met} |")
     text = "\n".join(md) + "\n"
     print(text)
 
