@@ -56,11 +56,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# start_redis: sets REDIS_PORT and REDIS_URL.
+# start_redis [ARGS...]: sets REDIS_PORT and REDIS_URL; ARGS go to
+# redis-server (e.g. --unixsocket PATH).
 start_redis() {
   REDIS_PORT=$(free_port)
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$WORK" \
-    --logfile "$WORK/redis.log" &
+    --logfile "$WORK/redis.log" "$@" &
   PIDS+=($!)
   REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
   for _ in $(seq 1 100); do
@@ -73,11 +74,13 @@ start_redis() {
 
 # start_daemon BIN: serves on $WORK/ratelimitd.sock against $REDIS_URL; sets
 # SOCK. As root, the socket's group is www-data, as Debian's nginx workers need.
+# DAEMON_CONF_EXTRA, if set, is appended to the config (more tables).
 start_daemon() {
   SOCK="$WORK/ratelimitd.sock"
   local conf="$WORK/ratelimitd.toml"
   printf '[server]\nlisten = "%s"\nsocket_mode = "0660"\n' "$SOCK" >"$conf"
   [ "$(id -u)" -eq 0 ] && getent group www-data >/dev/null && echo 'socket_group = "www-data"' >>"$conf"
+  [ -n "${DAEMON_CONF_EXTRA:-}" ] && printf '%s\n' "$DAEMON_CONF_EXTRA" >>"$conf"
   chmod a+rx "$WORK"
   "$1" serve --config "$conf" --redis "$REDIS_URL" 2>"$WORK/ratelimitd.log" &
   PIDS+=($!)
