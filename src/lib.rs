@@ -38,4 +38,4 @@ mod server;
 mod socket;
 pub mod window;
 
-pub use crate::redis::RedisWindow;
+pub use crate::redis::{BatchAsk, RedisWindow};

@@ -55,6 +55,7 @@ pub struct Metrics {
     redis_latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
     redis_latency_sum_us: AtomicU64,
     noscript_reloads: AtomicU64,
+    coalesced: AtomicU64,
     script_loads: AtomicU64,
     breaker_opened: AtomicU64,
     connections_open: AtomicI64,
@@ -86,6 +87,7 @@ impl Metrics {
             redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
             redis_latency_sum_us: ZERO,
             noscript_reloads: ZERO,
+            coalesced: ZERO,
             script_loads: ZERO,
             breaker_opened: ZERO,
             connections_open: AtomicI64::new(0),
@@ -120,6 +122,12 @@ impl Metrics {
 
     pub fn noscript_reload(&self) {
         self.noscript_reloads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `n` requests went to Redis in a call of an earlier request's key
+    /// (per-key coalescing) instead of a call of their own.
+    pub fn coalesced(&self, n: u64) {
+        self.coalesced.fetch_add(n, Ordering::Relaxed);
     }
 
     pub fn script_loaded(&self) {
@@ -181,8 +189,9 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 6] = [
+        let counters: [(&str, &str, &AtomicU64); 7] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
+            ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
             ("ratelimitd_breaker_opened_total", "Times the circuit breaker opened.", &self.breaker_opened),
             ("ratelimitd_connections_total", "Client connections accepted.", &self.connections_total),

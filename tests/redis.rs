@@ -252,3 +252,116 @@ async fn sigterm_removes_the_socket() {
     assert!(status.success(), "{status:?}");
     assert!(!d.socket.exists());
 }
+
+/// The serial reference model of the sliding log: what Redis must decide
+/// when requests come one by one at `now`.
+#[derive(Default)]
+struct SerialLog {
+    /// (time, cost) of each admission.
+    admissions: Vec<(u64, u32)>,
+}
+
+impl SerialLog {
+    fn check(&mut self, now: u64, window: u64, limit: u32, cost: u32) -> (bool, u32) {
+        self.admissions.retain(|&(t, _)| t + window > now);
+        let count: u32 = self.admissions.iter().map(|&(_, c)| c).sum();
+        if count + cost <= limit {
+            self.admissions.push((now, cost));
+            (true, count + cost)
+        } else {
+            (false, count)
+        }
+    }
+}
+
+/// Per-key coalescing sends queued requests in one call; the script must
+/// judge them exactly as if they came one by one. Random batches (sizes,
+/// costs, limits changing between requests, time moving so the window
+/// slides) against real Redis and the serial model: every decision and
+/// count must match.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_calls_decide_as_the_serial_model() {
+    use ratelimitd::BatchAsk;
+    let r = RedisServer::start_unix();
+    let token = CancellationToken::new();
+    let w = redis_window(&r, &token).await;
+    // A small deterministic generator: the same cases on every run.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let (mut decisions, mut mismatches) = (0, Vec::new());
+    for case in 0..40 {
+        let key = format!("prop-{case}");
+        let window = [50u64, 100, 1000][next(3) as usize];
+        let mut model = SerialLog::default();
+        let mut now = wall_ms();
+        for _ in 0..30 {
+            now += next(window / 2 + 1);
+            let n = 1 + next(12) as usize;
+            let asks: Vec<BatchAsk> = (0..n)
+                .map(|_| {
+                    let limit = 1 + next(8) as u32;
+                    BatchAsk { limit, cost: 1 + next(limit as u64) as u32 }
+                })
+                .collect();
+            let got = w.check_batch_at(key.as_bytes(), window as u32, &asks, now).await.unwrap();
+            assert_eq!(got.len(), n);
+            for (a, v) in asks.iter().zip(&got) {
+                let (allowed, count) = model.check(now, window, a.limit, a.cost);
+                decisions += 1;
+                if (v.allowed, v.count) != (allowed, count) {
+                    mismatches.push(format!("case {case} at {now}: {a:?} -> redis {:?}, model ({allowed}, {count})", (v.allowed, v.count)));
+                }
+            }
+        }
+    }
+    println!("batched calls against the serial model: {decisions} decisions, {} mismatches", mismatches.len());
+    assert!(mismatches.is_empty(), "{mismatches:#?}");
+    token.cancel();
+}
+
+fn evalsha_calls(r: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
+    info.lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split(['=', ',']).nth(1))
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+/// One hot key from 64 connections: requests that arrive while a call for
+/// the key is in flight go to Redis together, so Redis runs far fewer calls
+/// than there are decisions, and the limit still holds exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_is_coalesced_and_its_limit_holds() {
+    let r = RedisServer::start_unix();
+    let d = Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", r.url()));
+    let before = evalsha_calls(&r);
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut allowed = 0u32;
+            for _ in 0..100 {
+                let resp = c.check(&args("hot", 3000, 60_000)).await.unwrap();
+                assert_eq!(resp.source, Source::Redis, "{resp:?}");
+                allowed += (resp.decision == Decision::Allowed) as u32;
+            }
+            allowed
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += t.await.unwrap();
+    }
+    let calls = evalsha_calls(&r) - before;
+    let metrics = ureq::get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
+    let coalesced: u64 = metrics.lines().find(|l| l.starts_with("ratelimitd_coalesced_requests_total ")).unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    println!("hot key, 64 connections: 6400 decisions, {calls} Redis calls ({:.3} per decision), {coalesced} coalesced, {allowed} admitted", calls as f64 / 6400.0);
+    assert_eq!(allowed, 3000, "exactly the limit");
+    assert!(calls < 6400 / 2, "{calls} calls for 6400 decisions: not coalesced");
+    assert!(coalesced >= 6400 - calls, "{coalesced} coalesced, {calls} calls");
+}

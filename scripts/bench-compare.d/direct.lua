@@ -3,7 +3,7 @@
 -- (src/redis/sliding_window.lua, loaded with SCRIPT LOAD by the bench) on
 -- Redis itself, over a pooled cosocket, with the daemon's key layout and
 -- arguments (src/redis/window.rs: KEYS[1] = "<prefix>{<key>}:<window>ms",
--- ARGV = limit, window_ms, cost, a unique member, 0 = Redis TIME), and acts
+-- ARGV = window_ms, 0 = Redis TIME, a unique member, limit, cost), and acts
 -- on the reply as lim:limit does: the three RateLimit headers, then 429 with
 -- Retry-After when denied. A minimal RESP client written for the benchmark:
 -- one sock:send of a table of pieces, one line read per reply element,
@@ -40,11 +40,11 @@ function _M.new(opts)
         port = opts.port,
         prefix = opts.prefix or "ratelimitd:",
         limit_value = limit,
-        -- *9 EVALSHA sha 1 | key | limit window_ms cost | member | now (0: Redis TIME)
+        -- *9 EVALSHA sha 1 | key | window_ms now (0: Redis TIME) | member | limit cost
         head = "*9\r\n" .. bulk("EVALSHA") .. bulk(assert(opts.sha)) .. bulk(1),
         key_tail = "}:" .. window_ms .. "ms",
-        args = bulk(limit) .. bulk(window_ms) .. bulk(1),
-        tail = bulk(0),
+        args = bulk(window_ms) .. bulk(0),
+        tail = bulk(limit) .. bulk(1),
     }, direct_mt)
 end
 

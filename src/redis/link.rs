@@ -140,6 +140,11 @@ impl RedisLink {
         link
     }
 
+    /// Deadline of one request's call.
+    pub fn timeout(&self) -> Duration {
+        self.settings.timeout
+    }
+
     /// The SHA1 that EVALSHA names.
     pub fn script_sha(&self) -> &str {
         self.script.get_hash()

@@ -6,12 +6,15 @@
 //!   tells its owner through a callback;
 //! - `link`: the one shared connection, its supervisor and its circuit
 //!   breaker, and `eval`, the single entry point every call goes through;
-//! - `window`: the sliding-window script, its keys and its reply.
+//! - `window`: the sliding-window script, its keys and its reply;
+//! - `coalesce`: the windows with a call in flight, and the requests that
+//!   queue for their next call.
 
+mod coalesce;
 mod connector;
 mod link;
 mod sentinel;
 mod window;
 
 pub use connector::{Connector, ConnectorError};
-pub use window::{RedisWindow, StartError, WindowKey};
+pub use window::{BatchAsk, RedisWindow, StartError, WindowKey};

@@ -12,9 +12,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::{RedisWrite, Script, ToRedisArgs};
 use tokio_util::sync::CancellationToken;
 
+use super::coalesce::{Batch, InFlight, Join, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
 use super::link::{LinkSettings, RedisLink};
 use crate::config::{ClockSource, RedisConfig, RedisSecrets};
+use crate::metrics::METRICS;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// The script, as shipped in the binary.
@@ -114,6 +116,15 @@ pub struct RedisWindow {
     instance: u64,
     seq: AtomicU64,
     clock: ClockSource,
+    /// Windows with a call in flight, and the requests queued for the next.
+    in_flight: InFlight,
+}
+
+/// One request of a call: the call names the key and window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchAsk {
+    pub limit: u32,
+    pub cost: u32,
 }
 
 impl std::fmt::Debug for RedisWindow {
@@ -137,6 +148,7 @@ impl RedisWindow {
             instance,
             seq: AtomicU64::new(0),
             clock: cfg.clock,
+            in_flight: InFlight::default(),
         }))
     }
 
@@ -164,17 +176,85 @@ impl RedisWindow {
         WindowKey { prefix: &self.key_prefix, key, window_ms }
     }
 
-    /// Decides one request within the configured deadline.
-    pub async fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, StoreError> {
-        let now_ms = match self.clock {
+    /// `now` as the script takes it: 0 for Redis `TIME`, else this host's clock.
+    fn now_arg(&self) -> u64 {
+        match self.clock {
             ClockSource::Redis => 0,
             ClockSource::Local => wall_clock_ms(),
-        };
-        self.check_at(spec, now_ms).await
+        }
     }
 
-    /// Decides one request at `now_ms` (0: Redis TIME). Tests use a fixed
-    /// time to put many requests in one millisecond.
+    /// Decides one request within the configured deadline. If a call for
+    /// the same key and window is in flight, the request waits for it and
+    /// goes to Redis with the others that queued meanwhile, in one call
+    /// (`coalesce`); it is answered within the deadline either way.
+    pub async fn check(self: &Arc<Self>, spec: &LimitSpec<'_>) -> Result<Verdict, StoreError> {
+        let fp = self.in_flight.fingerprint(spec.key, spec.window_ms);
+        match self.in_flight.join(fp, spec.key, spec.window_ms, spec.limit, spec.cost) {
+            Join::Alone => self.check_at(spec, self.now_arg()).await,
+            Join::Lead => {
+                // Dropped with the future too (a client gone mid-call), so
+                // the requests queued behind this call are always sent.
+                let _lead = Lead { window: self, fp };
+                self.check_at(spec, self.now_arg()).await
+            }
+            Join::Wait(rx) => {
+                let limit = self.link.timeout();
+                match tokio::time::timeout(limit, rx).await {
+                    Ok(Ok(answer)) => answer,
+                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
+                    // Its queue place is skipped if the batch has not
+                    // started yet; else it may still be counted, as any
+                    // call cut at its deadline.
+                    Err(_) => Err(StoreError::Timeout(limit)),
+                }
+            }
+        }
+    }
+
+    /// Sends the requests that queued behind a finished call, batch after
+    /// batch, until none are left; runs as a task of its own.
+    async fn drain(self: Arc<Self>, fp: u128, mut batch: Batch) {
+        loop {
+            let Batch { key, window_ms, mut waiters } = batch;
+            while !waiters.is_empty() {
+                let rest = if waiters.len() > MAX_BATCH { waiters.split_off(MAX_BATCH) } else { Vec::new() };
+                self.send_batch(&key, window_ms, waiters).await;
+                waiters = rest;
+            }
+            match self.in_flight.next_batch(fp) {
+                Some(next) => batch = next,
+                None => return,
+            }
+        }
+    }
+
+    /// One call for `waiters`, each answered with its own verdict. Requests
+    /// already answered by their deadline are left out, so they are not
+    /// counted.
+    async fn send_batch(&self, key: &[u8], window_ms: u32, waiters: Vec<Waiter>) {
+        let waiters: Vec<Waiter> = waiters.into_iter().filter(|w| !w.tx.is_closed()).collect();
+        if waiters.is_empty() {
+            return;
+        }
+        METRICS.coalesced(waiters.len() as u64);
+        let asks: Vec<BatchAsk> = waiters.iter().map(|w| BatchAsk { limit: w.limit, cost: w.cost }).collect();
+        match self.check_batch_at(key, window_ms, &asks, self.now_arg()).await {
+            Ok(verdicts) => {
+                for (w, v) in waiters.into_iter().zip(verdicts) {
+                    let _ = w.tx.send(Ok(v));
+                }
+            }
+            Err(e) => {
+                for w in waiters {
+                    let _ = w.tx.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Decides one request at `now_ms` (0 = Redis `TIME`), in a call of its
+    /// own.
     pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let mut cmd = redis::Cmd::with_capacity(9, 96 + self.key_prefix.len() + spec.key.len());
@@ -182,36 +262,75 @@ impl RedisWindow {
             .arg(self.link.script_sha())
             .arg(1)
             .arg(self.window_key(spec.key, spec.window_ms))
-            .arg(spec.limit)
             .arg(spec.window_ms)
-            .arg(spec.cost)
+            .arg(now_ms)
             .arg(member)
-            .arg(now_ms);
+            .arg(spec.limit)
+            .arg(spec.cost);
         let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
-        Ok(Verdict {
-            allowed: allowed == 1,
-            count: clamp_u32(count),
-            remaining: clamp_u32(remaining),
-            retry_after_ms: clamp_u32(retry_after_ms),
-            reset_ms: clamp_u32(reset_ms),
-        })
+        Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
+    }
+
+    /// Decides `asks` in one call, in order, each exactly as a call of its
+    /// own at the same instant would (`now_ms`: 0 = Redis `TIME`).
+    pub async fn check_batch_at(&self, key: &[u8], window_ms: u32, asks: &[BatchAsk], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
+        let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
+        let mut cmd = redis::Cmd::with_capacity(7 + 2 * asks.len(), 96 + self.key_prefix.len() + key.len() + 16 * asks.len());
+        cmd.arg("EVALSHA").arg(self.link.script_sha()).arg(1).arg(self.window_key(key, window_ms)).arg(window_ms).arg(now_ms).arg(member);
+        for a in asks {
+            cmd.arg(a.limit).arg(a.cost);
+        }
+        let flat: Vec<i64> = self.link.eval(&cmd).await?;
+        if flat.len() != 5 * asks.len() {
+            return Err(StoreError::Redis(format!("the script answered {} values for {} requests", flat.len(), asks.len())));
+        }
+        Ok(flat.chunks_exact(5).map(|v| verdict(v[0], v[1], v[2], v[3], v[4])).collect())
     }
 }
 
 /// The link's probe: one admission on a key no client can name (a client
 /// key never contains a NUL) with a 1 ms window, so it writes what a
 /// request writes and leaves nothing behind.
+/// The leader of a window's call: when dropped (the call is over, or its
+/// future was dropped), the requests that queued behind it are sent.
+struct Lead<'a> {
+    window: &'a Arc<RedisWindow>,
+    fp: u128,
+}
+
+impl Drop for Lead<'_> {
+    fn drop(&mut self) {
+        if let Some(batch) = self.window.in_flight.next_batch(self.fp) {
+            // Outside a runtime (the process is ending) the waiters' senders
+            // are dropped with the batch: they answer "abandoned".
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(self.window.clone().drain(self.fp, batch));
+            }
+        }
+    }
+}
+
+fn verdict(allowed: i64, count: i64, remaining: i64, retry_after_ms: i64, reset_ms: i64) -> Verdict {
+    Verdict {
+        allowed: allowed == 1,
+        count: clamp_u32(count),
+        remaining: clamp_u32(remaining),
+        retry_after_ms: clamp_u32(retry_after_ms),
+        reset_ms: clamp_u32(reset_ms),
+    }
+}
+
 fn probe_command(script: &Script, prefix: &[u8], instance: u64) -> redis::Cmd {
     let mut cmd = redis::Cmd::new();
     cmd.arg("EVALSHA")
         .arg(script.get_hash())
         .arg(1)
         .arg(WindowKey { prefix, key: b"\0probe", window_ms: 1 })
-        .arg(1_000_000)
         .arg(1)
-        .arg(1)
+        .arg(0)
         .arg(MemberId { instance, seq: u64::MAX })
-        .arg(0);
+        .arg(1_000_000)
+        .arg(1);
     cmd
 }
 
