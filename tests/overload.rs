@@ -22,6 +22,11 @@ use common::{Daemon, Deadline, RedisServer};
 use ratelimitd::bench::{self, BenchArgs, BenchReport};
 use ratelimitd::protocol::Source;
 
+/// The daemon's Redis deadline in this test.
+const DEADLINE_MS: u64 = 200;
+/// Connections of the fixed-rate loads: many workers.
+const WORKERS: usize = 16;
+
 /// Breaker openings so far, from the metrics endpoint.
 async fn breaker_opened(d: &Daemon) -> u64 {
     let url = d.metrics_url();
@@ -34,11 +39,11 @@ fn code(r: &BenchReport, name: &str) -> u64 {
     r.codes.get(name).copied().unwrap_or(0)
 }
 
-/// One run of distinct keys over 4 connections; returns the report and
-/// whether the breaker opened meanwhile.
-async fn run(d: &Daemon, name: &str, requests: u64, pipeline: usize, rate: Option<f64>) -> (BenchReport, u64) {
+/// One run of distinct keys over `conns` connections; returns the report
+/// and how often the breaker opened meanwhile.
+async fn run(d: &Daemon, name: &str, conns: usize, requests: u64, pipeline: usize, rate: Option<f64>) -> (BenchReport, u64) {
     let before = breaker_opened(d).await;
-    let args = BenchArgs { pipeline, rate, distinct_keys: true, ..BenchArgs::new(d.socket.clone(), name, 1_000_000, 1000, requests, 4) };
+    let args = BenchArgs { pipeline, rate, distinct_keys: true, ..BenchArgs::new(d.socket.clone(), name, 1_000_000, 1000, requests, conns) };
     let r = bench::run(args).await.unwrap_or_else(|e| panic!("{name}: {e}"));
     let opened = breaker_opened(d).await - before;
     let redis = r.requests - r.degraded;
@@ -59,32 +64,45 @@ async fn run(d: &Daemon, name: &str, requests: u64, pipeline: usize, rate: Optio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_shed_at_once_and_a_healthy_redis_never_opens_the_breaker() {
     let r = RedisServer::start_unix();
-    let d = Daemon::start_config_with_metrics(&format!("[redis]\nurl = \"{}\"\n", r.url()));
+    // A 200 ms deadline: a loaded 2-core machine stalls Redis and the
+    // daemon for tens of ms (more than 50 ms seen), which no admission
+    // control can prevent; the product's 20 ms is measured by
+    // scripts/bench-overload. The 2x load still fails a daemon without
+    // admission control: its 16 connections queue up to 16 x 128 calls,
+    // about 300 ms of this debug build's Redis rate, and timeouts open the
+    // breaker.
+    let d = Daemon::start_config_with_metrics(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = {DEADLINE_MS}\n", r.url()));
     let up = Deadline::start("link up", Duration::from_secs(5));
     let mut c = d.client().await;
     while c.check(&common::args("up", 10, 1000)).await.unwrap().source != Source::Redis {
         up.retry_in(Duration::from_millis(10), String::new).await;
     }
 
+    // What Redis sustains through the daemon: 16 in flight keep it busy,
+    // and the in-flight limit never goes below 16, so nothing is shed.
+    let (cap, opened) = run(&d, "capacity", 4, 20_000, 4, None).await;
+    assert_eq!((opened, code(&cap, "OVERLOADED")), (0, 0), "{cap:?}");
+    let capacity = cap.requests as f64 / cap.elapsed_s;
+    assert!(capacity > 500.0, "Redis decided only {capacity:.0}/s through the daemon: {cap:?}");
+
     // The load, shorter: 400 in flight, as fast as answered.
-    let (burst, opened) = run(&d, "burst", 60_000, 100, None).await;
+    let (burst, opened) = run(&d, "burst", 4, 60_000, 100, None).await;
     assert_eq!(opened, 0, "the issue's burst opened the breaker: {burst:?}");
     assert_eq!(code(&burst, "CIRCUIT_OPEN"), 0, "{burst:?}");
-    let capacity = (burst.requests - burst.degraded) as f64 / burst.elapsed_s;
-    assert!(capacity > 1000.0, "Redis decided only {capacity:.0}/s through the daemon: {burst:?}");
+    assert!(burst.requests > burst.degraded, "Redis decided some of the burst: {burst:?}");
 
     // Half of it: room to spare, so Redis decides every request.
     let secs = 2.0;
     let half = capacity * 0.5;
-    let (low, opened) = run(&d, "0.5x", (half * secs) as u64, 10_000, Some(half)).await;
+    let (low, opened) = run(&d, "0.5x", WORKERS, (half * secs) as u64, 1000, Some(half)).await;
     assert_eq!(opened, 0);
     assert_eq!(low.degraded, 0, "at 0.5x of capacity every request is decided by Redis: {low:?}");
 
-    let (_, opened) = run(&d, "1x", (capacity * secs) as u64, 10_000, Some(capacity)).await;
+    let (_, opened) = run(&d, "1x", WORKERS, (capacity * secs) as u64, 1000, Some(capacity)).await;
     assert_eq!(opened, 0, "at 1x the breaker stays closed");
 
     // Twice as much as Redis sustains: the excess is shed, Redis keeps deciding.
-    let (high, opened) = run(&d, "2x", (2.0 * capacity * secs) as u64, 10_000, Some(2.0 * capacity)).await;
+    let (high, opened) = run(&d, "2x", WORKERS, (2.0 * capacity * secs) as u64, 1000, Some(2.0 * capacity)).await;
     assert_eq!(opened, 0, "at 2x the breaker stays closed: {high:?}");
     assert_eq!(code(&high, "CIRCUIT_OPEN"), 0, "{high:?}");
     let by_redis = (high.requests - high.degraded) as f64 / high.elapsed_s;

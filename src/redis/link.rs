@@ -344,13 +344,17 @@ impl RedisLink {
         self.want_reconnect();
     }
 
-    /// Reports a call that passed its deadline: to the in-flight limit
-    /// always (the queue was too long, or Redis stalled), to the breaker
-    /// only as evidence that Redis itself is failing.
+    /// Reports a call that passed its deadline: to the in-flight limit if it
+    /// waited in our own queue (Redis was answering the calls ahead: the
+    /// queue was too long), to the breaker if Redis answered nothing at all
+    /// meanwhile. A timeout that fired late (the daemon was not running)
+    /// goes to neither: it says nothing about Redis or the queue.
     fn record_timeout(&self, permit: &Permit<'_>, now: Instant, took: Duration) {
-        self.in_flight.timed_out(now);
         let cause = self.timeout_cause(permit, took);
         METRICS.redis_timeout(cause);
+        if cause == TimeoutCause::Queued {
+            self.in_flight.timed_out(now);
+        }
         if cause == TimeoutCause::RedisSilent && self.count_silence(permit, now) && self.breaker.record_failure() {
             METRICS.breaker_opened();
             if let Some(suppressed) = self.trip_log.permit() {

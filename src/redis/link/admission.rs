@@ -24,9 +24,13 @@
 //! - When the mean rises above `no_load + budget`, the limit is multiplied
 //!   by the gradient `(no_load + budget) / mean`, at least 1/2: the queue
 //!   shrinks in proportion to how far latency is over.
-//! - A window with a timeout halves the limit: a call waited out the whole
-//!   deadline, so the queue was far too long (or Redis stalled; the breaker
-//!   judges that separately, see `link`).
+//! - A window with a timeout of a call that waited in our own queue (Redis
+//!   was answering the calls ahead of it) halves the limit: the queue was
+//!   far too long. Timeouts during which Redis answered nothing at all, or
+//!   whose timer fired late, are not reported here: a stall of Redis or of
+//!   the host is not cured by a shorter queue, and halving on it would shed
+//!   the arrivals of a quiet host after every hiccup (the breaker judges
+//!   stalls, see `link`).
 //!
 //! A mean queueing delay of 1/4 of the deadline leaves room for the tail
 //! (p99 at 2 to 3 times the mean) while a local Redis at 30k calls/s still
@@ -152,7 +156,7 @@ impl InFlightLimit {
         self.maybe_adjust(self.micros(at));
     }
 
-    /// A call that waited out its deadline; `at` is now.
+    /// A call that waited out its deadline in our own queue; `at` is now.
     pub fn timed_out(&self, at: Instant) {
         self.timeouts.fetch_add(1, Ordering::Relaxed);
         self.maybe_adjust(self.micros(at));
@@ -189,6 +193,7 @@ impl InFlightLimit {
         if next != limit {
             self.limit.store(next, Ordering::Relaxed);
         }
+        tracing::trace!(limit, next, samples, mean_us = sum.checked_div(samples), lowest_us = lowest, no_load_us = no_load, timeouts, peak, "in-flight limit window");
         crate::metrics::METRICS.redis_in_flight_limit(next);
     }
 }
