@@ -79,7 +79,8 @@ async fn overload_is_shed_at_once_and_a_healthy_redis_never_opens_the_breaker() 
     }
 
     // What Redis sustains through the daemon: 16 in flight keep it busy,
-    // and the in-flight limit never goes below 16, so nothing is shed.
+    // and the in-flight limit (redis.min_in_flight) never goes below 16, so
+    // nothing is shed.
     let (cap, opened) = run(&d, "capacity", 4, 20_000, 4, None).await;
     assert_eq!((opened, code(&cap, "OVERLOADED")), (0, 0), "{cap:?}");
     let capacity = cap.requests as f64 / cap.elapsed_s;

@@ -46,6 +46,11 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// The limit of a fresh link: a burst of a few hundred calls (128 pipelined
+/// on one connection, the server's cap, or a spike from many workers) is
+/// not shed before anything is measured, and a local Redis answers 256 in
+/// about 10 ms, within the default deadline. The first windows correct it.
+const INITIAL_LIMIT: u32 = 256;
 /// Length of a sampling window.
 const WINDOW: Duration = Duration::from_millis(10);
 /// A window with fewer answers (and no timeout) is extended: a handful of
@@ -94,15 +99,14 @@ impl Drop for Permit<'_> {
 }
 
 impl InFlightLimit {
-    /// A limit between `min` and `max`, starting at 4 x `min` (within
-    /// `max`): enough for the bursts of a quiet host from the first request,
-    /// small enough that a spike at start-up is not a deadline-long queue.
+    /// A limit between `min` and `max`, starting at `INITIAL_LIMIT` (within
+    /// them).
     pub fn new(min: u32, max: u32, deadline: Duration) -> Self {
         let min = min.max(1);
         let max = max.max(min);
         Self {
             in_flight: AtomicU32::new(0),
-            limit: AtomicU32::new(min.saturating_mul(4).min(max)),
+            limit: AtomicU32::new(INITIAL_LIMIT.clamp(min, max)),
             min,
             max,
             budget_us: (deadline / BUDGET_DIVISOR).as_micros() as u64,
@@ -252,8 +256,9 @@ mod tests {
 
     #[test]
     fn admits_up_to_the_limit_and_frees_places_on_drop() {
-        let l = InFlightLimit::new(2, 100, Duration::from_millis(20));
-        assert_eq!(l.limit(), 8, "starts at 4 x min");
+        let l = InFlightLimit::new(2, 8, Duration::from_millis(20));
+        assert_eq!(l.limit(), 8, "starts at 256 within the bounds");
+        assert_eq!(InFlightLimit::new(16, 1024, Duration::from_millis(20)).limit(), 256);
         let now = Instant::now();
         let held: Vec<_> = (0..8).map(|_| l.admit(now).expect("under the limit")).collect();
         assert!(l.admit(now).is_none(), "the ninth is refused");
@@ -265,6 +270,7 @@ mod tests {
     #[test]
     fn a_window_of_slow_answers_shrinks_the_limit_and_fast_ones_grow_it_back() {
         let l = InFlightLimit::new(4, 1000, Duration::from_millis(20));
+        l.limit.store(16, Ordering::Relaxed);
         let t0 = l.epoch;
         let held: Vec<_> = (0..16).map(|_| l.admit(t0).unwrap()).collect();
         // Window 1 (ends at 10 ms): fast answers, with demand.
