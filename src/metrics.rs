@@ -40,19 +40,24 @@ pub enum CloseReason {
 pub enum TimeoutCause {
     /// Redis answered no call of ours since this one was sent.
     RedisSilent,
-    /// Redis was answering the calls ahead of it: it waited in our own queue.
+    /// Redis was answering the calls ahead of it, and at least
+    /// `redis.min_in_flight` were ahead: it waited in our own queue.
     Queued,
+    /// Redis was answering, and few calls were ahead of it: a stall of Redis
+    /// or of the host, not our queue and not a dead Redis.
+    Stalled,
     /// The deadline's timer fired late: the daemon itself was not running.
     DaemonLate,
 }
 
 impl TimeoutCause {
-    pub const ALL: [TimeoutCause; 3] = [Self::RedisSilent, Self::Queued, Self::DaemonLate];
+    pub const ALL: [TimeoutCause; 4] = [Self::RedisSilent, Self::Queued, Self::Stalled, Self::DaemonLate];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::RedisSilent => "redis_silent",
             Self::Queued => "queued",
+            Self::Stalled => "stalled",
             Self::DaemonLate => "daemon_late",
         }
     }

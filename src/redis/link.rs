@@ -22,7 +22,9 @@
 //!   (`last_reply_us` is not later than the call's admission): Redis answers
 //!   one connection in order, so a reply that arrived meanwhile was for a
 //!   call ahead of this one, and this one was merely queued behind our own
-//!   work; Redis was alive. A timeout whose timer fired more than a quarter
+//!   work; Redis was alive (`queued` if at least `min_in_flight` calls were
+//!   ahead of it, else `stalled`: Redis or the host paused, not our queue).
+//!   A timeout whose timer fired more than a quarter
 //!   of the deadline late is no evidence either: the daemon itself was not
 //!   running (a starved host), and it cannot tell what Redis did. Of the
 //!   silent timeouts, only one per deadline counts (`last_counted_us`: a
@@ -325,10 +327,12 @@ impl RedisLink {
     fn timeout_cause(&self, permit: &Permit<'_>, took: Duration) -> TimeoutCause {
         if took > self.settings.timeout + self.settings.timeout / LATE_TIMER_DIVISOR {
             TimeoutCause::DaemonLate
-        } else if self.last_reply_us.load(Ordering::Relaxed) > permit.admitted_us {
+        } else if self.last_reply_us.load(Ordering::Relaxed) <= permit.admitted_us {
+            TimeoutCause::RedisSilent
+        } else if permit.ahead >= self.in_flight.min() {
             TimeoutCause::Queued
         } else {
-            TimeoutCause::RedisSilent
+            TimeoutCause::Stalled
         }
     }
 
@@ -345,10 +349,12 @@ impl RedisLink {
     }
 
     /// Reports a call that passed its deadline: to the in-flight limit if it
-    /// waited in our own queue (Redis was answering the calls ahead: the
-    /// queue was too long), to the breaker if Redis answered nothing at all
-    /// meanwhile. A timeout that fired late (the daemon was not running)
-    /// goes to neither: it says nothing about Redis or the queue.
+    /// waited in our own queue (Redis was answering the calls ahead, and at
+    /// least `min_in_flight` were ahead: the queue was too long), to the
+    /// breaker if Redis answered nothing at all meanwhile. A stall (Redis
+    /// answering, few ahead) or a timer that fired late (the daemon was not
+    /// running) goes to neither: it says nothing about a dead Redis or a
+    /// long queue.
     fn record_timeout(&self, permit: &Permit<'_>, now: Instant, took: Duration) {
         let cause = self.timeout_cause(permit, took);
         METRICS.redis_timeout(cause);

@@ -15,12 +15,18 @@
 //!   of `WINDOW` (at least `MIN_SAMPLES` samples, or any timeout).
 //! - `no_load` estimates the round trip without our own queueing: the
 //!   lowest sample of a window, followed down at once and up slowly (1/32 of
-//!   the gap per window), so that a Redis that got farther away is learned.
+//!   the gap per window), so that a Redis that got farther away is learned;
+//!   but up only from windows with at most `min` calls in flight: under a
+//!   standing queue even the fastest call waits behind others, and learning
+//!   that as "no load" would let the queue grow without end (the classic
+//!   Vegas trap).
 //! - Our queueing delay is the window's mean round trip minus `no_load`.
-//!   While it stays within the budget (1/4 of the deadline: 5 ms of 20 ms)
-//!   and the calls in flight reached half the limit in the window (there is
-//!   demand to grow for), the limit grows by its square root (fast while
-//!   small, gently once large).
+//!   While it stays within half the budget (the budget is 1/4 of the
+//!   deadline: 5 ms of 20 ms) and the calls in flight reached half the limit
+//!   in the window (there is demand to grow for), the limit grows by half:
+//!   after a spike or a stall shrank it, a normal load gets its room back
+//!   within tens of ms instead of being shed. Within the budget, it grows
+//!   by its square root (gently, near the knee).
 //! - When the mean rises above `no_load + budget`, the limit is multiplied
 //!   by the gradient `(no_load + budget) / mean`, at least 1/2: the queue
 //!   shrinks in proportion to how far latency is over.
@@ -90,6 +96,8 @@ pub struct Permit<'a> {
     limit: &'a InFlightLimit,
     /// When it was admitted, µs since the limit's epoch.
     pub admitted_us: u64,
+    /// Calls of ours in flight when it was admitted: the queue before it.
+    pub ahead: u32,
 }
 
 impl Drop for Permit<'_> {
@@ -127,6 +135,12 @@ impl InFlightLimit {
         at.saturating_duration_since(self.epoch).as_micros() as u64
     }
 
+    /// A queue shorter than this is no queue: the limit never goes below it.
+    #[inline]
+    pub fn min(&self) -> u32 {
+        self.min
+    }
+
     /// The current limit.
     #[inline]
     pub fn limit(&self) -> u32 {
@@ -145,7 +159,7 @@ impl InFlightLimit {
         if ahead + 1 > self.peak.load(Ordering::Relaxed) {
             self.peak.fetch_max(ahead + 1, Ordering::Relaxed);
         }
-        Some(Permit { limit: self, admitted_us: self.micros(now) })
+        Some(Permit { limit: self, admitted_us: self.micros(now), ahead })
     }
 
     /// A call answered (a result or an error reply) after `took`; `at` is now.
@@ -189,7 +203,8 @@ impl InFlightLimit {
             (old, u64::MAX) => old,
             (u64::MAX, new) => new,
             (old, new) if new <= old => new,
-            (old, new) => old + (new - old) / NO_LOAD_RISE,
+            (old, new) if peak <= self.min => old + (new - old) / NO_LOAD_RISE,
+            (old, _) => old,
         };
         self.no_load_us.store(no_load, Ordering::Relaxed);
         let limit = self.limit();
@@ -222,10 +237,13 @@ fn next_limit(limit: u32, w: Window, no_load_us: u64, budget_us: u64) -> u32 {
         let gradient = (target as f64 / mean as f64).max(MIN_GRADIENT);
         return (limit as f64 * gradient) as u32;
     }
-    if w.peak.saturating_mul(2) >= limit {
-        return limit + ((limit as f64).sqrt() as u32).max(1);
+    if w.peak.saturating_mul(2) < limit {
+        return limit; // no demand to grow for
     }
-    limit
+    if mean <= no_load_us.saturating_add(budget_us / 2) {
+        return limit + (limit / 2).max(1);
+    }
+    limit + ((limit as f64).sqrt() as u32).max(1)
 }
 
 #[cfg(test)]
@@ -240,9 +258,9 @@ mod tests {
 
     #[test]
     fn grows_only_with_demand_while_latency_is_near_the_minimum() {
-        assert_eq!(next_limit(64, w(300, 0, 40), 200, BUDGET), 72, "in demand, fast: + sqrt");
+        assert_eq!(next_limit(64, w(300, 0, 40), 200, BUDGET), 96, "in demand, near the minimum: + half");
         assert_eq!(next_limit(64, w(300, 0, 20), 200, BUDGET), 64, "not in demand: unchanged");
-        assert_eq!(next_limit(64, w(5_200, 0, 64), 200, BUDGET), 72, "within the budget");
+        assert_eq!(next_limit(64, w(5_200, 0, 64), 200, BUDGET), 72, "within the budget: + sqrt");
     }
 
     #[test]
@@ -279,17 +297,19 @@ mod tests {
         }
         assert_eq!(l.limit(), 16, "nothing decided before the window ends");
         l.answered(Duration::from_micros(200), t0 + Duration::from_millis(10));
-        assert_eq!(l.limit(), 20, "16 + sqrt(16)");
+        assert_eq!(l.limit(), 24, "16 + 16 / 2");
         assert_eq!(l.no_load_us.load(Ordering::Relaxed), 200);
         // Window 2: 15 ms mean, far over 0.2 + 5 ms: halved (at most).
+        let held: Vec<_> = held.into_iter().chain((0..8).map(|_| l.admit(t0).unwrap())).collect();
         for _ in 0..20 {
             l.answered(Duration::from_millis(15), t0 + Duration::from_millis(12));
         }
         l.answered(Duration::from_millis(15), t0 + Duration::from_millis(20));
-        assert_eq!(l.limit(), 10);
+        assert_eq!(l.limit(), 12);
+        assert_eq!(l.no_load_us.load(Ordering::Relaxed), 200, "24 in flight, above min: slow answers are queueing, not a farther Redis");
         // A timeout halves at its window's end, never below min.
         l.timed_out(t0 + Duration::from_millis(30));
-        assert_eq!(l.limit(), 5);
+        assert_eq!(l.limit(), 6);
         l.timed_out(t0 + Duration::from_millis(40));
         assert_eq!(l.limit(), 4);
         drop(held);
