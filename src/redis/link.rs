@@ -24,9 +24,9 @@
 //!   call ahead of this one, and this one was merely queued behind our own
 //!   work; Redis was alive (`queued` if at least `min_in_flight` calls were
 //!   ahead of it, else `stalled`: Redis or the host paused, not our queue).
-//!   A timeout whose timer fired more than a quarter
-//!   of the deadline late is no evidence either: the daemon itself was not
-//!   running (a starved host), and it cannot tell what Redis did. Of the
+//!   A timeout whose timer fired more than a quarter of the deadline late
+//!   is no evidence either: the daemon itself was not running (a starved
+//!   host), and it cannot tell what Redis did. Of the
 //!   silent timeouts, only one per deadline counts (`last_counted_us`: a
 //!   call counts only if it was admitted after the last counted one timed
 //!   out), so the counted waits never overlap: all the calls in flight
