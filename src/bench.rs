@@ -1,15 +1,27 @@
-//! `ratelimitd bench`: N checks over C connections against a running daemon,
-//! each connection with one request in flight, as Nginx workers use it.
+//! `ratelimitd bench`: N checks over C connections against a running daemon.
+//!
+//! By default each connection has one request in flight, as Nginx workers
+//! use it. `pipeline` puts up to that many in flight on each connection
+//! (a gateway host with many workers in a spike), and `rate` offers a fixed
+//! load instead of as much as the daemon takes: requests are sent on a 1 ms
+//! tick whether or not earlier ones were answered (open loop), so an
+//! overloaded daemon shows up as latency and refusals, not as a slower
+//! generator. `distinct_keys` gives every request a key of its own.
 
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
 
 use crate::client::{Client, ClientError};
-use crate::protocol::{CheckArgs, Decision, FailPolicy, Source};
+use crate::protocol::{decode_response, encode_request, CheckArgs, Decision, ErrorCode, FailPolicy, Response, Source};
 
 #[derive(Debug, Clone)]
 pub struct BenchArgs {
@@ -22,6 +34,33 @@ pub struct BenchArgs {
     pub local_limit: u32,
     pub requests: u64,
     pub concurrency: usize,
+    /// Requests in flight on each connection (at most; 1: one at a time).
+    pub pipeline: usize,
+    /// Offered load in requests per second over all connections; None: as
+    /// fast as the daemon answers.
+    pub rate: Option<f64>,
+    /// Every request its own key (`<key>:<connection>:<n>`).
+    pub distinct_keys: bool,
+}
+
+impl BenchArgs {
+    /// One check at a time per connection, as fast as answered, one key.
+    pub fn new(socket: PathBuf, key: &str, limit: u32, window_ms: u32, requests: u64, concurrency: usize) -> Self {
+        Self {
+            socket,
+            key: key.to_string(),
+            limit,
+            window_ms,
+            cost: 1,
+            on_error: FailPolicy::Closed,
+            local_limit: 0,
+            requests,
+            concurrency,
+            pipeline: 1,
+            rate: None,
+            distinct_keys: false,
+        }
+    }
 }
 
 /// What one run measured. Latencies are per request, send to response, in µs.
@@ -29,11 +68,17 @@ pub struct BenchArgs {
 pub struct BenchReport {
     pub requests: u64,
     pub concurrency: usize,
+    pub pipeline: usize,
+    /// Requests sent per second until the last was sent (with `rate`: what
+    /// the generator managed to offer).
+    pub offered_rps: f64,
     pub allowed: u64,
     pub denied: u64,
     pub errors: u64,
     /// Decisions not made by Redis or the memory backend (fail policy, fallback).
     pub degraded: u64,
+    /// Responses by error code (codes other than OK only).
+    pub codes: BTreeMap<String, u64>,
     pub elapsed_s: f64,
     pub rps: f64,
     pub p50_us: u64,
@@ -48,10 +93,140 @@ struct WorkerTally {
     denied: u64,
     errors: u64,
     degraded: u64,
+    codes: BTreeMap<&'static str, u64>,
     latencies_us: Vec<u64>,
+    /// When the last request was sent, from the start.
+    sending: Duration,
+}
+
+impl WorkerTally {
+    fn count(&mut self, r: &Response, latency: Duration) {
+        self.latencies_us.push(latency.as_micros() as u64);
+        match r.decision {
+            Decision::Allowed => self.allowed += 1,
+            Decision::Denied => self.denied += 1,
+            Decision::Error => self.errors += 1,
+        }
+        if !matches!(r.source, Source::Redis | Source::Memory | Source::None) {
+            self.degraded += 1;
+        }
+        if r.error != ErrorCode::None {
+            *self.codes.entry(r.error.as_str()).or_default() += 1;
+        }
+    }
+
+    fn add(&mut self, t: WorkerTally) {
+        self.allowed += t.allowed;
+        self.denied += t.denied;
+        self.errors += t.errors;
+        self.degraded += t.degraded;
+        for (code, n) in t.codes {
+            *self.codes.entry(code).or_default() += n;
+        }
+        self.latencies_us.extend(t.latencies_us);
+        self.sending = self.sending.max(t.sending);
+    }
 }
 
 pub async fn run(args: BenchArgs) -> Result<BenchReport, ClientError> {
+    if args.pipeline <= 1 && args.rate.is_none() && !args.distinct_keys {
+        return run_one_at_a_time(args).await;
+    }
+    let concurrency = args.concurrency.max(1);
+    let mut streams = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        streams.push(UnixStream::connect(&args.socket).await?);
+    }
+    let left = Arc::new(AtomicU64::new(args.requests));
+    let args = Arc::new(args);
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(concurrency);
+    for (n, stream) in streams.into_iter().enumerate() {
+        tasks.push(tokio::spawn(pipelined(stream, n, concurrency, args.clone(), left.clone(), start)));
+    }
+    let mut total = WorkerTally::default();
+    for task in tasks {
+        total.add(task.await.map_err(|e| ClientError::Io(std::io::Error::other(e)))??);
+    }
+    Ok(report(total, concurrency, args.pipeline.max(1), start.elapsed()))
+}
+
+/// Slots for send times, indexed by request id: more than can ever be in
+/// flight on one connection.
+const SENT_SLOTS: usize = 1 << 16;
+
+/// One connection: sends while fewer than `pipeline` are in flight (and,
+/// with a rate, when due), reads whatever is answered, until `left` is spent
+/// and everything is answered.
+async fn pipelined(mut stream: UnixStream, conn: usize, conns: usize, args: Arc<BenchArgs>, left: Arc<AtomicU64>, start: Instant) -> Result<WorkerTally, ClientError> {
+    let pipeline = args.pipeline.max(1);
+    let mut t = WorkerTally { latencies_us: Vec::with_capacity((args.requests as usize / conns) + 1), ..Default::default() };
+    let mut sent_at = vec![start; SENT_SLOTS];
+    let (mut rbuf, mut wbuf) = (BytesMut::with_capacity(64 * 1024), BytesMut::with_capacity(64 * 1024));
+    let mut key = String::with_capacity(args.key.len() + 24);
+    let per_conn_rate = args.rate.map(|r| r / conns as f64);
+    // At most 2 ms of requests at once: a generator that was not scheduled
+    // for a while skips what it missed rather than sending it in one burst.
+    let burst = per_conn_rate.map_or(u64::MAX, |r| ((r * 0.002).ceil() as u64).max(1));
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let (mut next_id, mut in_flight, mut sent, mut skipped) = (1u32, 0usize, 0u64, 0u64);
+    let mut exhausted = false;
+    loop {
+        let due = match per_conn_rate {
+            Some(r) => {
+                let owed = (start.elapsed().as_secs_f64() * r) as u64;
+                let behind = owed.saturating_sub(sent + skipped);
+                skipped += behind.saturating_sub(burst);
+                behind.min(burst)
+            }
+            None => u64::MAX,
+        };
+        let room = (pipeline - in_flight).min(due.min(usize::MAX as u64) as usize);
+        wbuf.clear();
+        let now = Instant::now();
+        for _ in 0..room {
+            if exhausted || left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_err() {
+                exhausted = true;
+                break;
+            }
+            key.clear();
+            key.push_str(&args.key);
+            if args.distinct_keys {
+                let _ = write!(key, ":{conn}:{sent}");
+            }
+            let check = CheckArgs { key: key.as_bytes(), limit: args.limit, window_ms: args.window_ms, cost: args.cost, on_error: args.on_error, local_limit: args.local_limit };
+            encode_request(next_id, &check, &mut wbuf);
+            sent_at[next_id as usize % SENT_SLOTS] = now;
+            next_id = next_id.wrapping_add(1).max(1);
+            in_flight += 1;
+            sent += 1;
+        }
+        if !wbuf.is_empty() {
+            t.sending = now - start;
+            stream.write_all(&wbuf).await?;
+        }
+        if exhausted && in_flight == 0 {
+            return Ok(t);
+        }
+        let paced = per_conn_rate.is_some() && !exhausted;
+        tokio::select! {
+            read = stream.read_buf(&mut rbuf) => {
+                if read? == 0 {
+                    return Err(ClientError::Closed);
+                }
+                let now = Instant::now();
+                while let Some(r) = decode_response(&mut rbuf)? {
+                    in_flight = in_flight.saturating_sub(1);
+                    t.count(&r, now - sent_at[r.id as usize % SENT_SLOTS]);
+                }
+            }
+            _ = tick.tick(), if paced => {}
+        }
+    }
+}
+
+async fn run_one_at_a_time(args: BenchArgs) -> Result<BenchReport, ClientError> {
     let concurrency = args.concurrency.max(1);
     let mut clients = Vec::with_capacity(concurrency);
     for _ in 0..concurrency {
@@ -77,29 +252,21 @@ pub async fn run(args: BenchArgs) -> Result<BenchReport, ClientError> {
             while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
                 let sent = Instant::now();
                 let r = client.check(&check).await?;
-                t.latencies_us.push(sent.elapsed().as_micros() as u64);
-                match r.decision {
-                    Decision::Allowed => t.allowed += 1,
-                    Decision::Denied => t.denied += 1,
-                    Decision::Error => t.errors += 1,
-                }
-                if !matches!(r.source, Source::Redis | Source::Memory | Source::None) {
-                    t.degraded += 1;
-                }
+                t.count(&r, sent.elapsed());
+                t.sending = sent - start;
             }
             Ok::<_, ClientError>(t)
         }));
     }
     let mut total = WorkerTally::default();
     for task in tasks {
-        let t = task.await.map_err(|e| ClientError::Io(std::io::Error::other(e)))??;
-        total.allowed += t.allowed;
-        total.denied += t.denied;
-        total.errors += t.errors;
-        total.degraded += t.degraded;
-        total.latencies_us.extend(t.latencies_us);
+        total.add(task.await.map_err(|e| ClientError::Io(std::io::Error::other(e)))??);
     }
-    let elapsed = start.elapsed().max(Duration::from_nanos(1));
+    Ok(report(total, concurrency, 1, start.elapsed()))
+}
+
+fn report(mut total: WorkerTally, concurrency: usize, pipeline: usize, elapsed: Duration) -> BenchReport {
+    let elapsed = elapsed.max(Duration::from_nanos(1));
     total.latencies_us.sort_unstable();
     let pct = |p: f64| -> u64 {
         let l = &total.latencies_us;
@@ -109,29 +276,35 @@ pub async fn run(args: BenchArgs) -> Result<BenchReport, ClientError> {
         l[((l.len() as f64 * p).ceil() as usize).clamp(1, l.len()) - 1]
     };
     let done = total.latencies_us.len() as u64;
-    Ok(BenchReport {
+    BenchReport {
         requests: done,
         concurrency,
+        pipeline,
+        offered_rps: done as f64 / total.sending.max(Duration::from_millis(1)).as_secs_f64(),
         allowed: total.allowed,
         denied: total.denied,
         errors: total.errors,
         degraded: total.degraded,
+        codes: total.codes.into_iter().map(|(c, n)| (c.to_string(), n)).collect(),
         elapsed_s: elapsed.as_secs_f64(),
         rps: done as f64 / elapsed.as_secs_f64(),
         p50_us: pct(0.50),
         p90_us: pct(0.90),
         p99_us: pct(0.99),
         max_us: total.latencies_us.last().copied().unwrap_or(0),
-    })
+    }
 }
 
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "requests:    {} over {} connections in {:.3} s", self.requests, self.concurrency, self.elapsed_s)?;
+        writeln!(f, "requests:    {} over {} connections ({} in flight each at most) in {:.3} s", self.requests, self.concurrency, self.pipeline, self.elapsed_s)?;
         writeln!(f, "allowed:     {}", self.allowed)?;
         writeln!(f, "denied:      {}", self.denied)?;
         writeln!(f, "errors:      {}", self.errors)?;
         writeln!(f, "degraded:    {} (decided by a fail policy or the local fallback)", self.degraded)?;
+        for (code, n) in &self.codes {
+            writeln!(f, "  {code}: {n}")?;
+        }
         writeln!(f, "throughput:  {:.0} req/s", self.rps)?;
         write!(f, "latency µs:  p50 {}  p90 {}  p99 {}  max {}", self.p50_us, self.p90_us, self.p99_us, self.max_us)
     }

@@ -19,8 +19,13 @@ fn error_code(e: &StoreError) -> ErrorCode {
         StoreError::Unavailable(_) => ErrorCode::RedisUnavailable,
         StoreError::Redis(_) => ErrorCode::RedisError,
         StoreError::CircuitOpen => ErrorCode::CircuitOpen,
+        StoreError::Overloaded(_) => ErrorCode::Overloaded,
     }
 }
+
+/// The message of an `OVERLOADED` response: static, so that shedding load
+/// allocates nothing per request.
+const OVERLOADED_MESSAGE: &str = "overloaded: too many redis calls in flight; decided at once by the fail policy";
 
 /// Where decisions are made.
 #[derive(Debug, Clone)]
@@ -39,11 +44,12 @@ pub struct Limiter {
     local: Arc<LocalStore>,
     failure_log: RateLimitedLog,
     capacity_log: RateLimitedLog,
+    overload_log: RateLimitedLog,
 }
 
 impl Limiter {
     pub fn new(backend: Backend, local: Arc<LocalStore>) -> Self {
-        Self { backend, local, failure_log: RateLimitedLog::new(Duration::from_secs(1)), capacity_log: RateLimitedLog::new(Duration::from_secs(10)) }
+        Self { backend, local, failure_log: RateLimitedLog::new(Duration::from_secs(1)), capacity_log: RateLimitedLog::new(Duration::from_secs(10)), overload_log: RateLimitedLog::new(Duration::from_secs(10)) }
     }
 
     pub fn backend(&self) -> &Backend {
@@ -86,7 +92,13 @@ impl Limiter {
 
     fn on_backend_error(&self, req: &CheckRequest, spec: LimitSpec<'_>, e: StoreError) -> Response {
         METRICS.fail_policy_applied(req.on_error);
-        if let Some(suppressed) = self.failure_log.permit() {
+        if let StoreError::Overloaded(limit) = &e {
+            // Load shed by design, not a failure of Redis: a line of its own
+            // at most every 10 s, so that the failure line stays about Redis.
+            if let Some(suppressed) = self.overload_log.permit() {
+                tracing::warn!(in_flight_limit = limit, policy = ?req.on_error, suppressed, "redis calls at their adaptive in-flight limit: the excess gets OVERLOADED and its fail policy decides");
+            }
+        } else if let Some(suppressed) = self.failure_log.permit() {
             tracing::warn!(
                 error = %e,
                 policy = ?req.on_error,
@@ -123,7 +135,10 @@ impl Limiter {
             }
         };
         r.error = error_code(&e);
-        r.message = Cow::Owned(e.to_string());
+        r.message = match e {
+            StoreError::Overloaded(_) => Cow::Borrowed(OVERLOADED_MESSAGE),
+            e => Cow::Owned(e.to_string()),
+        };
         r
     }
 }
@@ -180,5 +195,9 @@ mod tests {
         let local = req("k", 10, FailPolicy::Local);
         let got: Vec<_> = (0..3).map(|_| l.on_backend_error(&local, spec_of(&local), e()).decision).collect();
         assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::Denied]);
+
+        let r = l.on_backend_error(&closed, spec_of(&closed), StoreError::Overloaded(64));
+        assert_eq!((r.decision, r.source, r.error), (Decision::Denied, Source::FailClosed, ErrorCode::Overloaded));
+        assert!(matches!(r.message, Cow::Borrowed(_)), "shedding allocates no message");
     }
 }

@@ -82,9 +82,19 @@ enum Command {
         /// Total requests.
         #[arg(long, default_value_t = 100_000)]
         requests: u64,
-        /// Connections, each with one request in flight.
+        /// Connections.
         #[arg(long, default_value_t = 64)]
         concurrency: usize,
+        /// Requests in flight on each connection at most (1: one at a time, as an Nginx worker).
+        #[arg(long, default_value_t = 1)]
+        pipeline: usize,
+        /// Offer this many requests per second over all connections, sent on a 1 ms tick
+        /// whether or not earlier ones were answered; without it, as fast as answered.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Give every request a key of its own (KEY:CONNECTION:N).
+        #[arg(long)]
+        distinct_keys: bool,
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
@@ -224,7 +234,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // Exit status for scripts: 0 allowed, 1 denied, 2 error.
             Ok(ExitCode::from(r.decision.to_wire()))
         }
-        Command::Bench { check, requests, concurrency, json } => {
+        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, json } => {
+            if rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+                anyhow::bail!("--rate must be a positive number of requests per second");
+            }
             let args = BenchArgs {
                 socket: check.socket.clone(),
                 key: check.key.clone(),
@@ -235,6 +248,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 local_limit: check.local_limit,
                 requests,
                 concurrency,
+                pipeline,
+                rate,
+                distinct_keys,
             };
             let report = runtime()?.block_on(bench::run(args)).with_context(|| format!("bench against {}", check.socket.display()))?;
             if json {

@@ -34,6 +34,35 @@ pub enum CloseReason {
     Evicted,
 }
 
+/// Why a Redis call waited out its deadline, as the breaker judges it
+/// (see `redis::link`): only `RedisSilent` counts towards opening it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeoutCause {
+    /// Redis answered no call of ours since this one was sent.
+    RedisSilent,
+    /// Redis was answering the calls ahead of it, and at least
+    /// `redis.min_in_flight` were ahead: it waited in our own queue.
+    Queued,
+    /// Redis was answering, and few calls were ahead of it: a stall of Redis
+    /// or of the host, not our queue and not a dead Redis.
+    Stalled,
+    /// The deadline's timer fired late: the daemon itself was not running.
+    DaemonLate,
+}
+
+impl TimeoutCause {
+    pub const ALL: [TimeoutCause; 4] = [Self::RedisSilent, Self::Queued, Self::Stalled, Self::DaemonLate];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RedisSilent => "redis_silent",
+            Self::Queued => "queued",
+            Self::Stalled => "stalled",
+            Self::DaemonLate => "daemon_late",
+        }
+    }
+}
+
 impl CloseReason {
     pub const ALL: [CloseReason; 4] = [Self::Idle, Self::FrameTimeout, Self::WriteTimeout, Self::Evicted];
 
@@ -58,6 +87,8 @@ pub struct Metrics {
     coalesced: AtomicU64,
     script_loads: AtomicU64,
     breaker_opened: AtomicU64,
+    redis_timeouts: [AtomicU64; TimeoutCause::ALL.len()],
+    redis_in_flight_limit: AtomicI64,
     connections_open: AtomicI64,
     connections_total: AtomicU64,
     connections_closed: [AtomicU64; CloseReason::ALL.len()],
@@ -90,6 +121,8 @@ impl Metrics {
             coalesced: ZERO,
             script_loads: ZERO,
             breaker_opened: ZERO,
+            redis_timeouts: [ZERO; TimeoutCause::ALL.len()],
+            redis_in_flight_limit: AtomicI64::new(0),
             connections_open: AtomicI64::new(0),
             connections_total: ZERO,
             connections_closed: [ZERO; CloseReason::ALL.len()],
@@ -136,6 +169,15 @@ impl Metrics {
 
     pub fn breaker_opened(&self) {
         self.breaker_opened.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn redis_timeout(&self, cause: TimeoutCause) {
+        self.redis_timeouts[cause as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The adaptive limit on Redis calls in flight (set once per window).
+    pub fn redis_in_flight_limit(&self, limit: u32) {
+        self.redis_in_flight_limit.store(limit.into(), Ordering::Relaxed);
     }
 
     pub fn connection_opened(&self) {
@@ -201,11 +243,16 @@ impl Metrics {
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));
         }
+        let _ = writeln!(out, "# HELP ratelimitd_redis_timeouts_total Redis calls that waited out the deadline, by cause; only redis_silent counts towards opening the breaker.\n# TYPE ratelimitd_redis_timeouts_total counter");
+        for (c, n) in TimeoutCause::ALL.iter().zip(&self.redis_timeouts) {
+            let _ = writeln!(out, "ratelimitd_redis_timeouts_total{{cause=\"{}\"}} {}", c.as_str(), get(n));
+        }
         let _ = writeln!(out, "# HELP ratelimitd_connections_closed_total Client connections the daemon closed on its own, by reason.\n# TYPE ratelimitd_connections_closed_total counter");
         for (r, n) in CloseReason::ALL.iter().zip(&self.connections_closed) {
             let _ = writeln!(out, "ratelimitd_connections_closed_total{{reason=\"{}\"}} {}", r.as_str(), get(n));
         }
-        let gauges: [(&str, &str, i64); 2] = [
+        let gauges: [(&str, &str, i64); 3] = [
+            ("ratelimitd_redis_in_flight_limit", "The adaptive limit on Redis calls in flight; calls over it get OVERLOADED (0 without Redis).", self.redis_in_flight_limit.load(Ordering::Relaxed)),
             ("ratelimitd_connections_open", "Client connections open now.", self.connections_open.load(Ordering::Relaxed)),
             ("ratelimitd_requests_in_flight", "Requests being decided now.", self.requests_in_flight.load(Ordering::Relaxed)),
         ];
@@ -231,6 +278,8 @@ mod tests {
         m.redis_call(Duration::from_micros(300));
         m.redis_call(Duration::from_secs(1));
         m.connection_closed_by_daemon(CloseReason::WriteTimeout);
+        m.redis_timeout(TimeoutCause::Queued);
+        m.redis_in_flight_limit(64);
         let text = m.render(Some(true));
         assert!(text.contains("ratelimitd_decisions_total{decision=\"allowed\",source=\"fail_open\"} 1"), "{text}");
         assert!(text.contains("ratelimitd_errors_total{code=\"CIRCUIT_OPEN\"} 1"));
@@ -242,5 +291,8 @@ mod tests {
         assert!(text.contains("ratelimitd_connections_closed_total{reason=\"write_timeout\"} 1"));
         assert!(text.contains("ratelimitd_connections_closed_total{reason=\"evicted\"} 0"));
         assert!(!text.contains("code=\"OK\""));
+        assert!(text.contains("ratelimitd_redis_timeouts_total{cause=\"queued\"} 1"));
+        assert!(text.contains("ratelimitd_redis_timeouts_total{cause=\"redis_silent\"} 0"));
+        assert!(text.contains("ratelimitd_redis_in_flight_limit 64"));
     }
 }

@@ -38,4 +38,9 @@ pub enum StoreError {
     Redis(String),
     #[error("circuit open: redis is down or too slow; waiting for a probe to succeed")]
     CircuitOpen,
+    /// Refused before reaching Redis: the calls in flight were at the
+    /// adaptive limit (the value given), so this one could not meet its
+    /// deadline. Not a failure of Redis.
+    #[error("overloaded: {0} redis calls in flight, the adaptive limit; decided at once by the fail policy")]
+    Overloaded(u32),
 }

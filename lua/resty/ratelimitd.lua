@@ -50,6 +50,7 @@ local ERROR_NAME = {
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
     [11] = "INVALID_LOCAL_LIMIT", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
+    [35] = "OVERLOADED",
 }
 
 -- Settings shared by every call; changed with configure().

@@ -133,8 +133,14 @@ pub struct RedisConfig {
     pub timeout: Duration,
     /// Deadline of establishing a connection.
     pub connect_timeout: Duration,
-    /// Consecutive timeouts that open the circuit breaker.
+    /// Consecutive timeouts that open the circuit breaker (only timeouts
+    /// with no reply from Redis meanwhile count).
     pub breaker_failures: u32,
+    /// Floor of the adaptive limit on Redis calls in flight.
+    pub min_in_flight: u32,
+    /// Ceiling of the adaptive limit on Redis calls in flight; calls over
+    /// the limit get `OVERLOADED` at once.
+    pub max_in_flight: u32,
     /// Prepended to every key; keys cannot reach outside it.
     pub key_prefix: String,
     /// Which clock timestamps admissions.

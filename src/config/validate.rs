@@ -132,6 +132,10 @@ fn server_config(s: file::ServerSection, p: &mut Problems) -> ServerConfig {
     }
 }
 
+/// Upper bound of `redis.min_in_flight` and `redis.max_in_flight`: a
+/// pipeline deeper than this misses any sane deadline on any Redis.
+const MAX_IN_FLIGHT: u64 = 100_000;
+
 fn in_range(p: &mut Problems, field: &'static str, v: u64, max: u64) -> u64 {
     if v == 0 || v > max {
         p.add(field, format!("{v} is outside 1..={max}"));
@@ -202,6 +206,11 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
     let breaker_failures = in_range(p, "redis.breaker_failures", r.breaker_failures.into(), 1000) as u32;
     let timeout = Duration::from_millis(in_range(p, "redis.timeout_ms", r.timeout_ms, 10_000));
     let connect_timeout = Duration::from_millis(in_range(p, "redis.connect_timeout_ms", r.connect_timeout_ms, 60_000));
+    let min_in_flight = in_range(p, "redis.min_in_flight", r.min_in_flight.into(), MAX_IN_FLIGHT) as u32;
+    let max_in_flight = in_range(p, "redis.max_in_flight", r.max_in_flight.into(), MAX_IN_FLIGHT) as u32;
+    if min_in_flight > max_in_flight && max_in_flight > 0 && u64::from(min_in_flight) <= MAX_IN_FLIGHT {
+        p.add("redis.max_in_flight", format!("{max_in_flight} is below redis.min_in_flight ({min_in_flight})"));
+    }
     if r.key_prefix.len() > 64 || r.key_prefix.contains(['{', '}']) || r.key_prefix.chars().any(char::is_control) {
         p.add("redis.key_prefix", "must be at most 64 bytes, without braces or control characters");
     }
@@ -213,6 +222,8 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
         timeout,
         connect_timeout,
         breaker_failures,
+        min_in_flight,
+        max_in_flight,
         key_prefix: r.key_prefix,
         clock: r.clock,
     };
@@ -286,6 +297,7 @@ mod tests {
         assert_eq!(c.server.write_timeout, Duration::from_millis(750));
         let r = redis_of(c);
         assert_eq!(r.timeout, Duration::from_millis(35));
+        assert_eq!((r.min_in_flight, r.max_in_flight), (16, 1024), "defaults");
         assert_eq!(r.target, RedisTarget::Url(DEFAULT_REDIS_URL.into()));
     }
 
@@ -356,6 +368,18 @@ mod tests {
         assert!(!e.contains("secret"), "{e}");
         let e = parse("[redis]\nclock = \"ntp\"\n").unwrap_err().to_string();
         assert!(e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn in_flight_bounds_are_checked_each_and_together() {
+        let c = parse("[redis]\nmin_in_flight = 4\nmax_in_flight = 64\n").unwrap();
+        let r = redis_of(c);
+        assert_eq!((r.min_in_flight, r.max_in_flight), (4, 64));
+        let e = parse("[redis]\nmin_in_flight = 0\nmax_in_flight = 200000\n").unwrap_err().to_string();
+        assert!(e.contains("redis.min_in_flight: 0 is outside 1..=100000"), "{e}");
+        assert!(e.contains("redis.max_in_flight: 200000 is outside 1..=100000"), "{e}");
+        let e = parse("[redis]\nmin_in_flight = 64\nmax_in_flight = 8\n").unwrap_err().to_string();
+        assert_eq!(e, "test.toml: redis.max_in_flight: 8 is below redis.min_in_flight (64)");
     }
 
     #[test]

@@ -143,8 +143,8 @@ wire_enum! {
     /// rejected and the stream is still in sync; 20-29 the connection is
     /// closed after the response; 30-49 the daemon could not decide as
     /// asked: with decision allowed/denied the request's fail policy decided
-    /// (30-33), with decision error nothing did and the client's own policy
-    /// applies (34).
+    /// (30-33, 35), with decision error nothing did and the client's own
+    /// policy applies (34).
     pub enum ErrorCode: u16 {
         None = 0 => "OK",
         Malformed = 1 => "MALFORMED",
@@ -164,6 +164,9 @@ wire_enum! {
         RedisError = 32 => "REDIS_ERROR",
         CircuitOpen = 33 => "CIRCUIT_OPEN",
         LocalCapacity = 34 => "LOCAL_CAPACITY",
+        /// Too many Redis calls in flight (the adaptive limit): refused at
+        /// once, Redis not asked; the fail policy decided.
+        Overloaded = 35 => "OVERLOADED",
     }
 }
 

@@ -11,7 +11,39 @@
 //! start-up, after every reconnect and on `NOSCRIPT`, and probing while the
 //! breaker is open. A new connection is only put in place once it has loaded
 //! the script, so requests never race a half-ready link.
+//!
+//! Two guards stand between a request and Redis, and they answer different
+//! questions:
+//!
+//! - The breaker (`breaker`): is Redis failing? It opens at once on a lost
+//!   connection, and after `breaker_failures` consecutive deadlines during
+//!   which Redis answered nothing. A timeout is evidence only if Redis
+//!   answered no call of ours in the whole time this one waited
+//!   (`last_reply_us` is not later than the call's admission): Redis answers
+//!   one connection in order, so a reply that arrived meanwhile was for a
+//!   call ahead of this one, and this one was merely queued behind our own
+//!   work; Redis was alive (`queued` if at least `min_in_flight` calls were
+//!   ahead of it, else `stalled`: Redis or the host paused, not our queue).
+//!   A timeout whose timer fired more than a quarter of the deadline late
+//!   is no evidence either: the daemon itself was not running (a starved
+//!   host), and it cannot tell what Redis did. Of the
+//!   silent timeouts, only one per deadline counts (`last_counted_us`: a
+//!   call counts only if it was admitted after the last counted one timed
+//!   out), so the counted waits never overlap: all the calls in flight
+//!   timing out together in one stall of a few tens of ms (a loaded host
+//!   not scheduling Redis) count once, and `breaker_failures` in a row (a
+//!   success resets the count) mean Redis was silent for that many whole
+//!   deadlines, 100 ms by default. A hung or paused Redis, a black-holed
+//!   network, or a Redis slower than the deadline for every call (no reply
+//!   ever arrives in time) opens it after those 100 ms; a busy but healthy
+//!   Redis never does. `ratelimitd_redis_timeouts_total{cause}` counts each
+//!   kind of timeout.
+//! - Admission (`admission`): is our own queue too long? An adaptive limit
+//!   on the calls in flight, found from the round trips; a call over it is
+//!   refused at once with `StoreError::Overloaded` and never touches the
+//!   breaker.
 
+mod admission;
 mod breaker;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,12 +56,13 @@ use redis::{AsyncConnectionConfig, Cmd, FromRedisValue, RedisError, Script};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use self::admission::{InFlightLimit, Permit};
 use self::breaker::Breaker;
 use super::connector::Connector;
 use super::sentinel::SentinelConnector;
 use crate::config::RedisConfig;
 use crate::log_limit::RateLimitedLog;
-use crate::metrics::METRICS;
+use crate::metrics::{TimeoutCause, METRICS};
 use crate::window::StoreError;
 
 /// Timings of the link.
@@ -39,19 +72,37 @@ pub struct LinkSettings {
     pub timeout: Duration,
     /// Deadline of opening a connection.
     pub connect_timeout: Duration,
-    /// Consecutive timeouts that open the breaker.
+    /// Consecutive timeouts that open the breaker (only those that are
+    /// evidence against Redis count).
     pub breaker_failures: u32,
+    /// Bounds of the adaptive limit on calls in flight.
+    pub min_in_flight: u32,
+    pub max_in_flight: u32,
 }
 
 impl From<&RedisConfig> for LinkSettings {
     fn from(cfg: &RedisConfig) -> Self {
-        Self { timeout: cfg.timeout, connect_timeout: cfg.connect_timeout, breaker_failures: cfg.breaker_failures }
+        Self {
+            timeout: cfg.timeout,
+            connect_timeout: cfg.connect_timeout,
+            breaker_failures: cfg.breaker_failures,
+            min_in_flight: cfg.min_in_flight,
+            max_in_flight: cfg.max_in_flight,
+        }
     }
 }
 
 pub struct RedisLink {
     conn: ArcSwapOption<MultiplexedConnection>,
     breaker: Breaker,
+    /// Admission: the adaptive limit on calls in flight.
+    in_flight: InFlightLimit,
+    /// When Redis last answered a call still waiting for it, µs on
+    /// `in_flight`'s clock: the breaker's evidence of a live Redis.
+    last_reply_us: AtomicU64,
+    /// When the last timeout the breaker counted fired, same clock: one
+    /// count per deadline of silence (see the module doc).
+    last_counted_us: AtomicU64,
     /// Bumped after every successful SCRIPT LOAD.
     generation: AtomicU64,
     reconnect_wanted: AtomicBool,
@@ -77,6 +128,7 @@ impl std::fmt::Debug for RedisLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisLink")
             .field("breaker_open", &self.breaker.is_open())
+            .field("in_flight_limit", &self.in_flight.limit())
             .field("generation", &self.generation.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
@@ -114,6 +166,9 @@ impl RedisLink {
         let link = Arc::new(Self {
             conn: ArcSwapOption::empty(),
             breaker: Breaker::new(settings.breaker_failures),
+            in_flight: InFlightLimit::new(settings.min_in_flight, settings.max_in_flight, settings.timeout),
+            last_reply_us: AtomicU64::new(0),
+            last_counted_us: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             reconnect_wanted: AtomicBool::new(true),
             reload_wanted: AtomicBool::new(false),
@@ -125,6 +180,7 @@ impl RedisLink {
             trip_log: RateLimitedLog::new(LOG_INTERVAL),
             up_log: RateLimitedLog::new(LOG_INTERVAL),
         });
+        METRICS.redis_in_flight_limit(link.in_flight.limit());
         if let Connector::Sentinel(s) = &connector {
             let link = Arc::downgrade(&link);
             let on_switch = move || match link.upgrade() {
@@ -153,7 +209,12 @@ impl RedisLink {
     /// Runs `cmd`, an EVALSHA of the link's script, within the deadline. On
     /// `NOSCRIPT` (Redis lost its script cache) it waits for the one reload
     /// the supervisor does for all requests, then retries once. Every
-    /// outcome is reported to the breaker and the latency metric.
+    /// outcome is reported to the breaker, the adaptive in-flight limit and
+    /// the latency metric.
+    ///
+    /// With the breaker open the answer is `CircuitOpen`; with the calls in
+    /// flight at the adaptive limit it is `Overloaded`, at once: neither
+    /// waits, and neither counts as a failure of Redis.
     ///
     /// A connection found dead (Redis or a proxy closed it while idle,
     /// `CLIENT KILL`, a restart) is not an answer: the request waits, within
@@ -164,6 +225,9 @@ impl RedisLink {
     pub async fn eval<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
         let started = Instant::now();
         let mut conn = self.connection()?;
+        let Some(permit) = self.in_flight.admit(started) else {
+            return Err(StoreError::Overloaded(self.in_flight.limit()));
+        };
         let attempt = async {
             let seen = self.generation();
             match cmd.query_async::<T>(&mut conn).await {
@@ -188,18 +252,31 @@ impl RedisLink {
             }
         };
         let outcome = tokio::time::timeout(self.settings.timeout, attempt).await;
-        METRICS.redis_call(started.elapsed());
+        let took = started.elapsed();
+        let now = started + took;
+        METRICS.redis_call(took);
         match outcome {
             Ok(Ok(v)) => {
+                self.replied(now, took);
                 self.breaker.record_success();
                 Ok(v)
             }
-            Ok(Err(e)) => Err(self.record_failure(&e)),
+            Ok(Err(e)) => Err(self.record_failure(&e, &permit, now, took)),
             Err(_) => {
-                self.record_timeout();
+                self.record_timeout(&permit, now, took);
                 Err(StoreError::Timeout(self.settings.timeout))
             }
         }
+    }
+
+    /// Redis answered a call still waiting for it.
+    #[inline]
+    fn replied(&self, now: Instant, took: Duration) {
+        let at = self.in_flight.micros(now);
+        if at > self.last_reply_us.load(Ordering::Relaxed) {
+            self.last_reply_us.fetch_max(at, Ordering::Relaxed);
+        }
+        self.in_flight.answered(took, now);
     }
 
     /// A sentinel announced that our master changed: stop using the old one now.
@@ -232,17 +309,35 @@ impl RedisLink {
     }
 
     /// Reports a failed call and returns the error to answer with.
-    fn record_failure(&self, e: &RedisError) -> StoreError {
+    fn record_failure(&self, e: &RedisError, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
         match classify(e) {
             Failure::Link => {
                 self.link_lost(e);
                 StoreError::Unavailable(e.to_string())
             }
             Failure::Slow => {
-                self.record_timeout();
+                self.record_timeout(permit, now, took);
                 StoreError::Timeout(self.settings.timeout)
             }
-            Failure::Call => StoreError::Redis(e.to_string()),
+            Failure::Call => {
+                // An error reply is still a reply: Redis is alive.
+                self.replied(now, took);
+                StoreError::Redis(e.to_string())
+            }
+        }
+    }
+
+    /// Why a call that `permit` admitted waited out its deadline (see the
+    /// module doc): only `RedisSilent` is evidence against Redis.
+    fn timeout_cause(&self, permit: &Permit<'_>, took: Duration) -> TimeoutCause {
+        if took > self.settings.timeout + self.settings.timeout / LATE_TIMER_DIVISOR {
+            TimeoutCause::DaemonLate
+        } else if self.last_reply_us.load(Ordering::Relaxed) <= permit.admitted_us {
+            TimeoutCause::RedisSilent
+        } else if permit.ahead >= self.in_flight.min() {
+            TimeoutCause::Queued
+        } else {
+            TimeoutCause::Stalled
         }
     }
 
@@ -258,9 +353,20 @@ impl RedisLink {
         self.want_reconnect();
     }
 
-    /// Reports a call that passed its deadline.
-    fn record_timeout(&self) {
-        if self.breaker.record_failure() {
+    /// Reports a call that passed its deadline: to the in-flight limit if it
+    /// waited in our own queue (Redis was answering the calls ahead, and at
+    /// least `min_in_flight` were ahead: the queue was too long), to the
+    /// breaker if Redis answered nothing at all meanwhile. A stall (Redis
+    /// answering, few ahead) or a timer that fired late (the daemon was not
+    /// running) goes to neither: it says nothing about a dead Redis or a
+    /// long queue.
+    fn record_timeout(&self, permit: &Permit<'_>, now: Instant, took: Duration) {
+        let cause = self.timeout_cause(permit, took);
+        METRICS.redis_timeout(cause);
+        if cause == TimeoutCause::Queued {
+            self.in_flight.timed_out(now);
+        }
+        if cause == TimeoutCause::RedisSilent && self.count_silence(permit, now) && self.breaker.record_failure() {
             METRICS.breaker_opened();
             if let Some(suppressed) = self.trip_log.permit() {
                 tracing::warn!(
@@ -272,6 +378,13 @@ impl RedisLink {
             }
             self.want_reconnect();
         }
+    }
+
+    /// Whether a silent timeout is a new deadline of silence: its call was
+    /// admitted after the last counted one timed out. Claims it if so.
+    fn count_silence(&self, permit: &Permit<'_>, now: Instant) -> bool {
+        let last = self.last_counted_us.load(Ordering::Relaxed);
+        permit.admitted_us >= last && self.last_counted_us.compare_exchange(last, self.in_flight.micros(now), Ordering::Relaxed, Ordering::Relaxed).is_ok()
     }
 
     fn want_reconnect(&self) {
@@ -327,6 +440,10 @@ const STABLE_AFTER: Duration = Duration::from_secs(2);
 /// An idle link sends PING this often, so that a Redis `timeout` or a
 /// proxy's idle timeout (1 s at the least) never closes it under us.
 const KEEPALIVE: Duration = Duration::from_millis(500);
+/// A deadline's timer that fires later than 1/LATE_TIMER_DIVISOR of the
+/// deadline past it shows a daemon that was not running: its timeouts say
+/// nothing about Redis. (Timers are 1 ms grained: 5 ms of 20 is well clear.)
+const LATE_TIMER_DIVISOR: u32 = 4;
 /// Interval of the breaker's open/close log lines.
 const LOG_INTERVAL: Duration = Duration::from_secs(10);
 

@@ -1,7 +1,8 @@
 //! A circuit breaker for one Redis endpoint.
 //!
 //! Closed: requests go to Redis. After `threshold` consecutive failures
-//! (timeouts), or at once on a lost connection, it opens: requests stop
+//! (deadlines during which Redis answered nothing: the link decides what
+//! counts), or at once on a lost connection, it opens: requests stop
 //! waiting on Redis and the fail policy answers them immediately, while the
 //! link's supervisor probes in the background and closes the breaker once a
 //! fresh connection has answered and the script is loaded. The request path
