@@ -214,7 +214,7 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
         new.log.format = current.log.format;
     }
     if new.server != current.server {
-        tracing::warn!("[server] changes (socket path, mode, limits on connections, timeouts) take effect at the next restart; keeping the running ones");
+        tracing::warn!("[server] changes (socket path, mode, limits on connections, timeouts, worker threads) take effect at the next restart; keeping the running ones");
         new.server = current.server.clone();
     }
     if new.limits.max_local_keys != current.limits.max_local_keys {

@@ -151,7 +151,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let (cfg, resolved) = load()?;
             let set_log_level = init_logging(&cfg.log.level, cfg.log.format);
             let reload = Reload { load: Box::new(load), set_log_level };
-            runtime()?.block_on(ratelimitd::daemon::serve(cfg, resolved, reload))?;
+            let threads = cfg.server.worker_threads;
+            server_runtime(threads)?.block_on(ratelimitd::daemon::serve(cfg, resolved, reload))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig { config } => {
@@ -281,6 +282,19 @@ fn load_for_admin(path: &std::path::Path) -> Result<(Config, Resolved), ConfigEr
     let cfg = Config::load(path)?;
     let resolved = preflight(&cfg, path)?;
     Ok((cfg, resolved))
+}
+
+/// The daemon's runtime: `server.worker_threads` threads (1 by default).
+/// One thread measured best: with two, tokio wakes the idle one for every
+/// Redis command handed to the connection task, so the threads trade each
+/// request back and forth (docs/PERFORMANCE.md, "Where the time goes"). An
+/// explicit `TOKIO_WORKER_THREADS` in the environment still wins.
+fn server_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+        b.worker_threads(threads);
+    }
+    Ok(b.enable_all().build()?)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {

@@ -42,6 +42,7 @@ pub(super) struct ServerSection {
     pub idle_timeout_ms: u64,
     pub frame_timeout_ms: u64,
     pub write_timeout_ms: u64,
+    pub worker_threads: usize,
 }
 
 impl Default for ServerSection {
@@ -56,6 +57,7 @@ impl Default for ServerSection {
             idle_timeout_ms: 300_000,
             frame_timeout_ms: 2000,
             write_timeout_ms: 2000,
+            worker_threads: 1,
         }
     }
 }

@@ -105,6 +105,8 @@ pub struct ServerConfig {
     /// Close a connection with responses waiting to be sent when none of
     /// them could be written for this long (a client that does not read).
     pub write_timeout: Duration,
+    /// Threads of the daemon's runtime (restart to change).
+    pub worker_threads: usize,
 }
 
 /// Which clock timestamps admissions.

@@ -129,8 +129,12 @@ fn server_config(s: file::ServerSection, p: &mut Problems) -> ServerConfig {
         idle_timeout: Duration::from_millis(at_least_one(p, "server.idle_timeout_ms", s.idle_timeout_ms)),
         frame_timeout: Duration::from_millis(at_least_one(p, "server.frame_timeout_ms", s.frame_timeout_ms)),
         write_timeout: Duration::from_millis(at_least_one(p, "server.write_timeout_ms", s.write_timeout_ms)),
+        worker_threads: in_range(p, "server.worker_threads", s.worker_threads as u64, MAX_WORKER_THREADS) as usize,
     }
 }
+
+/// Upper bound of `server.worker_threads`.
+const MAX_WORKER_THREADS: u64 = 256;
 
 /// Upper bound of `redis.min_in_flight` and `redis.max_in_flight`: a
 /// pipeline deeper than this misses any sane deadline on any Redis.
@@ -384,12 +388,12 @@ mod tests {
 
     #[test]
     fn every_bad_field_is_reported_at_once() {
-        let e = parse("[server]\nsocket_mode = \"x\"\nmax_connections = 0\n[redis]\ntimeout_ms = 0\nbreaker_failures = 0\n[limits]\nmax_cost = 0\n[log]\nlevel = \"loud\"\n")
+        let e = parse("[server]\nsocket_mode = \"x\"\nmax_connections = 0\nworker_threads = 0\n[redis]\ntimeout_ms = 0\nbreaker_failures = 0\n[limits]\nmax_cost = 0\n[log]\nlevel = \"loud\"\n")
             .unwrap_err();
         let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
         let fields: Vec<_> = errors.iter().map(|e| e.field).collect();
-        assert_eq!(fields, ["server.socket_mode", "server.max_connections", "redis.breaker_failures", "redis.timeout_ms", "limits.max_cost", "log.level"]);
-        assert_eq!(e.to_string().lines().count(), 6);
+        assert_eq!(fields, ["server.socket_mode", "server.max_connections", "server.worker_threads", "redis.breaker_failures", "redis.timeout_ms", "limits.max_cost", "log.level"]);
+        assert_eq!(e.to_string().lines().count(), 7);
         assert!(e.to_string().lines().all(|l| l.starts_with("test.toml: ")));
     }
 
