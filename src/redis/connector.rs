@@ -44,7 +44,7 @@ impl Connector {
         // Nagle off: a pipelined command must not wait for the ACK of the
         // one before it (a round trip on a real network; redis-rs leaves
         // Nagle on by default).
-        let info = info.set_redis_settings(settings).set_tcp_settings(nodelay());
+        let info = info.set_redis_settings(settings).set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
         let client = match &secrets.tls {
             Some(tls) => {
                 let client_tls = tls.client.clone().map(|(client_cert, client_key)| redis::ClientTlsConfig { client_cert, client_key });
@@ -99,9 +99,4 @@ async fn ensure_master(conn: &mut MultiplexedConnection) -> Result<(), RedisErro
         return Err(RedisError::from(std::io::Error::other(format!("the server answers ROLE '{name}', not 'master'"))));
     }
     Ok(())
-}
-
-/// TCP settings of every connection to Redis: `TCP_NODELAY` on.
-pub(super) fn nodelay() -> redis::io::tcp::TcpSettings {
-    redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }

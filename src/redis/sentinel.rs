@@ -34,7 +34,9 @@ impl SentinelConnector {
     pub fn new(cfg: &SentinelConfig, master_auth: (Option<String>, Option<String>), sentinel_password: Option<String>) -> Result<Self, RedisError> {
         let addresses = cfg.addresses.clone();
         let addrs = addresses.iter().map(|a| ConnectionAddr::Tcp(a.host.clone(), a.port));
-        let mut b = SentinelClientBuilder::new(addrs, &cfg.master_name, SentinelServerType::Master)?.set_client_to_redis_tcp_settings(super::connector::nodelay());
+        let mut b = SentinelClientBuilder::new(addrs, &cfg.master_name, SentinelServerType::Master)?
+            // Nagle off, as for a direct URL (connector.rs).
+            .set_client_to_redis_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
         if let Some(u) = &master_auth.0 {
             b = b.set_client_to_redis_username(u);
         }
