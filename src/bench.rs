@@ -83,7 +83,7 @@ pub async fn run(args: BenchArgs) -> Result<BenchReport, ClientError> {
                     Decision::Denied => t.denied += 1,
                     Decision::Error => t.errors += 1,
                 }
-                if !matches!(r.source, Source::Redis | Source::Memory | Source::None) {
+                if !matches!(r.source, Source::Redis | Source::Memory | Source::DenialCache | Source::None) {
                     t.degraded += 1;
                 }
             }

@@ -43,7 +43,7 @@ local MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512
 
 local POLICY = { open = 0, closed = 1, ["local"] = 2 }
 local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error" }
-local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [255] = "none" }
+local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [255] = "none" }
 local ERROR_NAME = {
     [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
