@@ -55,7 +55,9 @@ local mono_us
 do
     local ok, ffi = pcall(require, "ffi")
     if ok and ffi.abi("64bit") and ffi.abi("le") and ffi.os == "Linux" then
-        ok = pcall(ffi.cdef, [[
+        -- Once per process: a second copy of the module (package.loaded
+        -- cleared, a benchmark) finds the declarations already made.
+        ok = pcall(ffi.typeof, "ratelimitd_timespec_t") or pcall(ffi.cdef, [[
             typedef struct { uint32_t sec_lo, sec_hi, nsec_lo, nsec_hi; } ratelimitd_timespec_t;
             int ratelimitd_clock_gettime(int clock_id, ratelimitd_timespec_t *tp) __asm__("clock_gettime");
         ]])
@@ -357,6 +359,7 @@ end
 local NEW_OPTIONS = {
     limit = true, window_ms = true, on_error = true, local_limit = true, status = true,
     fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
+    denial_cache = true,
 }
 
 --- Makes a limiter: validates the options once and precomputes the constant
@@ -386,7 +389,12 @@ function _M.new(opts)
     if not on_error then
         return nil, "new: " .. err
     end
+    if opts.denial_cache ~= nil and type(opts.denial_cache) ~= "boolean" then
+        return nil, "new: denial_cache must be a boolean"
+    end
     local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit)
+    -- nil: configure()'s denial_cache decides at each request.
+    lim._denial_cache = opts.denial_cache
     lim.status = opts.status
     lim.fail_closed_status = opts.fail_closed_status
     lim.invalid_status = opts.invalid_status
@@ -595,7 +603,11 @@ end
 -- One decision: from the denial cache, else from the daemon. `key` is the
 -- wire key, `cost` already checked.
 local function decide(self, key, cost)
-    if not (config.denial_cache and mono_us) then
+    local on = self._denial_cache
+    if on == nil then
+        on = config.denial_cache
+    end
+    if not (on and mono_us) then
         return exchange(self, key, cost)
     end
     local dict = ngx_shared[config.shared_dict]
