@@ -107,7 +107,7 @@ impl WorkerTally {
             Decision::Denied => self.denied += 1,
             Decision::Error => self.errors += 1,
         }
-        if !matches!(r.source, Source::Redis | Source::Memory | Source::None) {
+        if !matches!(r.source, Source::Redis | Source::Memory | Source::DenialCache | Source::None) {
             self.degraded += 1;
         }
         if r.error != ErrorCode::None {

@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, Resolved};
+use crate::denial_cache::DenialCache;
 use crate::limiter::{Backend, Limiter};
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
@@ -74,6 +75,9 @@ const READY_WAIT: Duration = Duration::from_secs(2);
 /// A backend and the token that stops its background tasks.
 struct ActiveBackend {
     backend: Backend,
+    /// With the Redis backend, unless `[denial_cache]` turns it off; new with
+    /// each backend, so no entry outlives the link (and key prefix) it came from.
+    denials: Option<Arc<DenialCache>>,
     token: CancellationToken,
 }
 
@@ -95,7 +99,11 @@ impl ActiveBackend {
                 Backend::Local
             }
         };
-        Ok(Self { backend, token })
+        let denials = match &backend {
+            Backend::Redis(_) => DenialCache::from_config(&cfg.denial_cache).map(Arc::new),
+            Backend::Local => None,
+        };
+        Ok(Self { backend, denials, token })
     }
 
     fn is_ready(&self) -> bool {
@@ -123,7 +131,7 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
 }
 
 fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>) -> Reloadable {
-    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(Limiter::new(active.backend.clone(), local.clone())) }
+    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone())) }
 }
 
 /// Runs the daemon until a termination signal; returns once drained.

@@ -13,6 +13,7 @@
 //! | counters | `metrics` | lock-free counters and their Prometheus text |
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
+//! | stores | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, `eval`), `window` (the script) |
 //! | decisions | `limiter` | asks a store, applies the fail policy, builds the response |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` |
@@ -27,6 +28,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod daemon;
+mod denial_cache;
 mod limiter;
 mod local_store;
 mod log_limit;

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::denial_cache::{DenialCache, Lookup};
 use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
@@ -45,11 +46,25 @@ pub struct Limiter {
     failure_log: RateLimitedLog,
     capacity_log: RateLimitedLog,
     overload_log: RateLimitedLog,
+    /// Refusals by Redis, answered again here (Redis backend only).
+    denials: Option<Arc<DenialCache>>,
 }
 
 impl Limiter {
     pub fn new(backend: Backend, local: Arc<LocalStore>) -> Self {
-        Self { backend, local, failure_log: RateLimitedLog::new(Duration::from_secs(1)), capacity_log: RateLimitedLog::new(Duration::from_secs(10)), overload_log: RateLimitedLog::new(Duration::from_secs(10)) }
+        Self {
+            backend,
+            local,
+            failure_log: RateLimitedLog::new(Duration::from_secs(1)),
+            capacity_log: RateLimitedLog::new(Duration::from_secs(10)),
+            overload_log: RateLimitedLog::new(Duration::from_secs(10)),
+            denials: None,
+        }
+    }
+
+    /// Puts `denials` in front of the Redis backend.
+    pub fn with_denial_cache(self, denials: Option<Arc<DenialCache>>) -> Self {
+        Self { denials, ..self }
     }
 
     pub fn backend(&self) -> &Backend {
@@ -75,10 +90,22 @@ impl Limiter {
                 Ok(v) => respond(&req, Source::Memory, v),
                 Err(full) => self.capacity_error(&req, Source::Memory, full),
             },
-            Backend::Redis(redis) => match redis.check(&spec).await {
-                Ok(v) => respond(&req, Source::Redis, v),
-                Err(e) => self.on_backend_error(&req, spec, e),
-            },
+            Backend::Redis(redis) => {
+                let ticket = match self.denials.as_deref().map(|d| d.check(&spec)) {
+                    Some(Lookup::Refused(v)) => return respond(&req, Source::DenialCache, v),
+                    Some(Lookup::Miss(ticket)) => Some(ticket),
+                    None => None,
+                };
+                match redis.check(&spec).await {
+                    Ok(v) => {
+                        if let (Some(d), Some(t)) = (&self.denials, ticket) {
+                            d.record(t, spec.cost, &v);
+                        }
+                        respond(&req, Source::Redis, v)
+                    }
+                    Err(e) => self.on_backend_error(&req, spec, e),
+                }
+            }
         }
     }
 

@@ -275,6 +275,7 @@ mod tests {
         let m = Metrics::new();
         m.decided(Decision::Allowed, Source::FailOpen, ErrorCode::CircuitOpen);
         m.fail_policy_applied(FailPolicy::Open);
+        m.decided(Decision::Denied, Source::DenialCache, ErrorCode::None);
         m.redis_call(Duration::from_micros(300));
         m.redis_call(Duration::from_secs(1));
         m.connection_closed_by_daemon(CloseReason::WriteTimeout);
@@ -283,6 +284,7 @@ mod tests {
         let text = m.render(Some(true));
         assert!(text.contains("ratelimitd_decisions_total{decision=\"allowed\",source=\"fail_open\"} 1"), "{text}");
         assert!(text.contains("ratelimitd_errors_total{code=\"CIRCUIT_OPEN\"} 1"));
+        assert!(text.contains("ratelimitd_decisions_total{decision=\"denied\",source=\"denial_cache\"} 1"), "{text}");
         assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"));
         assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"0.0005\"} 1"));
         assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"+Inf\"} 2"));

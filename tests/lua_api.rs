@@ -28,6 +28,7 @@ init_worker_by_lua_block {
         open = { limit = 100, window_ms = 1000, on_error = "open" },
         closed = { limit = 100, window_ms = 60000, on_error = "closed", fail_closed_status = 507 },
         loc = { limit = 100, window_ms = 1000, on_error = "local", local_limit = 10 },
+        deny = { limit = 3, window_ms = 1500 },
     }
     limiters = {}
     for name, opts in pairs(OPTS) do
@@ -155,6 +156,13 @@ const LOCATIONS: &str = r#"
             ngx.say("ok")
         }
     }
+    # lim:check of the deny limiter: "decision source retry_after_ms".
+    location /decide {
+        content_by_lua_block {
+            local res = assert(limiters.deny:check("deny-obj:" .. ngx.var.arg_t, tonumber(ngx.var.arg_cost)))
+            ngx.say(res.decision, " ", res.source, " ", res.retry_after_ms)
+        }
+    }
     # Keys with control bytes are sent hashed, others as they are: each key
     # is checked, then its md5 form, which shares the window only if hashed.
     location /keys {
@@ -177,10 +185,13 @@ fn http_body(socket: &std::path::Path) -> String {
     format!("{snippet}\n{LIMITERS}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n")
 }
 
+fn server_settings() -> String {
+    if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() }
+}
+
 /// A daemon whose socket nginx's unprivileged workers can reach.
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_with(&server, Some(&redis.url()), "timeout_ms = 500")
+    Daemon::start_with(&server_settings(), Some(&redis.url()), "timeout_ms = 500")
 }
 
 fn agent() -> ureq::Agent {
@@ -470,4 +481,61 @@ fn daemon_down_object_form_applies_its_policy() {
     };
     assert_eq!((back.status, back.num("RateLimit-Remaining")), (200, 98), "counting resumed in Redis");
     assert!(back_at.elapsed() < Duration::from_millis(2500), "resumed after {:?}", back_at.elapsed());
+}
+
+/// Every decision the daemon made, whoever made it (its metrics).
+fn daemon_decisions(d: &Daemon) -> u64 {
+    let text = agent().get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
+    text.lines().filter(|l| l.starts_with("ratelimitd_decisions_total{")).map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap()).sum()
+}
+
+#[test]
+fn a_refused_key_costs_no_round_trip_until_it_can_pass() {
+    let redis = RedisServer::start();
+    let d = Daemon::start_config_with_metrics(&format!("{}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", server_settings(), redis.url()));
+    let nginx = Nginx::start(&http_body(&d.socket));
+    let a = agent();
+    for i in 0..3 {
+        assert_eq!(get(&a, &nginx.url("/obj/deny?t=1")).status, 200, "request {i}");
+    }
+    let first = get(&a, &nginx.url("/decide?t=1"));
+    let refused_at = std::time::Instant::now(); // the refusal ran in Redis before
+    let retry_ms: u64 = first.body.strip_prefix("denied redis ").and_then(|r| r.trim().parse().ok()).unwrap_or_else(|| panic!("{}", first.body));
+    let deadline = refused_at + Duration::from_millis(retry_ms);
+    let decided = daemon_decisions(&d);
+
+    // Hammered: refused in nginx with the headers of a refusal, the daemon
+    // not asked; a larger cost too.
+    for i in 0..30 {
+        let r = get(&a, &nginx.url("/obj/deny?t=1"));
+        assert_eq!((r.status, r.num("RateLimit-Limit"), r.num("RateLimit-Remaining")), (429, 3, 0), "request {i}");
+        assert!((1..=2).contains(&r.num("Retry-After")) && r.num("Retry-After") <= retry_ms.div_ceil(1000), "{:?}", r.headers);
+        assert!((1..=2).contains(&r.num("RateLimit-Reset")), "{:?}", r.headers);
+    }
+    let r = get(&a, &nginx.url("/decide?t=1&cost=2"));
+    assert!(r.body.starts_with("denied lua_denial_cache "), "a larger cost: {}", r.body);
+    assert_eq!(daemon_decisions(&d), decided, "the daemon was asked about a cached refusal");
+
+    // Polled until it passes: no refusal (cached or not) of a request sent a
+    // ms after Redis could admit, and the key passes then.
+    let mut answers = Vec::new();
+    loop {
+        let sent = std::time::Instant::now();
+        let r = get(&a, &nginx.url("/decide?t=1"));
+        let mut words = r.body.split_whitespace();
+        let (decision, source) = (words.next().unwrap().to_string(), words.next().unwrap().to_string());
+        answers.push((sent, source.clone()));
+        if decision == "allowed" {
+            assert_eq!(source, "redis");
+            break;
+        }
+        assert!(sent < deadline + Duration::from_millis(1), "refused ({source}) {:?} after Redis could admit", sent - deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let cached = answers.iter().filter(|(_, s)| s == "lua_denial_cache").count();
+    assert!(cached * 2 >= answers.len(), "{cached} of {} answers from the cache", answers.len());
+    // An entry lives at most max_ms (1 s): a few daemon calls over the wait.
+    let asked = daemon_decisions(&d) - decided;
+    assert!(asked <= 12, "{asked} daemon decisions while the key was refused");
+    assert_no_errors(&nginx);
 }

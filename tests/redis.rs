@@ -62,7 +62,8 @@ async fn same_millisecond_requests_never_collide() {
     token.cancel();
 }
 
-/// Two daemons on one Redis hold one limit exactly.
+/// Two daemons on one Redis hold one limit exactly, each with its denial
+/// cache (on by default) answering the refusals it can.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_daemons_share_one_limit() {
     let r = RedisServer::start_unix();
@@ -72,21 +73,25 @@ async fn two_daemons_share_one_limit() {
         for _ in 0..16 {
             let mut c = d.client().await;
             tasks.push(tokio::spawn(async move {
-                let mut allowed = 0;
+                let (mut allowed, mut cached) = (0, 0);
                 for _ in 0..100 {
                     let resp = c.check(&args("shared", 1000, 60_000)).await.unwrap();
-                    assert_eq!(resp.source, Source::Redis);
+                    assert!(matches!(resp.source, Source::Redis | Source::DenialCache), "{resp:?}");
                     allowed += (resp.decision == Decision::Allowed) as u32;
+                    cached += (resp.source == Source::DenialCache) as u32;
                 }
-                allowed
+                (allowed, cached)
             }));
         }
     }
-    let mut allowed = 0;
+    let (mut allowed, mut cached) = (0, 0);
     for t in tasks {
-        allowed += t.await.unwrap();
+        let (a, c) = t.await.unwrap();
+        allowed += a;
+        cached += c;
     }
     assert_eq!(allowed, 1000, "3200 requests through two daemons");
+    assert!(cached > 0, "no refusal came from a denial cache");
 }
 
 /// Under sustained load on a short window, no window of time ever holds more
@@ -97,13 +102,14 @@ async fn two_daemons_share_one_limit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_window_ever_exceeds_the_limit() {
     let r = RedisServer::start_unix();
-    let d = Daemon::start(Some(&r.url()), "timeout_ms = 500");
+    // Two daemons, each with its denial cache (on by default).
+    let daemons = [Daemon::start(Some(&r.url()), "timeout_ms = 500"), Daemon::start(Some(&r.url()), "timeout_ms = 500")];
     const LIMIT: u32 = 50;
     const WINDOW: u64 = 200;
     let until = Instant::now() + Duration::from_millis(1200);
     let mut tasks = Vec::new();
-    for _ in 0..64 {
-        let mut c = d.client().await;
+    for i in 0..64 {
+        let mut c = daemons[i % 2].client().await;
         tasks.push(tokio::spawn(async move {
             let mut spans = Vec::new();
             while Instant::now() < until {

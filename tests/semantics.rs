@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{args, Setup};
-use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode};
+use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, Source};
 
 /// The seed's scenario: 1005 requests in one window, exactly 1000 pass.
 async fn seed_scenario(s: Setup) {
@@ -20,7 +20,12 @@ async fn seed_scenario(s: Setup) {
     let elapsed_ms = start.elapsed().as_millis() as u32;
     let allowed: Vec<_> = responses.iter().filter(|r| r.decision == Decision::Allowed).collect();
     assert_eq!(allowed.len(), 1000);
-    assert!(responses.iter().all(|r| r.source == s.source() && r.error == ErrorCode::None));
+    assert!(responses.iter().all(|r| r.error == ErrorCode::None));
+    // With Redis, the refusals after the first come from the denial cache.
+    let sources: Vec<Source> = responses.iter().map(|r| r.source).collect();
+    let refused_again = if s.source() == Source::Redis { Source::DenialCache } else { s.source() };
+    assert_eq!(sources[..1001], vec![s.source(); 1001][..]);
+    assert!(sources[1001..].iter().all(|&src| src == refused_again), "{:?}", &sources[1001..]);
     // Counts and remaining follow the admissions one by one.
     for (i, r) in responses[..1000].iter().enumerate() {
         assert_eq!((r.decision, r.count, r.remaining, r.retry_after_ms, r.reset_ms), (Decision::Allowed, i as u32 + 1, 999 - i as u32, 0, 10_000));

@@ -161,7 +161,8 @@ async fn metrics_count_decisions_failures_and_breaker() {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
     redis.kill();
-    let r = c.check(&ratelimitd::protocol::CheckArgs { on_error: ratelimitd::protocol::FailPolicy::Open, ..args("m", 2, 60_000) }).await.unwrap();
+    // Another key: "m" is refused by the denial cache, Redis or not.
+    let r = c.check(&ratelimitd::protocol::CheckArgs { on_error: ratelimitd::protocol::FailPolicy::Open, ..args("m2", 2, 60_000) }).await.unwrap();
     assert_eq!(r.source, Source::FailOpen);
     let text = tokio::task::spawn_blocking(scrape).await.unwrap();
     assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"), "{text}");

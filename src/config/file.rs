@@ -22,6 +22,22 @@ pub(super) struct File {
     pub log: LogSection,
     #[serde(default)]
     pub metrics: Option<MetricsSection>,
+    #[serde(default)]
+    pub denial_cache: DenialCacheSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct DenialCacheSection {
+    pub enabled: bool,
+    pub slots: usize,
+    pub max_ms: u64,
+}
+
+impl Default for DenialCacheSection {
+    fn default() -> Self {
+        Self { enabled: true, slots: 16_384, max_ms: 1000 }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -77,6 +77,20 @@ pub struct Config {
     pub log: LogConfig,
     /// The Prometheus endpoint. Absent: no metrics served.
     pub metrics: Option<MetricsConfig>,
+    /// Refusals remembered between Redis calls (Redis backend only).
+    pub denial_cache: DenialCacheConfig,
+}
+
+/// `[denial_cache]`: after Redis refuses a key, its later requests of at
+/// least that cost are refused in the daemon until Redis could admit them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DenialCacheConfig {
+    pub enabled: bool,
+    /// Entries in the table (a power of two); one key per slot.
+    pub slots: usize,
+    /// Longest an entry refuses without asking Redis again: how late a
+    /// `reset`, or a failover to a master with another clock, is seen.
+    pub max_age: Duration,
 }
 
 /// `[server]`.

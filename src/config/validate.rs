@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, Config, ConfigError, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Problems, RedisConfig, RedisTarget, SecretSource, SentinelConfig, ServerConfig, TlsFiles,
+    redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Problems, RedisConfig, RedisTarget, SecretSource, SentinelConfig, ServerConfig, TlsFiles,
     DEFAULT_REDIS_URL,
 };
 use crate::protocol::{Bounds, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, REQUEST_HEADER_LEN};
@@ -82,7 +82,8 @@ impl Config {
             MetricsConfig { listen: m.listen }
         });
         let log = LogConfig { level: f.log.level, format: f.log.format };
-        p.into_result(path, Self { server, redis, limits, log, metrics })
+        let denial_cache = denial_cache_config(f.denial_cache, &mut p);
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache })
     }
 }
 
@@ -251,6 +252,14 @@ fn limits_config(l: file::LimitsSection, p: &mut Problems) -> LimitsConfig {
     }
 }
 
+fn denial_cache_config(d: file::DenialCacheSection, p: &mut Problems) -> DenialCacheConfig {
+    if !(64..=1 << 24).contains(&d.slots) || !d.slots.is_power_of_two() {
+        p.add("denial_cache.slots", format!("{} is not a power of two from 64 to 16777216", d.slots));
+    }
+    in_range(p, "denial_cache.max_ms", d.max_ms, 60_000);
+    DenialCacheConfig { enabled: d.enabled, slots: d.slots, max_age: Duration::from_millis(d.max_ms) }
+}
+
 /// A bare level, or directives each of which names a level after `=`:
 /// a typo such as "infoo" would otherwise parse as a target and log nothing.
 fn valid_log_filter(filter: &str) -> bool {
@@ -291,6 +300,21 @@ mod tests {
         assert_eq!(c.server.idle_timeout, Duration::from_secs(300));
         assert_eq!(c.server.write_timeout, Duration::from_secs(2));
         assert_eq!(c.limits.bounds, Bounds::default());
+        assert_eq!(c.denial_cache, DenialCacheConfig { enabled: true, slots: 16_384, max_age: Duration::from_secs(1) });
+    }
+
+    #[test]
+    fn denial_cache_settings_are_checked() {
+        let c = parse("[denial_cache]\nenabled = false\nslots = 64\nmax_ms = 250\n").unwrap();
+        assert_eq!(c.denial_cache, DenialCacheConfig { enabled: false, slots: 64, max_age: Duration::from_millis(250) });
+        let e = parse("[denial_cache]\nslots = 1000\nmax_ms = 0\n").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "test.toml: denial_cache.slots: 1000 is not a power of two from 64 to 16777216\ntest.toml: denial_cache.max_ms: 0 is outside 1..=60000"
+        );
+        assert!(parse("[denial_cache]\nslots = 32\n").unwrap_err().to_string().contains("denial_cache.slots"));
+        assert!(parse("[denial_cache]\nmax_ms = 60001\n").unwrap_err().to_string().contains("denial_cache.max_ms"));
+        assert!(parse("[denial_cache]\nttl = 5\n").unwrap_err().to_string().contains("unknown field `ttl`"));
     }
 
     #[test]

@@ -133,6 +133,9 @@ wire_enum! {
         FailClosed = 3 => "fail_closed",
         /// The per-host windows as the only store (no Redis configured).
         Memory = 4 => "memory",
+        /// Refused by the daemon's denial cache: Redis refused the same key,
+        /// limit and window at no smaller cost, and cannot admit it yet.
+        DenialCache = 5 => "denial_cache",
         /// No decision was made (the request was invalid).
         None = 255 => "none",
     }
