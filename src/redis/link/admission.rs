@@ -49,7 +49,7 @@
 //! on the window's end and computes the new limit; the others go on. A
 //! sample racing with that swap may land in the next window: harmless.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The limit of a fresh link: a burst of a few hundred calls (128 pipelined
@@ -88,6 +88,8 @@ pub struct InFlightLimit {
     peak: AtomicU32,
     /// Round trip without our own queueing, µs (u64::MAX: none seen yet).
     no_load_us: AtomicU64,
+    /// The window before this one closed long after its end (a stall).
+    after_stall: AtomicBool,
 }
 
 /// A call admitted: holds its place until dropped.
@@ -126,6 +128,7 @@ impl InFlightLimit {
             timeouts: AtomicU64::new(0),
             peak: AtomicU32::new(0),
             no_load_us: AtomicU64::new(u64::MAX),
+            after_stall: AtomicBool::new(false),
         }
     }
 
@@ -189,6 +192,12 @@ impl InFlightLimit {
         if self.window_end_us.compare_exchange(end, now_us + WINDOW.as_micros() as u64, Ordering::AcqRel, Ordering::Relaxed).is_err() {
             return; // another caller closes this window
         }
+        // A window that closes more than the budget after its end saw no
+        // answer for that long: the host (or Redis) stalled (see below).
+        let stalled = now_us.saturating_sub(end) > self.budget_us;
+        if stalled {
+            self.after_stall.store(true, Ordering::Relaxed);
+        }
         let samples = self.samples.load(Ordering::Relaxed);
         let timeouts = self.timeouts.load(Ordering::Relaxed);
         if samples < MIN_SAMPLES && timeouts == 0 {
@@ -208,7 +217,20 @@ impl InFlightLimit {
         };
         self.no_load_us.store(no_load, Ordering::Relaxed);
         let limit = self.limit();
-        let next = next_limit(limit, Window { mean_us: sum.checked_div(samples), timeouts, peak }, no_load, self.budget_us).clamp(self.min, self.max);
+        let mut next = next_limit(limit, Window { mean_us: sum.checked_div(samples), timeouts, peak }, no_load, self.budget_us);
+        // After a stall, the round trips of the calls caught in it, and of
+        // those answered just after it, measure the stall, not our queue,
+        // and a shorter queue would not cure it: the stalled window and the
+        // next do not shrink the limit by latency (a timeout of a queued
+        // call still halves it). Without this, a 100 ms stall of a CI host
+        // at half of Redis's capacity shed the burst that followed it. Under
+        // real overload answers arrive all the time, so windows close on
+        // time.
+        let after_stall = self.after_stall.swap(stalled, Ordering::Relaxed);
+        if after_stall && timeouts == 0 && next < limit {
+            next = limit;
+        }
+        let next = next.clamp(self.min, self.max);
         if next != limit {
             self.limit.store(next, Ordering::Relaxed);
         }
@@ -312,6 +334,37 @@ mod tests {
         assert_eq!(l.limit(), 6);
         l.timed_out(t0 + Duration::from_millis(40));
         assert_eq!(l.limit(), 4);
+        drop(held);
+    }
+
+    #[test]
+    fn slow_answers_right_after_a_stall_do_not_shrink_the_limit() {
+        let l = InFlightLimit::new(4, 1000, Duration::from_millis(20));
+        l.limit.store(64, Ordering::Relaxed);
+        let t0 = l.epoch;
+        let held: Vec<_> = (0..40).map(|_| l.admit(t0).unwrap()).collect();
+        for _ in 0..20 {
+            l.answered(Duration::from_micros(200), t0 + Duration::from_millis(1));
+        }
+        l.answered(Duration::from_micros(200), t0 + Duration::from_millis(10));
+        let base = l.limit();
+        // The host stalls 100 ms: the next answers come 90 ms after the
+        // window's end, slow. Neither that window nor the next shrinks.
+        for _ in 0..20 {
+            l.answered(Duration::from_millis(100), t0 + Duration::from_millis(110));
+        }
+        assert_eq!(l.limit(), base, "the window closed 90 ms late: a stall, not a queue");
+        for _ in 0..20 {
+            l.answered(Duration::from_millis(60), t0 + Duration::from_millis(115));
+        }
+        l.answered(Duration::from_millis(60), t0 + Duration::from_millis(121));
+        assert_eq!(l.limit(), base, "the window after a stall still holds its backlog");
+        // Slow answers in a window that closes on time do shrink it.
+        for _ in 0..20 {
+            l.answered(Duration::from_millis(60), t0 + Duration::from_millis(125));
+        }
+        l.answered(Duration::from_millis(60), t0 + Duration::from_millis(131));
+        assert!(l.limit() < base, "{} vs {base}", l.limit());
         drop(held);
     }
 }
