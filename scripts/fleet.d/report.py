@@ -1,0 +1,136 @@
+"""The fleet's table (markdown), JSON and chart (SVG, drawn here: no
+plotting library) from the runs' JSON lines.
+
+Usage: report.py RAW_JSONL OUT_DIR META_JSON CI(0|1)
+Exit status 1 in CI mode if the shared key was ever over its limit in
+Redis's own record, if an audit saw no admission, or if a run failed.
+"""
+import json
+import os
+import sys
+
+raw, out, meta, ci = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1"
+runs = [json.loads(line) for line in open(raw) if line.strip()]
+delays = sorted({r["delay_ms"] for r in runs})
+
+
+def find(delay, path, case):
+    for r in runs:
+        if r["delay_ms"] != delay or r["path"] != path:
+            continue
+        kind = "shared" if "shared" in r["url"] else ("c1" if r["conns"] == 1 else "admit")
+        if kind == case:
+            return r
+    return None
+
+
+rows, summary, problems = [], [], []
+
+
+def fmt(v):
+    return "n/a" if v is None else f"{v:,.0f}"
+
+for d in delays:
+    plain, direct, rl = (find(d, p, "admit") for p in ("plain", "direct", "rl"))
+    p1, d1, l1 = (find(d, p, "c1") for p in ("plain", "direct", "rl"))
+    ds, ls = find(d, "direct", "shared"), find(d, "rl", "shared")
+    s = {"delay_ms": d}
+    s["admit_rps"] = {"plain": plain["rps"], "direct": direct["rps"], "rl": rl["rps"]}
+    s["admit_ratio_rl_direct"] = rl["rps"] / direct["rps"] if direct["rps"] else None
+    s["per_host_rps"] = {"direct": [h["rps"] for h in direct["per_host"]], "rl": [h["rps"] for h in rl["per_host"]]}
+    s["added_p50_us"] = {"direct": d1["p50_us"] - p1["p50_us"], "rl": l1["p50_us"] - p1["p50_us"]}
+    s["added_p99_us"] = {"direct": d1["p99_us"] - p1["p99_us"], "rl": l1["p99_us"] - p1["p99_us"]}
+    s["added_p50_ratio_rl_direct"] = s["added_p50_us"]["rl"] / s["added_p50_us"]["direct"] if s["added_p50_us"]["direct"] > 0 else None
+    s["redis_calls_per_decision"] = {"direct": direct["redis_calls_per_decision"], "rl": rl["redis_calls_per_decision"],
+                                     "direct_shared": ds["redis_calls_per_decision"], "rl_shared": ls["redis_calls_per_decision"]}
+    s["redis_cpu_us_per_decision"] = {"direct": direct["redis_cpu_us_per_decision"], "rl": rl["redis_cpu_us_per_decision"],
+                                      "direct_shared": ds["redis_cpu_us_per_decision"], "rl_shared": ls["redis_cpu_us_per_decision"]}
+    s["shared"] = {}
+    for name, r in (("direct", ds), ("rl", ls)):
+        a = r["audit"]
+        s["shared"][name] = {
+            "requests": r["requests"], "admissions": a["admissions"], "limit": a["limit"],
+            "max_in_any_window": a["max_in_any_window"],
+            "over_admission": max(0, a["max_in_any_window"] - a["limit"]),
+            "mean_in_window": a["mean_in_window"], "least_in_window": a["least_in_window"],
+            "under_admission": 1 - a["mean_in_window"] / a["limit"] if a["mean_in_window"] is not None else None,
+            "fail_policy": r["fail_policy"],
+        }
+        if a["max_in_any_window"] > a["limit"]:
+            problems.append(f"{name} at {d} ms: {a['max_in_any_window']} admissions in one window, limit {a['limit']}")
+        if a["admissions"] == 0:
+            problems.append(f"{name} at {d} ms: the audit saw no admission of the shared key")
+    for r in (plain, direct, rl, p1, d1, l1, ds, ls):
+        if r["socket_errors"]:
+            problems.append(f"{r['path']} {r['url']} at {d} ms: {r['socket_errors']} socket errors")
+    summary.append(s)
+
+hosts = meta["hosts"]
+md = [f"Fleet: {hosts} gateway hosts (nginx with one worker + ratelimitd each, own network namespace), "
+      f"one Redis behind a user-space delay proxy; wrk {meta['seconds']} s per run on every host at once, "
+      f"{meta['conns_per_host']} connections per host (c1: 1 per host); {meta['cores']} cores shared by everything; "
+      f"{meta['date']}, commit {meta['commit']}.", ""]
+md.append("| one-way latency | all admitted req/s: no limiter / direct / ratelimitd | ratelimitd ÷ direct | "
+          "added p50 µs (c1): direct / ratelimitd | ratio | added p99 µs: direct / ratelimitd | "
+          "Redis calls per decision: direct / ratelimitd | Redis CPU µs per decision: direct / ratelimitd |")
+md.append("|--:|--:|--:|--:|--:|--:|--:|--:|")
+for s in summary:
+    a, p50, p99 = s["admit_rps"], s["added_p50_us"], s["added_p99_us"]
+    c, u = s["redis_calls_per_decision"], s["redis_cpu_us_per_decision"]
+    ratio = s["added_p50_ratio_rl_direct"]
+    md.append(f"| {s['delay_ms']} ms | {a['plain']:,.0f} / {a['direct']:,.0f} / {a['rl']:,.0f} | {s['admit_ratio_rl_direct']:.2f}x | "
+              f"{p50['direct']:.0f} / {p50['rl']:.0f} | {'n/a' if ratio is None else f'{ratio:.2f}x'} | {p99['direct']:.0f} / {p99['rl']:.0f} | "
+              f"{c['direct']:.2f} / {c['rl']:.2f} | {u['direct']:.1f} / {u['rl']:.1f} |")
+md += ["", f"One key limited to {meta['shared_limit']} per second, hammered from all {hosts} hosts; "
+       "Redis's own record (every member of the window's ZSET):", "",
+       "| one-way latency | path | requests | admitted | most in any window | limit | over-admission | mean / least in a window (interior) | under-admission | fail-policy decisions | Redis calls per decision |",
+       "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+for s in summary:
+    for name, label in (("direct", "direct EVALSHA"), ("rl", "ratelimitd")):
+        x = s["shared"][name]
+        calls = s["redis_calls_per_decision"][name + "_shared"]
+        under = "n/a" if x["under_admission"] is None else f"{100 * x['under_admission']:.1f} %"
+        md.append(f"| {s['delay_ms']} ms | {label} | {x['requests']:,} | {x['admissions']:,} | {x['max_in_any_window']:,} | "
+                  f"{x['limit']:,} | {x['over_admission']} | {fmt(x['mean_in_window'])} / {fmt(x['least_in_window'])} | {under} | {x['fail_policy']} | {calls:.3f} |")
+md += ["", "Per host, all admitted req/s (direct | ratelimitd): " + "; ".join(
+    f"{s['delay_ms']} ms: " + ", ".join(f"{d:,.0f}|{r:,.0f}" for d, r in zip(s["per_host_rps"]["direct"], s["per_host_rps"]["rl"]))
+    for s in summary)]
+md += ["", "Delay proxy lateness (last report per latency): " + meta.get("proxy_lateness", "")]
+text = "\n".join(md) + "\n"
+
+# Chart: per latency, ratelimitd ÷ direct for throughput (all admitted) and
+# for the p50 latency added at one connection.
+W, H, L, B = 640, 360, 60, 50
+maxy = max([2.0] + [v for s in summary for v in (s["admit_ratio_rl_direct"] or 0, s["added_p50_ratio_rl_direct"] or 0)])
+def x(i):
+    return L + (W - L - 20) * (i / max(1, len(summary) - 1)) if len(summary) > 1 else L + (W - L - 20) / 2
+def y(v):
+    return H - B - (H - B - 30) * v / maxy
+svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+       f'<text x="{W/2}" y="18" text-anchor="middle">ratelimitd ÷ direct EVALSHA, {hosts} hosts, by one-way latency to Redis</text>',
+       f'<line x1="{L}" y1="{H-B}" x2="{W-20}" y2="{H-B}" stroke="black"/><line x1="{L}" y1="30" x2="{L}" y2="{H-B}" stroke="black"/>']
+for k in range(int(maxy) + 1):
+    svg.append(f'<text x="{L-8}" y="{y(k)+4}" text-anchor="end">{k}x</text><line x1="{L}" y1="{y(k)}" x2="{W-20}" y2="{y(k)}" stroke="#ddd"/>')
+for i, s in enumerate(summary):
+    svg.append(f'<text x="{x(i)}" y="{H-B+18}" text-anchor="middle">{s["delay_ms"]} ms</text>')
+for key, colour, label in (("admit_ratio_rl_direct", "#1f77b4", "throughput, all admitted (higher is better)"),
+                           ("added_p50_ratio_rl_direct", "#d62728", "p50 latency added at c1 (lower is better)")):
+    pts = [(x(i), y(s[key])) for i, s in enumerate(summary) if s[key] is not None]
+    if len(pts) > 1:
+        svg.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="' + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts) + '"/>')
+    for a, b in pts:
+        svg.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{colour}"/>')
+    n = 0 if key.startswith("admit") else 1
+    svg.append(f'<rect x="{L+10}" y="{H-22+n*0}" width="0" height="0"/><text x="{L + 10 + n*300}" y="{H-8}" fill="{colour}">{label}</text>')
+svg.append('</svg>')
+
+os.makedirs(out, exist_ok=True)
+json.dump({"meta": meta, "summary": summary, "runs": runs}, open(os.path.join(out, "fleet.json"), "w"), indent=1)
+open(os.path.join(out, "fleet.md"), "w").write(text)
+open(os.path.join(out, "fleet.svg"), "w").write("\n".join(svg) + "\n")
+print(text)
+print(f"written: {out}/fleet.json, fleet.md, fleet.svg")
+if problems:
+    print("problems:\n  " + "\n  ".join(problems), file=sys.stderr)
+    if ci:
+        sys.exit(1)
