@@ -36,6 +36,10 @@ for d in delays:
     ds, ls = find(d, "direct", "shared"), find(d, "rl", "shared")
     s = {"delay_ms": d}
     s["admit_rps"] = {"plain": plain["rps"], "direct": direct["rps"], "rl": rl["rps"]}
+    s["admit_failed"] = {"direct": direct["non2xx"], "rl": rl["non2xx"], "direct_c1": d1["non2xx"], "rl_c1": l1["non2xx"]}
+    for r in (direct, rl, d1, l1):
+        if r["non2xx"]:
+            problems.append(f"{r['path']} {r['url']} c{r['conns']} at {d} ms: {r['non2xx']} requests not admitted (the path failed: its deadline or Redis)")
     s["admit_ratio_rl_direct"] = rl["rps"] / direct["rps"] if direct["rps"] else None
     s["per_host_rps"] = {"direct": [h["rps"] for h in direct["per_host"]], "rl": [h["rps"] for h in rl["per_host"]]}
     s["added_p50_us"] = {"direct": d1["p50_us"] - p1["p50_us"], "rl": l1["p50_us"] - p1["p50_us"]}
@@ -72,15 +76,16 @@ md = [f"Fleet: {hosts} gateway hosts (nginx with one worker + ratelimitd each, o
       f"{meta['date']}, commit {meta['commit']}.", ""]
 md.append("| one-way latency | all admitted req/s: no limiter / direct / ratelimitd | ratelimitd ÷ direct | "
           "added p50 µs (c1): direct / ratelimitd | ratio | added p99 µs: direct / ratelimitd | "
-          "Redis calls per decision: direct / ratelimitd | Redis CPU µs per decision: direct / ratelimitd |")
-md.append("|--:|--:|--:|--:|--:|--:|--:|--:|")
+          "Redis calls per decision: direct / ratelimitd | Redis CPU µs per decision: direct / ratelimitd | failed (c16 + c1): direct / ratelimitd |")
+md.append("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
 for s in summary:
     a, p50, p99 = s["admit_rps"], s["added_p50_us"], s["added_p99_us"]
     c, u = s["redis_calls_per_decision"], s["redis_cpu_us_per_decision"]
     ratio = s["added_p50_ratio_rl_direct"]
     md.append(f"| {s['delay_ms']} ms | {a['plain']:,.0f} / {a['direct']:,.0f} / {a['rl']:,.0f} | {s['admit_ratio_rl_direct']:.2f}x | "
               f"{p50['direct']:.0f} / {p50['rl']:.0f} | {'n/a' if ratio is None else f'{ratio:.2f}x'} | {p99['direct']:.0f} / {p99['rl']:.0f} | "
-              f"{c['direct']:.2f} / {c['rl']:.2f} | {u['direct']:.1f} / {u['rl']:.1f} |")
+              f"{c['direct']:.2f} / {c['rl']:.2f} | {u['direct']:.1f} / {u['rl']:.1f} | "
+              f"{s['admit_failed']['direct'] + s['admit_failed']['direct_c1']} / {s['admit_failed']['rl'] + s['admit_failed']['rl_c1']} |")
 md += ["", f"One key limited to {meta['shared_limit']} per second, hammered from all {hosts} hosts; "
        "Redis's own record (every member of the window's ZSET):", "",
        "| one-way latency | path | requests | admitted | most in any window | limit | over-admission | mean / least in a window (interior) | under-admission | fail-policy decisions | Redis calls per decision |",
