@@ -1,0 +1,274 @@
+//! The Redis Cluster backend against a real cluster each test starts: six
+//! `redis-server --cluster-enabled yes` (three primaries, three replicas,
+//! `cluster-node-timeout 1000`), joined by `redis-cli --cluster create`
+//! (`common::cluster`). The daemon is the real binary with
+//! `[redis] cluster = [...]`.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis_cluster::RedisCluster;
+use common::{args, Daemon};
+use ratelimitd::protocol::{CheckArgs, Decision, FailPolicy, Response, Source};
+use tokio::sync::Notify;
+
+/// `[redis]` for a daemon on `cluster`, with `extra` lines.
+fn cluster_daemon(cluster: &RedisCluster, extra: &str) -> Daemon {
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\ncluster = [{}]\n{extra}\n", seeds.join(", ")))
+}
+
+/// The Redis key of a client key's 60 s window (the daemon's default prefix).
+fn redis_key(key: &str, window_ms: u32) -> String {
+    format!("ratelimitd:{{{key}}}:{window_ms}ms")
+}
+
+/// The primary that holds `redis_key`'s slot now, by `CLUSTER KEYSLOT` and
+/// `CLUSTER COUNTKEYSINSLOT` (the key must exist).
+fn owner_of(cluster: &RedisCluster, redis_key: &str) -> Option<u16> {
+    let primaries = cluster.primaries();
+    let slot = cluster.cli(primaries[0], &["CLUSTER", "KEYSLOT", redis_key]).trim().to_string();
+    primaries.into_iter().find(|&p| cluster.cli(p, &["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim() != "0")
+}
+
+fn on_redis(r: &Response) -> bool {
+    matches!(r.source, Source::Redis | Source::DenialCache)
+}
+
+/// `conns` connections each sending `per_conn` checks; the allowed count.
+async fn send(d: &Daemon, conns: usize, per_conn: usize, key: &'static str, limit: u32) -> u32 {
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut allowed = 0;
+            for _ in 0..per_conn {
+                let resp = c.check(&args(key, limit, 60_000)).await.unwrap();
+                assert!(on_redis(&resp), "{resp:?}");
+                allowed += (resp.decision == Decision::Allowed) as u32;
+            }
+            allowed
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += t.await.unwrap();
+    }
+    allowed
+}
+
+/// The seed's scenario on a cluster: limit 1000, 1005 requests at once from
+/// 15 connections, exactly 1000 admitted, every one decided by Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_scenario_on_the_cluster() {
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    assert_eq!(send(&d, 15, 67, "seed", 1000).await, 1000);
+    // The window is where the slot map says, and holds the 1000.
+    let owner = owner_of(&cluster, &redis_key("seed", 60_000)).expect("the window is on a primary");
+    assert_eq!(cluster.cli(owner, &["ZCARD", &redis_key("seed", 60_000)]).trim(), "1000");
+}
+
+/// Windows of many keys land on every primary, each on the primary of its
+/// slot, and every key's count is its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_spread_over_every_primary() {
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    let keys: Vec<String> = (0..60).map(|i| format!("tenant-{i}")).collect();
+    for k in &keys {
+        for n in 1..=3u32 {
+            let resp = c.check(&args(k, 10, 60_000)).await.unwrap();
+            assert_eq!((resp.decision, resp.source, resp.count), (Decision::Allowed, Source::Redis, n), "{k}: {resp:?}");
+        }
+    }
+    let mut owners = HashSet::new();
+    for k in &keys {
+        let rk = redis_key(k, 60_000);
+        let owner = owner_of(&cluster, &rk).unwrap_or_else(|| panic!("{rk} is on no primary"));
+        assert_eq!(cluster.cli(owner, &["ZCARD", &rk]).trim(), "3", "{rk}");
+        owners.insert(owner);
+    }
+    let primaries: HashSet<u16> = cluster.primaries().into_iter().collect();
+    assert_eq!(owners, primaries, "60 keys reach every primary");
+    for p in primaries {
+        let dbsize: u64 = cluster.cli(p, &["DBSIZE"]).trim().parse().unwrap();
+        eprintln!("primary {p}: {dbsize} keys");
+        assert!(dbsize >= 5, "primary {p} holds {dbsize} keys");
+    }
+}
+
+/// Two daemons on one cluster hold one limit exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_daemons_share_one_limit_on_the_cluster() {
+    let cluster = RedisCluster::start();
+    let a = cluster_daemon(&cluster, "timeout_ms = 500");
+    let b = cluster_daemon(&cluster, "timeout_ms = 500");
+    let (x, y) = tokio::join!(send(&a, 8, 100, "shared", 1000), send(&b, 8, 100, "shared", 1000));
+    assert_eq!(x + y, 1000, "daemon a admitted {x}, b {y}");
+    assert!(x > 0 && y > 0, "both daemons admitted some: {x} and {y}");
+}
+
+/// `SCRIPT FLUSH` on the primary of a key while it is being served: every
+/// request is still decided by Redis (the node gets EVAL on NOSCRIPT), and
+/// the limit stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_on_one_node_while_serving() {
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args("flushed", 600, 60_000)).await.unwrap().source, Source::Redis);
+    let owner = owner_of(&cluster, &redis_key("flushed", 60_000)).unwrap();
+    let load = tokio::spawn({
+        let d_socket = d.socket.clone();
+        async move {
+            let mut tasks = Vec::new();
+            for _ in 0..4 {
+                let mut c = ratelimitd::client::Client::connect(&d_socket).await.unwrap();
+                tasks.push(tokio::spawn(async move {
+                    let mut allowed = 0u32;
+                    for _ in 0..200 {
+                        let resp = c.check(&args("flushed", 600, 60_000)).await.unwrap();
+                        assert!(on_redis(&resp), "{resp:?}");
+                        allowed += (resp.decision == Decision::Allowed) as u32;
+                    }
+                    allowed
+                }));
+            }
+            let mut allowed = 0;
+            for t in tasks {
+                allowed += t.await.unwrap();
+            }
+            allowed
+        }
+    });
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(cluster.cli(owner, &["SCRIPT", "FLUSH"]).trim(), "OK");
+    }
+    let allowed = load.await.unwrap();
+    assert_eq!(allowed + 1, 600, "801 requests under a limit of 600");
+    let resp = c.check(&args("flushed", 600, 60_000)).await.unwrap();
+    assert_eq!((resp.decision, resp.count), (Decision::Denied, 600), "{resp:?}");
+    let sha = d_sha(&d);
+    assert_eq!(cluster.cli(owner, &["SCRIPT", "EXISTS", &sha]).trim(), "1", "the flushed node has the script again");
+}
+
+/// The script's SHA1, from the daemon's start-up log line.
+fn d_sha(d: &Daemon) -> String {
+    let log = d.log();
+    let at = log.find("sha=").expect("the log names the script's sha");
+    log[at + 4..].trim_start_matches('"').chars().take_while(char::is_ascii_hexdigit).collect()
+}
+
+/// The daemon's Redis deadline in the failover test: the product default.
+const DEADLINE_MS: u64 = 20;
+/// What a loaded 2-core CI machine may add on top (scheduling, the client).
+const MARGIN_MS: u64 = 250;
+
+struct Sample {
+    at: Duration,
+    latency: Duration,
+    key: usize,
+    resp: Response,
+}
+
+/// A primary SIGKILLed under load: every request is answered within the
+/// deadline (by Redis, or its fail policy: open here), the keys of the
+/// other primaries stay on Redis, and the dead primary's keys are decided
+/// by Redis again once its replica is promoted. Prints how long that took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_killed_under_load() {
+    let mut cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = {DEADLINE_MS}"));
+    // One key per primary.
+    let mut c = d.client().await;
+    let mut keys: Vec<(&'static str, u16)> = Vec::new();
+    for i in 0..200 {
+        let k: &'static str = Box::leak(format!("load-{i}").into_boxed_str());
+        let resp = c.check(&CheckArgs { on_error: FailPolicy::Open, ..args(k, 1_000_000, 1000) }).await.unwrap();
+        assert_eq!(resp.source, Source::Redis, "{resp:?}");
+        let owner = owner_of(&cluster, &redis_key(k, 1000)).unwrap();
+        if !keys.iter().any(|&(_, o)| o == owner) {
+            keys.push((k, owner));
+        }
+        if keys.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(keys.len(), 3, "a key on each primary");
+    let (victim_key, victim) = keys[0];
+
+    let start = Instant::now();
+    let stop = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+    for conn in 0..12 {
+        let mut c = d.client().await;
+        let stop = stop.clone();
+        let (key, _) = keys[conn % 3];
+        tasks.push(tokio::spawn(async move {
+            let a = CheckArgs { on_error: FailPolicy::Open, ..args(key, 1_000_000, 1000) };
+            let mut samples = Vec::new();
+            let stopped = stop.notified();
+            tokio::pin!(stopped);
+            loop {
+                let sent = Instant::now();
+                let resp = tokio::select! {
+                    _ = &mut stopped => return samples,
+                    r = c.check(&a) => r.expect("every request gets an answer"),
+                };
+                samples.push(Sample { at: sent - start, latency: sent.elapsed(), key: conn % 3, resp });
+                // A steady load, not a flood: the 2-core machine also runs
+                // six redis-servers and the failover.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed_at = start.elapsed();
+    cluster.kill(victim);
+    // Wait for the promotion, then for Redis decisions on the victim's key.
+    let promoted = cluster.wait_ok(Duration::from_secs(20));
+    let promoted_at = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    stop.notify_waiters();
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.unwrap());
+    }
+    samples.sort_by_key(|s| s.at);
+    assert!(promoted, "the cluster is ok again after the kill");
+
+    let worst = samples.iter().map(|s| s.latency).max().unwrap();
+    assert!(worst < Duration::from_millis(DEADLINE_MS + MARGIN_MS), "worst latency {worst:?}");
+    for s in &samples {
+        // Policy open: every answer admits, from Redis or the fail policy.
+        assert_eq!(s.resp.decision, Decision::Allowed, "{:?}", s.resp);
+    }
+    let victim_after: Vec<&Sample> = samples.iter().filter(|s| s.key == 0 && s.at > killed_at).collect();
+    let failed = victim_after.iter().filter(|s| s.resp.source == Source::FailOpen).count();
+    assert!(failed > 0, "the dead primary's key follows its fail policy for a while");
+    // Resumed: from the first Redis answer after which the key stays on Redis.
+    let last_failed = victim_after.iter().rev().find(|s| !on_redis(&s.resp)).map(|s| s.at).unwrap();
+    let resumed = victim_after.iter().find(|s| s.at > last_failed && on_redis(&s.resp)).expect("Redis decisions resume for the dead primary's key");
+    let tail = victim_after.iter().filter(|s| s.at > resumed.at).count();
+    assert!(tail > 100, "{tail} Redis decisions after resuming");
+    let others_after: Vec<&Sample> = samples.iter().filter(|s| s.key != 0 && s.at > killed_at).collect();
+    let others_on_redis = others_after.iter().filter(|s| on_redis(&s.resp)).count();
+    eprintln!(
+        "primary {victim} ({victim_key}) killed at {killed_at:?}: cluster_state ok on every live node after {:?}; \
+         its key decided by Redis again after {:?} ({failed} of {} requests on it answered by the fail policy); \
+         other primaries' keys on Redis for {others_on_redis} of {} requests; worst latency {worst:?}",
+        promoted_at - killed_at,
+        resumed.at - killed_at,
+        victim_after.len(),
+        others_after.len(),
+    );
+    // The other primaries' keys are not taken down with it (a per-node
+    // failure does not open the cluster's breaker).
+    assert!(others_on_redis * 10 >= others_after.len() * 9, "others on Redis: {others_on_redis} of {}", others_after.len());
+}
