@@ -382,6 +382,29 @@ mod tests {
     }
 
     #[test]
+    fn cluster_settings_are_checked() {
+        let ok = redis_of(parse("[redis]\ncluster = [\"10.0.0.1:6379\", \"[::1]:7000\"]\npassword_env = \"X\"\n").unwrap());
+        let RedisTarget::Cluster(c) = &ok.target else { panic!("cluster target") };
+        assert_eq!(c.seeds, [HostPort { host: "10.0.0.1".into(), port: 6379 }, HostPort { host: "::1".into(), port: 7000 }]);
+        assert!(!c.tls);
+        assert_eq!(ok.describe(), "cluster 10.0.0.1:6379,[::1]:7000");
+        let tls = redis_of(parse("[redis]\ncluster = [\"h:1\"]\ncluster_tls = true\ntls_ca_file = \"/etc/hostname\"\n").unwrap());
+        assert!(matches!(&tls.target, RedisTarget::Cluster(c) if c.tls));
+        let e = parse("[redis]\ncluster = []\n").unwrap_err().to_string();
+        assert!(e.contains("redis.cluster: needs at least one"), "{e}");
+        let e = parse("[redis]\ncluster = [\"h\", \"h:0\", \"h:70000\"]\n").unwrap_err().to_string();
+        assert_eq!(e.matches("is not \"host:port\"").count(), 3, "{e}");
+        let e = parse("[redis]\nurl = \"redis://h\"\ncluster = [\"h:1\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.url: leave it unset with redis.cluster"), "{e}");
+        let e = parse("[redis]\ncluster = [\"h:1\"]\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.cluster: set [redis.sentinel] or redis.cluster, not both"), "{e}");
+        let e = parse("[redis]\ncluster_tls = true\n").unwrap_err().to_string();
+        assert!(e.contains("redis.cluster_tls: applies to redis.cluster only"), "{e}");
+        let e = parse("[redis]\ncluster = [\"h:1\"]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.tls_ca_file: needs a rediss:// url, or cluster_tls = true"), "{e}");
+    }
+
+    #[test]
     fn metrics_only_on_loopback() {
         assert!(parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").is_ok());
         assert!(parse("[metrics]\nlisten = \"[::1]:9464\"\n").is_ok());
