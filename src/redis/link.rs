@@ -12,6 +12,16 @@
 //! breaker is open. A new connection is only put in place once it has loaded
 //! the script, so requests never race a half-ready link.
 //!
+//! On a Redis Cluster the connection is redis-rs's cluster connection (one
+//! multiplexed connection per node, routing by slot, MOVED/ASK, slot-map
+//! refresh) and the same `eval` serves it, with two differences that keep
+//! one node's trouble its own keys' trouble: a node answering `NOSCRIPT`
+//! gets the call again as `EVAL` of the script's text (which caches it on
+//! that node; a `SCRIPT LOAD` goes to every node and fails if any is down),
+//! and a lost node connection fails only the request that met it (the
+//! client reconnects and refreshes the slot map itself). The breaker is one
+//! per cluster: it opens when the whole cluster is silent.
+//!
 //! Two guards stand between a request and Redis, and they answer different
 //! questions:
 //!
