@@ -298,3 +298,90 @@ async fn primary_killed_under_load() {
     let others_tail: Vec<&&Sample> = others_after.iter().filter(|s| s.at > end - Duration::from_millis(500)).collect();
     assert!(others_tail.iter().all(|s| on_redis(&s.resp)), "other keys on Redis at the end");
 }
+
+/// A hot key's slot moved to another primary under load (the steps of
+/// `redis-cli --cluster reshard`, for that one slot: IMPORTING, MIGRATING,
+/// MIGRATE, SETSLOT NODE): the requests meet the key on the old primary,
+/// then `ASK` to the new one, then `MOVED`; every one is decided by Redis
+/// and the limit holds exactly across the move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_slot_moved_under_load() {
+    const LIMIT: u32 = 1500;
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args("hot", LIMIT, 60_000)).await.unwrap().source, Source::Redis);
+    let rk = redis_key("hot", 60_000);
+    let src = owner_of(&cluster, &rk).unwrap();
+    let dst = cluster.primaries().into_iter().find(|&p| p != src).unwrap();
+    let slot = cluster.cli(src, &["CLUSTER", "KEYSLOT", &rk]).trim().to_string();
+    let id = |p: u16| cluster.cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+    let (src_id, dst_id) = (id(src), id(dst));
+
+    let start = Instant::now();
+    let stop = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = d.client().await;
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut answers: Vec<(Duration, Response)> = Vec::new();
+            let a = args("hot", LIMIT, 60_000);
+            let stopped = stop.notified();
+            tokio::pin!(stopped);
+            loop {
+                let resp = tokio::select! {
+                    _ = &mut stopped => return answers,
+                    r = c.check(&a) => r.expect("every request gets an answer"),
+                };
+                answers.push((start.elapsed(), resp));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let ok = |out: String| assert_eq!(out.trim(), "OK", "{out}");
+    ok(cluster.cli(dst, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]));
+    ok(cluster.cli(src, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let migrate_at = start.elapsed();
+    let keys = cluster.cli(src, &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    let keys: Vec<&str> = keys.lines().filter(|l| !l.is_empty()).collect();
+    assert!(keys.contains(&rk.as_str()), "{keys:?}");
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", "", "", "0", "5000", "KEYS"];
+    let dst_port = dst.to_string();
+    migrate[2] = &dst_port;
+    migrate.extend(keys.iter().copied());
+    ok(cluster.cli(src, &migrate));
+    // Keys gone from the source, slot not yet handed over: ASK.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for p in [dst, src] {
+        ok(cluster.cli(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]));
+    }
+    for p in cluster.primaries() {
+        if p != dst && p != src {
+            ok(cluster.cli(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]));
+        }
+    }
+    let moved_at = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.notify_waiters();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.extend(t.await.unwrap());
+    }
+    answers.sort_by_key(|(at, _)| *at);
+    for (at, resp) in &answers {
+        assert!(on_redis(resp), "at {at:?} (migrate at {migrate_at:?}, moved at {moved_at:?}): {resp:?}");
+    }
+    let allowed = answers.iter().filter(|(_, r)| r.decision == Decision::Allowed).count() as u32;
+    let during = answers.iter().filter(|(at, _)| *at > migrate_at && *at < moved_at).count();
+    let after = answers.iter().filter(|(at, _)| *at > moved_at).count();
+    eprintln!("slot {slot} moved {src} -> {dst}: {} requests, {during} while migrating, {after} after the move", answers.len());
+    assert!(answers.len() as u32 + 1 > LIMIT + 100, "the limit is reached: {} requests", answers.len());
+    assert!(during > 0 && after > 0, "requests during ({during}) and after ({after}) the move");
+    assert_eq!(allowed + 1, LIMIT, "exactly the limit admitted across the move");
+    assert_eq!(cluster.cli(dst, &["ZCARD", &rk]).trim(), LIMIT.to_string());
+    let at_src = cluster.cli(src, &["EXISTS", &rk]);
+    assert_eq!(at_src.trim(), format!("MOVED {slot} 127.0.0.1:{dst}"), "the old primary sends the slot's clients on");
+}
