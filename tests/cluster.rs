@@ -385,3 +385,28 @@ async fn hot_key_slot_moved_under_load() {
     let at_src = cluster.cli(src, &["EXISTS", &rk]);
     assert_eq!(at_src.trim(), format!("MOVED {slot} 127.0.0.1:{dst}"), "the old primary sends the slot's clients on");
 }
+
+/// AUTH on every node (`requirepass`): the daemon's `password_file` is used
+/// for every node's connection, and a wrong password is reported as such,
+/// while requests follow their fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_with_auth() {
+    let cluster = RedisCluster::start_with_password("cluster-secret");
+    let dir = tempfile::tempdir().unwrap();
+    let (good, bad) = (dir.path().join("good.pass"), dir.path().join("bad.pass"));
+    std::fs::write(&good, "cluster-secret\n").unwrap();
+    std::fs::write(&bad, "wrong\n").unwrap();
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = 500\npassword_file = \"{}\"", good.display()));
+    assert_eq!(send(&d, 4, 15, "authed", 50).await, 50);
+    let owner = owner_of(&cluster, &redis_key("authed", 60_000)).unwrap();
+    assert_eq!(cluster.cli(owner, &["ZCARD", &redis_key("authed", 60_000)]).trim(), "50");
+
+    let wrong = cluster_daemon(&cluster, &format!("timeout_ms = 500\npassword_file = \"{}\"", bad.display()));
+    let mut c = wrong.client().await;
+    let resp = c.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("authed", 50, 60_000) }).await.unwrap();
+    assert_eq!((resp.decision, resp.source), (Decision::Denied, Source::FailClosed), "{resp:?}");
+    // redis-rs: "Failed to create initial connections - Io: Password
+    // authentication failed - AuthenticationFailed".
+    let log = wrong.log();
+    assert!(log.contains("cannot reach redis") && (log.contains("WRONGPASS") || log.contains("authentication failed")), "{log}");
+}

@@ -28,18 +28,30 @@ pub struct RedisCluster {
     nodes: Vec<Option<ChildGuard>>,
     ports: Vec<u16>,
     dir: TempDir,
+    /// `requirepass` (and `masterauth`) of every node, if any.
+    password: Option<String>,
 }
 
 impl RedisCluster {
     /// Six nodes on ports of their own, formed into a cluster with every
     /// node reporting `cluster_state:ok`, all 16384 slots and six nodes.
     pub fn start() -> Self {
+        Self::start_inner(None)
+    }
+
+    /// Like `start`, every node requiring `password` (replicas use it as
+    /// `masterauth`; `cli` authenticates with it).
+    pub fn start_with_password(password: &str) -> Self {
+        Self::start_inner(Some(password.to_string()))
+    }
+
+    fn start_inner(password: Option<String>) -> Self {
         let cluster = on_own_ports("redis cluster", NODES, |ports| {
             if ports.iter().any(|&p| p > u16::MAX - BUS_OFFSET || std::net::TcpListener::bind(("127.0.0.1", p + BUS_OFFSET)).is_err()) {
                 return Err("a cluster bus port (port + 10000) is not free".into());
             }
             let dir = tempfile::tempdir().unwrap();
-            let mut c = Self { nodes: Vec::new(), ports: ports.to_vec(), dir };
+            let mut c = Self { nodes: Vec::new(), ports: ports.to_vec(), dir, password: password.clone() };
             for &port in ports {
                 let node = c.spawn(port);
                 c.nodes.push(Some(node));
@@ -63,6 +75,9 @@ impl RedisCluster {
             .arg(&node_dir)
             .stdout(out)
             .stderr(Stdio::null());
+        if let Some(pw) = &self.password {
+            cmd.args(["--requirepass", pw, "--masterauth", pw]);
+        }
         ChildGuard::spawn("redis-server (cluster node)", &mut cmd, Some(log))
     }
 
@@ -73,7 +88,8 @@ impl RedisCluster {
             let port = self.ports[i];
             let node = self.nodes[i].as_mut().unwrap();
             let pid = node.pid();
-            let own = || cli_output(port, &["INFO", "server"]).is_some_and(|info| info.lines().any(|l| l.trim() == format!("process_id:{pid}")));
+            let password = self.password.clone();
+            let own = || cli_output(port, password.as_deref(), &["INFO", "server"]).is_some_and(|info| info.lines().any(|l| l.trim() == format!("process_id:{pid}")));
             match poll(Duration::from_secs(10), Some(node), own) {
                 Waited::Ready => {}
                 Waited::Exited(status) => return Err(format!("node on {port} exited with {status} (port taken?)\n{}", node.log())),
@@ -86,7 +102,11 @@ impl RedisCluster {
     /// `redis-cli --cluster create`, then waits until every node agrees.
     fn create(&self) {
         let addrs: Vec<String> = self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let out = Command::new("redis-cli")
+        let mut cmd = Command::new("redis-cli");
+        if let Some(pw) = &self.password {
+            cmd.args(["-a", pw, "--no-auth-warning"]);
+        }
+        let out = cmd
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", "1", "--cluster-yes"])
@@ -94,7 +114,7 @@ impl RedisCluster {
             .unwrap_or_else(|e| panic!("redis-cli: {e} (scripts/test installs redis-tools)"));
         assert!(out.status.success(), "redis-cli --cluster create: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         let formed = |port: u16| {
-            cli_output(port, &["CLUSTER", "INFO"]).is_some_and(|i| {
+            cli_output(port, self.password.as_deref(), &["CLUSTER", "INFO"]).is_some_and(|i| {
                 i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384") && i.contains(&format!("cluster_known_nodes:{NODES}"))
             })
         };
@@ -107,7 +127,7 @@ impl RedisCluster {
 
     /// Every replica's link to its primary is up (replication done).
     fn replicas_linked(&self) -> bool {
-        self.live_ports().into_iter().all(|p| match cli_output(p, &["INFO", "replication"]) {
+        self.live_ports().into_iter().all(|p| match cli_output(p, self.password.as_deref(), &["INFO", "replication"]) {
             Some(info) if info.contains("role:slave") => info.contains("master_link_status:up"),
             Some(_) => true,
             None => false,
@@ -125,13 +145,13 @@ impl RedisCluster {
 
     /// Ports of the live nodes that are primaries now (by `ROLE`).
     pub fn primaries(&self) -> Vec<u16> {
-        self.live_ports().into_iter().filter(|&p| cli_output(p, &["ROLE"]).is_some_and(|r| r.lines().next() == Some("master"))).collect()
+        self.live_ports().into_iter().filter(|&p| cli_output(p, self.password.as_deref(), &["ROLE"]).is_some_and(|r| r.lines().next() == Some("master"))).collect()
     }
 
     /// `redis-cli -p port args...`: its stdout (raw, not a terminal's
     /// formatting). Panics if redis-cli fails.
     pub fn cli(&self, port: u16, args: &[&str]) -> String {
-        cli_output(port, args).unwrap_or_else(|| panic!("redis-cli -p {port} {args:?} failed"))
+        cli_output(port, self.password.as_deref(), args).unwrap_or_else(|| panic!("redis-cli -p {port} {args:?} failed"))
     }
 
     /// SIGKILL the node on `port`.
@@ -146,7 +166,7 @@ impl RedisCluster {
     /// nodes are primaries (after a kill: the replica was promoted and the
     /// others know it). Returns whether that happened within `limit`.
     pub fn wait_ok(&self, limit: Duration) -> bool {
-        let ok = || self.primaries().len() == 3 && self.live_ports().into_iter().all(|p| cli_output(p, &["CLUSTER", "INFO"]).is_some_and(|i| i.contains("cluster_state:ok")));
+        let ok = || self.primaries().len() == 3 && self.live_ports().into_iter().all(|p| cli_output(p, self.password.as_deref(), &["CLUSTER", "INFO"]).is_some_and(|i| i.contains("cluster_state:ok")));
         poll(limit, None, ok) == Waited::Ready
     }
 
@@ -168,8 +188,13 @@ impl RedisCluster {
 }
 
 /// `redis-cli -p port args...`, stdout if it exited 0 and printed no error.
-fn cli_output(port: u16, args: &[&str]) -> Option<String> {
-    let out = Command::new("redis-cli").args(["-h", "127.0.0.1", "-p", &port.to_string()]).args(args).stderr(Stdio::null()).output().ok()?;
+fn cli_output(port: u16, password: Option<&str>, args: &[&str]) -> Option<String> {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    if let Some(pw) = password {
+        cmd.args(["-a", pw, "--no-auth-warning"]);
+    }
+    let out = cmd.args(args).stderr(Stdio::null()).output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    (out.status.success() && !text.starts_with("ERR") && !text.starts_with("Could not connect")).then_some(text)
+    (out.status.success() && !text.starts_with("ERR") && !text.starts_with("NOAUTH") && !text.starts_with("Could not connect")).then_some(text)
 }
