@@ -410,3 +410,32 @@ async fn cluster_with_auth() {
     let log = wrong.log();
     assert!(log.contains("cannot reach redis") && (log.contains("WRONGPASS") || log.contains("authentication failed")), "{log}");
 }
+
+/// Every node killed: the cluster's one breaker opens (the whole cluster is
+/// silent), and every request is answered by its fail policy within the
+/// deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_cluster_down_opens_the_breaker() {
+    let mut cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = {DEADLINE_MS}"));
+    let mut c = d.client().await;
+    let a = CheckArgs { on_error: FailPolicy::Open, ..args("all-down", 1_000_000, 1000) };
+    assert_eq!(c.check(&a).await.unwrap().source, Source::Redis);
+    for p in cluster.seeds().iter().map(|s| s.rsplit(':').next().unwrap().parse::<u16>().unwrap()) {
+        cluster.kill(p);
+    }
+    let start = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut sources = std::collections::BTreeMap::new();
+    while start.elapsed() < Duration::from_millis(1500) {
+        let sent = Instant::now();
+        let resp = c.check(&a).await.unwrap();
+        worst = worst.max(sent.elapsed());
+        assert_eq!((resp.decision, resp.source), (Decision::Allowed, Source::FailOpen), "{resp:?}");
+        *sources.entry(format!("{:?}", resp.error)).or_insert(0u32) += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    eprintln!("whole cluster down: {sources:?}, worst latency {worst:?}");
+    assert!(worst < Duration::from_millis(DEADLINE_MS + MARGIN_MS), "worst {worst:?}");
+    assert!(sources.get("CircuitOpen").is_some_and(|&n| n > 100), "the breaker opens: {sources:?}");
+}

@@ -339,12 +339,19 @@ impl RedisLink {
     /// On a cluster, a lost connection is one node's (a primary killed, a
     /// node restarting): redis-rs reconnects to it and refreshes the slot
     /// map itself, and the other nodes' keys are still decided in Redis, so
-    /// it neither opens the breaker nor replaces the connection. The
-    /// request follows its fail policy. The breaker, one per cluster, opens
-    /// when the whole cluster is silent for `breaker_failures` deadlines.
+    /// it does not open the breaker at once nor replace the connection; the
+    /// request follows its fail policy. It counts toward the breaker, as a
+    /// silent timeout does, only if no node answered any call of ours while
+    /// it waited: the breaker, one per cluster, opens when the whole cluster
+    /// is unreachable or silent for `breaker_failures` deadlines.
     fn record_failure(&self, e: &RedisError, cluster: bool, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
         match classify(e) {
-            Failure::Link if cluster => StoreError::Unavailable(e.to_string()),
+            Failure::Link if cluster => {
+                if self.last_reply_us.load(Ordering::Relaxed) <= permit.admitted_us {
+                    self.count_toward_breaker(permit, now);
+                }
+                StoreError::Unavailable(e.to_string())
+            }
             Failure::Link => {
                 self.link_lost(e);
                 StoreError::Unavailable(e.to_string())
@@ -400,7 +407,15 @@ impl RedisLink {
         if cause == TimeoutCause::Queued {
             self.in_flight.timed_out(now);
         }
-        if cause == TimeoutCause::RedisSilent && self.count_silence(permit, now) && self.breaker.record_failure() {
+        if cause == TimeoutCause::RedisSilent {
+            self.count_toward_breaker(permit, now);
+        }
+    }
+
+    /// A call that got no answer while Redis answered no call of ours:
+    /// counts toward opening the breaker (one per deadline of silence).
+    fn count_toward_breaker(&self, permit: &Permit<'_>, now: Instant) {
+        if self.count_silence(permit, now) && self.breaker.record_failure() {
             METRICS.breaker_opened();
             if let Some(suppressed) = self.trip_log.permit() {
                 tracing::warn!(
