@@ -463,3 +463,27 @@ async fn inspect_and_reset_on_the_cluster() {
     let r = c.check(&args("order:t1", 10, 60_000)).await.unwrap();
     assert_eq!((r.decision, r.count), (Decision::Allowed, 1), "the quota is whole again");
 }
+
+/// A TLS-only cluster that requires client certificates (TLS on the
+/// cluster bus and for replication too): `cluster_tls = true` with the
+/// `tls_*` files reaches every node; without a client certificate the link
+/// does not come up and requests follow their fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_with_mutual_tls() {
+    let certs = common::Certs::make();
+    let cluster = RedisCluster::start_tls(&certs);
+    let files = format!(
+        "cluster_tls = true\ntls_ca_file = \"{}\"\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"\ntimeout_ms = 500",
+        certs.ca().display(),
+        certs.client_cert().display(),
+        certs.client_key().display()
+    );
+    let d = cluster_daemon(&cluster, &files);
+    assert_eq!(send(&d, 4, 15, "tls", 50).await, 50);
+    let owner = owner_of(&cluster, &redis_key("tls", 60_000)).unwrap();
+    assert_eq!(cluster.cli(owner, &["ZCARD", &redis_key("tls", 60_000)]).trim(), "50");
+
+    let no_cert = cluster_daemon(&cluster, &format!("cluster_tls = true\ntls_ca_file = \"{}\"\ntimeout_ms = 500", certs.ca().display()));
+    let r = no_cert.client().await.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("tls", 50, 60_000) }).await.unwrap();
+    assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{r:?}");
+}
