@@ -8,7 +8,7 @@ use redis::AsyncConnectionConfig;
 use serde::Serialize;
 
 use crate::config::{RedisConfig, RedisSecrets};
-use crate::redis::{Connector, ConnectorError, WindowKey};
+use crate::redis::{Connector, ConnectorError, LinkConnection, WindowKey};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -39,7 +39,7 @@ fn window_key<'a>(cfg: &'a RedisConfig, key: &'a str, window_ms: u32) -> WindowK
     WindowKey { prefix: cfg.key_prefix.as_bytes(), key: key.as_bytes(), window_ms }
 }
 
-async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<redis::aio::MultiplexedConnection, AdminError> {
+async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<LinkConnection, AdminError> {
     let connector = Connector::new(cfg, secrets)?;
     let conn_cfg = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(cfg.connect_timeout.max(Duration::from_secs(1))))
@@ -50,7 +50,7 @@ async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<redis::aio
 /// The Redis keys of `key`'s windows: the one of `window_ms`, or every one
 /// that exists (found with SCAN: its cost grows with the keyspace), with
 /// their window lengths, shortest first.
-async fn windows_of(conn: &mut redis::aio::MultiplexedConnection, cfg: &RedisConfig, key: &str, window_ms: Option<u32>) -> Result<Vec<(Vec<u8>, u32)>, AdminError> {
+async fn windows_of(conn: &mut LinkConnection, cfg: &RedisConfig, key: &str, window_ms: Option<u32>) -> Result<Vec<(Vec<u8>, u32)>, AdminError> {
     if let Some(w) = window_ms {
         return Ok(vec![(window_key(cfg, key, w).to_vec(), w)]);
     }
@@ -59,7 +59,17 @@ async fn windows_of(conn: &mut redis::aio::MultiplexedConnection, cfg: &RedisCon
     let mut found = Vec::new();
     let mut cursor: u64 = 0;
     loop {
-        let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn).await?;
+        let scan = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).to_owned();
+        let (next, keys): (u64, Vec<Vec<u8>>) = match conn {
+            LinkConnection::Single(c) => scan.query_async(c).await?,
+            // Every window of a key is in the key's slot: scan the primary
+            // that holds it (SCAN is per node in a cluster).
+            LinkConnection::Cluster(c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(window_key(cfg, key, 0).to_vec(), SlotAddr::Master)));
+                redis::FromRedisValue::from_redis_value(c.route_command(scan, route).await?).map_err(redis::RedisError::from)?
+            }
+        };
         for k in keys {
             // The pattern's `*` could also match a longer key that merely
             // starts like ours: keep only "<stem>:<digits>ms".

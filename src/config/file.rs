@@ -82,6 +82,8 @@ impl Default for ServerSection {
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RedisSection {
     pub url: Option<String>,
+    pub cluster: Option<Vec<String>>,
+    pub cluster_tls: bool,
     pub username: Option<String>,
     pub password_file: Option<PathBuf>,
     pub password_env: Option<String>,
@@ -102,6 +104,8 @@ impl Default for RedisSection {
     fn default() -> Self {
         Self {
             url: None,
+            cluster: None,
+            cluster_tls: false,
             username: None,
             password_file: None,
             password_env: None,

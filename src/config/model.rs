@@ -173,6 +173,19 @@ pub enum RedisTarget {
     Url(String),
     /// Ask Redis Sentinel for the master.
     Sentinel(SentinelConfig),
+    /// A Redis Cluster, found from these seed nodes.
+    Cluster(ClusterConfig),
+}
+
+/// `[redis] cluster = [...]`: a Redis Cluster. The seeds are only where the
+/// topology is first read (`CLUSTER SLOTS`); the link then follows the
+/// cluster's own view (MOVED/ASK, failovers), so any few nodes will do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    pub seeds: Vec<HostPort>,
+    /// `redis.cluster_tls`: TLS to every node (a cluster has no URL scheme
+    /// to say so).
+    pub tls: bool,
 }
 
 /// `[redis.sentinel]`.
@@ -242,6 +255,10 @@ impl RedisConfig {
                 format!("master '{}' via sentinels {}", s.master_name, list.join(","))
             }
             RedisTarget::Url(url) => redacted_url(url),
+            RedisTarget::Cluster(c) => {
+                let list: Vec<String> = c.seeds.iter().map(HostPort::to_string).collect();
+                format!("cluster {}{}", if c.tls { "(tls) " } else { "" }, list.join(","))
+            }
         }
     }
 }

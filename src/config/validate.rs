@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Problems, RedisConfig, RedisTarget, SecretSource, SentinelConfig, ServerConfig, TlsFiles,
+    redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Problems, RedisConfig, RedisTarget, SecretSource, SentinelConfig, ClusterConfig, ServerConfig, TlsFiles,
     DEFAULT_REDIS_URL,
 };
 use crate::protocol::{Bounds, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, REQUEST_HEADER_LEN};
@@ -164,8 +164,28 @@ fn secret_source(p: &mut Problems, file_field: &'static str, file: Option<PathBu
 /// `None` only when the section had errors (they are in `p`).
 fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> {
     let before = p.0.len();
-    let target = match r.sentinel {
-        Some(s) => {
+    let target = match (r.sentinel, r.cluster) {
+        (Some(_), Some(_)) => {
+            p.add("redis.cluster", "set [redis.sentinel] or redis.cluster, not both");
+            RedisTarget::Url(DEFAULT_REDIS_URL.to_string())
+        }
+        (None, Some(nodes)) => {
+            if r.url.is_some() {
+                p.add("redis.url", "leave it unset with redis.cluster: the cluster names its nodes");
+            }
+            if nodes.is_empty() {
+                p.add("redis.cluster", "needs at least one \"host:port\"");
+            }
+            let mut seeds = Vec::with_capacity(nodes.len());
+            for n in &nodes {
+                match HostPort::parse(n) {
+                    Some(hp) if hp.port != 0 => seeds.push(hp),
+                    _ => p.add("redis.cluster", format!("'{n}' is not \"host:port\"")),
+                }
+            }
+            RedisTarget::Cluster(ClusterConfig { seeds, tls: r.cluster_tls })
+        }
+        (Some(s), None) => {
             if r.url.is_some() {
                 p.add("redis.url", "leave it unset with [redis.sentinel]: the sentinels name the master");
             }
@@ -185,7 +205,7 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
             let password = secret_source(p, "redis.sentinel.password_file", s.password_file, s.password_env);
             RedisTarget::Sentinel(SentinelConfig { master_name: s.master_name, addresses, username: s.username, password })
         }
-        None => {
+        (None, None) => {
             let url = r.url.unwrap_or_else(|| DEFAULT_REDIS_URL.to_string());
             if let Err(e) = redis::Client::open(url.as_str()) {
                 p.add("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(&url)));
@@ -193,10 +213,17 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
             RedisTarget::Url(url)
         }
     };
-    let tls_url = matches!(&target, RedisTarget::Url(u) if u.starts_with("rediss://"));
+    if r.cluster_tls && !matches!(&target, RedisTarget::Cluster(_)) {
+        p.add("redis.cluster_tls", "applies to redis.cluster only (a single Redis says rediss:// in its url)");
+    }
+    let tls_target = match &target {
+        RedisTarget::Url(u) => u.starts_with("rediss://"),
+        RedisTarget::Cluster(c) => c.tls,
+        RedisTarget::Sentinel(_) => false,
+    };
     for (field, path) in [("redis.tls_ca_file", &r.tls_ca_file), ("redis.tls_cert_file", &r.tls_cert_file), ("redis.tls_key_file", &r.tls_key_file)] {
-        if path.is_some() && !tls_url {
-            p.add(field, "needs a rediss:// url");
+        if path.is_some() && !tls_target {
+            p.add(field, "needs a rediss:// url, or cluster_tls = true with redis.cluster");
         }
     }
     let client = match (r.tls_cert_file, r.tls_key_file) {
@@ -352,6 +379,29 @@ mod tests {
         assert!(e.contains("needs a rediss:// url"), "{e}");
         let e = parse("[redis]\nurl = \"rediss://h\"\ntls_cert_file = \"/c\"\n").unwrap_err().to_string();
         assert!(e.contains("redis.tls_key_file: tls_cert_file and tls_key_file go together"), "{e}");
+    }
+
+    #[test]
+    fn cluster_settings_are_checked() {
+        let ok = redis_of(parse("[redis]\ncluster = [\"10.0.0.1:6379\", \"[::1]:7000\"]\npassword_env = \"X\"\n").unwrap());
+        let RedisTarget::Cluster(c) = &ok.target else { panic!("cluster target") };
+        assert_eq!(c.seeds, [HostPort { host: "10.0.0.1".into(), port: 6379 }, HostPort { host: "::1".into(), port: 7000 }]);
+        assert!(!c.tls);
+        assert_eq!(ok.describe(), "cluster 10.0.0.1:6379,[::1]:7000");
+        let tls = redis_of(parse("[redis]\ncluster = [\"h:1\"]\ncluster_tls = true\ntls_ca_file = \"/etc/hostname\"\n").unwrap());
+        assert!(matches!(&tls.target, RedisTarget::Cluster(c) if c.tls));
+        let e = parse("[redis]\ncluster = []\n").unwrap_err().to_string();
+        assert!(e.contains("redis.cluster: needs at least one"), "{e}");
+        let e = parse("[redis]\ncluster = [\"h\", \"h:0\", \"h:70000\"]\n").unwrap_err().to_string();
+        assert_eq!(e.matches("is not \"host:port\"").count(), 3, "{e}");
+        let e = parse("[redis]\nurl = \"redis://h\"\ncluster = [\"h:1\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.url: leave it unset with redis.cluster"), "{e}");
+        let e = parse("[redis]\ncluster = [\"h:1\"]\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap_err().to_string();
+        assert!(e.contains("redis.cluster: set [redis.sentinel] or redis.cluster, not both"), "{e}");
+        let e = parse("[redis]\ncluster_tls = true\n").unwrap_err().to_string();
+        assert!(e.contains("redis.cluster_tls: applies to redis.cluster only"), "{e}");
+        let e = parse("[redis]\ncluster = [\"h:1\"]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.tls_ca_file: needs a rediss:// url, or cluster_tls = true"), "{e}");
     }
 
     #[test]

@@ -1,12 +1,59 @@
 //! How to open a connection to the master: a redis-rs client built from
-//! `[redis]` and the secrets `preflight` fetched, or Sentinel discovery.
-//! Built once per link; reads no file and no environment variable.
+//! `[redis]` and the secrets `preflight` fetched, Sentinel discovery, or a
+//! Redis Cluster client. Built once per link; reads no file and no
+//! environment variable.
 
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, RedisError};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, Value};
 
 use super::sentinel::SentinelConnector;
-use crate::config::{RedisConfig, RedisSecrets, RedisTarget};
+use crate::config::{ClusterConfig, RedisConfig, RedisSecrets, RedisTarget};
+
+/// The link's connection: one multiplexed connection to a single master
+/// (direct or found through Sentinel), or a Redis Cluster connection, which
+/// keeps one multiplexed connection per node, routes each command by the
+/// slot of its key, follows MOVED/ASK and refreshes the slot map itself.
+/// Both are cheap to clone (a handle on a shared connection task).
+#[derive(Clone)]
+pub enum LinkConnection {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl LinkConnection {
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+}
+
+/// Delegates to the connection inside: `Cmd::query_async`, `Script::load_async`
+/// and pipelines work on either. No allocation of its own: both inner
+/// connections return their boxed future, which is passed on.
+impl ConnectionLike for LinkConnection {
+    #[inline]
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(&'a mut self, pipeline: &'a Pipeline, offset: usize, count: usize) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
 
 /// How the link reaches the master. Built once per link, so the size
 /// difference between the variants does not matter.
@@ -16,6 +63,9 @@ pub enum Connector {
     Direct(redis::Client),
     /// Ask the sentinels for the master, connect, and check `ROLE`.
     Sentinel(Box<SentinelConnector>),
+    /// A Redis Cluster: read the slot map from the seeds, connect to every
+    /// primary. `seeds` is for logs.
+    Cluster { client: ClusterClient, seeds: String },
 }
 
 /// Why a connector could not be built: redis-rs refused the settings.
@@ -32,6 +82,10 @@ impl Connector {
                 return Ok(Self::Sentinel(Box::new(connector)));
             }
             RedisTarget::Url(url) => url,
+            RedisTarget::Cluster(c) => {
+                let seeds = c.seeds.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+                return Ok(Self::Cluster { client: cluster_client(c, cfg, secrets)?, seeds: format!("cluster {seeds}") });
+            }
         };
         let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())?;
         let mut settings = info.redis_settings().clone();
@@ -60,13 +114,17 @@ impl Connector {
     /// lag a failover. `SCRIPT LOAD` succeeds on a replica, so without this
     /// check every reconnect would "succeed" and the next request would
     /// meet `READONLY`.
-    pub async fn connect(&self, cfg: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
+    ///
+    /// A cluster connection is checked by redis-rs itself: it reads the slot
+    /// map (`CLUSTER SLOTS`) and sends each command to its slot's primary.
+    pub async fn connect(&self, cfg: &AsyncConnectionConfig) -> Result<LinkConnection, RedisError> {
         let mut conn = match self {
             Self::Direct(client) => client.get_multiplexed_async_connection_with_config(cfg).await?,
             Self::Sentinel(s) => s.connect_master(cfg).await?,
+            Self::Cluster { client, .. } => return Ok(LinkConnection::Cluster(client.get_async_connection().await?)),
         };
         ensure_master(&mut conn).await?;
-        Ok(conn)
+        Ok(LinkConnection::Single(conn))
     }
 
     /// Where the link points, for logs (no credentials).
@@ -74,8 +132,38 @@ impl Connector {
         match self {
             Self::Direct(client) => client.get_connection_info().addr().to_string(),
             Self::Sentinel(s) => s.describe(),
+            Self::Cluster { seeds, .. } => seeds.clone(),
         }
     }
+}
+
+/// The cluster client: AUTH/ACL and TLS as for a single Redis, the link's
+/// timeouts, and Nagle off on every node's connection.
+///
+/// redis-rs retries a command itself after MOVED/ASK, a lost node
+/// connection or `TRYAGAIN`/`CLUSTERDOWN`, refreshing the slot map; the
+/// link's own deadline (`redis.timeout_ms`) still bounds every request, so
+/// those retries only ever use what is left of it. The response timeout is
+/// the floor of the supervisor's work (SCRIPT LOAD, probe), as for a
+/// single connection.
+fn cluster_client(c: &ClusterConfig, cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<ClusterClient, RedisError> {
+    let scheme = if c.tls { "rediss" } else { "redis" };
+    let seeds: Vec<String> = c.seeds.iter().map(|hp| format!("{scheme}://{hp}")).collect();
+    let mut b = ClusterClient::builder(seeds)
+        .connection_timeout(cfg.connect_timeout)
+        .response_timeout(cfg.timeout.max(std::time::Duration::from_secs(1)))
+        .tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+    if let Some(u) = &cfg.username {
+        b = b.username(u);
+    }
+    if let Some(p) = &secrets.password {
+        b = b.password(p);
+    }
+    if let Some(tls) = &secrets.tls {
+        let client_tls = tls.client.clone().map(|(client_cert, client_key)| redis::ClientTlsConfig { client_cert, client_key });
+        b = b.certs(redis::TlsCertificates { client_tls, root_cert: tls.ca.clone() });
+    }
+    b.build()
 }
 
 /// Fails unless the server answers `ROLE` with `master`. An ACL user not

@@ -12,6 +12,16 @@
 //! breaker is open. A new connection is only put in place once it has loaded
 //! the script, so requests never race a half-ready link.
 //!
+//! On a Redis Cluster the connection is redis-rs's cluster connection (one
+//! multiplexed connection per node, routing by slot, MOVED/ASK, slot-map
+//! refresh) and the same `eval` serves it, with two differences that keep
+//! one node's trouble its own keys' trouble: a node answering `NOSCRIPT`
+//! gets the call again as `EVAL` of the script's text (which caches it on
+//! that node; a `SCRIPT LOAD` goes to every node and fails if any is down),
+//! and a lost node connection fails only the request that met it (the
+//! client reconnects and refreshes the slot map itself). The breaker is one
+//! per cluster: it opens when the whole cluster is silent.
+//!
 //! Two guards stand between a request and Redis, and they answer different
 //! questions:
 //!
@@ -51,14 +61,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
-use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Cmd, FromRedisValue, RedisError, Script};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use self::admission::{InFlightLimit, Permit};
 use self::breaker::Breaker;
-use super::connector::Connector;
+use super::connector::{Connector, LinkConnection};
 use super::sentinel::SentinelConnector;
 use crate::config::RedisConfig;
 use crate::log_limit::RateLimitedLog;
@@ -93,7 +102,7 @@ impl From<&RedisConfig> for LinkSettings {
 }
 
 pub struct RedisLink {
-    conn: ArcSwapOption<MultiplexedConnection>,
+    conn: ArcSwapOption<LinkConnection>,
     breaker: Breaker,
     /// Admission: the adaptive limit on calls in flight.
     in_flight: InFlightLimit,
@@ -113,6 +122,8 @@ pub struct RedisLink {
     loaded: Notify,
     settings: LinkSettings,
     script: Script,
+    /// The script's text, for `EVAL` when a cluster node answers NOSCRIPT.
+    script_source: &'static str,
     /// A real call of the script (on a key of its own) that a new connection
     /// must answer before the breaker closes: `SCRIPT LOAD` alone succeeds on
     /// a server that then refuses or blocks writes (`CLIENT PAUSE WRITE`,
@@ -162,7 +173,8 @@ fn classify(e: &RedisError) -> Failure {
 impl RedisLink {
     /// Starts the supervisor; the link is down (breaker open) until it has
     /// connected and loaded `script`. Background tasks stop with `shutdown`.
-    pub fn start(connector: Connector, script: Script, probe: Cmd, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
+    pub fn start(connector: Connector, script_source: &'static str, probe: Cmd, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
+        let script = Script::new(script_source);
         let link = Arc::new(Self {
             conn: ArcSwapOption::empty(),
             breaker: Breaker::new(settings.breaker_failures),
@@ -176,6 +188,7 @@ impl RedisLink {
             loaded: Notify::new(),
             settings,
             script,
+            script_source,
             probe,
             trip_log: RateLimitedLog::new(LOG_INTERVAL),
             up_log: RateLimitedLog::new(LOG_INTERVAL),
@@ -225,18 +238,31 @@ impl RedisLink {
     pub async fn eval<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
         let started = Instant::now();
         let mut conn = self.connection()?;
+        let conn_is_cluster = conn.is_cluster();
         let Some(permit) = self.in_flight.admit(started) else {
             return Err(StoreError::Overloaded(self.in_flight.limit()));
         };
         let attempt = async {
             let seen = self.generation();
             match cmd.query_async::<T>(&mut conn).await {
+                Err(e) if is_noscript(&e) && conn.is_cluster() => {
+                    // One node of the cluster lost its script cache (a
+                    // promoted replica, SCRIPT FLUSH, a restart): EVAL the
+                    // text there. It runs the call and caches the script on
+                    // that node only; the other nodes are not asked, and
+                    // none being down matters (`SCRIPT LOAD` on a cluster
+                    // goes to every node and fails if any one is down).
+                    METRICS.noscript_reload();
+                    eval_source(cmd, self.script_source).query_async::<T>(&mut conn).await
+                }
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                     METRICS.noscript_reload();
                     self.wait_for_reload(seen).await;
                     cmd.query_async::<T>(&mut conn).await
                 }
-                Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                // A cluster connection reconnects to its nodes and retries
+                // by itself; the error is this request's only.
+                Err(e) if (e.is_connection_dropped() || e.is_io_error()) && !conn.is_cluster() => {
                     self.link_lost(&e);
                     // Leave a little of the deadline for the call itself.
                     let wait = self.settings.timeout.saturating_sub(started.elapsed() + Duration::from_millis(1));
@@ -261,7 +287,7 @@ impl RedisLink {
                 self.breaker.record_success();
                 Ok(v)
             }
-            Ok(Err(e)) => Err(self.record_failure(&e, &permit, now, took)),
+            Ok(Err(e)) => Err(self.record_failure(&e, conn_is_cluster, &permit, now, took)),
             Err(_) => {
                 self.record_timeout(&permit, now, took);
                 Err(StoreError::Timeout(self.settings.timeout))
@@ -293,7 +319,7 @@ impl RedisLink {
 
     /// The connection to use now, or why there is none.
     #[inline]
-    fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+    fn connection(&self) -> Result<LinkConnection, StoreError> {
         if self.breaker.is_open() {
             return Err(StoreError::CircuitOpen);
         }
@@ -309,8 +335,23 @@ impl RedisLink {
     }
 
     /// Reports a failed call and returns the error to answer with.
-    fn record_failure(&self, e: &RedisError, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
+    ///
+    /// On a cluster, a lost connection is one node's (a primary killed, a
+    /// node restarting): redis-rs reconnects to it and refreshes the slot
+    /// map itself, and the other nodes' keys are still decided in Redis, so
+    /// it does not open the breaker at once nor replace the connection; the
+    /// request follows its fail policy. It counts toward the breaker, as a
+    /// silent timeout does, only if no node answered any call of ours while
+    /// it waited: the breaker, one per cluster, opens when the whole cluster
+    /// is unreachable or silent for `breaker_failures` deadlines.
+    fn record_failure(&self, e: &RedisError, cluster: bool, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
         match classify(e) {
+            Failure::Link if cluster => {
+                if self.last_reply_us.load(Ordering::Relaxed) <= permit.admitted_us {
+                    self.count_toward_breaker(permit, now);
+                }
+                StoreError::Unavailable(e.to_string())
+            }
             Failure::Link => {
                 self.link_lost(e);
                 StoreError::Unavailable(e.to_string())
@@ -366,7 +407,15 @@ impl RedisLink {
         if cause == TimeoutCause::Queued {
             self.in_flight.timed_out(now);
         }
-        if cause == TimeoutCause::RedisSilent && self.count_silence(permit, now) && self.breaker.record_failure() {
+        if cause == TimeoutCause::RedisSilent {
+            self.count_toward_breaker(permit, now);
+        }
+    }
+
+    /// A call that got no answer while Redis answered no call of ours:
+    /// counts toward opening the breaker (one per deadline of silence).
+    fn count_toward_breaker(&self, permit: &Permit<'_>, now: Instant) {
+        if self.count_silence(permit, now) && self.breaker.record_failure() {
             METRICS.breaker_opened();
             if let Some(suppressed) = self.trip_log.permit() {
                 tracing::warn!(
@@ -496,8 +545,17 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                 link.reconnect_wanted.store(false, Ordering::Release);
                 link.reload_wanted.store(false, Ordering::Release);
                 let mut conn = connector.connect(&conn_cfg).await?;
-                script.load_async(&mut conn).await?;
-                link.probe.query_async::<redis::Value>(&mut conn).await?;
+                load_script(&link, &mut conn).await?;
+                if conn.is_cluster() {
+                    // The probe's node may have no script if SCRIPT LOAD
+                    // missed it (see `load_script`).
+                    match link.probe.query_async::<redis::Value>(&mut conn).await {
+                        Err(e) if is_noscript(&e) => eval_source(&link.probe, link.script_source).query_async::<redis::Value>(&mut conn).await?,
+                        other => other?,
+                    };
+                } else {
+                    link.probe.query_async::<redis::Value>(&mut conn).await?;
+                }
                 link.conn.store(Some(Arc::new(conn)));
             } else {
                 link.reload_wanted.store(false, Ordering::Release);
@@ -505,7 +563,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                     Some(c) => (**c).clone(),
                     None => return Err(RedisError::from(std::io::Error::other("no connection"))),
                 };
-                script.load_async(&mut conn).await?;
+                load_script(&link, &mut conn).await?;
             }
             Ok::<_, RedisError>(())
         };
@@ -553,6 +611,39 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
     }
 }
 
+fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
+
+/// `cmd`, an EVALSHA, as the EVAL of `source` with the same keys and
+/// arguments. Built only after a NOSCRIPT, never on the request path.
+fn eval_source(cmd: &Cmd, source: &str) -> Cmd {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(source);
+    for arg in cmd.args_iter().skip(2) {
+        if let redis::Arg::Simple(bytes) = arg {
+            eval.arg(bytes);
+        }
+    }
+    eval
+}
+
+/// `SCRIPT LOAD` over `conn`. On a cluster redis-rs sends it to every node,
+/// replicas too (so a replica promoted later already has it), and fails if
+/// any one node does not answer: a node down must not keep the link down
+/// (the others decide their keys), so there it is only logged; a node
+/// without the script answers NOSCRIPT and gets an EVAL (`eval`).
+async fn load_script(link: &RedisLink, conn: &mut LinkConnection) -> Result<(), RedisError> {
+    match link.script.load_async(conn).await {
+        Ok(_) => Ok(()),
+        Err(e) if conn.is_cluster() => {
+            tracing::debug!(error = %e, "SCRIPT LOAD did not reach every cluster node; nodes without the script get EVAL on NOSCRIPT");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// PINGs the idle link. A lost connection is found here rather than by the
 /// next request; a slow answer is left to the requests' own deadlines.
 async fn keepalive(link: &RedisLink) {
@@ -563,7 +654,9 @@ async fn keepalive(link: &RedisLink) {
     let mut conn = (**conn).clone();
     let ping = tokio::time::timeout(Duration::from_secs(1), redis::cmd("PING").query_async::<redis::Value>(&mut conn)).await;
     if let Ok(Err(e)) = ping {
-        if matches!(classify(&e), Failure::Link) {
+        // A cluster's PING goes to every primary; one that fails is that
+        // node's affair (see `record_failure`).
+        if matches!(classify(&e), Failure::Link) && !conn.is_cluster() {
             link.link_lost(&e);
         }
     }

@@ -1,7 +1,8 @@
 //! The shared store: the exact sliding window in Redis.
 //!
-//! - `connector`: how to open a connection to the master (direct, TLS, or
-//!   through Sentinel), from `[redis]` and the resolved secrets;
+//! - `connector`: how to open a connection to the master (direct, TLS,
+//!   through Sentinel, or a Redis Cluster connection), from `[redis]` and
+//!   the resolved secrets;
 //! - `sentinel`: master discovery and the `+switch-master` watch, which
 //!   tells its owner through a callback;
 //! - `link`: the one shared connection, its supervisor and its circuit
@@ -16,5 +17,5 @@ mod link;
 mod sentinel;
 mod window;
 
-pub use connector::{Connector, ConnectorError};
+pub use connector::{Connector, ConnectorError, LinkConnection};
 pub use window::{BatchAsk, RedisWindow, StartError, WindowKey};

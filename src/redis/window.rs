@@ -143,7 +143,7 @@ impl RedisWindow {
         let script = Script::new(SCRIPT_SOURCE);
         let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
         Ok(Arc::new(Self {
-            link: RedisLink::start(connector, script, probe, LinkSettings::from(cfg), shutdown),
+            link: RedisLink::start(connector, SCRIPT_SOURCE, probe, LinkSettings::from(cfg), shutdown),
             key_prefix: cfg.key_prefix.as_bytes().into(),
             instance,
             seq: AtomicU64::new(0),

@@ -11,6 +11,7 @@ pub mod daemon;
 pub mod nginx;
 pub mod ports;
 pub mod process;
+pub mod redis_cluster;
 pub mod redis_server;
 pub mod sentinel;
 pub mod tls;

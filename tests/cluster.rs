@@ -1,0 +1,489 @@
+//! The Redis Cluster backend against a real cluster each test starts: six
+//! `redis-server --cluster-enabled yes` (three primaries, three replicas,
+//! `cluster-node-timeout 1000`), joined by `redis-cli --cluster create`
+//! (`common::cluster`). The daemon is the real binary with
+//! `[redis] cluster = [...]`.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::redis_cluster::RedisCluster;
+use common::{args, Daemon};
+use ratelimitd::protocol::{CheckArgs, Decision, FailPolicy, Response, Source};
+use tokio::sync::Notify;
+
+/// `[redis]` for a daemon on `cluster`, with `extra` lines.
+fn cluster_daemon(cluster: &RedisCluster, extra: &str) -> Daemon {
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\ncluster = [{}]\n{extra}\n", seeds.join(", ")))
+}
+
+/// The Redis key of a client key's 60 s window (the daemon's default prefix).
+fn redis_key(key: &str, window_ms: u32) -> String {
+    format!("ratelimitd:{{{key}}}:{window_ms}ms")
+}
+
+/// The primary that holds `redis_key`'s slot now, by `CLUSTER KEYSLOT` and
+/// `CLUSTER COUNTKEYSINSLOT` (the key must exist).
+fn owner_of(cluster: &RedisCluster, redis_key: &str) -> Option<u16> {
+    let primaries = cluster.primaries();
+    let slot = cluster.cli(primaries[0], &["CLUSTER", "KEYSLOT", redis_key]).trim().to_string();
+    primaries.into_iter().find(|&p| cluster.cli(p, &["CLUSTER", "COUNTKEYSINSLOT", &slot]).trim() != "0")
+}
+
+fn on_redis(r: &Response) -> bool {
+    matches!(r.source, Source::Redis | Source::DenialCache)
+}
+
+/// `conns` connections each sending `per_conn` checks; the allowed count.
+async fn send(d: &Daemon, conns: usize, per_conn: usize, key: &'static str, limit: u32) -> u32 {
+    let mut tasks = Vec::new();
+    for _ in 0..conns {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut allowed = 0;
+            for _ in 0..per_conn {
+                let resp = c.check(&args(key, limit, 60_000)).await.unwrap();
+                assert!(on_redis(&resp), "{resp:?}");
+                allowed += (resp.decision == Decision::Allowed) as u32;
+            }
+            allowed
+        }));
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += t.await.unwrap();
+    }
+    allowed
+}
+
+/// The seed's scenario on a cluster: limit 1000, 1005 requests at once from
+/// 15 connections, exactly 1000 admitted, every one decided by Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_scenario_on_the_cluster() {
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    assert_eq!(send(&d, 15, 67, "seed", 1000).await, 1000);
+    // The window is where the slot map says, and holds the 1000.
+    let owner = owner_of(&cluster, &redis_key("seed", 60_000)).expect("the window is on a primary");
+    assert_eq!(cluster.cli(owner, &["ZCARD", &redis_key("seed", 60_000)]).trim(), "1000");
+}
+
+/// Windows of many keys land on every primary, each on the primary of its
+/// slot, and every key's count is its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_spread_over_every_primary() {
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    let keys: Vec<String> = (0..60).map(|i| format!("tenant-{i}")).collect();
+    for k in &keys {
+        for n in 1..=3u32 {
+            let resp = c.check(&args(k, 10, 60_000)).await.unwrap();
+            assert_eq!((resp.decision, resp.source, resp.count), (Decision::Allowed, Source::Redis, n), "{k}: {resp:?}");
+        }
+    }
+    let mut owners = HashSet::new();
+    for k in &keys {
+        let rk = redis_key(k, 60_000);
+        let owner = owner_of(&cluster, &rk).unwrap_or_else(|| panic!("{rk} is on no primary"));
+        assert_eq!(cluster.cli(owner, &["ZCARD", &rk]).trim(), "3", "{rk}");
+        owners.insert(owner);
+    }
+    let primaries: HashSet<u16> = cluster.primaries().into_iter().collect();
+    assert_eq!(owners, primaries, "60 keys reach every primary");
+    for p in primaries {
+        let dbsize: u64 = cluster.cli(p, &["DBSIZE"]).trim().parse().unwrap();
+        eprintln!("primary {p}: {dbsize} keys");
+        assert!(dbsize >= 5, "primary {p} holds {dbsize} keys");
+    }
+}
+
+/// Two daemons on one cluster hold one limit exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_daemons_share_one_limit_on_the_cluster() {
+    let cluster = RedisCluster::start();
+    let a = cluster_daemon(&cluster, "timeout_ms = 500");
+    let b = cluster_daemon(&cluster, "timeout_ms = 500");
+    let (x, y) = tokio::join!(send(&a, 8, 100, "shared", 1000), send(&b, 8, 100, "shared", 1000));
+    assert_eq!(x + y, 1000, "daemon a admitted {x}, b {y}");
+    assert!(x > 0 && y > 0, "both daemons admitted some: {x} and {y}");
+}
+
+/// `SCRIPT FLUSH` on the primary of a key while it is being served: every
+/// request is still decided by Redis (the node gets EVAL on NOSCRIPT), and
+/// the limit stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_on_one_node_while_serving() {
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args("flushed", 600, 60_000)).await.unwrap().source, Source::Redis);
+    let owner = owner_of(&cluster, &redis_key("flushed", 60_000)).unwrap();
+    let load = tokio::spawn({
+        let d_socket = d.socket.clone();
+        async move {
+            let mut tasks = Vec::new();
+            for _ in 0..4 {
+                let mut c = ratelimitd::client::Client::connect(&d_socket).await.unwrap();
+                tasks.push(tokio::spawn(async move {
+                    let mut allowed = 0u32;
+                    for _ in 0..200 {
+                        let resp = c.check(&args("flushed", 600, 60_000)).await.unwrap();
+                        assert!(on_redis(&resp), "{resp:?}");
+                        allowed += (resp.decision == Decision::Allowed) as u32;
+                    }
+                    allowed
+                }));
+            }
+            let mut allowed = 0;
+            for t in tasks {
+                allowed += t.await.unwrap();
+            }
+            allowed
+        }
+    });
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(cluster.cli(owner, &["SCRIPT", "FLUSH"]).trim(), "OK");
+    }
+    let allowed = load.await.unwrap();
+    assert_eq!(allowed + 1, 600, "801 requests under a limit of 600");
+    let resp = c.check(&args("flushed", 600, 60_000)).await.unwrap();
+    assert_eq!((resp.decision, resp.count), (Decision::Denied, 600), "{resp:?}");
+    let sha = d_sha(&d);
+    assert_eq!(cluster.cli(owner, &["SCRIPT", "EXISTS", &sha]).trim(), "1", "the flushed node has the script again");
+}
+
+/// The script's SHA1, from the daemon's start-up log line.
+fn d_sha(d: &Daemon) -> String {
+    let log = d.log();
+    let at = log.find("sha=").expect("the log names the script's sha");
+    log[at + 4..].trim_start_matches('"').chars().take_while(char::is_ascii_hexdigit).collect()
+}
+
+/// The daemon's Redis deadline in the failover test: the product default.
+const DEADLINE_MS: u64 = 20;
+/// What a loaded 2-core CI machine may add on top (scheduling, the client).
+const MARGIN_MS: u64 = 250;
+
+struct Sample {
+    at: Duration,
+    latency: Duration,
+    key: usize,
+    resp: Response,
+}
+
+/// A primary SIGKILLed under load: every request is answered within the
+/// deadline (by Redis, or its fail policy: open here), the keys of the
+/// other primaries stay on Redis, and the dead primary's keys are decided
+/// by Redis again once its replica is promoted. Prints how long that took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primary_killed_under_load() {
+    let mut cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = {DEADLINE_MS}"));
+    // One key per primary.
+    let mut c = d.client().await;
+    let mut keys: Vec<(&'static str, u16)> = Vec::new();
+    for i in 0..200 {
+        let k: &'static str = Box::leak(format!("load-{i}").into_boxed_str());
+        let resp = c.check(&CheckArgs { on_error: FailPolicy::Open, ..args(k, 1_000_000, 1000) }).await.unwrap();
+        assert_eq!(resp.source, Source::Redis, "{resp:?}");
+        let owner = owner_of(&cluster, &redis_key(k, 1000)).unwrap();
+        if !keys.iter().any(|&(_, o)| o == owner) {
+            keys.push((k, owner));
+        }
+        if keys.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(keys.len(), 3, "a key on each primary");
+    let (victim_key, victim) = keys[0];
+
+    let start = Instant::now();
+    let stop = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+    for conn in 0..12 {
+        let mut c = d.client().await;
+        let stop = stop.clone();
+        let (key, _) = keys[conn % 3];
+        tasks.push(tokio::spawn(async move {
+            let a = CheckArgs { on_error: FailPolicy::Open, ..args(key, 1_000_000, 1000) };
+            let mut samples = Vec::new();
+            let stopped = stop.notified();
+            tokio::pin!(stopped);
+            loop {
+                let sent = Instant::now();
+                let resp = tokio::select! {
+                    _ = &mut stopped => return samples,
+                    r = c.check(&a) => r.expect("every request gets an answer"),
+                };
+                samples.push(Sample { at: sent - start, latency: sent.elapsed(), key: conn % 3, resp });
+                // A steady load, not a flood: the 2-core machine also runs
+                // six redis-servers and the failover.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed_at = start.elapsed();
+    cluster.kill(victim);
+    // Wait for the promotion, then for Redis decisions on the victim's key.
+    let promoted = cluster.wait_ok(Duration::from_secs(20));
+    let promoted_at = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    stop.notify_waiters();
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await.unwrap());
+    }
+    samples.sort_by_key(|s| s.at);
+    assert!(promoted, "the cluster is ok again after the kill");
+
+    let worst = samples.iter().map(|s| s.latency).max().unwrap();
+    assert!(worst < Duration::from_millis(DEADLINE_MS + MARGIN_MS), "worst latency {worst:?}");
+    for s in &samples {
+        // Policy open: every answer admits, from Redis or the fail policy.
+        assert_eq!(s.resp.decision, Decision::Allowed, "{:?}", s.resp);
+    }
+    let victim_after: Vec<&Sample> = samples.iter().filter(|s| s.key == 0 && s.at > killed_at).collect();
+    let failed = victim_after.iter().filter(|s| s.resp.source == Source::FailOpen).count();
+    assert!(failed > 0, "the dead primary's key follows its fail policy for a while");
+    // Resumed: from the first Redis answer after which the key stays on Redis.
+    let last_failed = victim_after.iter().rev().find(|s| !on_redis(&s.resp)).map(|s| s.at).unwrap();
+    let resumed = victim_after.iter().find(|s| s.at > last_failed && on_redis(&s.resp)).expect("Redis decisions resume for the dead primary's key");
+    let tail = victim_after.iter().filter(|s| s.at > resumed.at).count();
+    assert!(tail > 100, "{tail} Redis decisions after resuming");
+    let others_after: Vec<&Sample> = samples.iter().filter(|s| s.key != 0 && s.at > killed_at).collect();
+    let others_on_redis = others_after.iter().filter(|s| on_redis(&s.resp)).count();
+    let others_failed: Vec<&&Sample> = others_after.iter().filter(|s| !on_redis(&s.resp)).collect();
+    if let (Some(first), Some(last)) = (others_failed.first(), others_failed.last()) {
+        let mut why = std::collections::BTreeMap::new();
+        for s in &others_failed {
+            *why.entry(format!("{:?}: {}", s.resp.error, s.resp.message.chars().take(60).collect::<String>())).or_insert(0) += 1;
+        }
+        eprintln!("other keys off Redis from {:?} to {:?} after the kill: {why:#?}", first.at - killed_at, last.at - killed_at);
+    }
+    eprintln!(
+        "primary {victim} ({victim_key}) killed at {killed_at:?}: cluster_state ok on every live node after {:?}; \
+         its key decided by Redis again after {:?} ({failed} of {} requests on it answered by the fail policy); \
+         other primaries' keys on Redis for {others_on_redis} of {} requests; worst latency {worst:?}",
+        promoted_at - killed_at,
+        resumed.at - killed_at,
+        victim_after.len(),
+        others_after.len(),
+    );
+    // Until the cluster declares the node failed (`cluster-node-timeout`,
+    // 1 s), the other primaries' keys stay on Redis: the dead node's
+    // errors and timeouts are its keys' alone and do not open the
+    // cluster's breaker. (From FAIL to the promotion, Redis's default
+    // `cluster-require-full-coverage yes` makes every node refuse every
+    // key with CLUSTERDOWN; the breaker then opens, as for any silent
+    // Redis, and closes on the first probe after the promotion.)
+    let before_fail: Vec<&&Sample> = others_after.iter().filter(|s| s.at < killed_at + Duration::from_millis(900)).collect();
+    let before_fail_on_redis = before_fail.iter().filter(|s| on_redis(&s.resp)).count();
+    let log = d.log();
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("INFO")).map(|l| &l[..l.len().min(400)]).collect();
+    assert!(
+        before_fail.len() > 100 && before_fail_on_redis * 100 >= before_fail.len() * 98,
+        "other keys on Redis before FAIL: {before_fail_on_redis} of {}\n{}",
+        before_fail.len(),
+        warnings.join("\n")
+    );
+    // And they are back on Redis at the end.
+    let end = samples.last().unwrap().at;
+    let others_tail: Vec<&&Sample> = others_after.iter().filter(|s| s.at > end - Duration::from_millis(500)).collect();
+    assert!(others_tail.iter().all(|s| on_redis(&s.resp)), "other keys on Redis at the end");
+}
+
+/// A hot key's slot moved to another primary under load (the steps of
+/// `redis-cli --cluster reshard`, for that one slot: IMPORTING, MIGRATING,
+/// MIGRATE, SETSLOT NODE): the requests meet the key on the old primary,
+/// then `ASK` to the new one, then `MOVED`; every one is decided by Redis
+/// and the limit holds exactly across the move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_slot_moved_under_load() {
+    const LIMIT: u32 = 1500;
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args("hot", LIMIT, 60_000)).await.unwrap().source, Source::Redis);
+    let rk = redis_key("hot", 60_000);
+    let src = owner_of(&cluster, &rk).unwrap();
+    let dst = cluster.primaries().into_iter().find(|&p| p != src).unwrap();
+    let slot = cluster.cli(src, &["CLUSTER", "KEYSLOT", &rk]).trim().to_string();
+    let id = |p: u16| cluster.cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+    let (src_id, dst_id) = (id(src), id(dst));
+
+    let start = Instant::now();
+    let stop = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = d.client().await;
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut answers: Vec<(Duration, Response)> = Vec::new();
+            let a = args("hot", LIMIT, 60_000);
+            let stopped = stop.notified();
+            tokio::pin!(stopped);
+            loop {
+                let resp = tokio::select! {
+                    _ = &mut stopped => return answers,
+                    r = c.check(&a) => r.expect("every request gets an answer"),
+                };
+                answers.push((start.elapsed(), resp));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let ok = |out: String| assert_eq!(out.trim(), "OK", "{out}");
+    ok(cluster.cli(dst, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id]));
+    ok(cluster.cli(src, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id]));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let migrate_at = start.elapsed();
+    let keys = cluster.cli(src, &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+    let keys: Vec<&str> = keys.lines().filter(|l| !l.is_empty()).collect();
+    assert!(keys.contains(&rk.as_str()), "{keys:?}");
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", "", "", "0", "5000", "KEYS"];
+    let dst_port = dst.to_string();
+    migrate[2] = &dst_port;
+    migrate.extend(keys.iter().copied());
+    ok(cluster.cli(src, &migrate));
+    // Keys gone from the source, slot not yet handed over: ASK.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for p in [dst, src] {
+        ok(cluster.cli(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]));
+    }
+    for p in cluster.primaries() {
+        if p != dst && p != src {
+            ok(cluster.cli(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id]));
+        }
+    }
+    let moved_at = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.notify_waiters();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.extend(t.await.unwrap());
+    }
+    answers.sort_by_key(|(at, _)| *at);
+    for (at, resp) in &answers {
+        assert!(on_redis(resp), "at {at:?} (migrate at {migrate_at:?}, moved at {moved_at:?}): {resp:?}");
+    }
+    let allowed = answers.iter().filter(|(_, r)| r.decision == Decision::Allowed).count() as u32;
+    let during = answers.iter().filter(|(at, _)| *at > migrate_at && *at < moved_at).count();
+    let after = answers.iter().filter(|(at, _)| *at > moved_at).count();
+    eprintln!("slot {slot} moved {src} -> {dst}: {} requests, {during} while migrating, {after} after the move", answers.len());
+    assert!(answers.len() as u32 + 1 > LIMIT + 100, "the limit is reached: {} requests", answers.len());
+    assert!(during > 0 && after > 0, "requests during ({during}) and after ({after}) the move");
+    assert_eq!(allowed + 1, LIMIT, "exactly the limit admitted across the move");
+    assert_eq!(cluster.cli(dst, &["ZCARD", &rk]).trim(), LIMIT.to_string());
+    let at_src = cluster.cli(src, &["EXISTS", &rk]);
+    assert_eq!(at_src.trim(), format!("MOVED {slot} 127.0.0.1:{dst}"), "the old primary sends the slot's clients on");
+}
+
+/// AUTH on every node (`requirepass`): the daemon's `password_file` is used
+/// for every node's connection, and a wrong password is reported as such,
+/// while requests follow their fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_with_auth() {
+    let cluster = RedisCluster::start_with_password("cluster-secret");
+    let dir = tempfile::tempdir().unwrap();
+    let (good, bad) = (dir.path().join("good.pass"), dir.path().join("bad.pass"));
+    std::fs::write(&good, "cluster-secret\n").unwrap();
+    std::fs::write(&bad, "wrong\n").unwrap();
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = 500\npassword_file = \"{}\"", good.display()));
+    assert_eq!(send(&d, 4, 15, "authed", 50).await, 50);
+    let owner = owner_of(&cluster, &redis_key("authed", 60_000)).unwrap();
+    assert_eq!(cluster.cli(owner, &["ZCARD", &redis_key("authed", 60_000)]).trim(), "50");
+
+    let wrong = cluster_daemon(&cluster, &format!("timeout_ms = 500\npassword_file = \"{}\"", bad.display()));
+    let mut c = wrong.client().await;
+    let resp = c.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("authed", 50, 60_000) }).await.unwrap();
+    assert_eq!((resp.decision, resp.source), (Decision::Denied, Source::FailClosed), "{resp:?}");
+    // redis-rs: "Failed to create initial connections - Io: Password
+    // authentication failed - AuthenticationFailed".
+    let log = wrong.log();
+    assert!(log.contains("cannot reach redis") && (log.contains("WRONGPASS") || log.contains("authentication failed")), "{log}");
+}
+
+/// Every node killed: the cluster's one breaker opens (the whole cluster is
+/// silent), and every request is answered by its fail policy within the
+/// deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_cluster_down_opens_the_breaker() {
+    let mut cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = {DEADLINE_MS}"));
+    let mut c = d.client().await;
+    let a = CheckArgs { on_error: FailPolicy::Open, ..args("all-down", 1_000_000, 1000) };
+    assert_eq!(c.check(&a).await.unwrap().source, Source::Redis);
+    for p in cluster.seeds().iter().map(|s| s.rsplit(':').next().unwrap().parse::<u16>().unwrap()) {
+        cluster.kill(p);
+    }
+    let start = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut sources = std::collections::BTreeMap::new();
+    while start.elapsed() < Duration::from_millis(1500) {
+        let sent = Instant::now();
+        let resp = c.check(&a).await.unwrap();
+        worst = worst.max(sent.elapsed());
+        assert_eq!((resp.decision, resp.source), (Decision::Allowed, Source::FailOpen), "{resp:?}");
+        *sources.entry(format!("{:?}", resp.error)).or_insert(0u32) += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    eprintln!("whole cluster down: {sources:?}, worst latency {worst:?}");
+    assert!(worst < Duration::from_millis(DEADLINE_MS + MARGIN_MS), "worst {worst:?}");
+    assert!(sources.get("CircuitOpen").is_some_and(|&n| n > 100), "the breaker opens: {sources:?}");
+}
+
+/// `ratelimitd inspect` and `reset` on a cluster: the key's windows are
+/// found by SCAN on the primary of the key's slot, and deleted there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_and_reset_on_the_cluster() {
+    const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
+    let cluster = RedisCluster::start();
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    for _ in 0..3 {
+        c.check(&args("order:t1", 10, 60_000)).await.unwrap();
+    }
+    c.check(&args("order:t1", 10, 1000)).await.unwrap();
+    let out = std::process::Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let found: Vec<(u64, u64)> = all.as_array().unwrap().iter().map(|w| (w["window_ms"].as_u64().unwrap(), w["members"].as_u64().unwrap())).collect();
+    assert_eq!(found, [(1000, 1), (60_000, 3)], "{all}");
+    let out = std::process::Command::new(BIN).args(["reset", "--config"]).arg(&d.config).args(["--key", "order:t1"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ratelimitd:{order:t1}:1000ms: deleted\nratelimitd:{order:t1}:60000ms: deleted", "{}", String::from_utf8_lossy(&out.stderr));
+    // The denial cache is not involved: 3 of 10 were used, none refused.
+    let r = c.check(&args("order:t1", 10, 60_000)).await.unwrap();
+    assert_eq!((r.decision, r.count), (Decision::Allowed, 1), "the quota is whole again");
+}
+
+/// A TLS-only cluster that requires client certificates (TLS on the
+/// cluster bus and for replication too): `cluster_tls = true` with the
+/// `tls_*` files reaches every node; without a client certificate the link
+/// does not come up and requests follow their fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_with_mutual_tls() {
+    let certs = common::Certs::make();
+    let cluster = RedisCluster::start_tls(&certs);
+    let files = format!(
+        "cluster_tls = true\ntls_ca_file = \"{}\"\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"\ntimeout_ms = 500",
+        certs.ca().display(),
+        certs.client_cert().display(),
+        certs.client_key().display()
+    );
+    let d = cluster_daemon(&cluster, &files);
+    assert_eq!(send(&d, 4, 15, "tls", 50).await, 50);
+    let owner = owner_of(&cluster, &redis_key("tls", 60_000)).unwrap();
+    assert_eq!(cluster.cli(owner, &["ZCARD", &redis_key("tls", 60_000)]).trim(), "50");
+
+    let no_cert = cluster_daemon(&cluster, &format!("cluster_tls = true\ntls_ca_file = \"{}\"\ntimeout_ms = 500", certs.ca().display()));
+    let r = no_cert.client().await.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("tls", 50, 60_000) }).await.unwrap();
+    assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{r:?}");
+}

@@ -1,0 +1,246 @@
+//! A real Redis Cluster of the test's own: six `redis-server
+//! --cluster-enabled yes` on loopback ports (each port and its cluster bus
+//! port, port + 10000, free and confirmed to be served by the process
+//! started), joined by `redis-cli --cluster create --cluster-replicas 1`:
+//! three primaries with one replica each. `cluster-node-timeout` is 1 s, so
+//! a killed primary's replica is promoted within a few seconds. Every node
+//! is killed and the temp dir removed on drop.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::ports::on_own_ports;
+use super::process::ChildGuard;
+use super::tls::Certs;
+use super::wait::{poll, Waited};
+
+const NODES: usize = 6;
+/// Redis puts the cluster bus on port + 10000.
+const BUS_OFFSET: u16 = 10_000;
+const NODE_TIMEOUT_MS: &str = "1000";
+/// How long forming the cluster may take on a loaded 2-core machine.
+const FORM_LIMIT: Duration = Duration::from_secs(30);
+
+pub struct RedisCluster {
+    /// Indexed like `ports`; `None` once killed.
+    nodes: Vec<Option<ChildGuard>>,
+    ports: Vec<u16>,
+    dir: TempDir,
+    access: Access,
+}
+
+/// What a client needs to talk to the nodes, and what the nodes are started
+/// with: `requirepass` (and `masterauth`), and TLS only (client certificate
+/// required, TLS on the cluster bus and for replication).
+#[derive(Clone, Default)]
+struct Access {
+    password: Option<String>,
+    /// CA, certificate and key; the server certificate (127.0.0.1) serves
+    /// both as the nodes' server and client certificate.
+    tls: Option<TlsPaths>,
+}
+
+#[derive(Clone)]
+struct TlsPaths {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+}
+
+impl Access {
+    /// redis-cli's options.
+    fn cli_args(&self, cmd: &mut Command) {
+        if let Some(pw) = &self.password {
+            cmd.args(["-a", pw, "--no-auth-warning"]);
+        }
+        if let Some(t) = &self.tls {
+            cmd.arg("--tls").arg("--cacert").arg(&t.ca).arg("--cert").arg(&t.client_cert).arg("--key").arg(&t.client_key);
+        }
+    }
+}
+
+impl RedisCluster {
+    /// Six nodes on ports of their own, formed into a cluster with every
+    /// node reporting `cluster_state:ok`, all 16384 slots and six nodes.
+    pub fn start() -> Self {
+        Self::start_inner(Access::default())
+    }
+
+    /// Like `start`, TLS only on every node (clients must present a
+    /// certificate of `certs`' CA), on the cluster bus too.
+    pub fn start_tls(certs: &Certs) -> Self {
+        let tls = TlsPaths { ca: certs.ca(), server_cert: certs.server_cert(), server_key: certs.server_key(), client_cert: certs.client_cert(), client_key: certs.client_key() };
+        Self::start_inner(Access { password: None, tls: Some(tls) })
+    }
+
+    /// Like `start`, every node requiring `password` (replicas use it as
+    /// `masterauth`; `cli` authenticates with it).
+    pub fn start_with_password(password: &str) -> Self {
+        Self::start_inner(Access { password: Some(password.to_string()), tls: None })
+    }
+
+    fn start_inner(access: Access) -> Self {
+        let cluster = on_own_ports("redis cluster", NODES, |ports| {
+            if ports.iter().any(|&p| p > u16::MAX - BUS_OFFSET || std::net::TcpListener::bind(("127.0.0.1", p + BUS_OFFSET)).is_err()) {
+                return Err("a cluster bus port (port + 10000) is not free".into());
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let mut c = Self { nodes: Vec::new(), ports: ports.to_vec(), dir, access: access.clone() };
+            for &port in ports {
+                let node = c.spawn(port);
+                c.nodes.push(Some(node));
+            }
+            c.confirm_own().map(|()| c)
+        });
+        cluster.create();
+        cluster
+    }
+
+    fn spawn(&self, port: u16) -> ChildGuard {
+        let node_dir = self.dir.path().join(port.to_string());
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let log = node_dir.join("redis.log");
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let mut cmd = Command::new("redis-server");
+        match &self.access.tls {
+            None => cmd.args(["--port", &port.to_string()]),
+            Some(t) => cmd
+                .args(["--port", "0", "--tls-port", &port.to_string(), "--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "yes"])
+                .arg("--tls-cert-file")
+                .arg(&t.server_cert)
+                .arg("--tls-key-file")
+                .arg(&t.server_key)
+                .arg("--tls-ca-cert-file")
+                .arg(&t.ca),
+        };
+        cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", NODE_TIMEOUT_MS, "--cluster-config-file"])
+            .arg(node_dir.join("nodes.conf"))
+            .arg("--dir")
+            .arg(&node_dir)
+            .stdout(out)
+            .stderr(Stdio::null());
+        if let Some(pw) = &self.access.password {
+            cmd.args(["--requirepass", pw, "--masterauth", pw]);
+        }
+        ChildGuard::spawn("redis-server (cluster node)", &mut cmd, Some(log))
+    }
+
+    /// Every node answers `INFO server` with the pid of the process started
+    /// on its port (not another test's server that got the port first).
+    fn confirm_own(&mut self) -> Result<(), String> {
+        for i in 0..NODES {
+            let port = self.ports[i];
+            let node = self.nodes[i].as_mut().unwrap();
+            let pid = node.pid();
+            let access = self.access.clone();
+            let own = || cli_output(port, &access, &["INFO", "server"]).is_some_and(|info| info.lines().any(|l| l.trim() == format!("process_id:{pid}")));
+            match poll(Duration::from_secs(10), Some(node), own) {
+                Waited::Ready => {}
+                Waited::Exited(status) => return Err(format!("node on {port} exited with {status} (port taken?)\n{}", node.log())),
+                Waited::TimedOut => return Err(format!("node on {port} does not answer as itself")),
+            }
+        }
+        Ok(())
+    }
+
+    /// `redis-cli --cluster create`, then waits until every node agrees.
+    fn create(&self) {
+        let addrs: Vec<String> = self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let mut cmd = Command::new("redis-cli");
+        self.access.cli_args(&mut cmd);
+        let out = cmd
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| panic!("redis-cli: {e} (scripts/test installs redis-tools)"));
+        assert!(out.status.success(), "redis-cli --cluster create: {}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let formed = |port: u16| {
+            cli_output(port, &self.access, &["CLUSTER", "INFO"]).is_some_and(|i| {
+                i.contains("cluster_state:ok") && i.contains("cluster_slots_ok:16384") && i.contains(&format!("cluster_known_nodes:{NODES}"))
+            })
+        };
+        let start = Instant::now();
+        while !(self.ports.iter().all(|&p| formed(p)) && self.primaries().len() == 3 && self.replicas_linked()) {
+            assert!(start.elapsed() < FORM_LIMIT, "the cluster did not form in {FORM_LIMIT:?}:\n{}", self.logs());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every replica's link to its primary is up (replication done).
+    fn replicas_linked(&self) -> bool {
+        self.live_ports().into_iter().all(|p| match cli_output(p, &self.access, &["INFO", "replication"]) {
+            Some(info) if info.contains("role:slave") => info.contains("master_link_status:up"),
+            Some(_) => true,
+            None => false,
+        })
+    }
+
+    /// `host:port` of every node, for `[redis] cluster`.
+    pub fn seeds(&self) -> Vec<String> {
+        self.ports.iter().map(|p| format!("127.0.0.1:{p}")).collect()
+    }
+
+    fn live_ports(&self) -> Vec<u16> {
+        self.ports.iter().zip(&self.nodes).filter(|(_, n)| n.is_some()).map(|(&p, _)| p).collect()
+    }
+
+    /// Ports of the live nodes that are primaries now (by `ROLE`).
+    pub fn primaries(&self) -> Vec<u16> {
+        self.live_ports().into_iter().filter(|&p| cli_output(p, &self.access, &["ROLE"]).is_some_and(|r| r.lines().next() == Some("master"))).collect()
+    }
+
+    /// `redis-cli -p port args...`: its stdout (raw, not a terminal's
+    /// formatting). Panics if redis-cli fails.
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        cli_output(port, &self.access, args).unwrap_or_else(|| panic!("redis-cli -p {port} {args:?} failed"))
+    }
+
+    /// SIGKILL the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        let i = self.ports.iter().position(|&p| p == port).expect("a node of this cluster");
+        if let Some(mut node) = self.nodes[i].take() {
+            node.kill();
+        }
+    }
+
+    /// Waits until every live node says `cluster_state:ok` and three live
+    /// nodes are primaries (after a kill: the replica was promoted and the
+    /// others know it). Returns whether that happened within `limit`.
+    pub fn wait_ok(&self, limit: Duration) -> bool {
+        let ok = || self.primaries().len() == 3 && self.live_ports().into_iter().all(|p| cli_output(p, &self.access, &["CLUSTER", "INFO"]).is_some_and(|i| i.contains("cluster_state:ok")));
+        poll(limit, None, ok) == Waited::Ready
+    }
+
+    /// Every node's log, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut all = String::new();
+        for p in &self.ports {
+            let path: PathBuf = self.dir.path().join(p.to_string()).join("redis.log");
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(30).collect();
+            all += &format!("--- node {p} ---\n");
+            for l in tail.into_iter().rev() {
+                all += l;
+                all += "\n";
+            }
+        }
+        all
+    }
+}
+
+/// `redis-cli -p port args...`, stdout if it exited 0 and printed no error.
+fn cli_output(port: u16, access: &Access, args: &[&str]) -> Option<String> {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    access.cli_args(&mut cmd);
+    let out = cmd.args(args).stderr(Stdio::null()).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    (out.status.success() && !text.starts_with("ERR") && !text.starts_with("NOAUTH") && !text.starts_with("Could not connect")).then_some(text)
+}
