@@ -435,7 +435,9 @@ end
 -- Raises only when not given a table (a call as ratelimitd:new{} included):
 -- that is a bug in the code, not in a value, as configure() raises for it.
 function _M.new(opts)
-    if type(opts) == "string" then
+    -- A string that cannot be a policy name (e.g. "limit=10") is a bug in
+    -- the code, raised like any other non-table.
+    if type(opts) == "string" and #opts >= 1 and #opts <= MAX_POLICY_NAME_LEN and not find(opts, "[^%w_.-]") then
         opts = { policy = opts }
     end
     if type(opts) ~= "table" or opts == _M then
