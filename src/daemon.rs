@@ -13,7 +13,8 @@ use crate::denial_cache::DenialCache;
 use crate::limiter::{Backend, Limiter};
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
-use crate::metrics_server::{self, BreakerState};
+use crate::metrics_server::{self, BreakerState, Live};
+use crate::policies::Policies;
 use crate::redis::{RedisWindow, StartError};
 use crate::server::{self, Reloadable, ServerSettings};
 use crate::socket::{BoundSocket, SocketError};
@@ -124,14 +125,22 @@ impl ActiveBackend {
 
 /// The breaker gauge of whatever backend `reloadable` holds at scrape time.
 fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
-    Arc::new(move || match reloadable.borrow().limiter.backend() {
-        Backend::Redis(r) => Some(r.breaker_open()),
-        Backend::Local => None,
+    Arc::new(move || {
+        let current = reloadable.borrow();
+        let breaker_open = match current.limiter.backend() {
+            Backend::Redis(r) => Some(r.breaker_open()),
+            Backend::Local => None,
+        };
+        Live { breaker_open, policies: current.limiter.policies().clone() }
     })
 }
 
-fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>) -> Reloadable {
-    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone())) }
+/// The next frames' bounds and limiter. `previous` is the limiter in force,
+/// whose policies' counters carry over to the policies of the same name.
+fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, previous: Option<&Limiter>) -> Reloadable {
+    let policies = Arc::new(Policies::build(&cfg.policies, previous.map(|l| &**l.policies())));
+    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies);
+    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 
 /// Runs the daemon until a termination signal; returns once drained.
@@ -165,7 +174,10 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             (l, Some(bound))
         }
     };
-    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local));
+    if !cfg.policies.is_empty() {
+        tracing::info!(policies = cfg.policies.len(), "named policies loaded");
+    }
+    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, None));
     if let Some(m) = &cfg.metrics {
         let listener = metrics_server::bind(m.listen).await.map_err(DaemonError::Metrics)?;
         tracing::info!(listen = %m.listen, "serving metrics at /metrics");
@@ -253,7 +265,8 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
             }
         }
     }
-    reloadable_tx.send_replace(reloadable(&new, active, local));
+    let previous = reloadable_tx.borrow().limiter.clone();
+    reloadable_tx.send_replace(reloadable(&new, active, local, Some(&previous)));
+    tracing::info!(policies = new.policies.len(), "configuration reloaded");
     *current = new;
-    tracing::info!("configuration reloaded");
 }

@@ -15,6 +15,7 @@
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `window` (the script), `coalesce` (calls in flight per window) |
+//! | policies | `policies` | the configured `[[policy]]` tables by name, overrides, per-policy counters |
 //! | decisions | `limiter` | asks a store, applies the fail policy, builds the response |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` |
 //! | edges | `daemon`, `bench`, `admin` | `serve` wiring and reloads; the load generator; `inspect`/`reset` |
@@ -34,6 +35,7 @@ mod local_store;
 mod log_limit;
 mod metrics;
 mod metrics_server;
+mod policies;
 pub mod protocol;
 mod redis;
 mod server;

@@ -9,7 +9,9 @@ use crate::denial_cache::{DenialCache, Lookup};
 use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
-use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, Response, Source, OP_CHECK};
+use crate::config::PolicyLimit;
+use crate::policies::{Outcome, Policies};
+use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, PolicyCheckRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY};
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
@@ -27,6 +29,13 @@ fn error_code(e: &StoreError) -> ErrorCode {
 /// The message of an `OVERLOADED` response: static, so that shedding load
 /// allocates nothing per request.
 const OVERLOADED_MESSAGE: &str = "overloaded: too many redis calls in flight; decided at once by the fail policy";
+
+/// A validated request of either op.
+#[derive(Debug)]
+pub enum Ask {
+    Check(CheckRequest),
+    Policy(PolicyCheckRequest),
+}
 
 /// Where decisions are made.
 #[derive(Debug, Clone)]
@@ -48,6 +57,9 @@ pub struct Limiter {
     overload_log: RateLimitedLog,
     /// Refusals by Redis, answered again here (Redis backend only).
     denials: Option<Arc<DenialCache>>,
+    /// The configured `[[policy]]` tables CHECK_POLICY names.
+    policies: Arc<Policies>,
+    unknown_policy_log: RateLimitedLog,
 }
 
 impl Limiter {
@@ -59,7 +71,74 @@ impl Limiter {
             capacity_log: RateLimitedLog::new(Duration::from_secs(10)),
             overload_log: RateLimitedLog::new(Duration::from_secs(10)),
             denials: None,
+            policies: Arc::default(),
+            unknown_policy_log: RateLimitedLog::new(Duration::from_secs(1)),
         }
+    }
+
+    /// The policies CHECK_POLICY requests are decided with.
+    pub fn with_policies(self, policies: Arc<Policies>) -> Self {
+        Self { policies, ..self }
+    }
+
+    pub fn policies(&self) -> &Arc<Policies> {
+        &self.policies
+    }
+
+
+    /// Decides one CHECK_POLICY item: resolves the policy and the key's
+    /// limit, then decides exactly as a CHECK of that limit, window and cost
+    /// would (same stores, denial cache and coalescing), under the key
+    /// scoped to the policy. Never fails: errors become responses.
+    pub async fn decide_policy(&self, req: PolicyCheckRequest) -> Response {
+        let Some(policy) = self.policies.get(&req.name) else {
+            return self.unknown_policy(&req);
+        };
+        let limit = match policy.limit_for(&req.key) {
+            PolicyLimit::Limit(l) => l,
+            PolicyLimit::Unlimited => {
+                policy.counters.count(Outcome::Exempt);
+                METRICS.decided(Decision::Allowed, Source::Exempt, ErrorCode::None);
+                return Response { decision: Decision::Allowed, source: Source::Exempt, error: ErrorCode::None, ..Response::error(req.id, OP_CHECK_POLICY, ErrorCode::None, Cow::Borrowed("")) };
+            }
+        };
+        if req.cost > limit {
+            // What a CHECK with this cost and limit gets: it can never pass.
+            policy.counters.count(Outcome::Error);
+            METRICS.decided(Decision::Error, Source::None, ErrorCode::InvalidCost);
+            let msg = format!("cost {} is above the limit {limit} of policy '{}' for this key", req.cost, policy.name);
+            return Response::error(req.id, OP_CHECK_POLICY, ErrorCode::InvalidCost, Cow::Owned(msg));
+        }
+        // The policy's own fail policy, when it has one, replaces the location's.
+        let (on_error, local_limit) = match policy.fail_policy {
+            Some(f) => (f, policy.local_limit.unwrap_or(0)),
+            None => (req.on_error, req.local_limit),
+        };
+        let check = CheckRequest { id: req.id, on_error, limit, window_ms: policy.window_ms, cost: req.cost, local_limit, key: req.scoped_key };
+        let mut resp = self.decide_inner(check).await;
+        resp.op = OP_CHECK_POLICY;
+        let mut outcome = outcome_of(&resp);
+        if policy.shadow && resp.decision == Decision::Denied {
+            // Reported, never enforced: nothing was recorded for a refusal,
+            // so the shadow window counts what enforcing would have admitted.
+            resp.decision = Decision::ShadowDenied;
+            outcome = Outcome::ShadowRefused;
+        }
+        policy.counters.count(outcome);
+        METRICS.decided(resp.decision, resp.source, resp.error);
+        resp
+    }
+
+    /// A name the configuration does not have: a configuration error of the
+    /// location (or a reload that removed the policy), logged loudly; the
+    /// client's own fail policy decides.
+    fn unknown_policy(&self, req: &PolicyCheckRequest) -> Response {
+        METRICS.decided(Decision::Error, Source::None, ErrorCode::UnknownPolicy);
+        let name = req.name.escape_ascii().to_string();
+        if let Some(suppressed) = self.unknown_policy_log.permit() {
+            tracing::error!(policy = %name, known = self.policies.len(), suppressed, "request names a policy that is not configured: the location's fail policy decides; add a [[policy]] of this name or fix the nginx configuration");
+        }
+        Response::error(req.id, OP_CHECK_POLICY, ErrorCode::UnknownPolicy, Cow::Owned(format!("no policy named '{name}' in the daemon's configuration")))
     }
 
     /// Puts `denials` in front of the Redis backend.
@@ -71,9 +150,14 @@ impl Limiter {
         &self.backend
     }
 
-    /// `decide`, owning its limiter: the future outlives a reload.
-    pub async fn decide_owned(self: Arc<Self>, req: CheckRequest) -> Response {
-        self.decide(req).await
+    /// `decide` or `decide_policy`, owning its limiter: the future outlives
+    /// a reload. One future type for both ops, so a connection's requests
+    /// in flight need no box each.
+    pub async fn decide_owned(self: Arc<Self>, req: Ask) -> Response {
+        match req {
+            Ask::Check(r) => self.decide(r).await,
+            Ask::Policy(r) => self.decide_policy(r).await,
+        }
     }
 
     /// Decides one request. Never fails: errors become responses.
@@ -170,6 +254,19 @@ impl Limiter {
     }
 }
 
+/// The per-policy outcome of a decided response.
+fn outcome_of(r: &Response) -> Outcome {
+    match (r.decision, r.source) {
+        (Decision::Error, _) => Outcome::Error,
+        (Decision::Denied, Source::DenialCache) => Outcome::RefusedFromCache,
+        (_, Source::FailOpen) => Outcome::FailOpen,
+        (_, Source::FailClosed) => Outcome::FailClosed,
+        (Decision::Allowed, Source::LocalFallback) => Outcome::FailLocalAdmitted,
+        (_, Source::LocalFallback) => Outcome::FailLocalRefused,
+        (Decision::Allowed, _) => Outcome::Admitted,
+        _ => Outcome::Refused,
+    }
+}
 
 fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
     Response {
@@ -193,6 +290,73 @@ mod tests {
 
     fn req(key: &'static str, limit: u32, on_error: FailPolicy) -> CheckRequest {
         CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()) }
+    }
+
+    fn policy_req(name: &'static str, key: &'static str) -> PolicyCheckRequest {
+        let mut scoped = vec![name.len() as u8];
+        scoped.extend_from_slice(name.as_bytes());
+        scoped.extend_from_slice(key.as_bytes());
+        let scoped = Bytes::from(scoped);
+        PolicyCheckRequest {
+            id: 3,
+            on_error: FailPolicy::Closed,
+            local_limit: 0,
+            cost: 1,
+            name: scoped.slice(1..1 + name.len()),
+            key: scoped.slice(1 + name.len()..),
+            scoped_key: scoped,
+        }
+    }
+
+    fn policies(shadow: bool) -> Arc<Policies> {
+        use crate::config::PolicyConfig;
+        let order = PolicyConfig {
+            name: "order".into(),
+            limit: 2,
+            window: Duration::from_secs(60),
+            fail_policy: None,
+            local_limit: None,
+            shadow,
+            overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
+        };
+        Arc::new(Policies::build(&[order], None))
+    }
+
+    #[tokio::test]
+    async fn policies_resolve_limits_overrides_and_unknown_names() {
+        let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(policies(false));
+        let run = |key| {
+            let l = &l;
+            async move {
+                let mut got = Vec::new();
+                for _ in 0..4 {
+                    got.push(l.decide_policy(policy_req("order", key)).await.decision);
+                }
+                got
+            }
+        };
+        use Decision::{Allowed as A, Denied as D};
+        assert_eq!(run("t1").await, [A, A, D, D]);
+        assert_eq!(run("big").await, [A, A, A, D], "the override's limit");
+        let r = l.decide_policy(policy_req("order", "free")).await;
+        assert_eq!((r.decision, r.source, r.op), (A, Source::Exempt, OP_CHECK_POLICY));
+        // The policy's window is scoped: an inline check of the same key is not charged.
+        assert_eq!(l.decide(req("t1", 2, FailPolicy::Closed)).await.decision, A);
+        let r = l.decide_policy(policy_req("nope", "t1")).await;
+        assert_eq!((r.decision, r.source, r.error), (Decision::Error, Source::None, ErrorCode::UnknownPolicy));
+        let c = &l.policies().get(b"order").unwrap().counters;
+        assert_eq!((c.get(Outcome::Admitted), c.get(Outcome::Refused), c.get(Outcome::Exempt)), (5, 3, 1));
+    }
+
+    #[tokio::test]
+    async fn shadow_policies_report_refusals_and_admit() {
+        let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(policies(true));
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            got.push(l.decide_policy(policy_req("order", "t1")).await.decision);
+        }
+        assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::ShadowDenied, Decision::ShadowDenied]);
+        assert_eq!(l.policies().get(b"order").unwrap().counters.get(Outcome::ShadowRefused), 2);
     }
 
     #[tokio::test]

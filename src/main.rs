@@ -162,7 +162,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some(r) => format!("redis: {}", r.describe()),
                 None => "in-memory (per host)".into(),
             };
-            println!("{}: ok (socket {}, backend {backend})", config.display(), cfg.server.listen.display());
+            let policies = match cfg.policies.len() {
+                0 => String::new(),
+                n => format!(", {n} {}: {}", if n == 1 { "policy" } else { "policies" }, cfg.policies.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(" ")),
+            };
+            println!("{}: ok (socket {}, backend {backend}{policies})", config.display(), cfg.server.listen.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { config, key, window_ms, json } => {

@@ -15,11 +15,19 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::METRICS;
+use crate::policies::Policies;
 
-/// Whether the breaker to Redis is open now; `None` without Redis. Asked at
-/// each scrape, so the gauge follows reloads without the metrics knowing
-/// about backends.
-pub type BreakerState = Arc<dyn Fn() -> Option<bool> + Send + Sync>;
+/// What a scrape reads of the configuration in force: whether the breaker
+/// to Redis is open (`None` without Redis) and the policies whose counters
+/// are shown.
+pub struct Live {
+    pub breaker_open: Option<bool>,
+    pub policies: Arc<Policies>,
+}
+
+/// Asked at each scrape, so the gauges and the per-policy counters follow
+/// reloads without the metrics knowing about backends.
+pub type BreakerState = Arc<dyn Fn() -> Live + Send + Sync>;
 
 /// Binds the metrics address; only loopback addresses are accepted (checked
 /// by the configuration).
@@ -44,12 +52,16 @@ pub async fn serve(listener: TcpListener, breaker_state: BreakerState, shutdown:
         let breaker_state = breaker_state.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<hyper::body::Incoming>| {
-                let breaker = breaker_state();
+                let live = breaker_state();
                 async move {
                     let resp = if req.uri().path() == "/metrics" {
                         Response::builder()
                             .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-                            .body(Full::new(Bytes::from(METRICS.render(breaker))))
+                            .body(Full::new(Bytes::from({
+                                let mut text = METRICS.render(live.breaker_open);
+                                live.policies.render(&mut text);
+                                text
+                            })))
                     } else {
                         Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(Bytes::from_static(b"see /metrics\n")))
                     };

@@ -38,11 +38,12 @@ use tokio_util::codec::Decoder;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
-use crate::limiter::Limiter;
+use crate::limiter::{Ask, Limiter};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::{CloseReason, METRICS};
 use crate::protocol::{
-    encode_response, parse_request, Bounds, Decision, ErrorCode, Inbound, RequestCodec, Response, Source, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, REQUEST_HEADER_LEN,
+    encode_response, parse_request, Bounds, Decision, ErrorCode, Inbound, RequestCodec, Response, Source, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN,
+    REQUEST_HEADER_LEN,
 };
 
 /// How long a connection must have been idle before the acceptor, at the
@@ -361,12 +362,27 @@ struct KeyOf<'a>(&'a [u8]);
 
 impl fmt::Display for KeyOf<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let at = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN;
         let b = self.0;
-        if b.len() <= at || u16::from_be_bytes([b[at - 2], b[at - 1]]) as usize != b.len() - at {
-            return f.write_str("-");
-        }
-        let key = &b[at..];
+        let key = if b.len() > 1 && b[1] == OP_CHECK_POLICY {
+            // The policy's name, then its key (one item).
+            let fixed = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
+            if b.len() <= fixed {
+                return f.write_str("-");
+            }
+            let key_len = u16::from_be_bytes([b[fixed - 3], b[fixed - 2]]) as usize;
+            let name_len = b[fixed - 1] as usize;
+            if fixed + name_len + key_len != b.len() {
+                return f.write_str("-");
+            }
+            write!(f, "{}/", b[fixed..fixed + name_len].escape_ascii())?;
+            &b[fixed + name_len..]
+        } else {
+            let at = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN;
+            if b.len() <= at || u16::from_be_bytes([b[at - 2], b[at - 1]]) as usize != b.len() - at {
+                return f.write_str("-");
+            }
+            &b[at..]
+        };
         if key.len() > 128 {
             write!(f, "{}... ({} bytes)", key[..128].escape_ascii(), key.len())
         } else {
@@ -439,7 +455,11 @@ impl Handler {
                         Frame::Body(body) => match parse_request(body.clone(), &bounds) {
                             Inbound::Check(req) => {
                                 METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(req));
+                                in_flight.push(limiter.clone().decide_owned(Ask::Check(req)));
+                            }
+                            Inbound::PolicyCheck(req) => {
+                                METRICS.in_flight(1);
+                                in_flight.push(limiter.clone().decide_owned(Ask::Policy(req)));
                             }
                             Inbound::Invalid { id, op, code, message } => {
                                 METRICS.decided(Decision::Error, Source::None, code);
@@ -644,6 +664,11 @@ mod tests {
         assert!(next_frame(&mut buf).is_none(), "7 bytes of the next one stay buffered");
         assert_eq!(buf.len(), 7);
         assert_eq!(KeyOf(&body[..20]).to_string(), "-");
+        let mut p = BytesMut::new();
+        let pargs = crate::protocol::PolicyCheckArgs { policy: b"order", key: b"t\x7f1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
+        crate::protocol::encode_policy_request(1, &pargs, &mut p);
+        assert_eq!(KeyOf(&p[LEN_PREFIX..]).to_string(), "order/t\\x7f1");
+        assert_eq!(KeyOf(&p[LEN_PREFIX..p.len() - 1]).to_string(), "-");
         let mut big = BytesMut::from(&(MAX_FRAME_LEN as u32 + 1).to_be_bytes()[..]);
         assert!(matches!(next_frame(&mut big), Some(Frame::TooLarge(n)) if n == MAX_FRAME_LEN + 1));
     }

@@ -341,8 +341,8 @@ fn new_returns_nil_and_a_message_on_bad_options() {
     );
     // Not a table: raised, at the caller's line.
     assert!(lines[17].starts_with("content_by_lua(nginx.conf:"), "{}", lines[17]);
-    assert!(lines[17].ends_with("new: expects a table of options: ratelimitd.new{ limit = ..., window_ms = ... }"), "{}", lines[17]);
-    assert!(lines[18].ends_with("new: expects a table of options: ratelimitd.new{ limit = ..., window_ms = ... }"), "{}", lines[18]);
+    assert!(lines[17].ends_with("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }"), "{}", lines[17]);
+    assert!(lines[18].ends_with("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }"), "{}", lines[18]);
     assert_eq!(lines.len(), 19);
     assert_no_errors(&nginx);
 }

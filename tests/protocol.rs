@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use bytes::BytesMut;
 use common::{args, Daemon, RedisServer};
 use ratelimitd::client::ClientError;
-use ratelimitd::protocol::{encode_request, Decision, ErrorCode, Source, MAX_FRAME_LEN};
+use ratelimitd::protocol::{encode_policy_request, encode_request, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, Source, MAX_FRAME_LEN};
 
 fn frame(body: &[u8]) -> Vec<u8> {
     let mut v = (body.len() as u32).to_be_bytes().to_vec();
@@ -172,4 +172,52 @@ async fn connections_beyond_the_cap_wait_until_one_closes() {
     drop(b);
     let r = tokio::time::timeout(std::time::Duration::from_secs(2), c.read_response()).await.expect("served once a slot is free").unwrap();
     assert_eq!(r.decision, Decision::Allowed);
+}
+
+/// CHECK_POLICY (op 2) against the real daemon: the documented frame is
+/// decided under the named policy, its errors keep the stream in sync, and
+/// version-1 CHECK on the same connection is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_policy_frames_are_decided_by_name_and_errors_keep_the_stream_in_sync() {
+    let policies = "[[policy]]\nname = \"order\"\nlimit = 2\nwindow = \"1m\"\n[policy.overrides]\n\"t9\" = \"unlimited\"\n";
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{policies}"));
+    let mut c = d.client().await;
+    // docs/PROTOCOL.md section 4b: id 7, fail policy open, one item: cost 1, policy "order", key "t1".
+    let documented = "0000001c0102000000070000000100000000000000010002056f726465727431";
+    let bytes: Vec<u8> = (0..documented.len()).step_by(2).map(|i| u8::from_str_radix(&documented[i..i + 2], 16).unwrap()).collect();
+    let mut decisions = Vec::new();
+    for _ in 0..3 {
+        c.send_raw(&bytes).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.op, r.source, r.error), (7, 2, Source::Memory, ErrorCode::None));
+        decisions.push((r.decision, r.count, r.remaining));
+    }
+    assert_eq!(decisions, [(Decision::Allowed, 1, 1), (Decision::Allowed, 2, 0), (Decision::Denied, 2, 0)]);
+    let exempt = c.check_policy(&PolicyCheckArgs { policy: b"order", key: b"t9", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }).await.unwrap();
+    assert_eq!((exempt.decision, exempt.source), (Decision::Allowed, Source::Exempt));
+
+    let with = |at: usize, b: &[u8]| {
+        let mut v = bytes.clone();
+        v[at..at + b.len()].copy_from_slice(b);
+        v
+    };
+    let unknown = {
+        let mut v = BytesMut::new();
+        encode_policy_request(7, &PolicyCheckArgs { policy: b"ordr", key: b"t1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }, &mut v);
+        v.to_vec()
+    };
+    let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
+        (unknown, ErrorCode::UnknownPolicy),
+        (with(4 + 9, &[2]), ErrorCode::UnsupportedLimitCount),
+        (with(4 + 6, &[0, 1]), ErrorCode::UnsupportedFlags),
+        (with(4 + 14, &3u32.to_be_bytes()), ErrorCode::InvalidCost),
+        (with(4 + 20, &[4]), ErrorCode::Malformed),
+        (with(4 + 8, &[2]), ErrorCode::InvalidLocalLimit),
+    ];
+    for (frame, code) in cases {
+        c.send_raw(&frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.op, r.decision, r.source, r.error), (7, 2, Decision::Error, Source::None, code), "{frame:02x?}: {}", r.message);
+        assert_eq!(c.check(&args("after-error", 1000, 60_000)).await.unwrap().decision, Decision::Allowed, "version 1 CHECK on the same connection");
+    }
 }

@@ -12,6 +12,12 @@
 --                          order = assert(ratelimitd.new{ limit = 1000, window_ms = 1000, on_error = "closed" }) }
 --   access_by_lua_block  { order:limit("order:" .. ngx.var.http_x_tenant_id) }
 --
+-- Named policy (limit, window, overrides and allowlist live in the daemon's
+-- ratelimitd.toml, docs/POLICIES.md; the location keeps its fail policy):
+--
+--   init_by_lua_block    { order = assert(require("resty.ratelimitd").new("order")) }
+--   access_by_lua_block  { order:limit(ngx.var.http_x_tenant_id) }
+--
 -- Table form (validates and builds everything on every call; still supported):
 --
 --   access_by_lua_block  { require("resty.ratelimitd").limit{ key = "order:" .. ngx.var.http_x_tenant_id,
@@ -37,7 +43,9 @@ local md5 = ngx.md5
 
 local _M = { _VERSION = "0.2.0" }
 
-local VERSION, OP_CHECK = 1, 1
+local VERSION, OP_CHECK, OP_CHECK_POLICY = 1, 1, 2
+local MAX_POLICY_NAME_LEN = 31
+local UNKNOWN_POLICY = 12
 local RESPONSE_FIXED_LEN = 28
 local MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512
 -- The length prefix and the fixed fields: read in one receive (a message
@@ -78,13 +86,13 @@ do
 end
 
 local POLICY = { open = 0, closed = 1, ["local"] = 2 }
-local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error" }
-local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [255] = "none" }
+local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
+local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
 local ERROR_NAME = {
     [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
-    [11] = "INVALID_LOCAL_LIMIT", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
     [35] = "OVERLOADED",
 }
@@ -295,6 +303,7 @@ local COST_ONE = u32(1)
 -- table in their place; what goes into the frame is kept under "_" names.
 local Limiter = {}
 local limiter_mt = { __index = Limiter }
+local new_policy
 
 -- A limiter from values already validated (by new() or by the table form),
 -- without the behaviour options (all nil: configure()'s values).
@@ -363,6 +372,62 @@ local NEW_OPTIONS = {
     denial_cache = true,
 }
 
+local POLICY_OPTIONS = {
+    policy = true, on_error = true, local_limit = true, window_ms = true, status = true,
+    fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
+}
+
+-- A limiter of a named policy: the daemon holds its limit, window,
+-- overrides and allowlist (docs/POLICIES.md); the frame (op 2, CHECK_POLICY)
+-- carries the name, the key and the cost. The location's on_error decides
+-- when the daemon gives no decision, and when the name is unknown to it.
+-- With on_error = "local", local_limit is the per-host quota and window_ms
+-- the window of this client's own fallback (the daemon's fallback uses the
+-- policy's window).
+function new_policy(opts)
+    for k in pairs(opts) do
+        if not POLICY_OPTIONS[k] then
+            if k == "limit" or k == "cost" or k == "key" then
+                return nil, "new: " .. k .. " is not an option of a policy limiter: the limit is the policy's, in ratelimitd.toml; key and cost are given per request"
+            end
+            return nil, "new: unknown option '" .. tostring(k) .. "'"
+        end
+    end
+    local name = opts.policy
+    if type(name) ~= "string" or #name < 1 or #name > MAX_POLICY_NAME_LEN or find(name, "[^%w_.-]") then
+        return nil, "new: policy must be a name of 1 to " .. MAX_POLICY_NAME_LEN .. " characters A-Z a-z 0-9 _ . -"
+    end
+    local on_error, err = policy_options(opts)
+    if not on_error then
+        return nil, "new: " .. err
+    end
+    if on_error == "local" and not positive_int(opts.window_ms, 4294967295) then
+        return nil, "new: on_error = 'local' needs window_ms: the window of this client's own fallback quota"
+    end
+    if opts.window_ms ~= nil and not positive_int(opts.window_ms, 4294967295) then
+        return nil, "new: window_ms must be a positive integer"
+    end
+    local before_cost = "\0\0" .. char(POLICY[on_error], 1) .. u32(opts.local_limit or 0)
+    local lim = setmetatable({
+        _policy = name,
+        _on_error = on_error,
+        _local_limit = opts.local_limit,
+        _window_ms = opts.window_ms,
+        _before_cost = before_cost,
+        _cost_one = before_cost .. COST_ONE,
+        -- After the key length: the name's length and the name.
+        _name_part = char(#name) .. name,
+        _name_len = #name,
+    }, limiter_mt)
+    lim.status = opts.status
+    lim.fail_closed_status = opts.fail_closed_status
+    lim.invalid_status = opts.invalid_status
+    lim.headers = opts.headers
+    lim.header_style = opts.header_style
+    lim.dry_run = opts.dry_run
+    return lim
+end
+
 --- Makes a limiter: validates the options once and precomputes the constant
 -- part of its request frame. Options as in the table form, without key and
 -- cost (given per request to lim:limit(key, cost) and lim:check(key, cost)).
@@ -370,8 +435,16 @@ local NEW_OPTIONS = {
 -- Raises only when not given a table (a call as ratelimitd:new{} included):
 -- that is a bug in the code, not in a value, as configure() raises for it.
 function _M.new(opts)
+    -- A string that cannot be a policy name (e.g. "limit=10") is a bug in
+    -- the code, raised like any other non-table.
+    if type(opts) == "string" and #opts >= 1 and #opts <= MAX_POLICY_NAME_LEN and not find(opts, "[^%w_.-]") then
+        opts = { policy = opts }
+    end
     if type(opts) ~= "table" or opts == _M then
-        error("new: expects a table of options: ratelimitd.new{ limit = ..., window_ms = ... }", 2)
+        error("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }", 2)
+    end
+    if opts.policy ~= nil then
+        return new_policy(opts)
     end
     for k in pairs(opts) do
         if not NEW_OPTIONS[k] then
@@ -466,7 +539,8 @@ local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 -- or a timeout. `key` is the wire key, `cost` already checked.
 local function exchange(self, key, cost)
     local n = #key
-    local len = 28 + n
+    local policy = self._policy
+    local len = policy and 21 + self._name_len + n or 28 + n
     local id = next_id()
     -- Per request only the length, the id, the cost and the key are encoded:
     -- length, version, op and id in one string, then the limiter's constant
@@ -475,10 +549,17 @@ local function exchange(self, key, cost)
     -- measured no cheaper than LuaJIT's concatenation (docs/NGINX.md, section 4).
     local frame
     local head = char(band(rshift(len, 24), 255), band(rshift(len, 16), 255), band(rshift(len, 8), 255), band(len, 255),
-                      VERSION, OP_CHECK,
+                      VERSION, policy and OP_CHECK_POLICY or OP_CHECK,
                       band(rshift(id, 24), 255), band(rshift(id, 16), 255), band(rshift(id, 8), 255), band(id, 255))
     local key_len = char(band(rshift(n, 8), 255), band(n, 255))
-    if cost == 1 then
+    if policy then
+        -- CHECK_POLICY, one item: cost, key_len, name_len, name, key.
+        if cost == 1 then
+            frame = head .. self._cost_one .. key_len .. self._name_part .. key
+        else
+            frame = head .. self._before_cost .. u32(cost) .. key_len .. self._name_part .. key
+        end
+    elseif cost == 1 then
         frame = head .. self._cost_one .. key_len .. key
     else
         frame = head .. self._before_cost .. u32(cost) .. self._after_cost .. key_len .. key
@@ -533,19 +614,28 @@ local function exchange(self, key, cost)
     local decision = DECISION[byte(head, 11)]
     -- The one table of the request, made with every field it will hold
     -- (window_ms is added by limit()), so it is never resized.
+    local count, remaining = be32(head, 13), be32(head, 17)
+    local limit = source == "local" and self._local_limit or self._limit
+    if policy then
+        -- The policy's limit for this key (its override included) is the
+        -- daemon's: count plus remaining, whenever something was counted.
+        limit = (source == "redis" or source == "memory" or source == "denial_cache" or source == "local") and count + remaining or nil
+    end
     local res = {
-        allowed = decision == "allowed",
+        -- A shadow policy's refusal is reported, never enforced.
+        allowed = decision == "allowed" or decision == "shadow_denied",
         decision = decision,
         source = source,
-        count = be32(head, 13),
-        remaining = be32(head, 17),
+        count = count,
+        remaining = remaining,
         retry_after_ms = be32(head, 21),
         reset_ms = be32(head, 25),
         error_code = code,
         error = ERROR_NAME[code] or tostring(code),
         message = message,
         -- The daemon's local fallback counts against the local quota.
-        limit = source == "local" and self._local_limit or self._limit,
+        limit = limit,
+        policy = policy,
     }
     if code >= 20 and code < 30 then
         sock:close()
@@ -608,7 +698,9 @@ local function decide(self, key, cost)
     if on == nil then
         on = config.denial_cache
     end
-    if not (on and mono_us) then
+    -- Policy limiters: the daemon's denial cache only (this one is keyed by
+    -- limit and window, which the daemon holds and a reload may change).
+    if not (on and mono_us) or self._policy then
         return exchange(self, key, cost)
     end
     local dict = ngx_shared[config.shared_dict]
@@ -640,6 +732,14 @@ local function call_args(self, key, cost)
     end
     if cost == nil then
         return 1
+    end
+    if self._policy then
+        -- The policy's limit is the daemon's: a cost above it is refused as
+        -- INVALID_COST (invalid_status); here only its form is checked.
+        if type(cost) ~= "number" or cost < 1 or cost > 4294967295 or floor(cost) ~= cost then
+            error("cost must be a positive integer", 3)
+        end
+        return cost
     end
     -- Above the limit a request can never be admitted; the daemon would
     -- refuse it (INVALID_COST) and the fail policy would decide, which for
@@ -740,7 +840,8 @@ local function fallback(self, key, cost, reason)
 end
 
 -- Sources whose numbers come from a real count; after a fail-open or
--- fail-closed nothing was counted, so no quota is promised.
+-- fail-closed nothing was counted, so no quota is promised (nor for an
+-- exempt key: none applies).
 local COUNTED = { redis = true, memory = true, ["local"] = true, lua_local = true, denial_cache = true, lua_denial_cache = true }
 
 local function set_headers(res, style)
@@ -749,9 +850,18 @@ local function set_headers(res, style)
     end
     local remaining = res.remaining
     local reset = ceil((res.reset_ms or 0) / 1000)
+    if not res.limit then
+        return
+    end
     if style == "draft" then
-        ngx_header["RateLimit-Policy"] = format('"default";q=%d;w=%d', res.limit, ceil(res.window_ms / 1000))
-        ngx_header["RateLimit"] = format('"default";r=%d;t=%d', remaining, reset)
+        -- A policy limiter names its policy; its window is the daemon's, so w is left out.
+        local name = res.policy or "default"
+        if res.window_ms then
+            ngx_header["RateLimit-Policy"] = format('"%s";q=%d;w=%d', name, res.limit, ceil(res.window_ms / 1000))
+        else
+            ngx_header["RateLimit-Policy"] = format('"%s";q=%d', name, res.limit)
+        end
+        ngx_header["RateLimit"] = format('"%s";r=%d;t=%d', name, remaining, reset)
     elseif style == "x" then
         ngx_header["X-RateLimit-Limit"] = res.limit
         ngx_header["X-RateLimit-Remaining"] = remaining
@@ -771,6 +881,12 @@ local function enforce(self, beh, key, cost)
     local res, err = decide(self, key, cost)
     if not res then
         res = fallback(self, key, cost, err)
+    elseif res.error_code == UNKNOWN_POLICY then
+        -- The daemon's configuration has no policy of this name (a typo, or
+        -- a reload that removed it): a configuration error, logged as such
+        -- at error level; until it is fixed the location's on_error decides.
+        log_failure("unknown_policy", key, "policy '" .. tostring(self._policy) .. "': " .. res.message)
+        res = fallback(self, key, cost, "UNKNOWN_POLICY")
     elseif res.decision == "error" and res.error_code < 30 then
         -- The daemon refused the request as invalid (codes 1-29: a limit,
         -- window or cost outside its bounds): this location is misconfigured.
@@ -794,6 +910,11 @@ local function enforce(self, beh, key, cost)
     local headers = beh.headers
     if headers == nil then
         headers = config.headers
+    end
+    if res.decision == "shadow_denied" then
+        -- Nothing the client should see: no headers, no refusal.
+        ngx_log(INFO, "ratelimitd: shadow policy '", self._policy, "' would deny key=", key, " source=", res.source)
+        return res
     end
     if headers then
         set_headers(res, beh.header_style or config.header_style)

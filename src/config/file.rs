@@ -24,6 +24,39 @@ pub(super) struct File {
     pub metrics: Option<MetricsSection>,
     #[serde(default)]
     pub denial_cache: DenialCacheSection,
+    /// `[[policy]]` tables, in file order.
+    #[serde(default)]
+    pub policy: Vec<PolicySection>,
+}
+
+/// One `[[policy]]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PolicySection {
+    pub name: String,
+    pub limit: u64,
+    /// A duration: "500ms", "1s", "1m", "1h", "1d".
+    pub window: String,
+    #[serde(default)]
+    pub fail_policy: Option<String>,
+    #[serde(default)]
+    pub local_limit: Option<u64>,
+    #[serde(default)]
+    pub shadow: bool,
+    /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
+    /// stable order.
+    #[serde(default)]
+    pub overrides: std::collections::BTreeMap<String, OverrideValue>,
+    #[serde(default)]
+    pub allowlist: Vec<String>,
+}
+
+/// An override as written: a number or a word (only "unlimited" is valid).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum OverrideValue {
+    Limit(i64),
+    Word(String),
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -2,6 +2,7 @@
 //! permission bits, host:port pairs, where each secret is kept), and the
 //! errors that name the file and the field.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::protocol::Bounds;
+use crate::protocol::{Bounds, FailPolicy};
 
 /// Where a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +80,36 @@ pub struct Config {
     pub metrics: Option<MetricsConfig>,
     /// Refusals remembered between Redis calls (Redis backend only).
     pub denial_cache: DenialCacheConfig,
+    /// `[[policy]]`: named limits that CHECK_POLICY requests refer to, in
+    /// file order; names are unique.
+    pub policies: Vec<PolicyConfig>,
+}
+
+/// One `[[policy]]` (docs/POLICIES.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyConfig {
+    /// `[A-Za-z0-9_.-]`, 1..=31 bytes, unique in the file.
+    pub name: String,
+    pub limit: u32,
+    /// Whole milliseconds, 1..=`limits.max_window_ms`.
+    pub window: Duration,
+    /// Replaces the location's fail policy for this policy's checks.
+    pub fail_policy: Option<FailPolicy>,
+    /// The local quota of `fail_policy = "local"` (required with it).
+    pub local_limit: Option<u32>,
+    /// Decide and count, but admit every request.
+    pub shadow: bool,
+    /// Exact keys with another limit, or none; the allowlist's keys are
+    /// here as `Unlimited`.
+    pub overrides: BTreeMap<String, PolicyLimit>,
+}
+
+/// The limit an override gives a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyLimit {
+    Limit(u32),
+    /// Admitted without asking a store (source `exempt`).
+    Unlimited,
 }
 
 /// `[denial_cache]`: after Redis refuses a key, its later requests of at

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Problems, RedisConfig, RedisTarget, SecretSource, SentinelConfig, ClusterConfig, ServerConfig, TlsFiles,
-    DEFAULT_REDIS_URL,
+    redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
+    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL,
 };
-use crate::protocol::{Bounds, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, REQUEST_HEADER_LEN};
+use crate::protocol::{Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
 
 impl Default for Config {
     /// The configuration of an empty file.
@@ -83,7 +83,8 @@ impl Config {
         });
         let log = LogConfig { level: f.log.level, format: f.log.format };
         let denial_cache = denial_cache_config(f.denial_cache, &mut p);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache })
+        let policies = policies_config(f.policy, &limits.bounds, &mut p);
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, policies })
     }
 }
 
@@ -287,6 +288,112 @@ fn denial_cache_config(d: file::DenialCacheSection, p: &mut Problems) -> DenialC
     DenialCacheConfig { enabled: d.enabled, slots: d.slots, max_age: Duration::from_millis(d.max_ms) }
 }
 
+/// A duration such as "500ms", "1s", "2m", "1h" or "1d": a whole number and
+/// a unit, in whole milliseconds.
+pub(super) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+    let (number, unit) = s.split_at(digits);
+    let ms_per_unit: u64 = match unit {
+        "ms" => 1,
+        "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(format!("'{s}' is not a duration such as \"500ms\", \"1s\", \"1m\", \"1h\" or \"1d\"")),
+    };
+    let n: u64 = number.parse().map_err(|_| format!("'{s}' is not a duration such as \"500ms\", \"1s\", \"1m\", \"1h\" or \"1d\""))?;
+    n.checked_mul(ms_per_unit).map(Duration::from_millis).ok_or_else(|| format!("'{s}' is too long"))
+}
+
+/// Whether `name` may name a policy: it goes into metrics labels and logs as is.
+fn valid_policy_name(name: &str) -> bool {
+    (1..=MAX_POLICY_NAME_LEN).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// A limit of a policy or an override: 1..=`limits.max_limit`.
+fn policy_limit(p: &mut Problems, field: &'static str, name: &str, what: &str, v: i64, bounds: &Bounds) -> u32 {
+    if v < 1 || v > i64::from(bounds.max_limit) {
+        p.add(field, format!("policy '{name}': {what} {v} is outside 1..={} (limits.max_limit)", bounds.max_limit));
+        return 1;
+    }
+    v as u32
+}
+
+/// A key of an override or the allowlist: what a client can send.
+fn policy_key_ok(p: &mut Problems, field: &'static str, name: &str, key: &str, bounds: &Bounds) -> bool {
+    let ok = !key.is_empty() && key.len() <= bounds.max_key_len && !key.bytes().any(|b| b < 0x20 || b == 0x7f);
+    if !ok {
+        p.add(field, format!("policy '{name}': key {key:?} can never be sent: it must be 1..={} bytes without control characters", bounds.max_key_len));
+    }
+    ok
+}
+
+fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut Problems) -> Vec<PolicyConfig> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(sections.len());
+    for (i, s) in sections.into_iter().enumerate() {
+        let name = s.name;
+        if !valid_policy_name(&name) {
+            p.add("policy.name", format!("[[policy]] #{}: '{name}' is not 1..={MAX_POLICY_NAME_LEN} characters of A-Z a-z 0-9 _ . -", i + 1));
+        } else if !seen.insert(name.clone()) {
+            p.add("policy.name", format!("[[policy]] #{}: '{name}' is already the name of an earlier policy", i + 1));
+        }
+        let limit = policy_limit(p, "policy.limit", &name, "limit", i64::try_from(s.limit).unwrap_or(i64::MAX), bounds);
+        let window = match parse_duration(&s.window) {
+            Ok(w) if w.is_zero() || w.as_millis() > u128::from(bounds.max_window_ms) => {
+                p.add("policy.window", format!("policy '{name}': {} is outside 1ms..={}ms (limits.max_window_ms)", s.window, bounds.max_window_ms));
+                Duration::from_millis(1)
+            }
+            Ok(w) => w,
+            Err(e) => {
+                p.add("policy.window", format!("policy '{name}': {e}"));
+                Duration::from_millis(1)
+            }
+        };
+        let fail_policy = s.fail_policy.as_deref().and_then(|f| match f.parse::<FailPolicy>() {
+            Ok(f) => Some(f),
+            Err(e) => {
+                p.add("policy.fail_policy", format!("policy '{name}': {e}"));
+                None
+            }
+        });
+        let local_limit = s.local_limit.map(|l| policy_limit(p, "policy.local_limit", &name, "local_limit", i64::try_from(l).unwrap_or(i64::MAX), bounds));
+        match (fail_policy, local_limit) {
+            (Some(FailPolicy::Local), None) => p.add("policy.local_limit", format!("policy '{name}': fail_policy = \"local\" needs a local_limit")),
+            (Some(FailPolicy::Open | FailPolicy::Closed), Some(_)) => p.add("policy.local_limit", format!("policy '{name}': local_limit is used only with fail_policy = \"local\"")),
+            (None, Some(_)) if s.fail_policy.is_none() => p.add("policy.local_limit", format!("policy '{name}': local_limit needs fail_policy = \"local\"")),
+            _ => {}
+        }
+        let mut overrides = std::collections::BTreeMap::new();
+        for (key, v) in s.overrides {
+            if !policy_key_ok(p, "policy.overrides", &name, &key, bounds) {
+                continue;
+            }
+            let value = match v {
+                file::OverrideValue::Limit(n) => PolicyLimit::Limit(policy_limit(p, "policy.overrides", &name, &format!("override of {key:?}"), n, bounds)),
+                file::OverrideValue::Word(w) if w == "unlimited" => PolicyLimit::Unlimited,
+                file::OverrideValue::Word(w) => {
+                    p.add("policy.overrides", format!("policy '{name}': override of {key:?} is '{w}', not a limit or \"unlimited\""));
+                    continue;
+                }
+            };
+            overrides.insert(key, value);
+        }
+        for key in s.allowlist {
+            if !policy_key_ok(p, "policy.allowlist", &name, &key, bounds) {
+                continue;
+            }
+            if overrides.contains_key(&key) {
+                p.add("policy.allowlist", format!("policy '{name}': key {key:?} is both allowlisted and overridden (or listed twice); keep one"));
+                continue;
+            }
+            overrides.insert(key, PolicyLimit::Unlimited);
+        }
+        out.push(PolicyConfig { name, limit, window, fail_policy, local_limit, shadow: s.shadow, overrides });
+    }
+    out
+}
+
 /// A bare level, or directives each of which names a level after `=`:
 /// a typo such as "infoo" would otherwise parse as a target and log nothing.
 fn valid_log_filter(filter: &str) -> bool {
@@ -469,6 +576,60 @@ mod tests {
         assert_eq!(fields, ["server.socket_mode", "server.max_connections", "server.worker_threads", "redis.breaker_failures", "redis.timeout_ms", "limits.max_cost", "log.level"]);
         assert_eq!(e.to_string().lines().count(), 7);
         assert!(e.to_string().lines().all(|l| l.starts_with("test.toml: ")));
+    }
+
+    #[test]
+    fn policies_become_typed_once() {
+        let c = parse(
+            "[[policy]]\nname = \"order\"\nlimit = 1000\nwindow = \"1s\"\nallowlist = [\"internal\"]\n[policy.overrides]\n\"tenant-big\" = 5000\n\"tenant-free\" = \"unlimited\"\n\
+             [[policy]]\nname = \"login.ip\"\nlimit = 5\nwindow = \"10m\"\nfail_policy = \"local\"\nlocal_limit = 2\nshadow = true\n",
+        )
+        .unwrap();
+        assert_eq!(c.policies.len(), 2);
+        let order = &c.policies[0];
+        assert_eq!((order.name.as_str(), order.limit, order.window, order.fail_policy, order.shadow), ("order", 1000, Duration::from_secs(1), None, false));
+        assert_eq!(order.overrides.get("tenant-big"), Some(&PolicyLimit::Limit(5000)));
+        assert_eq!(order.overrides.get("tenant-free"), Some(&PolicyLimit::Unlimited));
+        assert_eq!(order.overrides.get("internal"), Some(&PolicyLimit::Unlimited));
+        let login = &c.policies[1];
+        assert_eq!((login.window, login.fail_policy, login.local_limit, login.shadow), (Duration::from_secs(600), Some(FailPolicy::Local), Some(2), true));
+    }
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1d"), Ok(Duration::from_secs(86_400)));
+        for bad in ["", "1", "s", "1.5s", "-1s", "1 s", "1S", "99999999999999999999ms"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_bad_policy_field_is_reported_at_once() {
+        let e = parse(
+            "[[policy]]\nname = \"bad name\"\nlimit = 0\nwindow = \"1x\"\n\
+             [[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"3d\"\nfail_policy = \"local\"\n\
+             [[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nfail_policy = \"maybe\"\nallowlist = [\"k\", \"\"]\n[policy.overrides]\nk = 5\nj = \"lots\"\n",
+        )
+        .unwrap_err();
+        let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
+        let fields: Vec<_> = errors.iter().map(|e| e.field).collect();
+        assert_eq!(
+            fields,
+            ["policy.name", "policy.limit", "policy.window", "policy.window", "policy.local_limit", "policy.name", "policy.fail_policy", "policy.overrides", "policy.allowlist", "policy.allowlist"],
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(text.contains("policy 'a': 3d is outside 1ms..=86400000ms"), "{text}");
+        assert!(text.contains("'a' is already the name of an earlier policy"), "{text}");
+        assert!(text.contains("override of \"j\" is 'lots'"), "{text}");
+        assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nburst = 2\n").unwrap_err().to_string().contains("unknown field `burst`"));
+        assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\n").unwrap_err().to_string().contains("missing field `window`"));
+        let e = parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nlocal_limit = 3\n").unwrap_err().to_string();
+        assert!(e.contains("local_limit needs fail_policy"), "{e}");
     }
 
     #[test]

@@ -8,7 +8,9 @@ use std::io;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
-use super::wire::{be32, ErrorCode, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK, REQUEST_HEADER_LEN, VERSION};
+use super::wire::{
+    be32, ErrorCode, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, VERSION,
+};
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,10 +54,43 @@ pub struct CheckArgs<'a> {
     pub local_limit: u32,
 }
 
+/// One validated CHECK_POLICY request (one item): the policy is named, not
+/// yet resolved; the daemon looks it up in its configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyCheckRequest {
+    pub id: u32,
+    /// The location's fail policy; a policy's own `fail_policy` takes precedence.
+    pub on_error: FailPolicy,
+    /// The location's local quota, for `on_error` local.
+    pub local_limit: u32,
+    pub cost: u32,
+    /// The policy's name as sent: 1..=`MAX_POLICY_NAME_LEN` bytes, not yet looked up.
+    pub name: Bytes,
+    /// The client's key (what overrides and the allowlist are matched against).
+    pub key: Bytes,
+    /// The key the stores count under: the name's length byte, the name and
+    /// the key, as they lie in the frame (no copy). The first byte is a
+    /// control byte, which no inline key may hold, and the name is
+    /// length-prefixed: two policies, or a policy and an inline check, never
+    /// share a window.
+    pub scoped_key: Bytes,
+}
+
+/// A CHECK_POLICY request as the client builds it (no validation).
+#[derive(Clone, Debug)]
+pub struct PolicyCheckArgs<'a> {
+    pub policy: &'a [u8],
+    pub key: &'a [u8],
+    pub cost: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+}
+
 /// What the decoder yields for each complete frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
     Check(CheckRequest),
+    PolicyCheck(PolicyCheckRequest),
     /// The frame was read whole but is not a valid request; the stream is in sync.
     Invalid { id: u32, op: u8, code: ErrorCode, message: Cow<'static, str> },
     /// The length prefix is beyond `MAX_FRAME_LEN`: answer, then close.
@@ -137,6 +172,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if version != VERSION {
         return invalid(id, op, ErrorCode::UnsupportedVersion, format!("protocol version {version} is not supported (this daemon speaks {VERSION})"));
     }
+    if op == OP_CHECK_POLICY {
+        return parse_policy_check(body, id, bounds);
+    }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
     }
@@ -184,6 +222,77 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     }
     body.advance(key_at);
     Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body })
+}
+
+/// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
+/// its validation order).
+fn parse_policy_check(mut body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
+    let op = OP_CHECK_POLICY;
+    let fixed = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
+    if body.len() < fixed {
+        return invalid(id, op, ErrorCode::Malformed, format!("check-policy body of {} bytes is shorter than the {fixed} fixed bytes", body.len()));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
+    }
+    let Some(on_error) = FailPolicy::from_wire(body[8]) else {
+        return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
+    };
+    let n_items = body[9];
+    if n_items != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one check-policy request; this daemon takes exactly 1 (several, all or nothing, are reserved)"));
+    }
+    let local_limit = be32(&body, 10);
+    let e = POLICY_HEADER_LEN;
+    let cost = be32(&body, e);
+    let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
+    let name_len = body[e + 6] as usize;
+    if body.len() != fixed + name_len + key_len {
+        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
+    }
+    if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
+        return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
+    }
+    let key_at = fixed + name_len;
+    if key_len == 0 || key_len > bounds.max_key_len {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key length {key_len} is outside 1..={}", bounds.max_key_len));
+    }
+    if let Some(pos) = body[key_at..].iter().position(|&b| b < 0x20 || b == 0x7f) {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key byte {pos} is a control character"));
+    }
+    // The limit comes from the policy: the daemon checks cost against it
+    // once the policy is resolved.
+    if cost == 0 || cost > bounds.max_cost {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=max_cost {}", bounds.max_cost));
+    }
+    if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
+    }
+    body.advance(fixed - 1);
+    let scoped_key = body;
+    let name = scoped_key.slice(1..1 + name_len);
+    let key = scoped_key.slice(1 + name_len..);
+    Inbound::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key })
+}
+
+/// Appends one check-policy request frame (one item) to `dst`.
+pub fn encode_policy_request(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) {
+    let body_len = POLICY_HEADER_LEN + POLICY_ITEM_LEN + a.policy.len() + a.key.len();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_CHECK_POLICY);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(a.on_error.to_wire());
+    dst.put_u8(1);
+    dst.put_u32(a.local_limit);
+    dst.put_u32(a.cost);
+    dst.put_u16(a.key.len() as u16);
+    dst.put_u8(a.policy.len() as u8);
+    dst.put_slice(a.policy);
+    dst.put_slice(a.key);
 }
 
 /// Appends one check request frame to `dst`.
@@ -246,6 +355,58 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    fn policy_args<'a>(policy: &'a [u8], key: &'a [u8]) -> PolicyCheckArgs<'a> {
+        PolicyCheckArgs { policy, key, cost: 1, on_error: FailPolicy::Open, local_limit: 0 }
+    }
+
+    #[test]
+    fn policy_request_round_trip_matches_documented_hex() {
+        let mut buf = BytesMut::new();
+        encode_policy_request(7, &policy_args(b"order", b"t1"), &mut buf);
+        // The same bytes are shown in docs/PROTOCOL.md.
+        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "0000001c0102000000070000000100000000000000010002056f726465727431");
+        match decode_one(&buf) {
+            Inbound::PolicyCheck(c) => {
+                assert_eq!((c.id, c.cost, &c.name[..], &c.key[..]), (7, 1, &b"order"[..], &b"t1"[..]));
+                assert_eq!(&c.scoped_key[..], b"\x05ordert1");
+                assert_eq!(c.on_error, FailPolicy::Open);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn invalid_policy_fields_get_their_codes() {
+        let good = {
+            let mut b = BytesMut::new();
+            encode_policy_request(9, &policy_args(b"order", b"key"), &mut b);
+            b[4..].to_vec()
+        };
+        let with = |at: usize, bytes: &[u8]| {
+            let mut b = good.clone();
+            b[at..at + bytes.len()].copy_from_slice(bytes);
+            code_of(decode_one(&frame(&b)))
+        };
+        assert_eq!(with(6, &[0, 1]), ErrorCode::UnsupportedFlags);
+        assert_eq!(with(8, &[3]), ErrorCode::InvalidPolicy);
+        assert_eq!(with(9, &[2]), ErrorCode::UnsupportedLimitCount);
+        assert_eq!(with(9, &[0]), ErrorCode::UnsupportedLimitCount);
+        assert_eq!(with(8, &[2]), ErrorCode::InvalidLocalLimit);
+        assert_eq!(with(14, &[0, 0, 0, 0]), ErrorCode::InvalidCost);
+        assert_eq!(with(14, &1001u32.to_be_bytes()), ErrorCode::InvalidCost);
+        assert_eq!(with(18, &[0, 9]), ErrorCode::Malformed);
+        assert_eq!(with(20, &[6]), ErrorCode::Malformed);
+        assert_eq!(with(26, b"\n"), ErrorCode::InvalidKey);
+        let mut b = BytesMut::new();
+        encode_policy_request(1, &policy_args(&[b'a'; 32], b"k"), &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnknownPolicy);
+        let mut b = BytesMut::new();
+        encode_policy_request(1, &policy_args(b"", b"k"), &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnknownPolicy);
+        assert_eq!(code_of(decode_one(&frame(&good[..20]))), ErrorCode::Malformed);
     }
 
     #[test]
@@ -379,6 +540,7 @@ mod tests {
                             Some(Inbound::TooLarge { .. }) => { buf.clear(); break }
                             Some(Inbound::Invalid { code, .. }) => prop_assert!((code as u16) < 20),
                             Some(Inbound::Check(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
+                            Some(Inbound::PolicyCheck(c)) => prop_assert!(!c.key.is_empty() && !c.name.is_empty()),
                             None => break,
                         }
                     }
@@ -415,6 +577,7 @@ mod tests {
                         prop_assert!(expected_bad, "{:?} for a request that is valid there", code);
                     }
                     Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
+                    Inbound::PolicyCheck(_) => prop_assert!(false, "a CHECK decoded as CHECK_POLICY"),
                 }
             }
         }

@@ -10,6 +10,19 @@ use std::fmt;
 pub const VERSION: u8 = 1;
 /// Op code of a rate-limit check.
 pub const OP_CHECK: u8 = 1;
+/// Op code of a check of named policies from the daemon's configuration.
+pub const OP_CHECK_POLICY: u8 = 2;
+/// Bytes of a CHECK_POLICY body before its first item: version, op, id,
+/// flags, fail policy, item count, local limit.
+pub const POLICY_HEADER_LEN: usize = 14;
+/// Bytes of one CHECK_POLICY item before its name and key: cost, key length,
+/// name length.
+pub const POLICY_ITEM_LEN: usize = 7;
+/// Longest policy name. Below 0x20 on purpose: the daemon's stored key of a
+/// policy check starts with the name's length byte, a control byte no
+/// inline key may hold, so policy windows never share a key with inline
+/// ones (docs/POLICIES.md).
+pub const MAX_POLICY_NAME_LEN: usize = 31;
 /// Bytes in the length prefix.
 pub const LEN_PREFIX: usize = 4;
 /// Largest body accepted, in bytes. A check with a 512-byte key is 540 bytes;
@@ -117,6 +130,9 @@ wire_enum! {
         Allowed = 0 => "allowed",
         Denied = 1 => "denied",
         Error = 2 => "error",
+        /// A shadow policy would have refused: the request is admitted and
+        /// nothing was recorded (CHECK_POLICY only).
+        ShadowDenied = 3 => "shadow_denied",
     }
 }
 
@@ -136,6 +152,9 @@ wire_enum! {
         /// Refused by the daemon's denial cache: Redis refused the same key,
         /// limit and window at no smaller cost, and cannot admit it yet.
         DenialCache = 5 => "denial_cache",
+        /// Admitted by a policy without asking any store: the key is on the
+        /// policy's allowlist or its override is `unlimited` (CHECK_POLICY only).
+        Exempt = 6 => "exempt",
         /// No decision was made (the request was invalid).
         None = 255 => "none",
     }
@@ -161,6 +180,9 @@ wire_enum! {
         InvalidCost = 9 => "INVALID_COST",
         InvalidPolicy = 10 => "INVALID_POLICY",
         InvalidLocalLimit = 11 => "INVALID_LOCAL_LIMIT",
+        /// CHECK_POLICY named a policy the daemon's configuration does not
+        /// have: a configuration error; the client's fail policy decides.
+        UnknownPolicy = 12 => "UNKNOWN_POLICY",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",
@@ -189,7 +211,7 @@ mod tests {
             assert_eq!(Source::ALL[s.index()], s);
         }
         assert_eq!(Source::None.to_wire(), 255);
-        assert_eq!(ErrorCode::from_wire(12), None);
+        assert_eq!(ErrorCode::from_wire(13), None);
         assert_eq!("local".parse::<FailPolicy>(), Ok(FailPolicy::Local));
         assert!("nope".parse::<FailPolicy>().unwrap_err().contains("open, closed or local"));
     }

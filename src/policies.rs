@@ -1,0 +1,224 @@
+//! Named policies at run time: the `[[policy]]` tables of the configuration
+//! as the request path looks them up (by name, then the key's override),
+//! and their per-policy counters.
+//!
+//! Built whole on each configuration load and swapped in with the limiter,
+//! so a request sees one consistent set. The counters of a policy are kept
+//! across reloads (matched by name) so that Prometheus sees no reset; a
+//! policy removed from the file leaves /metrics with it. Label values are
+//! the configured names only: what clients send never becomes a label.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::config::{PolicyConfig, PolicyLimit};
+use crate::protocol::FailPolicy;
+
+/// What happened to one policy request; each request counts in exactly one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Admitted by the store (Redis, or the in-memory backend).
+    Admitted,
+    /// Refused by the store.
+    Refused,
+    /// Refused by the daemon's denial cache, without a Redis call.
+    RefusedFromCache,
+    /// A shadow policy would have refused; admitted.
+    ShadowRefused,
+    /// The key is allowlisted or its override is unlimited; no store asked.
+    Exempt,
+    /// Redis failed; admitted by fail policy open.
+    FailOpen,
+    /// Redis failed; refused by fail policy closed.
+    FailClosed,
+    /// Redis failed; the per-host fallback window admitted.
+    FailLocalAdmitted,
+    /// Redis failed; the per-host fallback window refused.
+    FailLocalRefused,
+    /// No decision (a cost above the key's limit, full in-memory windows).
+    Error,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 10] = [
+        Self::Admitted,
+        Self::Refused,
+        Self::RefusedFromCache,
+        Self::ShadowRefused,
+        Self::Exempt,
+        Self::FailOpen,
+        Self::FailClosed,
+        Self::FailLocalAdmitted,
+        Self::FailLocalRefused,
+        Self::Error,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Admitted => "admitted",
+            Self::Refused => "refused",
+            Self::RefusedFromCache => "refused_from_cache",
+            Self::ShadowRefused => "shadow_refused",
+            Self::Exempt => "exempt",
+            Self::FailOpen => "fail_open",
+            Self::FailClosed => "fail_closed",
+            Self::FailLocalAdmitted => "fail_local_admitted",
+            Self::FailLocalRefused => "fail_local_refused",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// One policy's counters: an atomic per outcome, added to with one relaxed
+/// operation.
+#[derive(Debug, Default)]
+pub struct PolicyCounters {
+    outcomes: [AtomicU64; Outcome::ALL.len()],
+}
+
+impl PolicyCounters {
+    #[inline]
+    pub fn count(&self, o: Outcome) {
+        self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, o: Outcome) -> u64 {
+        self.outcomes[o as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// One policy, ready for the request path.
+#[derive(Debug)]
+pub struct Policy {
+    pub name: Box<str>,
+    pub limit: u32,
+    pub window_ms: u32,
+    pub fail_policy: Option<FailPolicy>,
+    pub local_limit: Option<u32>,
+    pub shadow: bool,
+    /// Exact keys (allowlist included, as `Unlimited`).
+    overrides: HashMap<Box<[u8]>, PolicyLimit>,
+    pub counters: Arc<PolicyCounters>,
+}
+
+impl Policy {
+    /// The limit for `key`: its override, else the policy's.
+    #[inline]
+    pub fn limit_for(&self, key: &[u8]) -> PolicyLimit {
+        if self.overrides.is_empty() {
+            return PolicyLimit::Limit(self.limit);
+        }
+        self.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(self.limit))
+    }
+}
+
+/// Every configured policy, by name.
+#[derive(Debug, Default)]
+pub struct Policies {
+    list: Vec<Policy>,
+    by_name: HashMap<Box<[u8]>, usize>,
+}
+
+impl Policies {
+    /// The policies of `configs`, keeping the counters of `previous` ones of
+    /// the same name. The configuration is validated: names are unique.
+    pub fn build(configs: &[PolicyConfig], previous: Option<&Policies>) -> Self {
+        let mut list = Vec::with_capacity(configs.len());
+        let mut by_name = HashMap::with_capacity(configs.len());
+        for c in configs {
+            let counters = previous.and_then(|p| p.get(c.name.as_bytes())).map_or_else(Default::default, |p| p.counters.clone());
+            by_name.insert(Box::from(c.name.as_bytes()), list.len());
+            list.push(Policy {
+                name: c.name.as_str().into(),
+                limit: c.limit,
+                // Validated to fit limits.max_window_ms, a u32.
+                window_ms: u32::try_from(c.window.as_millis()).unwrap_or(u32::MAX),
+                fail_policy: c.fail_policy,
+                local_limit: c.local_limit,
+                shadow: c.shadow,
+                overrides: c.overrides.iter().map(|(k, v)| (Box::from(k.as_bytes()), *v)).collect(),
+                counters,
+            });
+        }
+        Self { list, by_name }
+    }
+
+    /// The policy named `name`: one hash of the name, no allocation.
+    #[inline]
+    pub fn get(&self, name: &[u8]) -> Option<&Policy> {
+        self.by_name.get(name).map(|&i| &self.list[i])
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// The Prometheus text of the per-policy counters (nothing without policies).
+    pub fn render(&self, out: &mut String) {
+        if self.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "# HELP ratelimitd_policy_requests_total CHECK_POLICY requests by configured policy and outcome; each request counts in one outcome.\n# TYPE ratelimitd_policy_requests_total counter"
+        );
+        for p in &self.list {
+            for o in Outcome::ALL {
+                let _ = writeln!(out, "ratelimitd_policy_requests_total{{policy=\"{}\",outcome=\"{}\"}} {}", p.name, o.as_str(), p.counters.get(o));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    fn config(name: &str, limit: u32) -> PolicyConfig {
+        PolicyConfig {
+            name: name.into(),
+            limit,
+            window: Duration::from_secs(1),
+            fail_policy: None,
+            local_limit: None,
+            shadow: false,
+            overrides: BTreeMap::from([("big".into(), PolicyLimit::Limit(50)), ("free".into(), PolicyLimit::Unlimited)]),
+        }
+    }
+
+    #[test]
+    fn lookups_and_overrides() {
+        let p = Policies::build(&[config("order", 10)], None);
+        let order = p.get(b"order").unwrap();
+        assert_eq!(order.window_ms, 1000);
+        assert_eq!(order.limit_for(b"t1"), PolicyLimit::Limit(10));
+        assert_eq!(order.limit_for(b"big"), PolicyLimit::Limit(50));
+        assert_eq!(order.limit_for(b"free"), PolicyLimit::Unlimited);
+        assert!(p.get(b"orde").is_none());
+    }
+
+    #[test]
+    fn counters_survive_a_reload_by_name_and_render_configured_names_only() {
+        let first = Policies::build(&[config("order", 10), config("login", 5)], None);
+        first.get(b"order").unwrap().counters.count(Outcome::Refused);
+        let second = Policies::build(&[config("order", 20), config("search", 5)], Some(&first));
+        assert_eq!(second.get(b"order").unwrap().counters.get(Outcome::Refused), 1);
+        assert_eq!(second.get(b"search").unwrap().counters.get(Outcome::Refused), 0);
+        let mut text = String::new();
+        second.render(&mut text);
+        assert!(text.contains("ratelimitd_policy_requests_total{policy=\"order\",outcome=\"refused\"} 1"), "{text}");
+        assert!(text.contains("policy=\"search\",outcome=\"shadow_refused\"} 0"), "{text}");
+        assert!(!text.contains("login"), "a removed policy leaves /metrics");
+        let mut none = String::new();
+        Policies::default().render(&mut none);
+        assert!(none.is_empty());
+    }
+}

@@ -1,0 +1,248 @@
+//! Named policies (docs/POLICIES.md) with real processes: HTTP -> nginx (Lua
+//! module) -> ratelimitd -> redis-server. The daemon's `[[policy]]` tables
+//! decide; nginx names the policy and the key.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+
+const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+
+const POLICIES: &str = r#"
+[[policy]]
+name = "order"
+limit = 3
+window = "60s"
+allowlist = ["vip"]
+[policy.overrides]
+"tenant-big" = 5
+"tenant-free" = "unlimited"
+
+[[policy]]
+name = "shadowed"
+limit = 2
+window = "60s"
+shadow = true
+
+[[policy]]
+name = "tight"
+limit = 2
+window = "60s"
+"#;
+
+/// Each location names a policy; the typo locations name one the daemon
+/// does not have, with each fail policy.
+const LOCATIONS: &str = r#"
+    location /order {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new("order"))
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+    location /shadow {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new{ policy = "shadowed", on_error = "closed" })
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+    location /tight {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new("tight"))
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+    location /typo-open {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "open" })
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+    location /typo-closed {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "closed" })
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+    location /inline {
+        access_by_lua_block {
+            require("resty.ratelimitd").limit{ key = ngx.var.http_x_tenant_id, limit = 3, window_ms = 60000 }
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+"#;
+
+fn gateway(socket: &std::path::Path) -> Nginx {
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
+    // Loaded CI machines stall processes: these tests are about decisions.
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
+}
+
+fn daemon(redis: &RedisServer) -> Daemon {
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+}
+
+struct Reply {
+    status: u16,
+    headers: ureq::http::HeaderMap,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+fn get(agent: &ureq::Agent, url: &str, tenant: &str) -> Reply {
+    let mut r = agent.get(url).header("X-Tenant-Id", tenant).call().unwrap();
+    let _ = r.body_mut().read_to_string();
+    Reply { status: r.status().as_u16(), headers: r.headers().clone() }
+}
+
+fn statuses(a: &ureq::Agent, url: &str, tenant: &str, n: usize) -> Vec<u16> {
+    (0..n).map(|_| get(a, url, tenant).status).collect()
+}
+
+fn metrics(d: &Daemon) -> String {
+    agent().get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap()
+}
+
+/// The value of the sample `line_start` (name and labels) in `text`.
+fn sample(text: &str, line_start: &str) -> u64 {
+    let line = text.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start} in\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn policy_sample(text: &str, policy: &str, outcome: &str) -> u64 {
+    sample(text, &format!("ratelimitd_policy_requests_total{{policy=\"{policy}\",outcome=\"{outcome}\"}} "))
+}
+
+#[test]
+fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    let a = agent();
+
+    // The policy's limit, with its headers; the limit comes from the daemon.
+    let replies: Vec<Reply> = (0..4).map(|_| get(&a, &nginx.url("/order"), "t1")).collect();
+    assert_eq!(replies.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 200, 200, 429]);
+    assert_eq!(replies[0].header("RateLimit-Limit"), Some("3"));
+    assert_eq!(replies[2].header("RateLimit-Remaining"), Some("0"));
+    assert!(replies[3].header("Retry-After").is_some());
+    // An override raises the limit of one key.
+    assert_eq!(statuses(&a, &nginx.url("/order"), "tenant-big", 6), [200, 200, 200, 200, 200, 429]);
+    // Allowlisted and unlimited keys pass without a count, and without headers.
+    let vip: Vec<Reply> = (0..10).map(|_| get(&a, &nginx.url("/order"), "vip")).collect();
+    assert!(vip.iter().all(|r| r.status == 200 && r.header("RateLimit-Remaining").is_none()));
+    assert_eq!(statuses(&a, &nginx.url("/order"), "tenant-free", 5), [200; 5]);
+    // The policy's window is its own: the inline form on the same key is not charged.
+    assert_eq!(statuses(&a, &nginx.url("/inline"), "t1", 4), [200, 200, 200, 429]);
+
+    // Shadow: refuses nothing, reports the refusals in metrics; the refused
+    // requests record nothing (the window holds the 2 admissions only), and
+    // another policy on the same key is not charged.
+    let shadow: Vec<Reply> = (0..5).map(|_| get(&a, &nginx.url("/shadow"), "t2")).collect();
+    assert!(shadow.iter().all(|r| r.status == 200), "a shadow policy refuses nothing");
+    assert!(shadow[4].header("RateLimit-Remaining").is_none(), "a shadow refusal sets no header");
+    let mut conn = redis.conn();
+    let shadow_key = b"ratelimitd:{\x08shadowedt2}:60000ms".to_vec();
+    let members: u64 = redis::Commands::zcard(&mut conn, shadow_key).unwrap();
+    assert_eq!(members, 2, "the shadow window holds what enforcing would have admitted, nothing more");
+    assert_eq!(statuses(&a, &nginx.url("/order"), "t2", 4), [200, 200, 200, 429]);
+
+    // Unknown name: the location's fail policy decides, logged loudly, counted.
+    assert_eq!(statuses(&a, &nginx.url("/typo-open"), "t3", 3), [200; 3]);
+    assert_eq!(statuses(&a, &nginx.url("/typo-closed"), "t3", 2), [503; 2]);
+    wait_until("the unknown policy logged by nginx", Duration::from_secs(5), || nginx.error_log().contains("ratelimitd: unknown_policy"));
+    let log = nginx.error_log();
+    assert!(log.contains("policy 'ordr': no policy named 'ordr'"), "{log}");
+    for line in log.lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")) {
+        assert!(line.contains("unknown_policy") || line.contains("fail_open") || line.contains("fail_closed"), "unexpected error: {line}");
+    }
+    assert!(d.log().contains("request names a policy that is not configured"), "{}", d.log());
+
+    let text = metrics(&d);
+    assert_eq!(sample(&text, "ratelimitd_errors_total{code=\"UNKNOWN_POLICY\"} "), 5);
+    assert_eq!(policy_sample(&text, "order", "admitted"), 3 + 5 + 3);
+    assert_eq!(policy_sample(&text, "order", "refused") + policy_sample(&text, "order", "refused_from_cache"), 3);
+    assert_eq!(policy_sample(&text, "order", "exempt"), 15);
+    assert_eq!(policy_sample(&text, "shadowed", "admitted"), 2);
+    assert_eq!(policy_sample(&text, "shadowed", "shadow_refused"), 3);
+    assert_eq!(policy_sample(&text, "order", "fail_open") + policy_sample(&text, "order", "fail_closed"), 0);
+    assert!(!text.contains("policy=\"ordr\""), "label values come from the configuration only");
+    // The first refusal from Redis, the later ones from the daemon's denial cache.
+    let shadow_denied = |source: &str| sample(&text, &format!("ratelimitd_decisions_total{{decision=\"shadow_denied\",source=\"{source}\"}} "));
+    assert_eq!(shadow_denied("redis") + shadow_denied("denial_cache"), 3);
+}
+
+#[test]
+fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    let a = agent();
+    assert_eq!(statuses(&a, &nginx.url("/tight"), "r", 3), [200, 200, 429]);
+
+    // Load on an allowlisted key and on keys far from their limit: every
+    // one of these requests must pass, before, during and after the reload.
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let load: Vec<_> = (0..3)
+        .map(|t| {
+            let (url, stop, sent) = (nginx.url("/order"), stop.clone(), sent.clone());
+            std::thread::spawn(move || {
+                let a = agent();
+                let mut bad = Vec::new();
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let tenant = if i % 2 == 0 { "vip".to_string() } else { format!("load-{t}-{i}") };
+                    let r = get(&a, &url, &tenant);
+                    if r.status != 200 {
+                        bad.push((tenant, r.status));
+                    }
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+                bad
+            })
+        })
+        .collect();
+    wait_until("load running", Duration::from_secs(5), || sent.load(Ordering::Relaxed) >= 50);
+
+    let before = sent.load(Ordering::Relaxed);
+    d.rewrite_config(&d.config_text().replace("name = \"tight\"\nlimit = 2", "name = \"tight\"\nlimit = 4"));
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    wait_until("configuration reloaded", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
+    // The raised limit is in force at once: the same window admits 2 more.
+    assert_eq!(statuses(&a, &nginx.url("/tight"), "r", 3), [200, 200, 429]);
+    wait_until("load after the reload", Duration::from_secs(5), || sent.load(Ordering::Relaxed) >= before + 100);
+    stop.store(true, Ordering::Relaxed);
+    let bad: Vec<_> = load.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    assert!(bad.is_empty(), "requests failed across the reload: {bad:?}");
+
+    let text = metrics(&d);
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 1);
+    assert_eq!(policy_sample(&text, "tight", "admitted"), 4, "the counters carried over the reload");
+    assert_eq!(policy_sample(&text, "tight", "refused") + policy_sample(&text, "tight", "refused_from_cache"), 2);
+    for outcome in ["fail_open", "fail_closed", "error"] {
+        assert_eq!(policy_sample(&text, "order", outcome), 0, "{outcome}");
+    }
+    assert!(policy_sample(&text, "order", "exempt") > 0 && policy_sample(&text, "order", "admitted") > 0);
+    let log = nginx.error_log();
+    assert!(!log.contains("[error]") && !log.contains("[crit]"), "nginx error log:\n{log}");
+}
