@@ -165,8 +165,12 @@ fn d_sha(d: &Daemon) -> String {
     log[at + 4..].trim_start_matches('"').chars().take_while(char::is_ascii_hexdigit).collect()
 }
 
-/// The daemon's Redis deadline in the failover test: the product default.
-const DEADLINE_MS: u64 = 20;
+/// The daemon's Redis deadline in the failover tests. Above the product
+/// default (20 ms): these tests run beside nine others, each with six
+/// redis-servers, on 2 cores, and a live node that misses 20 ms because the
+/// machine is saturated is not what they examine (one run in five opened
+/// the breaker "too slow" before the dead node was even declared FAIL).
+const DEADLINE_MS: u64 = 60;
 /// What a loaded 2-core CI machine may add on top (scheduling, the client).
 const MARGIN_MS: u64 = 250;
 
@@ -277,7 +281,9 @@ async fn primary_killed_under_load() {
         others_after.len(),
     );
     // Until the cluster declares the node failed (`cluster-node-timeout`,
-    // 1 s), the other primaries' keys stay on Redis: the dead node's
+    // 1 s), the other primaries' keys stay on Redis (95 %: a saturated
+    // machine may still miss a deadline; a breaker opened by the dead
+    // node would put them near 0 %): the dead node's
     // errors and timeouts are its keys' alone and do not open the
     // cluster's breaker. (From FAIL to the promotion, Redis's default
     // `cluster-require-full-coverage yes` makes every node refuse every
@@ -288,7 +294,7 @@ async fn primary_killed_under_load() {
     let log = d.log();
     let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN") || l.contains("INFO")).map(|l| &l[..l.len().min(400)]).collect();
     assert!(
-        before_fail.len() > 100 && before_fail_on_redis * 100 >= before_fail.len() * 98,
+        before_fail.len() > 100 && before_fail_on_redis * 100 >= before_fail.len() * 95,
         "other keys on Redis before FAIL: {before_fail_on_redis} of {}\n{}",
         before_fail.len(),
         warnings.join("\n")

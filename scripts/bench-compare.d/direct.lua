@@ -9,6 +9,10 @@
 -- one sock:send of a table of pieces, one line read per reply element,
 -- setkeepalive after a clean exchange. Not a product: no retry on a pooled
 -- connection Redis closed, no NOSCRIPT reload (the bench loads the script).
+-- On a Redis Cluster (opts.slots, used by scripts/fleet) it sends each key
+-- to the primary of the key's hash slot from a slot map taken when nginx
+-- starts, as a cluster client with a fresh map does; a MOVED or ASK reply
+-- (a resharding or failover) fails the request: the fleet does neither.
 
 local ngx = ngx
 local tcp = ngx.socket.tcp
@@ -19,6 +23,42 @@ local ERR = ngx.ERR
 local byte, sub, tostring, tonumber = string.byte, string.sub, tostring, tonumber
 local ceil, max = math.ceil, math.max
 local setmetatable = setmetatable
+local find = string.find
+local bit = require "bit"
+local band, bxor, lshift, rshift = bit.band, bit.bxor, bit.lshift, bit.rshift
+
+-- CRC16-CCITT (XMODEM), Redis Cluster's key hash, by table.
+local crc_table = {}
+do
+    for i = 0, 255 do
+        local crc = lshift(i, 8)
+        for _ = 1, 8 do
+            if band(crc, 0x8000) ~= 0 then
+                crc = band(bxor(lshift(crc, 1), 0x1021), 0xffff)
+            else
+                crc = band(lshift(crc, 1), 0xffff)
+            end
+        end
+        crc_table[i] = crc
+    end
+end
+
+-- The hash slot of the full key "<prefix>{<key>}...": Redis hashes the
+-- part between the first "{" and the first "}" after it, if not empty.
+local function slot_of(key)
+    local tag = key
+    local close = find(key, "}", 1, true)
+    if close and close > 1 then
+        tag = sub(key, 1, close - 1)
+    elseif close == 1 then
+        return nil -- the whole stored key is hashed: not needed by the fleet
+    end
+    local crc = 0
+    for i = 1, #tag do
+        crc = bxor(band(lshift(crc, 8), 0xffff), crc_table[bxor(rshift(crc, 8), byte(tag, i))])
+    end
+    return band(crc, 16383)
+end
 
 local _M = {}
 local Direct = {}
@@ -31,13 +71,25 @@ end
 
 -- A limiter: opts.host, opts.port (Redis), opts.sha (of the script),
 -- opts.prefix (the daemon's redis.key_prefix, "ratelimitd:" by default),
--- opts.limit, opts.window_ms. As with ratelimitd.new{}, the constant parts
+-- opts.limit, opts.window_ms; on a Redis Cluster opts.slots instead of
+-- host and port: { {first_slot, last_slot, host, port}, ... }. As with ratelimitd.new{}, the constant parts
 -- of the command are built once; per request only the key and the member.
 function _M.new(opts)
     local limit, window_ms = opts.limit, opts.window_ms
+    local slot_host, slot_port
+    if opts.slots then
+        slot_host, slot_port = {}, {}
+        for _, range in ipairs(opts.slots) do
+            for slot = range[1], range[2] do
+                slot_host[slot], slot_port[slot] = range[3], range[4]
+            end
+        end
+    end
     return setmetatable({
         host = opts.host,
         port = opts.port,
+        slot_host = slot_host,
+        slot_port = slot_port,
         prefix = opts.prefix or "ratelimitd:",
         limit_value = limit,
         -- *9 EVALSHA sha 1 | key | window_ms now (0: Redis TIME) | member | limit cost
@@ -57,7 +109,16 @@ local function evalsha(self, key)
     -- The daemon's redis.timeout_ms (20): Redis gets the same deadline on
     -- both paths, and a miss is an error on both.
     sock:settimeouts(20, 20, 20)
-    local ok, err = sock:connect(self.host, self.port)
+    local host, port = self.host, self.port
+    local slot_host = self.slot_host
+    if slot_host then
+        local slot = slot_of(key)
+        host, port = slot_host[slot], self.slot_port[slot]
+        if not host then
+            return nil, "no node for the key's slot"
+        end
+    end
+    local ok, err = sock:connect(host, port)
     if not ok then
         return nil, "connect: " .. err
     end

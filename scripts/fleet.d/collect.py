@@ -4,6 +4,7 @@ and daemon counters before and after, and the shared key's audit.
 Usage: collect.py LABEL DELAY_MS URL CONNS SECONDS HOSTS "EVALSHA0 CPU0" "EVALSHA1 CPU1" FAIL0 FAIL1 AUDIT_JSON WRK_TXT...
 """
 import json
+import os
 import re
 import sys
 
@@ -37,7 +38,7 @@ requests = sum(h["requests"] for h in per_host)
 evalsha = int(r1[0]) - int(r0[0])
 cpu = float(r1[1]) - float(r0[1])
 print(json.dumps({
-    "path": label, "delay_ms": float(delay), "url": url, "conns": int(conns), "seconds": int(secs),
+    "backend": os.environ.get("FLEET_BACKEND", "single"), "path": label, "delay_ms": float(delay), "url": url, "conns": int(conns), "seconds": int(secs),
     "hosts": int(hosts), "rps": sum(h["rps"] for h in per_host), "requests": requests,
     "non2xx": sum(h["non2xx"] for h in per_host), "socket_errors": sum(h["socket_errors"] for h in per_host),
     "p50_us": sum(h["p50_us"] for h in per_host) / len(per_host),
