@@ -254,6 +254,36 @@ mod tests {
     }
 
     #[test]
+    fn extension_round_trip_matches_documented_hex() {
+        let item = |decision, count, remaining, retry_after_ms| ItemResult { decision, source: Source::Redis, count, remaining, retry_after_ms, reset_ms: 1000, limit: 2, window_ms: 1000 };
+        let r = Response {
+            id: 7,
+            op: crate::protocol::wire::OP_CHECK_POLICY,
+            decision: Decision::Denied,
+            source: Source::Redis,
+            count: 2,
+            remaining: 0,
+            retry_after_ms: 400,
+            reset_ms: 1000,
+            error: ErrorCode::None,
+            message: Cow::Borrowed(""),
+            extension: Some(Box::new(Extension { refused: 2, handle: None, items: vec![item(Decision::Allowed, 1, 9, 0), item(Decision::Denied, 2, 0, 400)] })),
+        };
+        let mut buf = BytesMut::new();
+        encode_response(&r, &mut buf);
+        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+        // The same bytes are shown in docs/PROTOCOL.md, section 5b.
+        assert_eq!(
+            hex,
+            "000000530102000000070100000000020000000000000190000003e8000000000202000000000000010000000900000000000003e800000002000003e80100000000020000000000000190000003e800000002000003e8"
+        );
+        assert_eq!(decode_response(&mut buf).unwrap().unwrap(), r);
+        let with_handle = Response { extension: Some(Box::new(Extension { refused: 0, handle: Some([9; HANDLE_LEN]), items: vec![item(Decision::Allowed, 1, 1, 0)] })), ..r };
+        encode_response(&with_handle, &mut buf);
+        assert_eq!(decode_response(&mut buf).unwrap().unwrap(), with_handle);
+    }
+
+    #[test]
     fn long_messages_are_cut_at_a_char_boundary() {
         let msg = "é".repeat(MAX_MESSAGE_LEN);
         let r = Response::error(1, OP_CHECK, ErrorCode::Malformed, Cow::Owned(msg));
