@@ -42,7 +42,10 @@
 -- Refund: ARGV[1] 'r', ARGV[2] member base, then per key: cost, item
 -- number j. ZREM of exactly the members 'm' wrote: idempotent, and a no-op
 -- once they have left the window. Returns the members removed.
-local function several_keys()
+-- ARGV[1] = 'm' or 'r' selects the all-or-nothing check of several keys or
+-- the refund (the single-key check below pays one string comparison for
+-- them; no closure is made per call).
+if ARGV[1] == 'm' or ARGV[1] == 'r' then
   if ARGV[1] == 'r' then
     local base = ARGV[2]
     local removed = 0
@@ -139,13 +142,6 @@ local function several_keys()
     end
   end
   return out
-end
-
--- ARGV[1] = 'm' or 'r' selects the all-or-nothing check of several keys or
--- the refund (below, at the end of the file: the single-key check above
--- pays one string comparison for them).
-if ARGV[1] == 'm' or ARGV[1] == 'r' then
-  return several_keys()
 end
 
 local key = KEYS[1]
