@@ -57,7 +57,7 @@ fn tenant_api_example_through_nginx() {
     // The example's policies verbatim; its [server] and [redis] point at this test's.
     let policies = &EXAMPLE_TOML[EXAMPLE_TOML.find("[[policy]]").unwrap()..];
     let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{policies}", redis.url()));
+    let mut d = Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{policies}", redis.url()));
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let site = EXAMPLE_NGINX.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1);
     let nginx = Nginx::start(&format!("{snippet}\n{site}"));
@@ -127,4 +127,12 @@ fn tenant_api_example_through_nginx() {
     let elog = nginx.error_log();
     let errors: Vec<&str> = elog.lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")).collect();
     assert!(errors.is_empty(), "nginx errors: {errors:?}");
+
+    // The daemon gone: on_error = "closed" refuses the whole request with
+    // fail_closed_status, without quota fields or a problem body.
+    d.terminate();
+    let down = get(&a, &nginx.url("/api/orders"), &[("X-Tenant-Id", "t3")]);
+    assert_eq!((down.status, down.header("Retry-After"), down.header("RateLimit")), (503, "1", ""));
+    assert!(!down.body.contains("quota-exceeded"));
+    wait_until("the fail-closed logged", Duration::from_secs(5), || nginx.error_log().contains("ratelimitd: fail_closed key=127.0.0.1,t3,all,t3"));
 }

@@ -130,6 +130,9 @@ local config = {
                               -- draft's quota-exceeded type with violated-policies
     log_var = "",             -- name of an nginx variable (declared with set) that
                               -- limit() sets to its outcome, for access logs
+    set_ctx = false,          -- every limiter's limit() stores its decision in
+                              -- ngx.ctx.ratelimitd (multi-policy and refundable
+                              -- limiters always do)
 }
 
 local KNOWN_CONFIG = {}
@@ -948,22 +951,22 @@ local function enforce(self, beh, key, cost)
     if res.decision == "shadow_denied" then
         -- Nothing the client should see: no headers, no refusal.
         ngx_log(INFO, "ratelimitd: shadow policy '", self._policy, "' would deny key=", key, " source=", res.source)
-        log_outcome(res, "PASSED_SHADOW")
+        log_outcome(self, res, "PASSED_SHADOW")
         return res
     end
     if headers then
         set_headers(res, beh.header_style or config.header_style)
     end
     if res.allowed then
-        log_outcome(res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
+        log_outcome(self, res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
         return res
     end
     if beh.dry_run then
         ngx_log(INFO, "ratelimitd: dry_run would deny key=", key, " source=", res.source)
-        log_outcome(res, "REJECTED_DRY_RUN")
+        log_outcome(self, res, "REJECTED_DRY_RUN")
         return res
     end
-    log_outcome(res, "REJECTED")
+    log_outcome(self, res, "REJECTED")
     local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
     if headers or closed then
         ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
@@ -1227,11 +1230,16 @@ local function problem_body(res, status)
                   PROBLEM_TYPE, status, concat(violated, ","))
 end
 
--- The outcome for access logs: ngx.ctx.ratelimitd (the decision table) and,
--- with configure{ log_var = "name" }, $name set to PASSED, REJECTED,
--- REJECTED_DRY_RUN, PASSED_SHADOW or FAIL_OPEN (like $limit_req_status).
-function log_outcome(res, outcome)
-    ngx.ctx.ratelimitd = res
+-- The outcome for access logs and later phases: ngx.ctx.ratelimitd (the
+-- decision table) from multi-policy and refundable limiters, or from every
+-- limiter with configure{ set_ctx = true } (ngx.ctx makes a table per
+-- request: not done unless asked); with configure{ log_var = "name" },
+-- $name set to PASSED, REJECTED, REJECTED_DRY_RUN, PASSED_SHADOW, FAIL_OPEN
+-- or ERROR (like $limit_req_status).
+function log_outcome(self, res, outcome)
+    if self._names or config.set_ctx then
+        ngx.ctx.ratelimitd = res
+    end
     local var = config.log_var
     if var ~= "" then
         ngx.var[var] = outcome
@@ -1260,7 +1268,7 @@ local function enforce_multi(self, keys, costs)
         res = multi_fallback(self, keys, costs, "UNKNOWN_POLICY")
     elseif res.decision == "error" and res.error_code < 30 then
         log_failure("invalid_request", label, res.error .. ": " .. res.message)
-        log_outcome(res, "ERROR")
+        log_outcome(self, res, "ERROR")
         if self.dry_run then
             return res
         end
@@ -1283,14 +1291,14 @@ local function enforce_multi(self, keys, costs)
         end
     end
     if res.allowed then
-        log_outcome(res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
+        log_outcome(self, res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
         return res
     end
     if self.dry_run then
-        log_outcome(res, "REJECTED_DRY_RUN")
+        log_outcome(self, res, "REJECTED_DRY_RUN")
         return res
     end
-    log_outcome(res, "REJECTED")
+    log_outcome(self, res, "REJECTED")
     local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
     if headers or closed then
         ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
