@@ -136,3 +136,32 @@ fn tenant_api_example_through_nginx() {
     assert!(!down.body.contains("quota-exceeded"));
     wait_until("the fail-closed logged", Duration::from_secs(5), || nginx.error_log().contains("ratelimitd: fail_closed key=127.0.0.1,t3,all,t3"));
 }
+
+/// The daemon unreachable: a multi-policy limiter with on_error = "local"
+/// checks each key in the Lua fallback and gives back what it took when a
+/// later one refuses.
+#[test]
+fn multi_policy_limiter_falls_back_locally_all_or_nothing() {
+    let nowhere = tempfile::tempdir().unwrap();
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}/none.sock", nowhere.path().display()), 1);
+    let site = r#"
+init_worker_by_lua_block {
+    both = assert(require("resty.ratelimitd").new{ policies = { "a", "b" }, on_error = "local", local_limit = 2, window_ms = 60000 })
+}
+server {
+    listen 127.0.0.1:{PORT};
+    location / {
+        access_by_lua_block { both:limit({ ngx.var.http_x_a, ngx.var.http_x_b }) }
+        content_by_lua_block { ngx.say("ok") }
+    }
+}
+"#;
+    let nginx = Nginx::start(&format!("{snippet}\n{site}"));
+    let a = agent();
+    let req = |ka: &str, kb: &str| get(&a, &nginx.url("/"), &[("X-A", ka), ("X-B", kb)]).status;
+    assert_eq!([req("x", "y"), req("x", "y"), req("x", "y")], [200, 200, 429]);
+    // b/y is full: a/z is given back each time, so it still has room for 2.
+    assert_eq!([req("z", "y"), req("z", "y")], [429, 429]);
+    assert_eq!([req("z", "w"), req("z", "w"), req("z", "w")], [200, 200, 429]);
+    assert!(nginx.error_log().contains("ratelimitd: local_fallback"), "{}", nginx.error_log());
+}
