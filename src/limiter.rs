@@ -519,6 +519,7 @@ impl Limiter {
                     req.items.iter().zip(&resolved).enumerate().map(|(i, (item, r))| RefundItem { key: &item.scoped_key, window_ms: r.policy.window_ms, cost: item.cost, number: (i + 1) as u8 }).collect();
                 match redis.refund(&req.handle, &items).await {
                     Ok(removed) => {
+                        METRICS.refunded(removed);
                         if let Some(d) = self.denials.as_deref() {
                             for (item, r) in req.items.iter().zip(&resolved) {
                                 if let Some(limit) = r.limit {
@@ -532,7 +533,9 @@ impl Limiter {
                 }
             }
         };
-        METRICS.decided(resp.decision, resp.source, resp.error);
+        if resp.error != ErrorCode::None {
+            METRICS.decided(resp.decision, resp.source, resp.error);
+        }
         resp
     }
 }

@@ -119,6 +119,8 @@ fn tenant_api_example_through_nginx() {
     // override is per_tenant's, not the shadow policy's).
     assert_eq!(sample(&text, "per_tenant_next", "shadow_refused"), 51 + 100);
     assert_eq!(sample(&text, "login_failures", "refused") + sample(&text, "login_failures", "refused_from_cache"), 2);
+    let plain = |name: &str| text.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap_or_else(|| panic!("no {name}")).to_string();
+    assert_eq!((plain("ratelimitd_refunds_total"), plain("ratelimitd_refunded_units_total")), ("3".to_string(), "3".to_string()));
     let log_path = nginx.prefix.path().join("logs/tenant_api.access.log");
     wait_until("the access log written", Duration::from_secs(5), || std::fs::read_to_string(&log_path).is_ok_and(|l| l.lines().count() >= 261));
     let log = std::fs::read_to_string(&log_path).unwrap();
