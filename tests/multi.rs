@@ -318,3 +318,63 @@ fn refunds_need_the_redis_backend_and_unknown_policies_are_errors() {
         assert_eq!((r.decision, r.error), (Decision::Error, ErrorCode::InvalidCost));
     });
 }
+
+/// Concurrent multi-item checks and single checks of the same windows (the
+/// single ones coalesced): no window ever holds more than its limit, and
+/// each holds exactly what the responses say was recorded.
+#[test]
+fn concurrent_multi_and_single_checks_record_exactly_what_they_answer() {
+    let server = RedisServer::start_unix();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{POLICIES}", server.url()));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let recorded: HashMap<(usize, usize), u32> = rt.block_on(async {
+        let mut tasks = Vec::new();
+        for t in 0..6u64 {
+            let mut c = d.client().await;
+            tasks.push(tokio::spawn(async move {
+                let mut rng = Rng(0x5eed ^ ((t + 1) * 0x9e37_79b9));
+                let mut got: HashMap<(usize, usize), u32> = HashMap::new();
+                for _ in 0..150 {
+                    let n = 1 + rng.below(3) as usize;
+                    let mut items: Vec<(usize, usize, u32)> = Vec::new();
+                    while items.len() < n {
+                        // Keys a and b only, no shadow policy: every item is enforced.
+                        let (p, k) = (rng.below(3) as usize, rng.below(2) as usize);
+                        if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
+                            items.push((p, k, 1 + rng.below(2) as u32));
+                        }
+                    }
+                    let args: Vec<ItemArgs<'_>> = items.iter().map(|&(p, k, cost)| ItemArgs { policy: NAMES[p].as_bytes(), key: KEYS[k].as_bytes(), cost }).collect();
+                    let r = c.check_multi(FailPolicy::Closed, 0, n == 1 && rng.below(2) == 0, &args).await.unwrap();
+                    assert_eq!(r.error, ErrorCode::None, "{r:?}");
+                    if r.decision == Decision::Allowed {
+                        for &(p, k, cost) in &items {
+                            *got.entry((p, k)).or_default() += cost;
+                        }
+                    }
+                }
+                got
+            }));
+        }
+        let mut total: HashMap<(usize, usize), u32> = HashMap::new();
+        for t in tasks {
+            for (k, v) in t.await.unwrap() {
+                *total.entry(k).or_default() += v;
+            }
+        }
+        total
+    });
+    let mut conn = server.conn();
+    let mut full = 0;
+    for (p, name) in NAMES.iter().enumerate().take(3) {
+        for (k, key) in KEYS.iter().enumerate().take(2) {
+            let rk = format!("ratelimitd:{{{}{name}{key}}}:60000ms", name.len() as u8 as char);
+            let members: u32 = redis::Commands::zcard(&mut conn, rk.as_bytes()).unwrap();
+            let want = recorded.get(&(p, k)).copied().unwrap_or(0);
+            assert_eq!(members, want, "{name}/{key}: the window holds what was answered admitted");
+            assert!(members <= Model::limit(p, k).unwrap(), "{name}/{key} over its limit");
+            full += u32::from(members + 1 > Model::limit(p, k).unwrap());
+        }
+    }
+    assert!(full >= 2, "the run must fill some windows ({full} full)");
+}

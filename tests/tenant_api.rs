@@ -167,3 +167,36 @@ server {
     assert_eq!([req("z", "w"), req("z", "w"), req("z", "w")], [200, 200, 429]);
     assert!(nginx.error_log().contains("ratelimitd: local_fallback"), "{}", nginx.error_log());
 }
+
+/// The draft's fields for one limiter: `w` only for a whole number of
+/// seconds, and a refusal's `t` equal to `Retry-After`
+/// (draft-ietf-httpapi-ratelimit-headers-12: the client should not retry
+/// before `t`).
+#[test]
+fn draft_fields_leave_out_w_for_partial_seconds_and_match_retry_after() {
+    let d = Daemon::start_config("socket_mode = \"0666\"\n[[policy]]\nname = \"burst\"\nlimit = 2\nwindow = \"1500ms\"\n");
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let site = r#"
+init_worker_by_lua_block {
+    local ratelimitd = require "resty.ratelimitd"
+    inline = assert(ratelimitd.new{ limit = 2, window_ms = 1500, header_style = "draft" })
+    burst = assert(ratelimitd.new{ policies = { "burst" }, header_style = "draft" })
+}
+server {
+    listen 127.0.0.1:{PORT};
+    location /inline { access_by_lua_block { inline:limit("k") } content_by_lua_block { ngx.say("ok") } }
+    location /burst { access_by_lua_block { burst:limit({ "k" }) } content_by_lua_block { ngx.say("ok") } }
+}
+"#;
+    let nginx = Nginx::start(&format!("{snippet}\n{site}"));
+    let a = agent();
+    for (path, name) in [("/inline", "default"), ("/burst", "burst")] {
+        let r: Vec<Reply> = (0..3).map(|_| get(&a, &nginx.url(path), &[])).collect();
+        assert_eq!(r.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 200, 429], "{path}");
+        assert_eq!(r[0].header("RateLimit-Policy"), format!("\"{name}\";q=2"), "{path}: no w for a 1.5 s window");
+        assert_eq!(r[0].header("RateLimit"), format!("\"{name}\";r=1;t=2"), "{path}");
+        let retry = r[2].header("Retry-After");
+        assert_eq!(r[2].header("RateLimit"), format!("\"{name}\";r=0;t={retry}"), "{path}: t is Retry-After");
+        assert!(r[2].header("RateLimit-Limit").is_empty(), "no legacy fields in the draft style");
+    }
+}
