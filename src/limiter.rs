@@ -161,8 +161,10 @@ impl Limiter {
         match req {
             Ask::Check(r) => self.decide(r).await,
             Ask::Policy(r) => self.decide_policy(r).await,
-            Ask::Multi(r) => self.decide_multi(r).await,
-            Ask::Refund(r) => self.refund(r).await,
+            // Boxed: their futures are larger, and the single checks' future
+            // (one per request in flight) stays the size it was.
+            Ask::Multi(r) => Box::pin(self.decide_multi(r)).await,
+            Ask::Refund(r) => Box::pin(self.refund(r)).await,
         }
     }
 
