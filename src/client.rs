@@ -6,7 +6,9 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::protocol::{decode_response, encode_policy_request, encode_request, CheckArgs, PolicyCheckArgs, Response, ResponseError};
+use crate::protocol::{
+    decode_response, encode_multi_request, encode_policy_request, encode_refund, encode_request, CheckArgs, FailPolicy, ItemArgs, PolicyCheckArgs, Response, ResponseError, HANDLE_LEN,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -54,6 +56,37 @@ impl Client {
         self.next_id = self.next_id.wrapping_add(1);
         self.wbuf.clear();
         encode_policy_request(id, args, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        let r = self.read_response().await?;
+        if r.id != id {
+            return Err(ClientError::IdMismatch { want: id, got: r.id });
+        }
+        Ok(r)
+    }
+
+    /// Sends one CHECK_POLICY of several items (or one refundable) and
+    /// waits for its response.
+    pub async fn check_multi(&mut self, on_error: FailPolicy, local_limit: u32, refundable: bool, items: &[ItemArgs<'_>]) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_multi_request(id, on_error, local_limit, refundable, items, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    /// Sends one REFUND of a refundable check's handle and items.
+    pub async fn refund(&mut self, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>]) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_refund(id, handle, items, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    fn take_id(&mut self) -> u32 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        self.wbuf.clear();
+        id
+    }
+
+    async fn round_trip(&mut self, id: u32) -> Result<Response, ClientError> {
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;
         if r.id != id {

@@ -203,6 +203,18 @@ impl DenialCache {
         Lookup::Miss(Ticket { fingerprint, sent_ns: now })
     }
 
+    /// Forgets the entry of `spec`'s key, limit and window, if it holds
+    /// one: a refund took admissions back, so Redis may admit sooner than
+    /// the entry says. (An entry written by a call that was in flight
+    /// during the refund can still outlive it, at most `max_age`.)
+    pub fn forget(&self, spec: &LimitSpec<'_>) {
+        let fingerprint = self.fingerprint(spec);
+        let slot = self.slot(fingerprint);
+        if slot.read().is_some_and(|e| e.fingerprint == fingerprint) {
+            slot.write(&Entry { fingerprint: [0, 0], sent_ns: 0, expires_ns: 0, cost: u32::MAX, count: 0, remaining: 0, retry_after_ms: 0, reset_ms: 0 });
+        }
+    }
+
     /// Remembers Redis's refusal of the request `ticket` was taken for.
     /// Admissions are not recorded: they leave every entry true.
     pub fn record(&self, ticket: Ticket, cost: u32, v: &Verdict) {

@@ -10,9 +10,11 @@ use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::config::PolicyLimit;
-use crate::policies::{Outcome, Policies};
-use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, PolicyCheckRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY};
-use crate::redis::RedisWindow;
+use crate::policies::{Outcome, Policies, Policy};
+use crate::protocol::{
+    CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, MultiCheckRequest, PolicyCheckRequest, PolicyItem, RefundRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
+};
+use crate::redis::{MultiAsk, RedisWindow, RefundItem};
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// The response code of a store failure.
@@ -35,6 +37,8 @@ const OVERLOADED_MESSAGE: &str = "overloaded: too many redis calls in flight; de
 pub enum Ask {
     Check(CheckRequest),
     Policy(PolicyCheckRequest),
+    Multi(MultiCheckRequest),
+    Refund(RefundRequest),
 }
 
 /// Where decisions are made.
@@ -157,6 +161,10 @@ impl Limiter {
         match req {
             Ask::Check(r) => self.decide(r).await,
             Ask::Policy(r) => self.decide_policy(r).await,
+            // Boxed: their futures are larger, and the single checks' future
+            // (one per request in flight) stays the size it was.
+            Ask::Multi(r) => Box::pin(self.decide_multi(r)).await,
+            Ask::Refund(r) => Box::pin(self.refund(r)).await,
         }
     }
 
@@ -254,6 +262,299 @@ impl Limiter {
     }
 }
 
+/// One resolved item of a multi-item check.
+struct Resolved<'p> {
+    policy: &'p Policy,
+    /// The key's limit; `None`: exempt (allowlisted or unlimited).
+    limit: Option<u32>,
+}
+
+/// Several items, all or nothing (docs/PROTOCOL.md, section 4b), and
+/// refunds (section 4c).
+impl Limiter {
+    /// Resolves every item's policy and limit; the first unknown name or
+    /// cost above a limit answers for the whole request.
+    fn resolve<'p>(&'p self, id: u32, op: u8, items: &[PolicyItem]) -> Result<Vec<Resolved<'p>>, Response> {
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            let Some(policy) = self.policies.get(&item.name) else {
+                let single = PolicyCheckRequest { id, on_error: FailPolicy::Closed, local_limit: 0, cost: item.cost, name: item.name.clone(), key: item.key.clone(), scoped_key: item.scoped_key.clone() };
+                return Err(Response { op, ..self.unknown_policy(&single) });
+            };
+            let limit = match policy.limit_for(&item.key) {
+                PolicyLimit::Limit(l) => Some(l),
+                PolicyLimit::Unlimited => None,
+            };
+            if limit.is_some_and(|l| item.cost > l) && op != OP_REFUND {
+                policy.counters.count(Outcome::Error);
+                METRICS.decided(Decision::Error, Source::None, ErrorCode::InvalidCost);
+                let msg = format!("cost {} is above the limit {} of policy '{}' for this key", item.cost, limit.unwrap_or(0), policy.name);
+                return Err(Response::error(id, op, ErrorCode::InvalidCost, Cow::Owned(msg)));
+            }
+            out.push(Resolved { policy, limit });
+        }
+        Ok(out)
+    }
+
+    /// Decides a CHECK_POLICY of several items (or one refundable): every
+    /// item admits and all are recorded, or none is recorded and the
+    /// response names the first item that refused. Never coalesced; the
+    /// denial cache answers when it refuses any enforced item (exact: Redis
+    /// would refuse that item, so the request); shadow items never refuse.
+    pub async fn decide_multi(&self, req: MultiCheckRequest) -> Response {
+        let resolved = match self.resolve(req.id, OP_CHECK_POLICY, &req.items) {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        let n = req.items.len();
+        let mut results = vec![ItemResult::NOT_EVALUATED; n];
+        // The items a store decides; exempt ones are admitted here.
+        let mut stored: Vec<usize> = Vec::with_capacity(n);
+        for (i, r) in resolved.iter().enumerate() {
+            match r.limit {
+                Some(_) => stored.push(i),
+                None => results[i] = ItemResult { decision: Decision::Allowed, source: Source::Exempt, window_ms: r.policy.window_ms, ..ItemResult::NOT_EVALUATED },
+            }
+        }
+        let spec = |i: usize| LimitSpec { key: &req.items[i].scoped_key, limit: resolved[i].limit.unwrap_or(0), window_ms: resolved[i].policy.window_ms, cost: req.items[i].cost };
+        let mut handle = None;
+        let mut failure = None;
+        let committed = match &self.backend {
+            _ if stored.is_empty() => true,
+            Backend::Local => {
+                let specs: Vec<(LimitSpec<'_>, bool)> = stored.iter().map(|&i| (spec(i), resolved[i].policy.shadow)).collect();
+                match self.local.check_multi(&specs) {
+                    Ok((committed, verdicts)) => {
+                        for (&i, v) in stored.iter().zip(verdicts) {
+                            results[i] = item_result(v, Source::Memory, &spec(i));
+                        }
+                        committed
+                    }
+                    Err(full) => {
+                        let check = CheckRequest { id: req.id, on_error: req.on_error, limit: 0, window_ms: 0, cost: 0, local_limit: 0, key: req.items[0].scoped_key.clone() };
+                        return Response { op: OP_CHECK_POLICY, ..self.capacity_error(&check, Source::Memory, full) };
+                    }
+                }
+            }
+            Backend::Redis(redis) => {
+                let mut tickets = Vec::with_capacity(stored.len());
+                let mut cached_refusal = None;
+                if let Some(d) = self.denials.as_deref() {
+                    for &i in &stored {
+                        match d.check(&spec(i)) {
+                            Lookup::Refused(v) if !resolved[i].policy.shadow => {
+                                cached_refusal = Some((i, v));
+                                break;
+                            }
+                            Lookup::Refused(_) => tickets.push(None),
+                            Lookup::Miss(t) => tickets.push(Some(t)),
+                        }
+                    }
+                }
+                if let Some((i, v)) = cached_refusal {
+                    results[i] = item_result(v, Source::DenialCache, &spec(i));
+                    false
+                } else {
+                    let asks: Vec<MultiAsk<'_>> = stored
+                        .iter()
+                        .map(|&i| {
+                            let s = spec(i);
+                            MultiAsk { key: s.key, window_ms: s.window_ms, limit: s.limit, cost: s.cost, shadow: resolved[i].policy.shadow, number: (i + 1) as u8 }
+                        })
+                        .collect();
+                    match redis.check_multi(&asks).await {
+                        Ok(answer) => {
+                            for (k, (&i, v)) in stored.iter().zip(&answer.verdicts).enumerate() {
+                                if let Some(v) = v {
+                                    results[i] = item_result(*v, Source::Redis, &spec(i));
+                                    if let (Some(d), Some(Some(t))) = (&self.denials, tickets.get(k)) {
+                                        d.record(*t, spec(i).cost, v);
+                                    }
+                                }
+                            }
+                            if answer.committed && req.refundable {
+                                handle = Some(answer.handle);
+                            }
+                            answer.committed
+                        }
+                        Err(e) => {
+                            let committed = self.multi_fail_policy(&req, &resolved, &stored, &mut results);
+                            failure = Some(e);
+                            committed
+                        }
+                    }
+                }
+            }
+        };
+        self.multi_response(&req, &resolved, results, committed, handle, failure)
+    }
+
+    /// Redis could not decide a multi-item check: each item's fail policy
+    /// (its policy's own, else the request's) decides, all or nothing:
+    /// `closed` refuses, `open` admits, `local` items are checked together
+    /// in the per-host windows with their local quota.
+    fn multi_fail_policy(&self, req: &MultiCheckRequest, resolved: &[Resolved<'_>], stored: &[usize], results: &mut [ItemResult]) -> bool {
+        let mut refused = false;
+        let mut local: Vec<(usize, u32)> = Vec::new();
+        for &i in stored {
+            let p = resolved[i].policy;
+            let (on_error, local_limit) = match p.fail_policy {
+                Some(f) => (f, p.local_limit.unwrap_or(0)),
+                None => (req.on_error, req.local_limit),
+            };
+            let limit = resolved[i].limit.unwrap_or(0);
+            let base = ItemResult { limit, window_ms: p.window_ms, ..ItemResult::NOT_EVALUATED };
+            METRICS.fail_policy_applied(on_error);
+            results[i] = match on_error {
+                FailPolicy::Open => ItemResult { decision: Decision::Allowed, source: Source::FailOpen, remaining: limit, ..base },
+                FailPolicy::Closed => {
+                    refused |= !p.shadow;
+                    ItemResult { decision: Decision::Denied, source: Source::FailClosed, retry_after_ms: p.window_ms.min(1000), ..base }
+                }
+                FailPolicy::Local if req.items[i].cost > local_limit => {
+                    refused |= !p.shadow;
+                    ItemResult { decision: Decision::Denied, source: Source::LocalFallback, remaining: local_limit, retry_after_ms: p.window_ms, limit: local_limit, ..base }
+                }
+                FailPolicy::Local => {
+                    local.push((i, local_limit));
+                    base
+                }
+            };
+        }
+        if refused || local.is_empty() {
+            return !refused;
+        }
+        let specs: Vec<(LimitSpec<'_>, bool)> = local
+            .iter()
+            .map(|&(i, l)| (LimitSpec { key: &req.items[i].scoped_key, limit: l, window_ms: resolved[i].policy.window_ms, cost: req.items[i].cost }, resolved[i].policy.shadow))
+            .collect();
+        match self.local.check_multi(&specs) {
+            Ok((committed, verdicts)) => {
+                for ((&(i, _), v), (s, _)) in local.iter().zip(verdicts).zip(&specs) {
+                    results[i] = item_result(v, Source::LocalFallback, s);
+                }
+                committed
+            }
+            Err(full) => {
+                if let Some(suppressed) = self.capacity_log.permit() {
+                    tracing::warn!(error = %full, suppressed, "in-memory windows full: a multi-item check's local fallback refuses");
+                }
+                for &(i, _) in &local {
+                    results[i].source = Source::LocalFallback;
+                }
+                false
+            }
+        }
+    }
+
+    /// The response of a decided multi-item check, and its counters.
+    fn multi_response(&self, req: &MultiCheckRequest, resolved: &[Resolved<'_>], mut results: Vec<ItemResult>, committed: bool, handle: Option<[u8; 16]>, failure: Option<StoreError>) -> Response {
+        let mut refused = 0u8;
+        for (i, (r, res)) in resolved.iter().zip(results.iter_mut()).enumerate() {
+            let outcome = match (res.decision, res.source) {
+                (Decision::Denied, Source::None) => None,
+                (Decision::Denied, _) if r.policy.shadow => {
+                    res.decision = Decision::ShadowDenied;
+                    Some(Outcome::ShadowRefused)
+                }
+                (Decision::Denied, _) => {
+                    if refused == 0 {
+                        refused = (i + 1) as u8;
+                    }
+                    Some(outcome_of(&Response { decision: res.decision, source: res.source, ..Response::error(0, 0, ErrorCode::None, Cow::Borrowed("")) }))
+                }
+                (_, Source::Exempt) => Some(Outcome::Exempt),
+                // Had room, but another item refused: charged nothing, counted nowhere.
+                _ if !committed => None,
+                _ => Some(outcome_of(&Response { decision: res.decision, source: res.source, ..Response::error(0, 0, ErrorCode::None, Cow::Borrowed("")) })),
+            };
+            if let Some(o) = outcome {
+                r.policy.counters.count(o);
+            }
+        }
+        // The fixed fields: the first refusing item's (retry-after: when
+        // every refusing item fits), else the most constrained item's.
+        let main = if refused > 0 {
+            let mut m = results[refused as usize - 1];
+            m.retry_after_ms = results.iter().filter(|r| r.decision == Decision::Denied && r.source != Source::None).map(|r| r.retry_after_ms).max().unwrap_or(m.retry_after_ms);
+            m
+        } else {
+            results.iter().filter(|r| r.source != Source::Exempt && r.decision == Decision::Allowed).min_by_key(|r| r.remaining).copied().unwrap_or(results[0])
+        };
+        let mut resp = Response {
+            id: req.id,
+            op: OP_CHECK_POLICY,
+            decision: if refused > 0 { Decision::Denied } else { Decision::Allowed },
+            source: main.source,
+            count: main.count,
+            remaining: main.remaining,
+            retry_after_ms: main.retry_after_ms,
+            reset_ms: main.reset_ms,
+            error: ErrorCode::None,
+            message: Cow::Borrowed(""),
+            extension: Some(Box::new(Extension { refused, handle, items: results })),
+        };
+        if let Some(e) = failure {
+            if let Some(suppressed) = self.failure_log.permit() {
+                tracing::warn!(error = %e, suppressed, "redis failed; a multi-item check's fail policies decide");
+            }
+            resp.error = error_code(&e);
+            resp.message = Cow::Owned(e.to_string());
+        }
+        METRICS.decided(resp.decision, resp.source, resp.error);
+        resp
+    }
+
+    /// Takes back what a refundable check recorded (REFUND, op 3): exact
+    /// and idempotent with Redis (the members are removed; gone ones are
+    /// not found). The in-memory backend keeps no member ids: it answers
+    /// `REFUND_UNSUPPORTED`.
+    pub async fn refund(&self, req: RefundRequest) -> Response {
+        let resolved = match self.resolve(req.id, OP_REFUND, &req.items) {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        let resp = match &self.backend {
+            Backend::Local => Response::error(req.id, OP_REFUND, ErrorCode::RefundUnsupported, Cow::Borrowed("the in-memory backend keeps no member ids: refunds need the Redis backend")),
+            Backend::Redis(redis) => {
+                let items: Vec<RefundItem<'_>> =
+                    req.items.iter().zip(&resolved).enumerate().map(|(i, (item, r))| RefundItem { key: &item.scoped_key, window_ms: r.policy.window_ms, cost: item.cost, number: (i + 1) as u8 }).collect();
+                match redis.refund(&req.handle, &items).await {
+                    Ok(removed) => {
+                        METRICS.refunded(removed);
+                        if let Some(d) = self.denials.as_deref() {
+                            for (item, r) in req.items.iter().zip(&resolved) {
+                                if let Some(limit) = r.limit {
+                                    d.forget(&LimitSpec { key: &item.scoped_key, limit, window_ms: r.policy.window_ms, cost: item.cost });
+                                }
+                            }
+                        }
+                        Response { decision: Decision::Allowed, source: Source::Redis, count: removed.min(u64::from(u32::MAX)) as u32, ..Response::error(req.id, OP_REFUND, ErrorCode::None, Cow::Borrowed("")) }
+                    }
+                    Err(e) => Response { source: Source::Redis, ..Response::error(req.id, OP_REFUND, error_code(&e), Cow::Owned(e.to_string())) },
+                }
+            }
+        };
+        if resp.error != ErrorCode::None {
+            METRICS.decided(resp.decision, resp.source, resp.error);
+        }
+        resp
+    }
+}
+
+fn item_result(v: Verdict, source: Source, spec: &LimitSpec<'_>) -> ItemResult {
+    ItemResult {
+        decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
+        source,
+        count: v.count,
+        remaining: v.remaining,
+        retry_after_ms: v.retry_after_ms,
+        reset_ms: v.reset_ms,
+        limit: spec.limit,
+        window_ms: spec.window_ms,
+    }
+}
+
 /// The per-policy outcome of a decided response.
 fn outcome_of(r: &Response) -> Outcome {
     match (r.decision, r.source) {
@@ -280,6 +581,7 @@ fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
         reset_ms: v.reset_ms,
         error: ErrorCode::None,
         message: Cow::Borrowed(""),
+        extension: None,
     }
 }
 

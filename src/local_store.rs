@@ -86,6 +86,52 @@ impl KeyWindow {
     fn newest(&self) -> Option<u64> {
         self.entries.back().map(|e| e.0)
     }
+
+    /// Whether `spec` fits now (after `evict`).
+    fn fits(&self, spec: &LimitSpec<'_>) -> bool {
+        self.total + u64::from(spec.cost) <= u64::from(spec.limit)
+    }
+
+    /// Records an admission that fits.
+    fn record(&mut self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
+        match self.entries.back_mut() {
+            Some((t, c)) if *t == now_ms => *c += spec.cost,
+            _ => self.entries.push_back((now_ms, spec.cost)),
+        }
+        self.total += u64::from(spec.cost);
+        Verdict {
+            allowed: true,
+            count: self.total as u32,
+            remaining: (u64::from(spec.limit) - self.total) as u32,
+            retry_after_ms: 0,
+            reset_ms: spec.window_ms,
+        }
+    }
+
+    /// The refusal of a request that does not fit: it fits once enough of
+    /// the oldest admissions have left the window.
+    fn refusal(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
+        let window = u64::from(spec.window_ms);
+        let limit = u64::from(spec.limit);
+        let need = self.total + u64::from(spec.cost) - limit;
+        let mut freed = 0u64;
+        let mut retry_at = now_ms;
+        for &(t, c) in &self.entries {
+            freed += c as u64;
+            if freed >= need {
+                retry_at = t + window;
+                break;
+            }
+        }
+        let reset_at = self.newest().map_or(now_ms, |t| t + window);
+        Verdict {
+            allowed: false,
+            count: self.total as u32,
+            remaining: limit.saturating_sub(self.total) as u32,
+            retry_after_ms: (retry_at - now_ms) as u32,
+            reset_ms: (reset_at - now_ms) as u32,
+        }
+    }
 }
 
 /// The per-host windows, shared by all connections of the process and kept
@@ -126,10 +172,9 @@ impl LocalStore {
     }
 
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
-        let i = (self.hasher.hash_one(key) as usize) % SHARDS;
         // A poisoned shard only means another thread panicked mid-update of
         // plain counters; the data is still usable.
-        self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+        self.lock(self.shard_index(key))
     }
 
     /// Decides one request at `now_ms` on a monotonic millisecond clock.
@@ -150,42 +195,75 @@ impl LocalStore {
             None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
         };
         w.evict(now_ms, spec.window_ms);
-        let window = spec.window_ms as u64;
-        let limit = spec.limit as u64;
-        let cost = spec.cost as u64;
-        if w.total + cost <= limit {
-            match w.entries.back_mut() {
-                Some((t, c)) if *t == now_ms => *c += spec.cost,
-                _ => w.entries.push_back((now_ms, spec.cost)),
+        if w.fits(spec) {
+            return Ok(w.record(spec, now_ms));
+        }
+        Ok(w.refusal(spec, now_ms))
+    }
+
+    /// Decides several windows all or nothing, now: item i fits if its
+    /// count + cost <= limit; if every item whose flag is false (not
+    /// shadow) fits, every fitting item is recorded, else none is. Returns
+    /// whether they were, and per item its verdict (`allowed` = it fitted;
+    /// count and remaining after this request only when recorded). The
+    /// shards involved are locked in ascending order (a single check
+    /// locks one), so two multi checks cannot deadlock. Keys must differ.
+    pub fn check_multi(&self, items: &[(LimitSpec<'_>, bool)]) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
+        self.check_multi_at(items, self.now_ms())
+    }
+
+    fn check_multi_at(&self, items: &[(LimitSpec<'_>, bool)], now_ms: u64) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
+        let names: Vec<Box<[u8]>> = items.iter().map(|(s, _)| Box::from(WindowName::new(s).as_bytes())).collect();
+        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>>> = order.iter().map(|&i| self.lock(i)).collect();
+        // Item k's map is guards[at[k]].
+        let at: Vec<usize> = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        for (k, (spec, _)) in items.iter().enumerate() {
+            let map = &mut guards[at[k]];
+            if !map.contains_key(&names[k]) {
+                if map.len() >= self.keys_per_shard {
+                    map.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
+                    if map.len() >= self.keys_per_shard {
+                        return Err(LocalStoreFull(self.keys_per_shard * SHARDS));
+                    }
+                }
+                map.insert(names[k].clone(), KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() });
             }
-            w.total += cost;
-            return Ok(Verdict {
-                allowed: true,
-                count: w.total as u32,
-                remaining: (limit - w.total) as u32,
-                retry_after_ms: 0,
-                reset_ms: spec.window_ms,
+        }
+        let mut fits = Vec::with_capacity(items.len());
+        for (k, (spec, _)) in items.iter().enumerate() {
+            let w = guards[at[k]].get_mut(&names[k]).expect("inserted above");
+            w.evict(now_ms, spec.window_ms);
+            fits.push(w.fits(spec));
+        }
+        let committed = items.iter().zip(&fits).all(|((_, shadow), &fit)| fit || *shadow);
+        let mut verdicts = Vec::with_capacity(items.len());
+        for (k, (spec, _)) in items.iter().enumerate() {
+            let w = guards[at[k]].get_mut(&names[k]).expect("inserted above");
+            verdicts.push(match (fits[k], committed) {
+                (true, true) => w.record(spec, now_ms),
+                (true, false) => Verdict {
+                    allowed: true,
+                    count: w.total as u32,
+                    remaining: (u64::from(spec.limit) - w.total) as u32,
+                    retry_after_ms: 0,
+                    reset_ms: w.newest().map_or(spec.window_ms, |t| (t + u64::from(spec.window_ms) - now_ms) as u32),
+                },
+                (false, _) => w.refusal(spec, now_ms),
             });
         }
-        // Denied: wait until enough of the oldest admissions leave the window.
-        let need = w.total + cost - limit;
-        let mut freed = 0u64;
-        let mut retry_at = now_ms;
-        for &(t, c) in &w.entries {
-            freed += c as u64;
-            if freed >= need {
-                retry_at = t + window;
-                break;
-            }
-        }
-        let reset_at = w.newest().map_or(now_ms, |t| t + window);
-        Ok(Verdict {
-            allowed: false,
-            count: w.total as u32,
-            remaining: limit.saturating_sub(w.total) as u32,
-            retry_after_ms: (retry_at - now_ms) as u32,
-            reset_ms: (reset_at - now_ms) as u32,
-        })
+        Ok((committed, verdicts))
+    }
+
+    fn shard_index(&self, name: &[u8]) -> usize {
+        (self.hasher.hash_one(name) as usize) % SHARDS
+    }
+
+    fn lock(&self, i: usize) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
+        self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Frees the memory of idle keys once a second until `shutdown`.
@@ -299,6 +377,26 @@ mod tests {
         let d = m.check_at(&spec(b"k", 5, 100, 3), 50).unwrap();
         assert_eq!(d.retry_after_ms, 52);
         assert_eq!(d.reset_ms, 54);
+    }
+
+    #[test]
+    fn several_windows_are_all_or_nothing() {
+        let m = LocalStore::new(1000);
+        let items = |c: u32| [(spec(b"ip", 3, 100, c), false), (spec(b"tenant", 2, 100, c), false), (spec(b"shadow", 1, 100, c), true)];
+        let (ok, v) = m.check_multi_at(&items(1), 0).unwrap();
+        assert!(ok);
+        assert_eq!(v.iter().map(|v| v.count).collect::<Vec<_>>(), [1, 1, 1]);
+        // The shadow item no longer fits: recorded nothing, refused nothing.
+        let (ok, v) = m.check_multi_at(&items(1), 1).unwrap();
+        assert!(ok);
+        assert_eq!(v.iter().map(|v| (v.allowed, v.count)).collect::<Vec<_>>(), [(true, 2), (true, 2), (false, 1)]);
+        // The tenant is full: nothing is recorded, the ip window keeps 2.
+        let (ok, v) = m.check_multi_at(&items(1), 2).unwrap();
+        assert!(!ok);
+        assert_eq!(v.iter().map(|v| (v.allowed, v.count, v.remaining)).collect::<Vec<_>>(), [(true, 2, 1), (false, 2, 0), (false, 1, 0)]);
+        assert_eq!(v[1].retry_after_ms, 98);
+        assert!(m.check_at(&spec(b"ip", 3, 100, 1), 3).unwrap().allowed, "the refused request charged nothing");
+        assert!(!m.check_at(&spec(b"ip", 3, 100, 1), 3).unwrap().allowed);
     }
 
     #[test]

@@ -95,6 +95,8 @@ pub struct Metrics {
     requests_in_flight: AtomicI64,
     reloads: AtomicU64,
     reload_failures: AtomicU64,
+    refunds: AtomicU64,
+    refunded_units: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -129,6 +131,8 @@ impl Metrics {
             requests_in_flight: AtomicI64::new(0),
             reloads: ZERO,
             reload_failures: ZERO,
+            refunds: ZERO,
+            refunded_units: ZERO,
         }
     }
 
@@ -138,6 +142,13 @@ impl Metrics {
         if error != ErrorCode::None {
             self.errors[error.index()].fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A REFUND that reached Redis, and the admission units it removed.
+    /// (Refunds are not decisions: not in `decided`; their errors are.)
+    pub fn refunded(&self, units: u64) {
+        self.refunds.fetch_add(1, Ordering::Relaxed);
+        self.refunded_units.fetch_add(units, Ordering::Relaxed);
     }
 
     #[inline]
@@ -231,7 +242,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 7] = [
+        let counters: [(&str, &str, &AtomicU64); 9] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -239,6 +250,8 @@ impl Metrics {
             ("ratelimitd_connections_total", "Client connections accepted.", &self.connections_total),
             ("ratelimitd_config_reloads_total", "Configuration reloads applied (SIGHUP).", &self.reloads),
             ("ratelimitd_config_reload_failures_total", "Configuration reloads refused (SIGHUP with an invalid file).", &self.reload_failures),
+            ("ratelimitd_refunds_total", "REFUND requests carried out in Redis (a repeated one included).", &self.refunds),
+            ("ratelimitd_refunded_units_total", "Admission units removed from Redis by refunds.", &self.refunded_units),
         ];
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));

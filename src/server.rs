@@ -461,6 +461,14 @@ impl Handler {
                                 METRICS.in_flight(1);
                                 in_flight.push(limiter.clone().decide_owned(Ask::Policy(req)));
                             }
+                            Inbound::MultiCheck(req) => {
+                                METRICS.in_flight(1);
+                                in_flight.push(limiter.clone().decide_owned(Ask::Multi(req)));
+                            }
+                            Inbound::Refund(req) => {
+                                METRICS.in_flight(1);
+                                in_flight.push(limiter.clone().decide_owned(Ask::Refund(req)));
+                            }
                             Inbound::Invalid { id, op, code, message } => {
                                 METRICS.decided(Decision::Error, Source::None, code);
                                 if let Some(suppressed) = shared.invalid_logs[code.index()].permit() {

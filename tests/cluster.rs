@@ -493,3 +493,71 @@ async fn cluster_with_mutual_tls() {
     let r = no_cert.client().await.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("tls", 50, 60_000) }).await.unwrap();
     assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{r:?}");
 }
+
+/// The window key of `key` under policy `name` (docs/POLICIES.md).
+fn policy_key(name: &str, key: &str) -> String {
+    let scoped = format!("{}{name}{key}", name.len() as u8 as char);
+    if key.contains('{') {
+        format!("ratelimitd:~{scoped}:60000ms")
+    } else {
+        format!("ratelimitd:{{{scoped}}}:60000ms")
+    }
+}
+
+fn zcard_on_cluster(cluster: &RedisCluster, rk: &str) -> u64 {
+    match owner_of(cluster, rk) {
+        Some(p) => cluster.cli(p, &["ZCARD", rk]).trim().parse().unwrap(),
+        None => 0,
+    }
+}
+
+/// Several policies in one request on a cluster (docs/PROTOCOL.md 4b):
+/// keys sharing a hash tag are one atomic call; keys in several slots are
+/// reserved per slot and cancelled when a later slot refuses, so a refused
+/// request leaves nothing behind; refunds reach every slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_item_checks_on_the_cluster() {
+    use ratelimitd::protocol::{ErrorCode, ItemArgs};
+    let cluster = RedisCluster::start();
+    let policies = "[[policy]]\nname = \"ip\"\nlimit = 5\nwindow = \"60s\"\n[[policy]]\nname = \"tenant\"\nlimit = 3\nwindow = \"60s\"\n[[policy]]\nname = \"global\"\nlimit = 100\nwindow = \"60s\"\n";
+    let d = cluster_daemon(&cluster, &format!("timeout_ms = 500\n{policies}"));
+    let mut c = d.client().await;
+    let item = |policy: &'static str, key: &'static str| ItemArgs { policy: policy.as_bytes(), key: key.as_bytes(), cost: 1 };
+
+    // Three slots: one call per slot, in order.
+    let items = [item("ip", "a"), item("tenant", "b"), item("global", "c")];
+    let keys: Vec<String> = [("ip", "a"), ("tenant", "b"), ("global", "c")].iter().map(|(p, k)| policy_key(p, k)).collect();
+    let p0 = cluster.primaries()[0];
+    let slots: HashSet<String> = keys.iter().map(|k| cluster.cli(p0, &["CLUSTER", "KEYSLOT", k]).trim().to_string()).collect();
+    assert_eq!(slots.len(), 3, "the three windows are in three slots");
+    let mut handles = Vec::new();
+    for n in 1..=3u32 {
+        let r = c.check_multi(FailPolicy::Closed, 0, true, &items).await.unwrap();
+        let ext = r.extension.as_deref().unwrap();
+        assert_eq!((r.decision, r.error, ext.refused), (Decision::Allowed, ErrorCode::None, 0), "{r:?}");
+        assert!(ext.items.iter().all(|i| i.source == Source::Redis && i.count == n), "{r:?}");
+        handles.push(ext.handle.expect("refundable"));
+    }
+    // The fourth: tenant (second slot) refuses; ip's reservation is taken
+    // back, global (third slot) is not asked.
+    let r = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
+    let ext = r.extension.as_deref().unwrap();
+    assert_eq!((r.decision, ext.refused), (Decision::Denied, 2), "{r:?}");
+    assert_eq!((ext.items[0].decision, ext.items[0].source), (Decision::Allowed, Source::Redis));
+    assert_eq!((ext.items[2].decision, ext.items[2].source), (Decision::Denied, Source::None), "not evaluated");
+    assert_eq!(keys.iter().map(|k| zcard_on_cluster(&cluster, k)).collect::<Vec<_>>(), [3, 3, 3], "the refused request left nothing behind");
+    // A refund reaches every slot, and a second one removes nothing.
+    let r = c.refund(&handles[0], &items).await.unwrap();
+    assert_eq!((r.decision, r.count), (Decision::Allowed, 3));
+    assert_eq!(c.refund(&handles[0], &items).await.unwrap().count, 0);
+    assert_eq!(keys.iter().map(|k| zcard_on_cluster(&cluster, k)).collect::<Vec<_>>(), [2, 2, 2]);
+
+    // One hash tag: one slot, one atomic call (no CROSSSLOT error).
+    let tagged = [item("ip", "{t1}"), item("tenant", "{t1}"), item("global", "{t1}all")];
+    for _ in 0..3 {
+        assert_eq!(c.check_multi(FailPolicy::Closed, 0, false, &tagged).await.unwrap().decision, Decision::Allowed);
+    }
+    let r = c.check_multi(FailPolicy::Closed, 0, false, &tagged).await.unwrap();
+    assert_eq!((r.decision, r.source, r.extension.as_deref().unwrap().refused), (Decision::Denied, Source::Redis, 2), "{r:?}");
+    assert_eq!(zcard_on_cluster(&cluster, &policy_key("ip", "{t1}")), 3);
+}

@@ -208,8 +208,9 @@ async fn check_policy_frames_are_decided_by_name_and_errors_keep_the_stream_in_s
     };
     let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
         (unknown, ErrorCode::UnknownPolicy),
-        (with(4 + 9, &[2]), ErrorCode::UnsupportedLimitCount),
-        (with(4 + 6, &[0, 1]), ErrorCode::UnsupportedFlags),
+        (with(4 + 9, &[9]), ErrorCode::UnsupportedLimitCount),
+        (with(4 + 9, &[2]), ErrorCode::Malformed),
+        (with(4 + 6, &[0, 2]), ErrorCode::UnsupportedFlags),
         (with(4 + 14, &3u32.to_be_bytes()), ErrorCode::InvalidCost),
         (with(4 + 20, &[4]), ErrorCode::Malformed),
         (with(4 + 8, &[2]), ErrorCode::InvalidLocalLimit),
@@ -220,4 +221,31 @@ async fn check_policy_frames_are_decided_by_name_and_errors_keep_the_stream_in_s
         assert_eq!((r.id, r.op, r.decision, r.source, r.error), (7, 2, Decision::Error, Source::None, code), "{frame:02x?}: {}", r.message);
         assert_eq!(c.check(&args("after-error", 1000, 60_000)).await.unwrap().decision, Decision::Allowed, "version 1 CHECK on the same connection");
     }
+}
+
+/// CHECK_POLICY with several items (docs/PROTOCOL.md 4b, 5b): the
+/// documented two-item frame against the real daemon, all or nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_item_frames_are_all_or_nothing_with_the_documented_bytes() {
+    let policies = "[[policy]]\nname = \"ip\"\nlimit = 2\nwindow = \"1m\"\n[[policy]]\nname = \"tenant\"\nlimit = 2\nwindow = \"1m\"\n";
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{policies}"));
+    let mut c = d.client().await;
+    // Section 4b: id 7, closed, refundable; ip/a cost 1, tenant/t1 cost 2.
+    let documented = "000000270102000000070001010200000000000000010001026970610000000200020674656e616e747431";
+    let bytes: Vec<u8> = (0..documented.len()).step_by(2).map(|i| u8::from_str_radix(&documented[i..i + 2], 16).unwrap()).collect();
+    c.send_raw(&bytes).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    let ext = r.extension.as_deref().expect("the extension of section 5b");
+    assert_eq!((r.id, r.op, r.decision, r.source, ext.refused), (7, 2, Decision::Allowed, Source::Memory, 0));
+    assert!(ext.handle.is_none(), "the in-memory backend keeps no member ids");
+    assert_eq!(ext.items.iter().map(|i| (i.count, i.remaining, i.limit, i.window_ms)).collect::<Vec<_>>(), [(1, 1, 2, 60_000), (2, 0, 2, 60_000)]);
+    // Again: tenant refuses (item 2); ip has room and is not charged.
+    c.send_raw(&bytes).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    let ext = r.extension.as_deref().unwrap();
+    assert_eq!((r.decision, ext.refused, r.count, r.remaining), (Decision::Denied, 2, 2, 0));
+    assert_eq!((ext.items[0].decision, ext.items[0].count, ext.items[0].remaining), (Decision::Allowed, 1, 1));
+    assert_eq!(ext.items[1].decision, Decision::Denied);
+    let ip = c.check_policy(&PolicyCheckArgs { policy: b"ip", key: b"a", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }).await.unwrap();
+    assert_eq!((ip.decision, ip.count), (Decision::Allowed, 2), "the refused request charged ip nothing");
 }

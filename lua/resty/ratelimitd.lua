@@ -39,15 +39,20 @@ local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
 local type, error, tostring, pairs, ipairs = type, error, tostring, pairs, ipairs
 local setmetatable = setmetatable
 local find = string.find
+local concat = table.concat
 local md5 = ngx.md5
 
 local _M = { _VERSION = "0.2.0" }
 
-local VERSION, OP_CHECK, OP_CHECK_POLICY = 1, 1, 2
+local VERSION, OP_CHECK, OP_CHECK_POLICY, OP_REFUND = 1, 1, 2, 3
+local FLAG_REFUNDABLE = 1
+local MAX_POLICY_ITEMS = 8
 local MAX_POLICY_NAME_LEN = 31
 local UNKNOWN_POLICY = 12
 local RESPONSE_FIXED_LEN = 28
-local MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512
+-- The message, then (multi-item or refundable checks, PROTOCOL.md 5b) the
+-- extension: 3 bytes, a 16-byte handle and 26 bytes per item.
+local MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512 + 3 + 16 + MAX_POLICY_ITEMS * 26
 -- The length prefix and the fixed fields: read in one receive (a message
 -- follows only with an error code, and is read by a second one).
 local RESPONSE_HEAD_LEN = 4 + RESPONSE_FIXED_LEN
@@ -92,7 +97,8 @@ local ERROR_NAME = {
     [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
-    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [13] = "DUPLICATE_ITEM",
+    [14] = "REFUND_UNSUPPORTED", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
     [35] = "OVERLOADED",
 }
@@ -120,6 +126,13 @@ local config = {
                               -- until it could pass (docs/NGINX.md section 4)
     denial_cache_max_ms = 1000, -- longest an entry refuses without asking the
                               -- daemon: how late a reset is seen
+    problem_body = false,     -- a refusal's body: application/problem+json, the
+                              -- draft's quota-exceeded type with violated-policies
+    log_var = "",             -- name of an nginx variable (declared with set) that
+                              -- limit() sets to its outcome, for access logs
+    set_ctx = false,          -- every limiter's limit() stores its decision in
+                              -- ngx.ctx.ratelimitd (multi-policy and refundable
+                              -- limiters always do)
 }
 
 local KNOWN_CONFIG = {}
@@ -303,7 +316,7 @@ local COST_ONE = u32(1)
 -- table in their place; what goes into the frame is kept under "_" names.
 local Limiter = {}
 local limiter_mt = { __index = Limiter }
-local new_policy
+local new_policy, new_multi, multi_args, multi_exchange
 
 -- A limiter from values already validated (by new() or by the table form),
 -- without the behaviour options (all nil: configure()'s values).
@@ -443,6 +456,9 @@ function _M.new(opts)
     if type(opts) ~= "table" or opts == _M then
         error("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }", 2)
     end
+    if opts.policies ~= nil or (opts.policy ~= nil and opts.refundable ~= nil) then
+        return new_multi(opts)
+    end
     if opts.policy ~= nil then
         return new_policy(opts)
     end
@@ -499,17 +515,23 @@ local function roundtrip(sock, frame, id)
     if byte(head, 5) ~= VERSION or be32(head, 7) ~= id then
         return nil, "response out of sync"
     end
-    if RESPONSE_FIXED_LEN + be16(head, 31) ~= len or not DECISION[byte(head, 11)] or not SOURCE[byte(head, 12)] then
+    local msg_len = be16(head, 31)
+    if RESPONSE_FIXED_LEN + msg_len > len or not DECISION[byte(head, 11)] or not SOURCE[byte(head, 12)] then
         return nil, "malformed response"
     end
-    local message = ""
+    local message, ext = "", nil
     if len > RESPONSE_FIXED_LEN then
         message, err = sock:receive(len - RESPONSE_FIXED_LEN)
         if not message then
             return nil, "receive: " .. err
         end
+        if len > RESPONSE_FIXED_LEN + msg_len then
+            -- The extension of a multi-item or refundable check (5b).
+            ext = sub(message, msg_len + 1)
+            message = sub(message, 1, msg_len)
+        end
     end
-    return head, message
+    return head, message, ext
 end
 
 -- Errors that mean the daemon had closed the connection before it read the
@@ -532,6 +554,7 @@ local CLOSED_BEFORE_READ = {
 -- worker tries it when the pause ends). Timeouts do not count: a slow
 -- daemon is not a missing one.
 local CONNECT_RETRY_MIN, CONNECT_RETRY_MAX = 0.05, 1 -- s
+local transact, parse_extension
 local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 
 -- One request/response exchange. Returns the parsed response, or nil and an
@@ -564,7 +587,13 @@ local function exchange(self, key, cost)
     else
         frame = head .. self._before_cost .. u32(cost) .. self._after_cost .. key_len .. key
     end
-    local sock, head, message, err
+    return transact(self, frame, id)
+end
+
+-- Sends `frame` (request `id`) and reads its answer, on a pooled
+-- connection: the decision table, or nil and an error.
+function transact(self, frame, id)
+    local sock, head, message, ext, err
     for attempt = 1, 2 do
         sock, err = tcp()
         if not sock then
@@ -595,7 +624,7 @@ local function exchange(self, key, cost)
             connect_error, connect_pause = nil, 0
         end
         local reused = (sock:getreusedtimes() or 0) > 0
-        head, message = roundtrip(sock, frame, id)
+        head, message, ext = roundtrip(sock, frame, id)
         if head then
             break
         end
@@ -615,6 +644,7 @@ local function exchange(self, key, cost)
     -- The one table of the request, made with every field it will hold
     -- (window_ms is added by limit()), so it is never resized.
     local count, remaining = be32(head, 13), be32(head, 17)
+    local policy = self._policy
     local limit = source == "local" and self._local_limit or self._limit
     if policy then
         -- The policy's limit for this key (its override included) is the
@@ -637,6 +667,9 @@ local function exchange(self, key, cost)
         limit = limit,
         policy = policy,
     }
+    if ext and self._names then
+        parse_extension(self, res, ext)
+    end
     if code >= 20 and code < 30 then
         sock:close()
     else
@@ -755,6 +788,10 @@ end
 -- error_code, error, message }, or nil and a string when the daemon could not
 -- be reached or answered badly.
 function Limiter.check(self, key, cost)
+    if type(self) == "table" and self._names then
+        local keys, costs = multi_args(self, key, cost)
+        return multi_exchange(self, keys, costs)
+    end
     cost = call_args(self, key, cost)
     return decide(self, wire_key(key), cost)
 end
@@ -844,6 +881,8 @@ end
 -- exempt key: none applies).
 local COUNTED = { redis = true, memory = true, ["local"] = true, lua_local = true, denial_cache = true, lua_denial_cache = true }
 
+local set_draft_headers, log_outcome, refuse
+
 local function set_headers(res, style)
     if not COUNTED[res.source] then
         return
@@ -854,14 +893,8 @@ local function set_headers(res, style)
         return
     end
     if style == "draft" then
-        -- A policy limiter names its policy; its window is the daemon's, so w is left out.
-        local name = res.policy or "default"
-        if res.window_ms then
-            ngx_header["RateLimit-Policy"] = format('"%s";q=%d;w=%d', name, res.limit, ceil(res.window_ms / 1000))
-        else
-            ngx_header["RateLimit-Policy"] = format('"%s";q=%d', name, res.limit)
-        end
-        ngx_header["RateLimit"] = format('"%s";r=%d;t=%d', name, remaining, reset)
+        -- One list member per policy (docs/NGINX.md, RateLimit headers).
+        return set_draft_headers(res)
     elseif style == "x" then
         ngx_header["X-RateLimit-Limit"] = res.limit
         ngx_header["X-RateLimit-Remaining"] = remaining
@@ -906,7 +939,11 @@ local function enforce(self, beh, key, cost)
         -- Redis failed behind the daemon, which applied this location's policy.
         log_failure("daemon_" .. res.source, key, res.error .. ": " .. res.message)
     end
-    res.window_ms = self._window_ms
+    -- A policy's window is the daemon's (unknown here); window_ms of a
+    -- policy limiter is its own fallback's, for its own fallback only.
+    if not self._policy or res.source == "lua_local" then
+        res.window_ms = self._window_ms
+    end
     local headers = beh.headers
     if headers == nil then
         headers = config.headers
@@ -914,18 +951,22 @@ local function enforce(self, beh, key, cost)
     if res.decision == "shadow_denied" then
         -- Nothing the client should see: no headers, no refusal.
         ngx_log(INFO, "ratelimitd: shadow policy '", self._policy, "' would deny key=", key, " source=", res.source)
+        log_outcome(self, res, "PASSED_SHADOW")
         return res
     end
     if headers then
         set_headers(res, beh.header_style or config.header_style)
     end
     if res.allowed then
+        log_outcome(self, res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
         return res
     end
     if beh.dry_run then
         ngx_log(INFO, "ratelimitd: dry_run would deny key=", key, " source=", res.source)
+        log_outcome(self, res, "REJECTED_DRY_RUN")
         return res
     end
+    log_outcome(self, res, "REJECTED")
     local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
     if headers or closed then
         ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
@@ -933,7 +974,389 @@ local function enforce(self, beh, key, cost)
     if closed then
         return ngx_exit(beh.fail_closed_status or config.fail_closed_status)
     end
-    return ngx_exit(beh.status or config.status)
+    return refuse(beh, res, beh.status or config.status)
+end
+
+
+-- Several policies in one request, all or nothing, and refunds
+-- (docs/POLICIES.md; PROTOCOL.md 4b, 4c, 5b).
+--
+--   api = assert(ratelimitd.new{ policies = { "per_ip", "per_tenant", "global" },
+--                                on_error = "closed", refundable = true })
+--   local res = api:limit({ ngx.var.remote_addr, tenant, "all" })   -- keys in policy order
+--   ... log_by_lua: ratelimitd.refund(res.handle)
+--
+-- A one-policy limiter with refundable = true is the same object
+-- (new{ policy = "login", refundable = true }; its key may be a string).
+
+local MULTI_OPTIONS = {
+    policies = true, policy = true, refundable = true, on_error = true, local_limit = true, window_ms = true,
+    status = true, fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
+}
+
+local function valid_name(name)
+    return type(name) == "string" and #name >= 1 and #name <= MAX_POLICY_NAME_LEN and not find(name, "[^%w_.-]")
+end
+
+function new_multi(opts)
+    for k in pairs(opts) do
+        if not MULTI_OPTIONS[k] then
+            return nil, "new: unknown option '" .. tostring(k) .. "' for a policy limiter"
+        end
+    end
+    local names = opts.policies
+    if names == nil then
+        names = { opts.policy }
+    elseif opts.policy ~= nil then
+        return nil, "new: give policy or policies, not both"
+    end
+    if type(names) ~= "table" or #names < 1 or #names > MAX_POLICY_ITEMS then
+        return nil, "new: policies must be a list of 1 to " .. MAX_POLICY_ITEMS .. " policy names"
+    end
+    local parts, seen = {}, {}
+    for i, name in ipairs(names) do
+        if not valid_name(name) then
+            return nil, "new: policy must be a name of 1 to " .. MAX_POLICY_NAME_LEN .. " characters A-Z a-z 0-9 _ . -"
+        end
+        if seen[name] then
+            return nil, "new: policy '" .. name .. "' is listed twice"
+        end
+        seen[name] = true
+        parts[i] = char(#name) .. name
+    end
+    if opts.refundable ~= nil and type(opts.refundable) ~= "boolean" then
+        return nil, "new: refundable must be a boolean"
+    end
+    local on_error, err = policy_options(opts)
+    if not on_error then
+        return nil, "new: " .. err
+    end
+    if on_error == "local" and not positive_int(opts.window_ms, 4294967295) then
+        return nil, "new: on_error = 'local' needs window_ms: the window of this client's own fallback quota"
+    end
+    local flags = opts.refundable and FLAG_REFUNDABLE or 0
+    local lim = setmetatable({
+        _names = names,
+        _n = #names,
+        _policy = names[1],
+        _on_error = on_error,
+        _local_limit = opts.local_limit,
+        _window_ms = opts.window_ms,
+        -- After length, version, op and id: flags, fail policy, n_items, local_limit.
+        _header = char(0, flags, POLICY[on_error], #names) .. u32(opts.local_limit or 0),
+        _name_parts = parts,
+        _cost_one = true,
+    }, limiter_mt)
+    lim.status = opts.status
+    lim.fail_closed_status = opts.fail_closed_status
+    lim.invalid_status = opts.invalid_status
+    lim.headers = opts.headers
+    lim.header_style = opts.header_style
+    lim.dry_run = opts.dry_run
+    return lim
+end
+
+-- The items of one request: keys (wire keys) and costs in policy order.
+local function multi_items(self, keys, costs)
+    local parts = {}
+    for i = 1, self._n do
+        local key, cost = keys[i], costs[i]
+        local n = #key
+        parts[i] = u32(cost) .. char(band(rshift(n, 8), 255), band(n, 255)) .. self._name_parts[i] .. key
+    end
+    return concat(parts)
+end
+
+function multi_exchange(self, keys, costs)
+    local items = multi_items(self, keys, costs)
+    local id = next_id()
+    local len = 14 + #items
+    local frame = u32(len) .. char(VERSION, OP_CHECK_POLICY) .. u32(id) .. self._header .. items
+    local res, err = transact(self, frame, id)
+    if res and res.handle then
+        -- The refund frame repeats the items after the handle.
+        res.handle = char(self._n) .. res.handle .. items
+    end
+    return res, err
+end
+
+-- Fills res.items (one table per policy: policy, decision, source, count,
+-- remaining, retry_after_ms, reset_ms, limit, window_ms), res.refused (the
+-- name of the policy that refused) and res.handle (16 bytes, or false).
+function parse_extension(self, res, ext)
+    local n, refused, handle_len = byte(ext, 1, 3)
+    local items = {}
+    local at = 4 + handle_len
+    for i = 1, n do
+        items[i] = {
+            policy = self._names[i],
+            decision = DECISION[byte(ext, at)] or "error",
+            source = SOURCE[byte(ext, at + 1)] or "none",
+            count = be32(ext, at + 2),
+            remaining = be32(ext, at + 6),
+            retry_after_ms = be32(ext, at + 10),
+            reset_ms = be32(ext, at + 14),
+            limit = be32(ext, at + 18),
+            window_ms = be32(ext, at + 22),
+        }
+        at = at + 26
+    end
+    res.items = items
+    res.refused = refused > 0 and self._names[refused] or false
+    res.handle = handle_len > 0 and sub(ext, 4, 3 + handle_len) or false
+    res.policy = res.refused or self._names[1]
+    -- The legacy headers show the refusing item, else the most constrained.
+    local main = items[refused]
+    if not main then
+        for _, it in ipairs(items) do
+            if it.decision == "allowed" and it.source ~= "exempt" and (not main or it.remaining < main.remaining) then
+                main = it
+            end
+        end
+    end
+    res.limit = main and main.limit > 0 and main.limit or nil
+    res.window_ms = main and main.window_ms or nil
+end
+
+-- When the daemon gives no decision: the location's on_error for the whole
+-- request; "local" checks each key in the per-host fallback and gives back
+-- what it took when one refuses (approximate, like the one-key fallback).
+local function multi_fallback(self, keys, costs, reason)
+    local label = concat(keys, ",")
+    if self._on_error ~= "local" then
+        return fallback(self, label, 1, reason)
+    end
+    local dict = ngx_shared[config.shared_dict]
+    local taken = {}
+    for i = 1, self._n do
+        local res, err = local_decision(self, self._names[i] .. "|" .. keys[i], costs[i])
+        if not res or not res.allowed then
+            for j = 1, #taken do
+                local t = taken[j]
+                local window = self._window_ms
+                local start = floor(ngx_now() * 1000 / window) * window
+                dict:incr(format("%s|%d|%d", t[1], window, start), -t[2])
+            end
+            if not res then
+                return fallback(self, label, 1, reason .. "; local fallback: " .. err)
+            end
+            log_failure("local_fallback", label, reason)
+            res.policy = self._names[i]
+            return res
+        end
+        taken[#taken + 1] = { self._names[i] .. "|" .. keys[i], costs[i] }
+    end
+    log_failure("local_fallback", label, reason)
+    return { allowed = true, decision = "allowed", source = "lua_local", limit = self._local_limit }
+end
+
+function multi_args(self, keys, cost)
+    if type(self) ~= "table" or not self._names then
+        error("call it as lim:limit(keys, cost), with a colon, on an object from new{ policies = ... }", 3)
+    end
+    if type(keys) == "string" and self._n == 1 then
+        keys = { keys }
+    end
+    if type(keys) ~= "table" or #keys ~= self._n then
+        error("keys must be a list of " .. self._n .. " non-empty strings, one per policy", 3)
+    end
+    local wire, costs = {}, {}
+    for i = 1, self._n do
+        local key = keys[i]
+        if type(key) ~= "string" or key == "" then
+            error("keys must be a list of " .. self._n .. " non-empty strings, one per policy", 3)
+        end
+        wire[i] = wire_key(key)
+        local c = cost
+        if type(cost) == "table" then
+            c = cost[i]
+        end
+        if c == nil then
+            c = 1
+        end
+        if type(c) ~= "number" or c < 1 or c > 4294967295 or floor(c) ~= c then
+            error("cost must be a positive integer, or a list of them", 3)
+        end
+        costs[i] = c
+    end
+    return wire, costs
+end
+
+-- Sets the RateLimit-Policy and RateLimit fields of the current draft
+-- (draft-ietf-httpapi-ratelimit-headers-12): one list member per policy
+-- that counted, named by the policy; w only for a whole number of seconds;
+-- t of a refusing policy is its retry-after, the value of Retry-After.
+function set_draft_headers(res)
+    local items = res.items
+    if not items then
+        items = { { policy = res.policy or "default", source = res.source, decision = res.decision, limit = res.limit,
+                    window_ms = res.window_ms, remaining = res.remaining, retry_after_ms = res.retry_after_ms, reset_ms = res.reset_ms } }
+    end
+    local policies, states = {}, {}
+    for _, it in ipairs(items) do
+        if COUNTED[it.source] and it.limit and it.limit > 0 then
+            local w = it.window_ms
+            local name = format("%q", it.policy)
+            if w and w % 1000 == 0 then
+                policies[#policies + 1] = format("%s;q=%d;w=%d", name, it.limit, w / 1000)
+            else
+                policies[#policies + 1] = format("%s;q=%d", name, it.limit)
+            end
+            local t = it.decision == "denied" and it.retry_after_ms or it.reset_ms or 0
+            states[#states + 1] = format("%s;r=%d;t=%d", name, it.remaining or 0, ceil(t / 1000))
+        end
+    end
+    if #policies > 0 then
+        ngx_header["RateLimit-Policy"] = concat(policies, ", ")
+        ngx_header["RateLimit"] = concat(states, ", ")
+    end
+end
+
+-- The problem type of a refusal in the draft, with the violated policies.
+local PROBLEM_TYPE = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+
+local function problem_body(res, status)
+    local violated = {}
+    if res.items then
+        for _, it in ipairs(res.items) do
+            if it.decision == "denied" and it.source ~= "none" then
+                violated[#violated + 1] = format("%q", it.policy)
+            end
+        end
+    else
+        violated[1] = format("%q", res.policy or "default")
+    end
+    return format('{"type":"%s","title":"Request cannot be satisfied as assigned quota has been exceeded","status":%d,"violated-policies":[%s]}\n',
+                  PROBLEM_TYPE, status, concat(violated, ","))
+end
+
+-- The outcome for access logs and later phases: ngx.ctx.ratelimitd (the
+-- decision table) from multi-policy and refundable limiters, or from every
+-- limiter with configure{ set_ctx = true } (ngx.ctx makes a table per
+-- request: not done unless asked); with configure{ log_var = "name" },
+-- $name set to PASSED, REJECTED, REJECTED_DRY_RUN, PASSED_SHADOW, FAIL_OPEN
+-- or ERROR (like $limit_req_status).
+function log_outcome(self, res, outcome)
+    if self._names or config.set_ctx then
+        ngx.ctx.ratelimitd = res
+    end
+    local var = config.log_var
+    if var ~= "" then
+        ngx.var[var] = outcome
+    end
+end
+
+-- Ends a refused request with `status`: headers set, the problem body if
+-- configured.
+function refuse(beh, res, status)
+    if config.problem_body and status == (beh.status or config.status) then
+        ngx.status = status
+        ngx_header["Content-Type"] = "application/problem+json"
+        ngx.print(problem_body(res, status))
+        return ngx_exit(status)
+    end
+    return ngx_exit(status)
+end
+
+local function enforce_multi(self, keys, costs)
+    local res, err = multi_exchange(self, keys, costs)
+    local label = concat(keys, ",")
+    if not res then
+        res = multi_fallback(self, keys, costs, err)
+    elseif res.error_code == UNKNOWN_POLICY then
+        log_failure("unknown_policy", label, res.message)
+        res = multi_fallback(self, keys, costs, "UNKNOWN_POLICY")
+    elseif res.decision == "error" and res.error_code < 30 then
+        log_failure("invalid_request", label, res.error .. ": " .. res.message)
+        log_outcome(self, res, "ERROR")
+        if self.dry_run then
+            return res
+        end
+        return ngx_exit(self.invalid_status or config.invalid_status)
+    elseif res.decision == "error" then
+        res = multi_fallback(self, keys, costs, res.error .. ": " .. res.message)
+    elseif res.error_code >= 30 then
+        log_failure("daemon_" .. res.source, label, res.error .. ": " .. res.message)
+    end
+    local headers = self.headers
+    if headers == nil then
+        headers = config.headers
+    end
+    if headers then
+        local style = self.header_style or config.header_style
+        if style == "draft" then
+            set_draft_headers(res)
+        else
+            set_headers(res, style)
+        end
+    end
+    if res.allowed then
+        log_outcome(self, res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
+        return res
+    end
+    if self.dry_run then
+        log_outcome(self, res, "REJECTED_DRY_RUN")
+        return res
+    end
+    log_outcome(self, res, "REJECTED")
+    local closed = res.source == "fail_closed" or res.source == "lua_fail_closed"
+    if headers or closed then
+        ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
+    end
+    return refuse(self, res, closed and (self.fail_closed_status or config.fail_closed_status) or (self.status or config.status))
+end
+
+-- Sends a REFUND frame: true and the number of admission units taken back,
+-- or nil and an error.
+local function send_refund(handle)
+    local id = next_id()
+    -- Version, op, id, flags (0), a reserved byte, then the handle: item
+    -- count, the 16 bytes of the daemon's handle and the check's items.
+    local body = char(VERSION, OP_REFUND) .. u32(id) .. char(0, 0, 0) .. handle
+    local frame = u32(#body) .. body
+    local res, err = transact({ _names = false }, frame, id)
+    if not res then
+        return nil, err
+    end
+    if res.decision ~= "allowed" then
+        return nil, res.error .. ": " .. res.message
+    end
+    return true, res.count
+end
+
+local function refund_timer(premature, handle)
+    if premature then
+        return
+    end
+    local ok, err = send_refund(handle)
+    if not ok then
+        log_failure("refund_failed", "-", err)
+    end
+end
+
+-- Phases where cosockets are not available: the refund runs in a timer.
+local NO_COSOCKET = { log = true, header_filter = true, body_filter = true, set = true, init_worker = true }
+
+--- Takes back the admissions of a refundable check (res.handle): exact and
+-- idempotent in Redis, harmless once they have left their windows. From
+-- log_by_lua* (where cosockets are unavailable) it runs in a 0-delay timer
+-- and returns true at once; elsewhere it returns true, units taken back; or
+-- nil and an error. A false/nil handle (nothing was recorded) is a no-op.
+function _M.refund(handle)
+    if not handle then
+        return true, 0
+    end
+    if type(handle) ~= "string" or #handle < 17 + 7 then
+        error("refund: expects the handle of a refundable check (res.handle)", 2)
+    end
+    if NO_COSOCKET[ngx.get_phase()] then
+        local ok, err = ngx.timer.at(0, refund_timer, handle)
+        if not ok then
+            return nil, "refund: timer: " .. err
+        end
+        return true
+    end
+    return send_refund(handle)
 end
 
 --- For access_by_lua*: lets the request through, or ends it with the
@@ -941,6 +1364,10 @@ end
 -- nothing could decide). Returns the decision table (after a pass, or in dry
 -- run).
 function Limiter.limit(self, key, cost)
+    if type(self) == "table" and self._names then
+        local keys, costs = multi_args(self, key, cost)
+        return enforce_multi(self, keys, costs)
+    end
     cost = call_args(self, key, cost)
     return enforce(self, self, wire_key(key), cost)
 end

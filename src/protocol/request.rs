@@ -9,7 +9,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
 use super::wire::{
-    be32, ErrorCode, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, VERSION,
+    be32, ErrorCode, FailPolicy, FLAG_REFUNDABLE, HANDLE_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_ITEMS, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, POLICY_HEADER_LEN,
+    POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -86,11 +87,68 @@ pub struct PolicyCheckArgs<'a> {
     pub local_limit: u32,
 }
 
+/// One item of a CHECK_POLICY or REFUND request: a policy's name, a key
+/// and a cost, not yet resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyItem {
+    pub cost: u32,
+    pub name: Bytes,
+    pub key: Bytes,
+    /// The name's length byte, the name and the key (see `PolicyCheckRequest`).
+    pub scoped_key: Bytes,
+}
+
+/// A CHECK_POLICY request of several items (all or nothing), or of one
+/// with the refundable flag.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MultiCheckRequest {
+    pub id: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+    /// Answer with a refund handle.
+    pub refundable: bool,
+    /// 1..=`MAX_POLICY_ITEMS`, no (name, key) twice.
+    pub items: Vec<PolicyItem>,
+}
+
+/// A REFUND request: the handle a refundable check was answered with, and
+/// that check's items.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefundRequest {
+    pub id: u32,
+    pub handle: [u8; HANDLE_LEN],
+    pub items: Vec<PolicyItem>,
+}
+
+/// One item as the client builds it (no validation).
+#[derive(Clone, Copy, Debug)]
+pub struct ItemArgs<'a> {
+    pub policy: &'a [u8],
+    pub key: &'a [u8],
+    pub cost: u32,
+}
+
+impl ItemArgs<'_> {
+    fn len(&self) -> usize {
+        POLICY_ITEM_LEN + self.policy.len() + self.key.len()
+    }
+
+    fn put(&self, dst: &mut BytesMut) {
+        dst.put_u32(self.cost);
+        dst.put_u16(self.key.len() as u16);
+        dst.put_u8(self.policy.len() as u8);
+        dst.put_slice(self.policy);
+        dst.put_slice(self.key);
+    }
+}
+
 /// What the decoder yields for each complete frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
     Check(CheckRequest),
     PolicyCheck(PolicyCheckRequest),
+    MultiCheck(MultiCheckRequest),
+    Refund(RefundRequest),
     /// The frame was read whole but is not a valid request; the stream is in sync.
     Invalid { id: u32, op: u8, code: ErrorCode, message: Cow<'static, str> },
     /// The length prefix is beyond `MAX_FRAME_LEN`: answer, then close.
@@ -175,6 +233,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if op == OP_CHECK_POLICY {
         return parse_policy_check(body, id, bounds);
     }
+    if op == OP_REFUND {
+        return parse_refund(body, id, bounds);
+    }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
     }
@@ -225,55 +286,176 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
 }
 
 /// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
-/// its validation order).
-fn parse_policy_check(mut body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
+/// its validation order). One item without flags is the single check the
+/// fast path decides; several items, or the refundable flag, make a
+/// `MultiCheck`.
+fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     let op = OP_CHECK_POLICY;
     let fixed = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
     if body.len() < fixed {
         return invalid(id, op, ErrorCode::Malformed, format!("check-policy body of {} bytes is shorter than the {fixed} fixed bytes", body.len()));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
-        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
+    if flags & !FLAG_REFUNDABLE != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: only 0x0001 (refundable) is defined"));
     }
     let Some(on_error) = FailPolicy::from_wire(body[8]) else {
         return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
     };
-    let n_items = body[9];
-    if n_items != 1 {
-        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one check-policy request; this daemon takes exactly 1 (several, all or nothing, are reserved)"));
+    let n_items = body[9] as usize;
+    if n_items == 0 || n_items > MAX_POLICY_ITEMS {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one check-policy request; 1..={MAX_POLICY_ITEMS} are accepted"));
     }
     let local_limit = be32(&body, 10);
-    let e = POLICY_HEADER_LEN;
-    let cost = be32(&body, e);
-    let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
-    let name_len = body[e + 6] as usize;
-    if body.len() != fixed + name_len + key_len {
-        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
+    if n_items == 1 && flags == 0 {
+        let e = POLICY_HEADER_LEN;
+        let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
+        let name_len = body[e + 6] as usize;
+        if body.len() != fixed + name_len + key_len {
+            return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
+        }
+        let item = match parse_item(&body, POLICY_HEADER_LEN, bounds) {
+            Ok((item, _)) => item,
+            Err((code, message)) => return invalid(id, op, code, message),
+        };
+        if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
+            return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
+        }
+        let PolicyItem { cost, name, key, scoped_key } = item;
+        return Inbound::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key });
     }
+    let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, bounds) {
+        Ok(items) => items,
+        Err((code, message)) => return invalid(id, op, code, message),
+    };
+    if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
+    }
+    Inbound::MultiCheck(MultiCheckRequest { id, on_error, local_limit, refundable: flags & FLAG_REFUNDABLE != 0, items })
+}
+
+fn local_limit_error(on_error: FailPolicy, local_limit: u32, bounds: &Bounds) -> Option<String> {
+    (on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit))
+        .then(|| format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit))
+}
+
+type ItemError = (ErrorCode, String);
+
+/// `n` items from `at` to the end of the body, which they must fill
+/// exactly; no (name, key) twice.
+fn parse_items(body: &Bytes, at: usize, n: usize, bounds: &Bounds) -> Result<Vec<PolicyItem>, ItemError> {
+    // Lengths first, so that a frame whose items do not add up is
+    // MALFORMED whatever its fields hold.
+    let mut end = at;
+    for i in 0..n {
+        if body.len() < end + POLICY_ITEM_LEN {
+            return Err((ErrorCode::Malformed, format!("item {} of {n} does not fit the {}-byte frame", i + 1, body.len())));
+        }
+        let key_len = u16::from_be_bytes([body[end + 4], body[end + 5]]) as usize;
+        end += POLICY_ITEM_LEN + body[end + 6] as usize + key_len;
+    }
+    if end != body.len() {
+        return Err((ErrorCode::Malformed, format!("the {n} items take {} bytes, the frame has {}", end - at, body.len() - at)));
+    }
+    let mut items: Vec<PolicyItem> = Vec::with_capacity(n);
+    let mut next = at;
+    for _ in 0..n {
+        let (item, after) = parse_item(body, next, bounds)?;
+        if items.iter().any(|i| i.scoped_key == item.scoped_key) {
+            return Err((ErrorCode::DuplicateItem, format!("policy '{}' and key '{}' appear twice", item.name.escape_ascii(), item.key.escape_ascii())));
+        }
+        items.push(item);
+        next = after;
+    }
+    Ok(items)
+}
+
+/// One item at `at` (its lengths already match the body): the item and
+/// the offset after it.
+fn parse_item(body: &Bytes, at: usize, bounds: &Bounds) -> Result<(PolicyItem, usize), ItemError> {
+    let cost = be32(body, at);
+    let key_len = u16::from_be_bytes([body[at + 4], body[at + 5]]) as usize;
+    let name_len = body[at + 6] as usize;
     if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
-        return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
+        return Err((ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}")));
     }
-    let key_at = fixed + name_len;
+    let name_at = at + POLICY_ITEM_LEN;
+    let key_at = name_at + name_len;
+    let end = key_at + key_len;
     if key_len == 0 || key_len > bounds.max_key_len {
-        return invalid(id, op, ErrorCode::InvalidKey, format!("key length {key_len} is outside 1..={}", bounds.max_key_len));
+        return Err((ErrorCode::InvalidKey, format!("key length {key_len} is outside 1..={}", bounds.max_key_len)));
     }
-    if let Some(pos) = body[key_at..].iter().position(|&b| b < 0x20 || b == 0x7f) {
-        return invalid(id, op, ErrorCode::InvalidKey, format!("key byte {pos} is a control character"));
+    if let Some(pos) = body[key_at..end].iter().position(|&b| b < 0x20 || b == 0x7f) {
+        return Err((ErrorCode::InvalidKey, format!("key byte {pos} is a control character")));
     }
     // The limit comes from the policy: the daemon checks cost against it
     // once the policy is resolved.
     if cost == 0 || cost > bounds.max_cost {
-        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=max_cost {}", bounds.max_cost));
+        return Err((ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=max_cost {}", bounds.max_cost)));
     }
-    if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
-        return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
-    }
-    body.advance(fixed - 1);
-    let scoped_key = body;
+    // The name's length byte, the name and the key, as they lie in the
+    // frame (no copy).
+    let scoped_key = body.slice(name_at - 1..end);
     let name = scoped_key.slice(1..1 + name_len);
     let key = scoped_key.slice(1 + name_len..);
-    Inbound::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key })
+    Ok((PolicyItem { cost, name, key, scoped_key }, end))
+}
+
+/// The rest of `parse_request` for op 3 (docs/PROTOCOL.md, section 4c).
+fn parse_refund(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
+    let op = OP_REFUND;
+    if body.len() < REFUND_HEADER_LEN + POLICY_ITEM_LEN {
+        return invalid(id, op, ErrorCode::Malformed, format!("refund body of {} bytes is shorter than the {} fixed bytes", body.len(), REFUND_HEADER_LEN + POLICY_ITEM_LEN));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: a refund takes none"));
+    }
+    let n_items = body[9] as usize;
+    if n_items == 0 || n_items > MAX_POLICY_ITEMS {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one refund; 1..={MAX_POLICY_ITEMS} are accepted"));
+    }
+    let mut handle = [0u8; HANDLE_LEN];
+    handle.copy_from_slice(&body[10..REFUND_HEADER_LEN]);
+    match parse_items(&body, REFUND_HEADER_LEN, n_items, bounds) {
+        Ok(items) => Inbound::Refund(RefundRequest { id, handle, items }),
+        Err((code, message)) => invalid(id, op, code, message),
+    }
+}
+
+/// Appends one CHECK_POLICY frame of several items (or one, refundable) to `dst`.
+pub fn encode_multi_request(id: u32, on_error: FailPolicy, local_limit: u32, refundable: bool, items: &[ItemArgs<'_>], dst: &mut BytesMut) {
+    let body_len = POLICY_HEADER_LEN + items.iter().map(ItemArgs::len).sum::<usize>();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_CHECK_POLICY);
+    dst.put_u32(id);
+    dst.put_u16(if refundable { FLAG_REFUNDABLE } else { 0 });
+    dst.put_u8(on_error.to_wire());
+    dst.put_u8(items.len() as u8);
+    dst.put_u32(local_limit);
+    for i in items {
+        i.put(dst);
+    }
+}
+
+/// Appends one REFUND frame to `dst`: the handle of a refundable check and
+/// its items, as they were sent.
+pub fn encode_refund(id: u32, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>], dst: &mut BytesMut) {
+    let body_len = REFUND_HEADER_LEN + items.iter().map(ItemArgs::len).sum::<usize>();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_REFUND);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(0);
+    dst.put_u8(items.len() as u8);
+    dst.put_slice(handle);
+    for i in items {
+        i.put(dst);
+    }
 }
 
 /// Appends one check-policy request frame (one item) to `dst`.
@@ -379,6 +561,62 @@ mod tests {
     }
 
     #[test]
+    fn multi_item_request_round_trip_matches_documented_hex() {
+        let items = [ItemArgs { policy: b"ip", key: b"a", cost: 1 }, ItemArgs { policy: b"tenant", key: b"t1", cost: 2 }];
+        let mut buf = BytesMut::new();
+        encode_multi_request(7, FailPolicy::Closed, 0, true, &items, &mut buf);
+        // The same bytes are shown in docs/PROTOCOL.md, section 4b.
+        let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "000000270102000000070001010200000000000000010001026970610000000200020674656e616e747431");
+        let Inbound::MultiCheck(m) = decode_one(&buf) else { panic!("not a multi check") };
+        assert_eq!((m.id, m.on_error, m.refundable, m.items.len()), (7, FailPolicy::Closed, true, 2));
+        assert_eq!((&m.items[1].name[..], &m.items[1].key[..], m.items[1].cost), (&b"tenant"[..], &b"t1"[..], 2));
+        assert_eq!(&m.items[0].scoped_key[..], b"\x02ipa");
+        // One item with the flag is a multi check too; without, the single one.
+        let mut one = BytesMut::new();
+        encode_multi_request(8, FailPolicy::Open, 0, true, &items[..1], &mut one);
+        assert!(matches!(decode_one(&one), Inbound::MultiCheck(m) if m.items.len() == 1 && m.refundable));
+        let mut one = BytesMut::new();
+        encode_multi_request(8, FailPolicy::Open, 0, false, &items[..1], &mut one);
+        let mut same = BytesMut::new();
+        encode_policy_request(8, &PolicyCheckArgs { policy: b"ip", key: b"a", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }, &mut same);
+        assert_eq!(one, same);
+        assert!(matches!(decode_one(&one), Inbound::PolicyCheck(_)));
+    }
+
+    #[test]
+    fn multi_item_and_refund_errors_get_their_codes() {
+        let item = ItemArgs { policy: b"p", key: b"k", cost: 1 };
+        let enc = |items: &[ItemArgs<'_>]| {
+            let mut b = BytesMut::new();
+            encode_multi_request(1, FailPolicy::Open, 0, false, items, &mut b);
+            code_of(decode_one(&b))
+        };
+        assert_eq!(enc(&[item, item]), ErrorCode::DuplicateItem);
+        assert_eq!(enc(&[item; 9]), ErrorCode::UnsupportedLimitCount);
+        assert_eq!(enc(&[item, ItemArgs { key: b"", ..item }]), ErrorCode::InvalidKey);
+        assert_eq!(enc(&[item, ItemArgs { cost: 0, key: b"x", ..item }]), ErrorCode::InvalidCost);
+        assert_eq!(enc(&[item, ItemArgs { policy: b"", key: b"x", ..item }]), ErrorCode::UnknownPolicy);
+        let mut b = BytesMut::new();
+        encode_multi_request(1, FailPolicy::Open, 0, false, &[item, ItemArgs { key: b"x", ..item }], &mut b);
+        let mut cut = b[4..b.len() - 1].to_vec();
+        assert_eq!(code_of(decode_one(&frame(&cut))), ErrorCode::Malformed);
+        cut.push(b'x');
+        cut.push(b'y');
+        assert_eq!(code_of(decode_one(&frame(&cut))), ErrorCode::Malformed);
+
+        let handle = [0xab; HANDLE_LEN];
+        let mut r = BytesMut::new();
+        encode_refund(5, &handle, &[item, ItemArgs { key: b"x", cost: 3, ..item }], &mut r);
+        let Inbound::Refund(req) = decode_one(&r) else { panic!("not a refund") };
+        assert_eq!((req.id, req.handle, req.items.len(), req.items[1].cost), (5, handle, 2, 3));
+        let mut bad = r[4..].to_vec();
+        bad[7] = 1;
+        assert_eq!(code_of(decode_one(&frame(&bad))), ErrorCode::UnsupportedFlags);
+        assert_eq!(code_of(decode_one(&frame(&r[4..30]))), ErrorCode::Malformed);
+    }
+
+    #[test]
     fn invalid_policy_fields_get_their_codes() {
         let good = {
             let mut b = BytesMut::new();
@@ -390,9 +628,10 @@ mod tests {
             b[at..at + bytes.len()].copy_from_slice(bytes);
             code_of(decode_one(&frame(&b)))
         };
-        assert_eq!(with(6, &[0, 1]), ErrorCode::UnsupportedFlags);
+        assert_eq!(with(6, &[0, 2]), ErrorCode::UnsupportedFlags);
         assert_eq!(with(8, &[3]), ErrorCode::InvalidPolicy);
-        assert_eq!(with(9, &[2]), ErrorCode::UnsupportedLimitCount);
+        assert_eq!(with(9, &[9]), ErrorCode::UnsupportedLimitCount);
+        assert_eq!(with(9, &[2]), ErrorCode::Malformed, "two items announced, one sent");
         assert_eq!(with(9, &[0]), ErrorCode::UnsupportedLimitCount);
         assert_eq!(with(8, &[2]), ErrorCode::InvalidLocalLimit);
         assert_eq!(with(14, &[0, 0, 0, 0]), ErrorCode::InvalidCost);
@@ -541,6 +780,9 @@ mod tests {
                             Some(Inbound::Invalid { code, .. }) => prop_assert!((code as u16) < 20),
                             Some(Inbound::Check(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
                             Some(Inbound::PolicyCheck(c)) => prop_assert!(!c.key.is_empty() && !c.name.is_empty()),
+                            Some(Inbound::MultiCheck(MultiCheckRequest { items, .. }) | Inbound::Refund(RefundRequest { items, .. })) => {
+                                prop_assert!((1..=MAX_POLICY_ITEMS).contains(&items.len()) && items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty()))
+                            }
                             None => break,
                         }
                     }
@@ -577,7 +819,7 @@ mod tests {
                         prop_assert!(expected_bad, "{:?} for a request that is valid there", code);
                     }
                     Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
-                    Inbound::PolicyCheck(_) => prop_assert!(false, "a CHECK decoded as CHECK_POLICY"),
+                    Inbound::PolicyCheck(_) | Inbound::MultiCheck(_) | Inbound::Refund(_) => prop_assert!(false, "a CHECK decoded as another op"),
                 }
             }
         }

@@ -12,6 +12,26 @@ pub const VERSION: u8 = 1;
 pub const OP_CHECK: u8 = 1;
 /// Op code of a check of named policies from the daemon's configuration.
 pub const OP_CHECK_POLICY: u8 = 2;
+/// Op code of a refund: takes back the admissions of a refundable
+/// CHECK_POLICY by the handle its response carried.
+pub const OP_REFUND: u8 = 3;
+/// CHECK_POLICY request flag: answer with a refund handle (the response
+/// carries the extension of docs/PROTOCOL.md section 5b).
+pub const FLAG_REFUNDABLE: u16 = 0x0001;
+/// Most items in one CHECK_POLICY or REFUND request.
+pub const MAX_POLICY_ITEMS: usize = 8;
+/// Bytes of a refund handle: the daemon instance and the call's sequence,
+/// which name the admissions' ZSET members.
+pub const HANDLE_LEN: usize = 16;
+/// Bytes of a REFUND body before its first item: version, op, id, flags,
+/// a reserved byte, item count, the handle.
+pub const REFUND_HEADER_LEN: usize = 10 + HANDLE_LEN;
+/// Bytes of one item's result in a response extension: decision, source,
+/// count, remaining, retry-after, reset, limit, window.
+pub const ITEM_RESULT_LEN: usize = 26;
+/// Largest response extension: item count, refusing item, handle length,
+/// a handle and `MAX_POLICY_ITEMS` item results.
+pub const MAX_EXTENSION_LEN: usize = 3 + HANDLE_LEN + MAX_POLICY_ITEMS * ITEM_RESULT_LEN;
 /// Bytes of a CHECK_POLICY body before its first item: version, op, id,
 /// flags, fail policy, item count, local limit.
 pub const POLICY_HEADER_LEN: usize = 14;
@@ -183,6 +203,11 @@ wire_enum! {
         /// CHECK_POLICY named a policy the daemon's configuration does not
         /// have: a configuration error; the client's fail policy decides.
         UnknownPolicy = 12 => "UNKNOWN_POLICY",
+        /// CHECK_POLICY or REFUND named the same policy and key twice.
+        DuplicateItem = 13 => "DUPLICATE_ITEM",
+        /// A REFUND the store cannot carry out (the in-memory backend keeps
+        /// no member ids); nothing was taken back.
+        RefundUnsupported = 14 => "REFUND_UNSUPPORTED",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",
@@ -211,7 +236,7 @@ mod tests {
             assert_eq!(Source::ALL[s.index()], s);
         }
         assert_eq!(Source::None.to_wire(), 255);
-        assert_eq!(ErrorCode::from_wire(13), None);
+        assert_eq!(ErrorCode::from_wire(15), None);
         assert_eq!("local".parse::<FailPolicy>(), Ok(FailPolicy::Local));
         assert!("nope".parse::<FailPolicy>().unwrap_err().contains("open, closed or local"));
     }

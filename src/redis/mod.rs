@@ -18,4 +18,4 @@ mod sentinel;
 mod window;
 
 pub use connector::{Connector, ConnectorError, LinkConnection};
-pub use window::{BatchAsk, RedisWindow, StartError, WindowKey};
+pub use window::{BatchAsk, MultiAsk, RedisWindow, RefundItem, StartError, WindowKey};

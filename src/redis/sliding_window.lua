@@ -28,6 +28,122 @@
 -- TIME is non-deterministic; scripts with a shebang always replicate their
 -- effects, so writes after it are safe.
 
+-- Several keys, all or nothing (CHECK_POLICY with several items, or one
+-- refundable item; docs/PROTOCOL.md section 4b). KEYS[i] is item i's
+-- window key (on a Cluster all in one slot: the daemon groups them).
+--   ARGV[1] 'm', ARGV[2] now (0: Redis TIME), ARGV[3] member base,
+--   then per key: window, limit, cost, shadow (1|0), item number j.
+-- Every key is cleaned and counted first; item i fits if count + cost <=
+-- limit. If every non-shadow item fits, each fitting item is recorded as
+-- "<base>.<j>" (cost 1) or "<base>.<j>:<u>" per unit; otherwise nothing is.
+-- Returns {committed (1|0)} then per key {fits, count, remaining,
+-- retry_after_ms, reset_ms}, with count after this request when recorded.
+--
+-- Refund: ARGV[1] 'r', ARGV[2] member base, then per key: cost, item
+-- number j. ZREM of exactly the members 'm' wrote: idempotent, and a no-op
+-- once they have left the window. Returns the members removed.
+-- ARGV[1] = 'm' or 'r' selects the all-or-nothing check of several keys or
+-- the refund (the single-key check below pays one string comparison for
+-- them; no closure is made per call).
+if ARGV[1] == 'm' or ARGV[1] == 'r' then
+  if ARGV[1] == 'r' then
+    local base = ARGV[2]
+    local removed = 0
+    for i = 1, #KEYS do
+      local cost = tonumber(ARGV[1 + 2 * i])
+      local member = base .. '.' .. ARGV[2 + 2 * i]
+      if cost == 1 then
+        removed = removed + redis.call('ZREM', KEYS[i], member)
+      else
+        local args, m = {}, 0
+        for u = 1, cost do
+          m = m + 1
+          args[m] = member .. ':' .. u
+          if m == 1000 or u == cost then
+            removed = removed + redis.call('ZREM', KEYS[i], unpack(args, 1, m))
+            m = 0
+          end
+        end
+      end
+    end
+    return removed
+  end
+  local now = tonumber(ARGV[2])
+  if now == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  local base = ARGV[3]
+  local n = #KEYS
+  local counts, fits = {}, {}
+  local committed = true
+  for i = 1, n do
+    local a = 4 + 5 * (i - 1)
+    local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window)
+    counts[i] = redis.call('ZCARD', KEYS[i])
+    fits[i] = counts[i] + cost <= limit
+    if not fits[i] and ARGV[a + 3] ~= '1' then
+      committed = false
+    end
+  end
+  local out = { committed and 1 or 0 }
+  for i = 1, n do
+    local a = 4 + 5 * (i - 1)
+    local key = KEYS[i]
+    local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    local count = counts[i]
+    if fits[i] and committed then
+      local member = base .. '.' .. ARGV[a + 4]
+      if cost == 1 then
+        redis.call('ZADD', key, now, member)
+      else
+        local args, m = {}, 0
+        for u = 1, cost do
+          args[m + 1] = now
+          args[m + 2] = member .. ':' .. u
+          m = m + 2
+          if m == 1000 or u == cost then
+            redis.call('ZADD', key, unpack(args, 1, m))
+            m = 0
+          end
+        end
+      end
+      redis.call('PEXPIRE', key, window)
+      count = count + cost
+      out[#out + 1] = 1
+      out[#out + 1] = count
+      out[#out + 1] = limit - count
+      out[#out + 1] = 0
+      out[#out + 1] = window
+    else
+      local retry_after, reset = 0, window
+      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      if newest[2] then
+        reset = tonumber(newest[2]) + window - now
+      end
+      if not fits[i] then
+        retry_after = window
+        local rank = count + cost - limit - 1
+        local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
+        if oldest[2] then
+          retry_after = tonumber(oldest[2]) + window - now
+        end
+      end
+      local remaining = limit - count
+      if remaining < 0 then
+        remaining = 0
+      end
+      out[#out + 1] = fits[i] and 1 or 0
+      out[#out + 1] = count
+      out[#out + 1] = remaining
+      out[#out + 1] = retry_after
+      out[#out + 1] = reset
+    end
+  end
+  return out
+end
+
 local key = KEYS[1]
 local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
