@@ -30,7 +30,14 @@ pub struct RedisCluster {
     ports: Vec<u16>,
     dir: TempDir,
     access: Access,
+    /// One cluster at a time per test binary, held until the nodes are
+    /// gone (fields drop in order: this one last). Six redis-servers per
+    /// test, several tests at once on a 2-core machine, made the failover
+    /// tests' deadlines a matter of luck.
+    one_at_a_time: Option<std::sync::MutexGuard<'static, ()>>,
 }
+
+static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// What a client needs to talk to the nodes, and what the nodes are started
 /// with: `requirepass` (and `masterauth`), and TLS only (client certificate
@@ -85,18 +92,28 @@ impl RedisCluster {
     }
 
     fn start_inner(access: Access) -> Self {
-        let cluster = on_own_ports("redis cluster", NODES, |ports| {
+        // Taken before the ports are chosen, so none is taken meanwhile. A
+        // test that panicked while holding it poisoned nothing of ours.
+        let one_at_a_time = ONE_CLUSTER_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cluster = on_own_ports("redis cluster", NODES, |ports| {
             if ports.iter().any(|&p| p > u16::MAX - BUS_OFFSET || std::net::TcpListener::bind(("127.0.0.1", p + BUS_OFFSET)).is_err()) {
                 return Err("a cluster bus port (port + 10000) is not free".into());
             }
             let dir = tempfile::tempdir().unwrap();
-            let mut c = Self { nodes: Vec::new(), ports: ports.to_vec(), dir, access: access.clone() };
+            let mut c = Self {
+                nodes: Vec::new(),
+                ports: ports.to_vec(),
+                dir,
+                access: access.clone(),
+                one_at_a_time: None,
+            };
             for &port in ports {
                 let node = c.spawn(port);
                 c.nodes.push(Some(node));
             }
             c.confirm_own().map(|()| c)
         });
+        cluster.one_at_a_time = Some(one_at_a_time);
         cluster.create();
         cluster
     }
