@@ -13,6 +13,7 @@ use crate::config::PolicyLimit;
 use crate::policies::{Outcome, Policies};
 use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, PolicyCheckRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY};
 use crate::redis::RedisWindow;
+use crate::top_refused::TOP_REFUSED;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// The response code of a store failure.
@@ -134,6 +135,7 @@ impl Limiter {
     /// client's own fail policy decides.
     fn unknown_policy(&self, req: &PolicyCheckRequest) -> Response {
         METRICS.decided(Decision::Error, Source::None, ErrorCode::UnknownPolicy);
+        crate::policies::count_unknown();
         let name = req.name.escape_ascii().to_string();
         if let Some(suppressed) = self.unknown_policy_log.permit() {
             tracing::error!(policy = %name, known = self.policies.len(), suppressed, "request names a policy that is not configured: the location's fail policy decides; add a [[policy]] of this name or fix the nginx configuration");
@@ -168,15 +170,24 @@ impl Limiter {
     }
 
     async fn decide_inner(&self, req: CheckRequest) -> Response {
+        let resp = self.decide_store(&req).await;
+        if refused_by_a_limit(&resp) {
+            // The inline key, or the policy-scoped one (shadow refusals too).
+            TOP_REFUSED.record(&req.key);
+        }
+        resp
+    }
+
+    async fn decide_store(&self, req: &CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
             Backend::Local => match self.local.check(&spec) {
-                Ok(v) => respond(&req, Source::Memory, v),
-                Err(full) => self.capacity_error(&req, Source::Memory, full),
+                Ok(v) => respond(req, Source::Memory, v),
+                Err(full) => self.capacity_error(req, Source::Memory, full),
             },
             Backend::Redis(redis) => {
                 let ticket = match self.denials.as_deref().map(|d| d.check(&spec)) {
-                    Some(Lookup::Refused(v)) => return respond(&req, Source::DenialCache, v),
+                    Some(Lookup::Refused(v)) => return respond(req, Source::DenialCache, v),
                     Some(Lookup::Miss(ticket)) => Some(ticket),
                     None => None,
                 };
@@ -185,9 +196,9 @@ impl Limiter {
                         if let (Some(d), Some(t)) = (&self.denials, ticket) {
                             d.record(t, spec.cost, &v);
                         }
-                        respond(&req, Source::Redis, v)
+                        respond(req, Source::Redis, v)
                     }
-                    Err(e) => self.on_backend_error(&req, spec, e),
+                    Err(e) => self.on_backend_error(req, spec, e),
                 }
             }
         }
@@ -252,6 +263,13 @@ impl Limiter {
         };
         r
     }
+}
+
+/// A refusal by a limit (a store, the denial cache, the local fallback's
+/// quota), as `top` lists them: not fail-closed, not an error.
+#[inline]
+fn refused_by_a_limit(r: &Response) -> bool {
+    r.decision == Decision::Denied && matches!(r.source, Source::Redis | Source::DenialCache | Source::Memory | Source::LocalFallback)
 }
 
 /// The per-policy outcome of a decided response.
