@@ -19,7 +19,8 @@
 //! `N_s` refusals recorded in that summary. Merged over summaries, the
 //! listed `refused` is an upper bound, `refused - error` a lower bound, and
 //! `error <= N / K` with `N` the refusals recorded in the window; any key
-//! refused more than `N / K` times in the window is tracked.
+//! refused more than `N / K` times in the window is tracked (listed unless
+//! `K` others have a higher upper bound).
 
 use std::cell::Cell;
 use std::collections::HashMap;

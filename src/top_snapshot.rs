@@ -74,8 +74,8 @@ pub struct PolicyCounts {
 pub struct TopRefusedDoc {
     /// How far back the window reaches (50 to 60 s once the daemon has run a minute).
     pub window_ms: u64,
-    /// Refusals recorded in the window: any key refused more than
-    /// `recorded / k` times in it is listed.
+    /// Refusals recorded in the window: a key's `error` is at most
+    /// `recorded / k`, and any key refused more than that is tracked.
     pub recorded: u64,
     /// Refusals not recorded (a shard busy), since start.
     pub skipped: u64,

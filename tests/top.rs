@@ -243,3 +243,41 @@ fn grafana_dashboard_parses_and_names_only_exported_metrics() {
         assert!(used.contains(name), "the dashboard shows {name}");
     }
 }
+
+/// The example output in docs/OPERATIONS.md ("ratelimitd top"): one tenant
+/// hammering /order over 2 connections while others search, `top` taken
+/// during the traffic. Run with
+/// `cargo test --test top example_output -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn example_output_for_the_docs() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic: Vec<_> = [("/order", "tenant-4711"), ("/order", "tenant-4711"), ("/search", "s"), ("/order", "t")]
+        .into_iter()
+        .enumerate()
+        .map(|(n, (path, tenant))| {
+            let (url, stop) = (nginx.url(path), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let t = if tenant.len() > 1 { tenant.to_string() } else { format!("{tenant}enant-{}", 100 + (i * 7 + n) % 40) };
+                    send(&url, &t, 1);
+                    if tenant.len() == 1 {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    let out = top(&["--metrics", &metrics_addr(&d), "--count", "1", "--keys", "6"]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    traffic.into_iter().for_each(|t| t.join().unwrap());
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    let out = top(&["--metrics", &metrics_addr(&d), "--json"]);
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+}
