@@ -18,8 +18,9 @@ const MAX_RESPONSE: u64 = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TopError {
-    #[error("cannot reach the daemon's metrics endpoint at {addr}: {source}; is ratelimitd running, with [metrics] listen = \"{addr}\"?")]
-    Unreachable { addr: String, source: std::io::Error },
+    /// The io error is in the message, not a source: it would be printed twice.
+    #[error("cannot reach the daemon's metrics endpoint at {addr}: {error}; is ratelimitd running, with [metrics] listen = \"{addr}\"?")]
+    Unreachable { addr: String, error: std::io::Error },
     #[error("{addr}: {what}")]
     BadAnswer { addr: String, what: String },
 }
@@ -30,7 +31,7 @@ fn bad(addr: &str, what: impl Into<String>) -> TopError {
 
 /// One `GET /top.json` from `addr` (host:port) over plain HTTP/1.1.
 pub fn fetch(addr: &str) -> Result<TopDoc, TopError> {
-    let unreachable = |source| TopError::Unreachable { addr: addr.to_string(), source };
+    let unreachable = |error| TopError::Unreachable { addr: addr.to_string(), error };
     let sockaddrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(unreachable)?.collect();
     let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
     let mut stream = None;

@@ -178,6 +178,7 @@ fn top_reports_a_daemon_down_or_without_metrics_clearly() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("cannot reach the daemon's metrics endpoint at {addr}")), "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "the cause once: {err}");
     assert!(out.stdout.is_empty());
 
     let dir = tempfile::tempdir().unwrap();
