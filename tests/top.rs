@@ -42,6 +42,13 @@ const LOCATIONS: &str = r#"
         }
         content_by_lua_block { ngx.say("ok") }
     }
+    location /typo {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "open" })
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
     location /inline {
         access_by_lua_block {
             -- Without the Lua-side denial cache, every refusal reaches the daemon.
@@ -118,9 +125,10 @@ fn top_json_lists_the_hammered_key_first_with_its_policy_and_counts_match() {
     let noisy = send(&url, "noisy", 8);
     let search = send(&nginx.url("/search"), "s1", 20);
     let inline = send(&nginx.url("/inline"), "k", 6);
+    let typo = send(&nginx.url("/typo"), "t", 2);
     let attacked = attack.into_iter().map(|t| t.join().unwrap()).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
     assert_eq!(attacked, (5, 295));
-    assert_eq!((light, noisy, search, inline), ((30, 0), (5, 3), (20, 0), (3, 3)));
+    assert_eq!((light, noisy, search, inline, typo), ((30, 0), (5, 3), (20, 0), (3, 3), (2, 0)));
 
     let addr = metrics_addr(&d);
     let out = top(&["--json", "--metrics", &addr, "--interval", "0.2", "--count", "1"]);
@@ -152,7 +160,9 @@ fn top_json_lists_the_hammered_key_first_with_its_policy_and_counts_match() {
             assert_eq!(total(p, o), 0, "{o}: {p}");
         }
     }
-    assert_eq!(v["unknown_policy_total"], 0);
+    assert_eq!(v["unknown_policy_total"], 2, "a location naming no configured policy is counted");
+    let text = agent().get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
+    assert!(text.contains("\nratelimitd_policy_unknown_requests_total 2\n"), "{text}");
     assert_eq!(v["breaker_open"], false);
     assert!(v["interval_s"].as_f64().unwrap() >= 0.15, "{v}");
     // Nothing was sent during the interval.
