@@ -266,18 +266,20 @@ fn example_output_for_the_docs() {
     let d = daemon(&redis);
     let nginx = gateway(&d.socket);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let traffic: Vec<_> = [("/order", "tenant-4711"), ("/order", "tenant-4711"), ("/search", "s"), ("/order", "t")]
+    // (path, the one tenant hammering, or None: 300 tenants in turn, paced).
+    let traffic: Vec<_> = [("/order", Some("tenant-4711")), ("/order", Some("tenant-4711")), ("/search", None), ("/order", None)]
         .into_iter()
-        .enumerate()
-        .map(|(n, (path, tenant))| {
+        .map(|(path, hammer)| {
             let (url, stop) = (nginx.url(path), stop.clone());
             std::thread::spawn(move || {
                 let mut i = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let t = if tenant.len() > 1 { tenant.to_string() } else { format!("{tenant}enant-{}", 100 + (i * 7 + n) % 40) };
-                    send(&url, &t, 1);
-                    if tenant.len() == 1 {
-                        std::thread::sleep(Duration::from_millis(5));
+                    match hammer {
+                        Some(tenant) => drop(send(&url, tenant, 1)),
+                        None => {
+                            send(&url, &format!("tenant-{}", 100 + i % 300), 1);
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
                     }
                     i += 1;
                 }
