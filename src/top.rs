@@ -128,17 +128,20 @@ fn quantile(bounds_us: &[u64], delta: &[u64], q: f64) -> Option<f64> {
 }
 
 impl View {
-    /// The rates between `old` and `new` (counters that went down, after a
-    /// restart, count from 0).
+    /// The rates between `old` and `new`; if the daemon restarted in
+    /// between, since its start.
     pub fn between(old: &TopDoc, new: &TopDoc) -> Self {
-        let secs = (new.uptime_ms.saturating_sub(old.uptime_ms) as f64 / 1000.0).max(0.001);
-        let rate = |a: u64, b: u64| if b >= a { (b - a) as f64 / secs } else { b as f64 / secs };
+        let restarted = new.uptime_ms < old.uptime_ms;
+        let ms = if restarted { new.uptime_ms } else { new.uptime_ms - old.uptime_ms };
+        let secs = (ms as f64 / 1000.0).max(0.001);
+        let rate = |a: u64, b: u64| if restarted || b < a { b as f64 / secs } else { (b - a) as f64 / secs };
         let mut decisions_per_s: BTreeMap<String, f64> = BTreeMap::new();
         for d in &new.decisions {
             let before = old.decisions.iter().find(|o| o.decision == d.decision && o.source == d.source).map_or(0, |o| o.count);
             *decisions_per_s.entry(d.decision.clone()).or_default() += rate(before, d.count);
         }
-        let delta: Vec<u64> = new.redis_latency.counts.iter().enumerate().map(|(i, &n)| n.saturating_sub(old.redis_latency.counts.get(i).copied().unwrap_or(0))).collect();
+        let before = |i: usize| if restarted { 0 } else { old.redis_latency.counts.get(i).copied().unwrap_or(0) };
+        let delta: Vec<u64> = new.redis_latency.counts.iter().enumerate().map(|(i, &n)| n.saturating_sub(before(i))).collect();
         let bounds = &new.redis_latency.bounds_us;
         let policies = new
             .policies
@@ -301,6 +304,39 @@ pub fn run(addr: &str, output: Output, interval: Duration, count: Option<u64>, k
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn doc(uptime_ms: u64, admitted: u64, allowed: u64, calls: [u64; 3]) -> TopDoc {
+        use crate::top_snapshot::{DecisionCount, Histogram, PolicyCounts};
+        TopDoc {
+            format: FORMAT,
+            uptime_ms,
+            breaker_open: Some(false),
+            requests_in_flight: 1,
+            connections_open: 2,
+            redis_in_flight_limit: 64,
+            decisions: vec![DecisionCount { decision: "allowed".into(), source: "redis".into(), count: allowed }],
+            redis_latency: Histogram { bounds_us: vec![100, 250], counts: calls.to_vec(), sum_us: 0 },
+            policies: vec![PolicyCounts { name: "order".into(), limit: 5, window_ms: 1000, shadow: false, outcomes: BTreeMap::from([("admitted".into(), admitted)]) }],
+            unknown_policy_requests: 0,
+            top_refused: TopRefusedDoc { window_ms: 0, recorded: 0, skipped: 0, k: 64, keys: vec![] },
+        }
+    }
+
+    #[test]
+    fn rates_between_two_documents_and_after_a_restart() {
+        let v = View::between(&doc(1000, 10, 10, [0, 0, 0]), &doc(3000, 30, 50, [10, 10, 0]));
+        assert_eq!(v.interval_s, 2.0);
+        assert_eq!(v.decisions_per_s["allowed"], 20.0);
+        assert_eq!(v.policies[0].per_s["admitted"], 10.0);
+        assert_eq!(v.policies[0].total["admitted"], 30);
+        assert_eq!((v.redis.calls_per_s, v.redis.p50_us), (10.0, Some(100.0)));
+        // The daemon restarted: its counters start again from 0.
+        let v = View::between(&doc(9000, 30, 50, [10, 10, 0]), &doc(1000, 4, 4, [0, 0, 0]));
+        assert_eq!(v.policies[0].per_s["admitted"], 4.0);
+        assert_eq!(v.redis.p99_us, None);
+        let text = v.render("127.0.0.1:9464", 20, 200);
+        assert!(text.contains("\norder ") && text.contains("breaker closed") && text.contains("(none)"), "{text}");
+    }
 
     #[test]
     fn quantiles_interpolate_within_buckets() {

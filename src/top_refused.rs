@@ -180,6 +180,12 @@ fn now_ms() -> u64 {
     epoch().elapsed().as_millis() as u64
 }
 
+/// Milliseconds on a monotonic clock that starts with the daemon (the
+/// first `rotate_every_slot`), for rates between two snapshots.
+pub fn uptime_ms() -> u64 {
+    now_ms()
+}
+
 impl Default for TopRefused {
     fn default() -> Self {
         Self::new()

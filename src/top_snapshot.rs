@@ -6,14 +6,12 @@
 //! most `top_refused::KEY_BYTES` bytes each, fixed-size rest.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::metrics::METRICS;
 use crate::policies::{self, Outcome, Policies};
-use crate::top_refused::{TopKey, K, KEY_BYTES, TOP_REFUSED};
+use crate::top_refused::{uptime_ms, TopKey, K, KEY_BYTES, TOP_REFUSED};
 
 /// The document's format; a viewer refuses another.
 pub const FORMAT: u32 = 1;
@@ -22,8 +20,9 @@ pub const FORMAT: u32 = 1;
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TopDoc {
     pub format: u32,
-    /// A monotonic clock of the daemon in ms (rates: the difference of two
-    /// documents' counters over the difference of these).
+    /// Ms since the daemon started, on a monotonic clock (rates: the
+    /// difference of two documents' counters over the difference of these;
+    /// a smaller value than before means a restart).
     pub uptime_ms: u64,
     /// Whether the circuit breaker to Redis is open; null without Redis.
     pub breaker_open: Option<bool>,
@@ -97,11 +96,6 @@ pub struct RefusedKey {
     pub refused: u64,
     /// `refused - error` is a lower bound.
     pub error: u64,
-}
-
-fn uptime_ms() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64
 }
 
 fn text(bytes: &[u8]) -> String {
