@@ -155,6 +155,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let local = Arc::new(LocalStore::new(cfg.limits.max_local_keys));
     let background = CancellationToken::new();
     tokio::spawn(local.clone().sweep_every_second(background.clone()));
+    tokio::spawn(crate::top_refused::TOP_REFUSED.rotate_every_slot(background.clone()));
     let mut active = ActiveBackend::start(&cfg, &resolved).await?;
     let s = &cfg.server;
     // A socket bound here is removed when `socket_file` drops; one passed by
@@ -180,7 +181,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, None));
     if let Some(m) = &cfg.metrics {
         let listener = metrics_server::bind(m.listen).await.map_err(DaemonError::Metrics)?;
-        tracing::info!(listen = %m.listen, "serving metrics at /metrics");
+        tracing::info!(listen = %m.listen, "serving metrics at /metrics, and /top.json for ratelimitd top");
         tokio::spawn(metrics_server::serve(listener, breaker_state(reloadable_rx.clone()), background.clone()));
     }
     let settings = ServerSettings::from(s);

@@ -11,14 +11,16 @@
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response` |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
 //! | counters | `metrics` | lock-free counters and their Prometheus text |
+//! | counters | `top_refused` | the keys refused most in the last minute: sharded space-saving summaries, rotated every 10 s |
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `window` (the script), `coalesce` (calls in flight per window) |
 //! | policies | `policies` | the configured `[[policy]]` tables by name, overrides, per-policy counters |
 //! | decisions | `limiter` | asks a store, applies the fail policy, builds the response |
-//! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` |
-//! | edges | `daemon`, `bench`, `admin` | `serve` wiring and reloads; the load generator; `inspect`/`reset` |
+//! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
+//! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
+//! | edges | `daemon`, `bench`, `admin`, `top` | `serve` wiring and reloads; the load generator; `inspect`/`reset`; `ratelimitd top` |
 //!
 //! `main.rs` is the command line over this library. Modules are private
 //! unless the command line or the integration tests use them.
@@ -40,6 +42,9 @@ pub mod protocol;
 mod redis;
 mod server;
 mod socket;
+pub mod top;
+mod top_refused;
+pub mod top_snapshot;
 pub mod window;
 
 pub use crate::redis::{BatchAsk, RedisWindow};

@@ -15,6 +15,7 @@ use crate::protocol::{
     CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, MultiCheckRequest, PolicyCheckRequest, PolicyItem, RefundRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
 };
 use crate::redis::{MultiAsk, RedisWindow, RefundItem};
+use crate::top_refused::TOP_REFUSED;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// The response code of a store failure.
@@ -138,6 +139,7 @@ impl Limiter {
     /// client's own fail policy decides.
     fn unknown_policy(&self, req: &PolicyCheckRequest) -> Response {
         METRICS.decided(Decision::Error, Source::None, ErrorCode::UnknownPolicy);
+        crate::policies::count_unknown();
         let name = req.name.escape_ascii().to_string();
         if let Some(suppressed) = self.unknown_policy_log.permit() {
             tracing::error!(policy = %name, known = self.policies.len(), suppressed, "request names a policy that is not configured: the location's fail policy decides; add a [[policy]] of this name or fix the nginx configuration");
@@ -176,15 +178,24 @@ impl Limiter {
     }
 
     async fn decide_inner(&self, req: CheckRequest) -> Response {
+        let resp = self.decide_store(&req).await;
+        if refused_by_a_limit(&resp) {
+            // The inline key, or the policy-scoped one (shadow refusals too).
+            TOP_REFUSED.record(&req.key);
+        }
+        resp
+    }
+
+    async fn decide_store(&self, req: &CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
             Backend::Local => match self.local.check(&spec) {
-                Ok(v) => respond(&req, Source::Memory, v),
-                Err(full) => self.capacity_error(&req, Source::Memory, full),
+                Ok(v) => respond(req, Source::Memory, v),
+                Err(full) => self.capacity_error(req, Source::Memory, full),
             },
             Backend::Redis(redis) => {
                 let ticket = match self.denials.as_deref().map(|d| d.check(&spec)) {
-                    Some(Lookup::Refused(v)) => return respond(&req, Source::DenialCache, v),
+                    Some(Lookup::Refused(v)) => return respond(req, Source::DenialCache, v),
                     Some(Lookup::Miss(ticket)) => Some(ticket),
                     None => None,
                 };
@@ -193,9 +204,9 @@ impl Limiter {
                         if let (Some(d), Some(t)) = (&self.denials, ticket) {
                             d.record(t, spec.cost, &v);
                         }
-                        respond(&req, Source::Redis, v)
+                        respond(req, Source::Redis, v)
                     }
-                    Err(e) => self.on_backend_error(&req, spec, e),
+                    Err(e) => self.on_backend_error(req, spec, e),
                 }
             }
         }
@@ -451,6 +462,10 @@ impl Limiter {
     fn multi_response(&self, req: &MultiCheckRequest, resolved: &[Resolved<'_>], mut results: Vec<ItemResult>, committed: bool, handle: Option<[u8; 16]>, failure: Option<StoreError>) -> Response {
         let mut refused = 0u8;
         for (i, (r, res)) in resolved.iter().zip(results.iter_mut()).enumerate() {
+            if res.decision == Decision::Denied && matches!(res.source, Source::Redis | Source::DenialCache | Source::Memory | Source::LocalFallback) {
+                // As for a one-item check: the policy-scoped key (shadow too).
+                TOP_REFUSED.record(&req.items[i].scoped_key);
+            }
             let outcome = match (res.decision, res.source) {
                 (Decision::Denied, Source::None) => None,
                 (Decision::Denied, _) if r.policy.shadow => {
@@ -553,6 +568,13 @@ fn item_result(v: Verdict, source: Source, spec: &LimitSpec<'_>) -> ItemResult {
         limit: spec.limit,
         window_ms: spec.window_ms,
     }
+}
+
+/// A refusal by a limit (a store, the denial cache, the local fallback's
+/// quota), as `top` lists them: not fail-closed, not an error.
+#[inline]
+fn refused_by_a_limit(r: &Response) -> bool {
+    r.decision == Decision::Denied && matches!(r.source, Source::Redis | Source::DenialCache | Source::Memory | Source::LocalFallback)
 }
 
 /// The per-policy outcome of a decided response.

@@ -75,6 +75,31 @@ enum Command {
         #[arg(long)]
         window_ms: Option<u32>,
     },
+    /// A live view of a running daemon (like top): decisions per second per
+    /// policy and outcome, Redis latency, breaker, in-flight requests, the
+    /// keys refused most in the last minute. Reads GET /top.json on the
+    /// metrics endpoint.
+    Top {
+        /// Where `[metrics] listen` is read from (without --metrics).
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
+        config: PathBuf,
+        /// The metrics endpoint, host:port (instead of the config's `[metrics] listen`).
+        #[arg(long)]
+        metrics: Option<String>,
+        /// Print JSON: one object (rates over --interval), or one line per
+        /// --interval when --interval or --count is given.
+        #[arg(long)]
+        json: bool,
+        /// Seconds between refreshes, and the span rates are measured over.
+        #[arg(long)]
+        interval: Option<f64>,
+        /// Stop after this many refreshes (default: until interrupted; 1 for a bare --json).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Refused keys shown in the text views (the JSON has all, up to 64).
+        #[arg(long, default_value_t = 20)]
+        keys: usize,
+    },
     /// Load a running daemon: N requests over C connections.
     Bench {
         #[command(flatten)]
@@ -238,6 +263,33 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             // Exit status for scripts: 0 allowed, 1 denied, 2 error.
             Ok(ExitCode::from(r.decision.to_wire()))
+        }
+        Command::Top { config, metrics, json, interval, count, keys } => {
+            let addr = match metrics {
+                Some(a) => a,
+                None => {
+                    let cfg = Config::load(&config).with_context(|| format!("reading [metrics] listen from {} (or pass --metrics HOST:PORT)", config.display()))?;
+                    let m = cfg.metrics.as_ref().ok_or_else(|| {
+                        anyhow::anyhow!("{}: no [metrics] listen: ratelimitd top reads the daemon's metrics endpoint; set [metrics] listen = \"127.0.0.1:9464\" (restart needed) or pass --metrics HOST:PORT", config.display())
+                    })?;
+                    m.listen.to_string()
+                }
+            };
+            let secs = interval.unwrap_or(1.0);
+            if !(secs.is_finite() && (0.1..=3600.0).contains(&secs)) {
+                anyhow::bail!("--interval must be between 0.1 and 3600 seconds");
+            }
+            let output = if json {
+                ratelimitd::top::Output::Json
+            } else if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                ratelimitd::top::Output::Live
+            } else {
+                ratelimitd::top::Output::Plain
+            };
+            // A bare --json is one snapshot, for scripts.
+            let count = count.or((json && interval.is_none()).then_some(1));
+            ratelimitd::top::run(&addr, output, std::time::Duration::from_secs_f64(secs), count, keys, &mut std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, json } => {
             if rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {

@@ -76,6 +76,21 @@ impl CloseReason {
     }
 }
 
+/// What `Metrics::figures` reads: the counters `ratelimitd top` shows.
+#[derive(Debug, Clone)]
+pub struct Figures {
+    /// Every decision x source pair with its count.
+    pub decisions: Vec<(Decision, Source, u64)>,
+    /// The Redis latency histogram's upper bounds; `redis_latency_counts`
+    /// has one more bucket (above the last bound), not cumulative.
+    pub redis_latency_bounds_us: &'static [u64],
+    pub redis_latency_counts: Vec<u64>,
+    pub redis_latency_sum_us: u64,
+    pub requests_in_flight: i64,
+    pub connections_open: i64,
+    pub redis_in_flight_limit: i64,
+}
+
 /// All the daemon's counters.
 pub struct Metrics {
     decisions: [[AtomicU64; SOURCES]; DECISIONS],
@@ -211,6 +226,27 @@ impl Metrics {
 
     pub fn reloaded(&self, ok: bool) {
         if ok { &self.reloads } else { &self.reload_failures }.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The daemon-wide figures of `GET /top.json` (read with relaxed loads,
+    /// like a scrape).
+    pub fn figures(&self) -> Figures {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut decisions = Vec::new();
+        for (d, row) in Decision::ALL.iter().zip(&self.decisions) {
+            for (s, n) in Source::ALL.iter().zip(row) {
+                decisions.push((*d, *s, get(n)));
+            }
+        }
+        Figures {
+            decisions,
+            redis_latency_bounds_us: &LATENCY_BUCKETS_US,
+            redis_latency_counts: self.redis_latency_buckets.iter().map(get).collect(),
+            redis_latency_sum_us: get(&self.redis_latency_sum_us),
+            requests_in_flight: self.requests_in_flight.load(Ordering::Relaxed),
+            connections_open: self.connections_open.load(Ordering::Relaxed),
+            redis_in_flight_limit: self.redis_in_flight_limit.load(Ordering::Relaxed),
+        }
     }
 
     /// The Prometheus text exposition of every metric. `breaker_open` is

@@ -1,5 +1,6 @@
 //! The Prometheus endpoint: `GET /metrics` over HTTP/1.1 on a loopback
-//! address (`[metrics] listen`), rendering the process's counters.
+//! address (`[metrics] listen`), rendering the process's counters; and
+//! `GET /top.json`, what `ratelimitd top` shows (`top_snapshot`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,7 +36,7 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown`.
+/// Serves `GET /metrics` and `GET /top.json` on `listener` until `shutdown`.
 pub async fn serve(listener: TcpListener, breaker_state: BreakerState, shutdown: CancellationToken) {
     loop {
         let stream = tokio::select! {
@@ -54,7 +55,11 @@ pub async fn serve(listener: TcpListener, breaker_state: BreakerState, shutdown:
             let service = service_fn(move |req: Request<hyper::body::Incoming>| {
                 let live = breaker_state();
                 async move {
-                    let resp = if req.uri().path() == "/metrics" {
+                    let path = req.uri().path();
+                    let resp = if path == "/top.json" {
+                        let doc = crate::top_snapshot::build(live.breaker_open, &live.policies);
+                        Response::builder().header("content-type", "application/json").body(Full::new(Bytes::from(serde_json::to_vec(&doc).expect("plain data serializes"))))
+                    } else if path == "/metrics" {
                         Response::builder()
                             .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
                             .body(Full::new(Bytes::from({
@@ -63,7 +68,7 @@ pub async fn serve(listener: TcpListener, breaker_state: BreakerState, shutdown:
                                 text
                             })))
                     } else {
-                        Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(Bytes::from_static(b"see /metrics\n")))
+                        Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(Bytes::from_static(b"see /metrics or /top.json\n")))
                     };
                     Ok::<_, hyper::http::Error>(resp.expect("static response parts"))
                 }

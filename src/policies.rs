@@ -71,6 +71,21 @@ impl Outcome {
     }
 }
 
+/// CHECK_POLICY requests naming a policy the configuration does not have:
+/// one counter, never labelled by the name sent.
+static UNKNOWN_POLICY_REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts one request naming an unknown policy.
+#[inline]
+pub fn count_unknown() {
+    UNKNOWN_POLICY_REQUESTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Requests that named an unknown policy, since start.
+pub fn unknown_requests() -> u64 {
+    UNKNOWN_POLICY_REQUESTS.load(Ordering::Relaxed)
+}
+
 /// One policy's counters: an atomic per outcome, added to with one relaxed
 /// operation.
 #[derive(Debug, Default)]
@@ -159,8 +174,20 @@ impl Policies {
         self.list.is_empty()
     }
 
-    /// The Prometheus text of the per-policy counters (nothing without policies).
+    /// The policies in configuration order.
+    pub fn iter(&self) -> impl Iterator<Item = &Policy> {
+        self.list.iter()
+    }
+
+    /// The Prometheus text of the per-policy counters, and of requests
+    /// naming an unknown policy (also without policies: that is when a
+    /// misnamed location is most likely).
     pub fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP ratelimitd_policy_unknown_requests_total CHECK_POLICY requests naming a policy not in the configuration; the location's fail policy decided.\n# TYPE ratelimitd_policy_unknown_requests_total counter\nratelimitd_policy_unknown_requests_total {}",
+            unknown_requests()
+        );
         if self.is_empty() {
             return;
         }
@@ -219,6 +246,7 @@ mod tests {
         assert!(!text.contains("login"), "a removed policy leaves /metrics");
         let mut none = String::new();
         Policies::default().render(&mut none);
-        assert!(none.is_empty());
+        assert!(!none.contains("ratelimitd_policy_requests_total"), "{none}");
+        assert!(none.contains("\nratelimitd_policy_unknown_requests_total "), "{none}");
     }
 }
