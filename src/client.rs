@@ -6,7 +6,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::protocol::{decode_response, encode_policy_request, encode_request, CheckArgs, PolicyCheckArgs, Response, ResponseError};
+use crate::protocol::{decode_response, encode_policy_request, encode_request_with, Algorithm, CheckArgs, PolicyCheckArgs, Response, ResponseError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -34,12 +34,17 @@ impl Client {
         Ok(Self { stream: UnixStream::connect(path).await?, rbuf: BytesMut::with_capacity(1024), wbuf: BytesMut::with_capacity(1024), next_id: 1 })
     }
 
-    /// Sends one check and waits for its response.
+    /// Sends one check (the log algorithm) and waits for its response.
     pub async fn check(&mut self, args: &CheckArgs<'_>) -> Result<Response, ClientError> {
+        self.check_with(args, Algorithm::Log).await
+    }
+
+    /// Sends one check counted by `algorithm` and waits for its response.
+    pub async fn check_with(&mut self, args: &CheckArgs<'_>, algorithm: Algorithm) -> Result<Response, ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         self.wbuf.clear();
-        encode_request(id, args, &mut self.wbuf);
+        encode_request_with(id, args, algorithm, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;
         if r.id != id {

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::denial_cache::{DenialCache, Lookup};
+use crate::denial_cache::{is_exact_for, DenialCache, Lookup};
 use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
@@ -114,7 +114,7 @@ impl Limiter {
             Some(f) => (f, policy.local_limit.unwrap_or(0)),
             None => (req.on_error, req.local_limit),
         };
-        let check = CheckRequest { id: req.id, on_error, limit, window_ms: policy.window_ms, cost: req.cost, local_limit, key: req.scoped_key };
+        let check = CheckRequest { id: req.id, on_error, limit, window_ms: policy.window_ms, cost: req.cost, local_limit, key: req.scoped_key, algorithm: policy.algorithm };
         let mut resp = self.decide_inner(check).await;
         resp.op = OP_CHECK_POLICY;
         let mut outcome = outcome_of(&resp);
@@ -170,19 +170,20 @@ impl Limiter {
     async fn decide_inner(&self, req: CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
-            Backend::Local => match self.local.check(&spec) {
+            Backend::Local => match self.local.check(&spec, req.algorithm) {
                 Ok(v) => respond(&req, Source::Memory, v),
                 Err(full) => self.capacity_error(&req, Source::Memory, full),
             },
             Backend::Redis(redis) => {
-                let ticket = match self.denials.as_deref().map(|d| d.check(&spec)) {
+                let denials = self.denials.as_deref().filter(|_| is_exact_for(req.algorithm));
+                let ticket = match denials.map(|d| d.check(&spec, req.algorithm)) {
                     Some(Lookup::Refused(v)) => return respond(&req, Source::DenialCache, v),
                     Some(Lookup::Miss(ticket)) => Some(ticket),
                     None => None,
                 };
-                match redis.check(&spec).await {
+                match redis.check(&spec, req.algorithm).await {
                     Ok(v) => {
-                        if let (Some(d), Some(t)) = (&self.denials, ticket) {
+                        if let (Some(d), Some(t)) = (denials, ticket) {
                             d.record(t, spec.cost, &v);
                         }
                         respond(&req, Source::Redis, v)
@@ -237,7 +238,7 @@ impl Limiter {
                     // Can never fit the local quota: deny without recording.
                     Verdict { remaining: req.local_limit, retry_after_ms: req.window_ms, ..Verdict::default() }
                 } else {
-                    match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }) {
+                    match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }, req.algorithm) {
                         Ok(v) => v,
                         Err(full) => return self.capacity_error(req, Source::LocalFallback, full),
                     }
@@ -289,7 +290,7 @@ mod tests {
     use bytes::Bytes;
 
     fn req(key: &'static str, limit: u32, on_error: FailPolicy) -> CheckRequest {
-        CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()) }
+        CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()), algorithm: crate::protocol::Algorithm::Log }
     }
 
     fn policy_req(name: &'static str, key: &'static str) -> PolicyCheckRequest {
@@ -317,6 +318,7 @@ mod tests {
             fail_policy: None,
             local_limit: None,
             shadow,
+            algorithm: crate::protocol::Algorithm::Log,
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
         Arc::new(Policies::build(&[order], None))

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::protocol::Algorithm;
 use crate::window::{LimitSpec, Verdict};
 
 const SHARDS: usize = 64;
@@ -27,8 +28,8 @@ const SHRINK_ABOVE: usize = 128;
 /// Names up to this long are composed on the stack.
 const INLINE_NAME: usize = 256;
 
-/// A window's name in the map: the window length (4 bytes, big-endian), then
-/// the key. Composed on the stack for usual key lengths, so a lookup
+/// A window's name in the map: the algorithm (1 byte), the window length
+/// (4 bytes, big-endian), then the key. Composed on the stack for usual key lengths, so a lookup
 /// allocates nothing; only a new window copies it to the heap.
 // Built on the stack for one call and dropped: the size is the point.
 #[allow(clippy::large_enum_variant)]
@@ -38,16 +39,18 @@ enum WindowName {
 }
 
 impl WindowName {
-    fn new(spec: &LimitSpec<'_>) -> Self {
-        let len = 4 + spec.key.len();
+    fn new(spec: &LimitSpec<'_>, algorithm: Algorithm) -> Self {
+        let len = 5 + spec.key.len();
         let window = spec.window_ms.to_be_bytes();
         if len <= INLINE_NAME {
             let mut buf = [0u8; INLINE_NAME];
-            buf[..4].copy_from_slice(&window);
-            buf[4..len].copy_from_slice(spec.key);
+            buf[0] = algorithm.to_wire();
+            buf[1..5].copy_from_slice(&window);
+            buf[5..len].copy_from_slice(spec.key);
             Self::Inline(buf, len)
         } else {
             let mut v = Vec::with_capacity(len);
+            v.push(algorithm.to_wire());
             v.extend_from_slice(&window);
             v.extend_from_slice(spec.key);
             Self::Heap(v)
@@ -120,9 +123,11 @@ impl LocalStore {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Decides one request now.
-    pub fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, LocalStoreFull> {
-        self.check_at(spec, self.now_ms())
+    /// Decides one request now, counted by `algorithm`. Each algorithm
+    /// has windows of its own. The log and the ring are the same exact
+    /// window here (the ring is a Redis memory layout, not other decisions).
+    pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, LocalStoreFull> {
+        self.check_at(spec, algorithm, self.now_ms())
     }
 
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
@@ -134,8 +139,8 @@ impl LocalStore {
 
     /// Decides one request at `now_ms` on a monotonic millisecond clock.
     /// A new key is refused when its shard is full of keys still in use.
-    fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, LocalStoreFull> {
-        let name = WindowName::new(spec);
+    fn check_at(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64) -> Result<Verdict, LocalStoreFull> {
+        let name = WindowName::new(spec, algorithm);
         let name = name.as_bytes();
         let mut shard = self.shard(name);
         // Length first: below capacity the hit path hashes the name once.
@@ -252,7 +257,7 @@ mod tests {
     fn seed_scenario_admits_exactly_the_limit() {
         let m = LocalStore::new(1000);
         let s = spec(b"order:tenant-1001", 1000, 1000, 1);
-        let verdicts: Vec<_> = (0..1005).map(|_| m.check_at(&s, 1_000).unwrap()).collect();
+        let verdicts: Vec<_> = (0..1005).map(|_| m.check_at(&s, Algorithm::Log, 1_000).unwrap()).collect();
         assert_eq!(verdicts.iter().filter(|v| v.allowed).count(), 1000);
         assert_eq!((verdicts[999].count, verdicts[999].remaining), (1000, 0));
         let denied = &verdicts[1000];
@@ -264,15 +269,15 @@ mod tests {
     fn window_slides_and_retry_after_is_exact() {
         let m = LocalStore::new(1000);
         let s = spec(b"k", 3, 100, 1);
-        assert!(m.check_at(&s, 10).unwrap().allowed);
-        assert!(m.check_at(&s, 20).unwrap().allowed);
-        assert!(m.check_at(&s, 30).unwrap().allowed);
-        let d = m.check_at(&s, 40).unwrap();
+        assert!(m.check_at(&s, Algorithm::Log, 10).unwrap().allowed);
+        assert!(m.check_at(&s, Algorithm::Log, 20).unwrap().allowed);
+        assert!(m.check_at(&s, Algorithm::Log, 30).unwrap().allowed);
+        let d = m.check_at(&s, Algorithm::Log, 40).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.retry_after_ms, d.reset_ms), (70, 90));
         // At 110 the admission at 10 has left (10 > 110 - 100 is false).
-        assert!(!m.check_at(&s, 109).unwrap().allowed);
-        let v = m.check_at(&s, 110).unwrap();
+        assert!(!m.check_at(&s, Algorithm::Log, 109).unwrap().allowed);
+        let v = m.check_at(&s, Algorithm::Log, 110).unwrap();
         assert!(v.allowed);
         assert_eq!(v.count, 3);
     }
@@ -280,11 +285,11 @@ mod tests {
     #[test]
     fn cost_is_all_or_nothing() {
         let m = LocalStore::new(1000);
-        assert!(m.check_at(&spec(b"k", 10, 100, 7), 0).unwrap().allowed);
-        let d = m.check_at(&spec(b"k", 10, 100, 4), 1).unwrap();
+        assert!(m.check_at(&spec(b"k", 10, 100, 7), Algorithm::Log, 0).unwrap().allowed);
+        let d = m.check_at(&spec(b"k", 10, 100, 4), Algorithm::Log, 1).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.count, d.remaining, d.retry_after_ms), (7, 3, 99));
-        let v = m.check_at(&spec(b"k", 10, 100, 3), 2).unwrap();
+        let v = m.check_at(&spec(b"k", 10, 100, 3), Algorithm::Log, 2).unwrap();
         assert!(v.allowed);
         assert_eq!((v.count, v.remaining), (10, 0));
     }
@@ -293,10 +298,10 @@ mod tests {
     fn retry_after_counts_enough_admissions_for_the_cost() {
         let m = LocalStore::new(1000);
         for t in 0..5 {
-            assert!(m.check_at(&spec(b"k", 5, 100, 1), t).unwrap().allowed);
+            assert!(m.check_at(&spec(b"k", 5, 100, 1), Algorithm::Log, t).unwrap().allowed);
         }
         // Cost 3 needs the three oldest (t = 0, 1, 2) gone: at 102.
-        let d = m.check_at(&spec(b"k", 5, 100, 3), 50).unwrap();
+        let d = m.check_at(&spec(b"k", 5, 100, 3), Algorithm::Log, 50).unwrap();
         assert_eq!(d.retry_after_ms, 52);
         assert_eq!(d.reset_ms, 54);
     }
@@ -304,8 +309,8 @@ mod tests {
     #[test]
     fn sweep_drops_idle_keys_only() {
         let m = LocalStore::new(1000);
-        m.check_at(&spec(b"old", 5, 100, 1), 0).unwrap();
-        m.check_at(&spec(b"new", 5, 100, 1), 90).unwrap();
+        m.check_at(&spec(b"old", 5, 100, 1), Algorithm::Log, 0).unwrap();
+        m.check_at(&spec(b"new", 5, 100, 1), Algorithm::Log, 90).unwrap();
         assert_eq!(m.sweep_at(100), 1);
         assert_eq!(m.len(), 1);
         assert_eq!(m.sweep_at(190), 1);
@@ -316,12 +321,12 @@ mod tests {
     fn one_key_with_two_windows_keeps_both_histories() {
         let m = LocalStore::new(1000);
         for t in 0..5 {
-            assert!(m.check_at(&spec(b"k", 5, 60_000, 1), t).unwrap().allowed);
+            assert!(m.check_at(&spec(b"k", 5, 60_000, 1), Algorithm::Log, t).unwrap().allowed);
         }
         // A short window on the same key is its own window...
-        assert!(m.check_at(&spec(b"k", 5, 100, 1), 200).unwrap().allowed);
+        assert!(m.check_at(&spec(b"k", 5, 100, 1), Algorithm::Log, 200).unwrap().allowed);
         // ...and does not erase the long one's admissions.
-        let d = m.check_at(&spec(b"k", 5, 60_000, 1), 300).unwrap();
+        let d = m.check_at(&spec(b"k", 5, 60_000, 1), Algorithm::Log, 300).unwrap();
         assert!(!d.allowed);
         assert_eq!(d.count, 5);
         assert_eq!(m.len(), 2);
@@ -333,7 +338,7 @@ mod tests {
         let mut refused = 0;
         for i in 0..10 * SHARDS {
             let key = format!("k{i}");
-            if m.check_at(&spec(key.as_bytes(), 5, 100, 1), 0).is_err() {
+            if m.check_at(&spec(key.as_bytes(), 5, 100, 1), Algorithm::Log, 0).is_err() {
                 refused += 1;
             }
         }
@@ -341,6 +346,6 @@ mod tests {
         assert_eq!(refused, 10 * SHARDS - m.len());
         assert!(refused >= 9 * SHARDS - 2);
         // Once the window has passed, the idle keys make room.
-        assert!(m.check_at(&spec(b"later", 5, 100, 1), 200).is_ok());
+        assert!(m.check_at(&spec(b"later", 5, 100, 1), Algorithm::Log, 200).is_ok());
     }
 }

@@ -86,13 +86,16 @@ do
 end
 
 local POLICY = { open = 0, closed = 1, ["local"] = 2 }
+-- How a limit counts (docs/ALGORITHMS.md); sent in the CHECK flags' bits
+-- 0x0F00 (the first flags byte), 0 (the log) when not chosen.
+local ALGORITHM = { log = 0, ring = 1 }
 local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
 local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
 local ERROR_NAME = {
     [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
-    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [16] = "UNKNOWN_ALGORITHM", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
     [35] = "OVERLOADED",
 }
@@ -246,6 +249,20 @@ local function policy_options(opts)
     return on_error
 end
 
+-- The algorithm option of new() and the table form: its name, or nil and a
+-- message. The log when not given.
+local function algorithm_option(opts)
+    local algorithm = opts.algorithm or "log"
+    if ALGORITHM[algorithm] == nil then
+        local names = {}
+        for name, v in pairs(ALGORITHM) do
+            names[v + 1] = "'" .. name .. "'"
+        end
+        return nil, "algorithm must be one of " .. table.concat(names, ", ")
+    end
+    return algorithm
+end
+
 -- Validates the options of the table form; bad ones are the caller's bug.
 local function check_opts(opts, level)
     if type(opts) ~= "table" then
@@ -267,7 +284,12 @@ local function check_opts(opts, level)
     if not on_error then
         error(err, level)
     end
-    return on_error
+    local algorithm
+    algorithm, err = algorithm_option(opts)
+    if not algorithm then
+        error(err, level)
+    end
+    return on_error, algorithm
 end
 
 -- Keys come from request data (headers, addresses). One too long for the
@@ -292,7 +314,7 @@ local function next_id()
     return request_id
 end
 
--- Request body after the id (PROTOCOL.md section 4): flags (0), policy,
+-- Request body after the id (PROTOCOL.md section 4): flags (the algorithm), policy,
 -- n_limits (1), limit, window_ms | cost | local_limit. The parts around cost
 -- never change for a limiter, so new() builds them once.
 local COST_ONE = u32(1)
@@ -307,8 +329,8 @@ local new_policy
 
 -- A limiter from values already validated (by new() or by the table form),
 -- without the behaviour options (all nil: configure()'s values).
-local function build(limit, window_ms, on_error, local_limit)
-    local before_cost = "\0\0" .. char(POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
+local function build(limit, window_ms, on_error, local_limit, algorithm)
+    local before_cost = char(ALGORITHM[algorithm], 0, POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
     local after_cost = u32(local_limit or 0)
     return setmetatable({
         _limit = limit,
@@ -319,25 +341,27 @@ local function build(limit, window_ms, on_error, local_limit)
         _after_cost = after_cost,
         -- The whole constant part for the usual cost of 1: one piece fewer.
         _cost_one = before_cost .. COST_ONE .. after_cost,
-        -- The denial cache's keys: "\1<limit>|<window_ms>|<wire key>". A
-        -- wire key holds no control byte, so no local fallback key (which
-        -- starts with the wire key) can be one.
-        _deny_prefix = "\1" .. limit .. "|" .. window_ms .. "|",
+        -- The denial cache's keys: "\1<limit>|<window_ms>|<wire key>"
+        -- (the log), "\1<algorithm>|<limit>|..." (the others: each has
+        -- windows of its own). A wire key holds no control byte, so no
+        -- local fallback key (which starts with the wire key) can be one.
+        _deny_prefix = "\1" .. (algorithm == "log" and "" or algorithm .. "|") .. limit .. "|" .. window_ms .. "|",
     }, limiter_mt)
 end
 
 -- The table form does not build a limiter per call (measured: that alone
 -- costs more than the whole call did before the object form): the limiters
 -- of the option sets it has seen are kept by what goes into the frame
--- (policy, limit, window_ms, local_limit), and its other options are read
+-- (policy and algorithm, limit, window_ms, local_limit), and its other options are read
 -- from its own table at each call. Bounded: past CACHE_MAX limiters the cache
 -- starts over, so limits computed per request cannot grow it without end.
 local CACHE_MAX = 256
 local cache, cached = {}, 0
 
-local function cached_limiter(opts, on_error)
+local function cached_limiter(opts, on_error, algorithm)
     local limit, window_ms, local_limit = opts.limit, opts.window_ms, opts.local_limit
-    local by_limit = cache[on_error]
+    local mode = algorithm == "log" and on_error or on_error .. "|" .. algorithm
+    local by_limit = cache[mode]
     local by_window = by_limit and by_limit[limit]
     local by_local = by_window and by_window[window_ms]
     local lim = by_local and by_local[local_limit or 0]
@@ -350,7 +374,7 @@ local function cached_limiter(opts, on_error)
     end
     if not by_limit then
         by_limit = {}
-        cache[on_error] = by_limit
+        cache[mode] = by_limit
     end
     if not by_window then
         by_window = {}
@@ -360,7 +384,7 @@ local function cached_limiter(opts, on_error)
         by_local = {}
         by_window[window_ms] = by_local
     end
-    lim = build(limit, window_ms, on_error, local_limit)
+    lim = build(limit, window_ms, on_error, local_limit, algorithm)
     by_local[local_limit or 0] = lim
     cached = cached + 1
     return lim
@@ -369,7 +393,7 @@ end
 local NEW_OPTIONS = {
     limit = true, window_ms = true, on_error = true, local_limit = true, status = true,
     fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
-    denial_cache = true,
+    denial_cache = true, algorithm = true,
 }
 
 local POLICY_OPTIONS = {
@@ -387,8 +411,8 @@ local POLICY_OPTIONS = {
 function new_policy(opts)
     for k in pairs(opts) do
         if not POLICY_OPTIONS[k] then
-            if k == "limit" or k == "cost" or k == "key" then
-                return nil, "new: " .. k .. " is not an option of a policy limiter: the limit is the policy's, in ratelimitd.toml; key and cost are given per request"
+            if k == "limit" or k == "cost" or k == "key" or k == "algorithm" then
+                return nil, "new: " .. k .. " is not an option of a policy limiter: the limit and algorithm are the policy's, in ratelimitd.toml; key and cost are given per request"
             end
             return nil, "new: unknown option '" .. tostring(k) .. "'"
         end
@@ -466,7 +490,12 @@ function _M.new(opts)
     if opts.denial_cache ~= nil and type(opts.denial_cache) ~= "boolean" then
         return nil, "new: denial_cache must be a boolean"
     end
-    local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit)
+    local algorithm
+    algorithm, err = algorithm_option(opts)
+    if not algorithm then
+        return nil, "new: " .. err
+    end
+    local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit, algorithm)
     -- nil: configure()'s denial_cache decides at each request.
     lim._denial_cache = opts.denial_cache
     lim.status = opts.status
@@ -761,8 +790,8 @@ end
 
 --- Asks the daemon; table form of check (see docs/NGINX.md).
 function _M.check(opts)
-    local on_error = check_opts(opts, 3)
-    return decide(cached_limiter(opts, on_error), wire_key(opts.key), opts.cost or 1)
+    local on_error, algorithm = check_opts(opts, 3)
+    return decide(cached_limiter(opts, on_error, algorithm), wire_key(opts.key), opts.cost or 1)
 end
 
 -- Rate-limited per worker and per kind of failure, so an outage gives one
@@ -950,8 +979,8 @@ end
 -- header_style, dry_run. Validates them on every call (raising on a bad one)
 -- and builds a limiter for the call.
 function _M.limit(opts)
-    local on_error = check_opts(opts, 3)
-    return enforce(cached_limiter(opts, on_error), opts, wire_key(opts.key), opts.cost or 1)
+    local on_error, algorithm = check_opts(opts, 3)
+    return enforce(cached_limiter(opts, on_error, algorithm), opts, wire_key(opts.key), opts.cost or 1)
 end
 
 return _M

@@ -9,7 +9,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
 use super::wire::{
-    be32, ErrorCode, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, VERSION,
+    be32, Algorithm, ErrorCode, ALGORITHM_FLAGS, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, VERSION,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -41,6 +41,8 @@ pub struct CheckRequest {
     pub local_limit: u32,
     /// The client's key, before the daemon adds its namespace prefix.
     pub key: Bytes,
+    /// How the limit counts (flag bits `ALGORITHM_FLAGS`; the log when 0).
+    pub algorithm: Algorithm,
 }
 
 /// A request as the client builds it (no validation); used by `query`, `bench` and tests.
@@ -182,9 +184,13 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("check body of {} bytes is shorter than the {} fixed bytes", body.len(), REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
+    if flags & !ALGORITHM_FLAGS != 0 {
         return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
     }
+    let algorithm = match Algorithm::from_flags(flags) {
+        Ok(a) => a,
+        Err(bits) => return invalid(id, op, ErrorCode::UnknownAlgorithm, format!("algorithm {bits} (flags 0x{flags:04x}) is not one this daemon has")),
+    };
     let Some(on_error) = FailPolicy::from_wire(body[8]) else {
         return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
     };
@@ -221,7 +227,7 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
     }
     body.advance(key_at);
-    Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body })
+    Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm })
 }
 
 /// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
@@ -295,15 +301,20 @@ pub fn encode_policy_request(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMu
     dst.put_slice(a.key);
 }
 
-/// Appends one check request frame to `dst`.
+/// Appends one check request frame to `dst` (the log algorithm).
 pub fn encode_request(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
+    encode_request_with(id, a, Algorithm::Log, dst);
+}
+
+/// Appends one check request frame for `algorithm` to `dst`.
+pub fn encode_request_with(id: u32, a: &CheckArgs<'_>, algorithm: Algorithm, dst: &mut BytesMut) {
     let body_len = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN + a.key.len();
     dst.reserve(LEN_PREFIX + body_len);
     dst.put_u32(body_len as u32);
     dst.put_u8(VERSION);
     dst.put_u8(OP_CHECK);
     dst.put_u32(id);
-    dst.put_u16(0);
+    dst.put_u16(algorithm.to_flags());
     dst.put_u8(a.on_error.to_wire());
     dst.put_u8(1);
     dst.put_u32(a.limit);
@@ -355,6 +366,29 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_algorithm_rides_in_flag_bits_0x0f00() {
+        let mut buf = BytesMut::new();
+        encode_request_with(7, &args(b"t1"), Algorithm::Ring, &mut buf);
+        assert_eq!(&buf[10..12], &[0x01, 0x00], "flags 0x0100");
+        match decode_one(&buf) {
+            Inbound::Check(c) => assert_eq!(c.algorithm, Algorithm::Ring),
+            other => panic!("{other:?}"),
+        }
+        let mut log = BytesMut::new();
+        encode_request(7, &args(b"t1"), &mut log);
+        assert!(matches!(decode_one(&log), Inbound::Check(CheckRequest { algorithm: Algorithm::Log, .. })));
+        let with_flags = |hi: u8, lo: u8| {
+            let mut b = buf.clone();
+            b[10] = hi;
+            b[11] = lo;
+            code_of(decode_one(&b))
+        };
+        assert_eq!(with_flags(0x0F, 0), ErrorCode::UnknownAlgorithm);
+        assert_eq!(with_flags(0x01, 0x10), ErrorCode::UnsupportedFlags);
+        assert_eq!(with_flags(0x10, 0), ErrorCode::UnsupportedFlags);
     }
 
     fn policy_args<'a>(policy: &'a [u8], key: &'a [u8]) -> PolicyCheckArgs<'a> {

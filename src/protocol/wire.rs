@@ -23,6 +23,11 @@ pub const POLICY_ITEM_LEN: usize = 7;
 /// inline key may hold, so policy windows never share a key with inline
 /// ones (docs/POLICIES.md).
 pub const MAX_POLICY_NAME_LEN: usize = 31;
+/// CHECK flag bits naming the request's algorithm (an `Algorithm` wire
+/// value, shifted by `ALGORITHM_SHIFT`); 0 is the log, so a client that
+/// sends no flags keeps the seed's behaviour.
+pub const ALGORITHM_FLAGS: u16 = 0x0F00;
+pub const ALGORITHM_SHIFT: u32 = 8;
 /// Bytes in the length prefix.
 pub const LEN_PREFIX: usize = 4;
 /// Largest body accepted, in bytes. A check with a 512-byte key is 540 bytes;
@@ -183,6 +188,8 @@ wire_enum! {
         /// CHECK_POLICY named a policy the daemon's configuration does not
         /// have: a configuration error; the client's fail policy decides.
         UnknownPolicy = 12 => "UNKNOWN_POLICY",
+        /// The CHECK's algorithm bits name no algorithm this daemon has.
+        UnknownAlgorithm = 16 => "UNKNOWN_ALGORITHM",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",
@@ -192,6 +199,44 @@ wire_enum! {
         /// Too many Redis calls in flight (the adaptive limit): refused at
         /// once, Redis not asked; the fail policy decided.
         Overloaded = 35 => "OVERLOADED",
+    }
+}
+
+wire_enum! {
+    /// How a limit counts (docs/ALGORITHMS.md). Sent in a CHECK's flag bits
+    /// `ALGORITHM_FLAGS`; set per `[[policy]]` by `algorithm = "..."`.
+    pub enum Algorithm: u8 {
+        /// The exact sliding log: one ZSET member per admission (the default).
+        Log = 0 => "log",
+        /// The exact sliding window as a ring of admission times: the log's
+        /// decisions at 8 bytes per admission unit.
+        Ring = 1 => "ring",
+    }
+}
+
+impl Algorithm {
+    /// The algorithm named by a CHECK's flags, or the bits that name none.
+    pub const fn from_flags(flags: u16) -> Result<Self, u8> {
+        let bits = ((flags & ALGORITHM_FLAGS) >> ALGORITHM_SHIFT) as u8;
+        match Self::from_wire(bits) {
+            Some(a) => Ok(a),
+            None => Err(bits),
+        }
+    }
+
+    /// The CHECK flag bits that name this algorithm.
+    pub const fn to_flags(self) -> u16 {
+        (self.to_wire() as u16) << ALGORITHM_SHIFT
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::from_name(s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|a| a.as_str()).collect();
+            format!("unknown algorithm '{s}' (expected one of: {})", names.join(", "))
+        })
     }
 }
 
@@ -214,5 +259,11 @@ mod tests {
         assert_eq!(ErrorCode::from_wire(13), None);
         assert_eq!("local".parse::<FailPolicy>(), Ok(FailPolicy::Local));
         assert!("nope".parse::<FailPolicy>().unwrap_err().contains("open, closed or local"));
+        for &a in Algorithm::ALL {
+            assert_eq!(Algorithm::from_flags(a.to_flags() | 0x0003), Ok(a));
+        }
+        assert_eq!(Algorithm::from_flags(0), Ok(Algorithm::Log));
+        assert_eq!(Algorithm::from_flags(0x0F00), Err(15));
+        assert!("lgo".parse::<Algorithm>().unwrap_err().contains("log, ring"));
     }
 }
