@@ -106,7 +106,10 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, windo
             if ttl_ms == -2 && window_ms.is_some() {
                 continue; // asked by window: the log's key always, others when they exist
             }
-            out.push(inspect_ring(redis_key, w, &bytes, now_ms, ttl_ms));
+            out.push(match algorithm {
+                Algorithm::Gcra => inspect_gcra(redis_key, w, &bytes, now_ms, ttl_ms),
+                _ => inspect_ring(redis_key, w, &bytes, now_ms, ttl_ms),
+            });
             continue;
         }
         let mut pipe = redis::pipe();
@@ -129,6 +132,25 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, windo
         });
     }
     Ok(out)
+}
+
+/// A GCRA key (src/redis/gcra.lua): one number, the theoretical arrival
+/// time in ms. `newest_age_ms` is now − TAT: negative while the bucket is
+/// not full (by as many ms as it needs to fill); members and in_window are
+/// 1 while it is not full, else 0.
+fn inspect_gcra(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, ttl_ms: i64) -> Inspection {
+    let tat = std::str::from_utf8(bytes).ok().and_then(|s| s.parse::<f64>().ok()).map(|t| t.ceil() as i64);
+    let busy = u64::from(tat.is_some_and(|t| t > now_ms));
+    Inspection {
+        redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
+        window_ms,
+        algorithm: Algorithm::Gcra.as_str(),
+        members: busy,
+        in_window: busy,
+        oldest_age_ms: None,
+        newest_age_ms: tat.map(|t| now_ms - t),
+        ttl_ms,
+    }
 }
 
 /// A ring (src/redis/ring.lua): an 8-byte header, then slots of 8-byte

@@ -144,10 +144,12 @@ pub enum Lookup {
 /// Whether a refusal by `algorithm` stays true, for every request of the
 /// same key, limit and window at no smaller cost, until its retry-after:
 /// the argument of the module doc. The ring decides exactly as the log
-/// (src/redis/ring.lua; its retry-after names the same admission).
+/// (src/redis/ring.lua; its retry-after names the same admission). GCRA's
+/// state only moves on admissions and a larger cost needs more tokens, so
+/// its refusals hold as long (src/redis/gcra.lua).
 pub const fn is_exact_for(algorithm: Algorithm) -> bool {
     match algorithm {
-        Algorithm::Log | Algorithm::Ring => true,
+        Algorithm::Log | Algorithm::Ring | Algorithm::Gcra => true,
     }
 }
 

@@ -73,6 +73,9 @@ struct KeyWindow {
     entries: VecDeque<(u64, u32)>,
     total: u64,
     window_ms: u32,
+    /// GCRA's theoretical arrival time in ms (GCRA windows only; their
+    /// `entries` stay empty).
+    tat_ms: f64,
 }
 
 impl KeyWindow {
@@ -88,6 +91,28 @@ impl KeyWindow {
 
     fn newest(&self) -> Option<u64> {
         self.entries.back().map(|e| e.0)
+    }
+
+    /// Whether anything of it still counts at `now_ms`.
+    fn live(&self, now_ms: u64) -> bool {
+        self.newest().is_some_and(|t| t + self.window_ms as u64 > now_ms) || self.tat_ms > now_ms as f64
+    }
+
+    /// GCRA, as src/redis/gcra.lua decides it (same rounding).
+    fn gcra(&mut self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
+        const EPS: f64 = 1e-6;
+        let (now, window, limit) = (now_ms as f64, f64::from(spec.window_ms), f64::from(spec.limit));
+        let t = window / limit;
+        let tat = self.tat_ms.max(now);
+        let new_tat = tat + f64::from(spec.cost) * t;
+        let up = |x: f64| (x - EPS).ceil().max(0.0) as u32;
+        if new_tat - now <= window + EPS {
+            self.tat_ms = new_tat;
+            let count = up((new_tat - now) / t);
+            return Verdict { allowed: true, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(tat - now), reset_ms: up(new_tat - now) };
+        }
+        let count = up((tat - now) / t);
+        Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
     }
 }
 
@@ -125,7 +150,8 @@ impl LocalStore {
 
     /// Decides one request now, counted by `algorithm`. Each algorithm
     /// has windows of its own. The log and the ring are the same exact
-    /// window here (the ring is a Redis memory layout, not other decisions).
+    /// window here (the ring is a Redis memory layout, not other
+    /// decisions); GCRA keeps one number, as in Redis.
     pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, LocalStoreFull> {
         self.check_at(spec, algorithm, self.now_ms())
     }
@@ -145,7 +171,7 @@ impl LocalStore {
         let mut shard = self.shard(name);
         // Length first: below capacity the hit path hashes the name once.
         if shard.len() >= self.keys_per_shard && !shard.contains_key(name) {
-            shard.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
+            shard.retain(|_, w| w.live(now_ms));
             if shard.len() >= self.keys_per_shard {
                 return Err(LocalStoreFull(self.keys_per_shard * SHARDS));
             }
@@ -154,6 +180,9 @@ impl LocalStore {
             Some(w) => w,
             None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
         };
+        if algorithm == Algorithm::Gcra {
+            return Ok(w.gcra(spec, now_ms));
+        }
         w.evict(now_ms, spec.window_ms);
         let window = spec.window_ms as u64;
         let limit = spec.limit as u64;
@@ -217,7 +246,7 @@ impl LocalStore {
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
             let before = map.len();
             map.retain(|_, w| {
-                let live = w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms);
+                let live = w.live(now_ms);
                 // A key still in use after a burst keeps its deque's buffer:
                 // trimmed the same way as the map below.
                 if live && w.entries.capacity() > 64 && w.entries.len() < w.entries.capacity() / 4 {

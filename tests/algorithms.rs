@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{args, Daemon, RedisServer, Setup};
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, PolicyCheckArgs, Source};
 
@@ -155,4 +157,154 @@ async fn a_policy_counts_with_its_algorithm() {
     assert!(keys[0].ends_with(b":60000ms:ring"), "{}", String::from_utf8_lossy(&keys[0]));
     let t: String = redis::cmd("TYPE").arg(&keys[0]).query(&mut redis.conn()).unwrap();
     assert_eq!(t, "string");
+}
+
+/// GCRA (src/redis/gcra.lua, and the memory store's copy): a bucket of
+/// `limit` tokens refilled at `limit` per window. From a full bucket the
+/// burst passes, each admission carrying its pacing delay (0, T, 2T, ...);
+/// the next is refused with the time until a token is back; one token per
+/// T comes back.
+async fn gcra_bursts_paces_and_refills(setup: &Setup) {
+    let mut c = setup.daemon().client().await;
+    // 10 per 1000 ms: T = 100 ms.
+    let a = args("bucket", 10, 1000);
+    let mut delays = Vec::new();
+    for i in 0..10 {
+        let r = c.check_with(&a, Algorithm::Gcra).await.unwrap();
+        assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, setup.source(), i + 1, 9 - i), "{r:?}");
+        delays.push(r.retry_after_ms);
+    }
+    // Requests take a few ms each: delay i is i*100 less the time gone.
+    for (i, &d) in delays.iter().enumerate() {
+        let ideal = 100 * i as u32;
+        assert!(d <= ideal && d + 400 >= ideal, "pacing delay {i}: {d} ms ({delays:?})");
+    }
+    let refused = c.check_with(&a, Algorithm::Gcra).await.unwrap();
+    assert_eq!((refused.decision, refused.count, refused.remaining), (Decision::Denied, 10, 0), "{refused:?}");
+    assert!((1..=100).contains(&refused.retry_after_ms), "{refused:?}");
+    assert!(refused.reset_ms > 500 && refused.reset_ms <= 1000, "{refused:?}");
+    // A cost of 3 needs three tokens back (the denial cache answers it
+    // with the cost-1 refusal's retry-after: true, and documented as a
+    // lower bound for larger costs).
+    let three = c.check_with(&with_cost(&a, 3), Algorithm::Gcra).await.unwrap();
+    assert_eq!(three.decision, Decision::Denied, "{three:?}");
+    assert!(three.source == Source::DenialCache || three.retry_after_ms > 200, "{three:?}");
+    tokio::time::sleep(Duration::from_millis(u64::from(refused.retry_after_ms) + 5)).await;
+    let again = c.check_with(&a, Algorithm::Gcra).await.unwrap();
+    assert_eq!(again.decision, Decision::Allowed, "a token came back: {again:?} (refused {refused:?}, three {three:?})");
+    // The log's window of the same key never saw any of it.
+    assert_eq!(c.check_with(&a, Algorithm::Log).await.unwrap().count, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_on_redis() {
+    let setup = Setup::redis();
+    gcra_bursts_paces_and_refills(&setup).await;
+    let Setup::Redis(redis, _) = &setup else { unreachable!() };
+    let mut conn = redis.conn();
+    let tat: String = redis::cmd("GET").arg("ratelimitd:{bucket}:1000ms:gcra").query(&mut conn).unwrap();
+    assert!(tat.parse::<f64>().unwrap() > 1.7e12, "one number, the TAT in ms: {tat}");
+    let ttl: i64 = redis::cmd("PTTL").arg("ratelimitd:{bucket}:1000ms:gcra").query(&mut conn).unwrap();
+    assert!((1..=1000).contains(&ttl), "kept until the bucket is full: {ttl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_in_memory() {
+    gcra_bursts_paces_and_refills(&Setup::memory()).await;
+}
+
+/// With nginx: `limit_req`-style pacing. 20 requests at once against
+/// 10/s with a burst of 20 (limit 20 per 2000 ms): all pass, and reach the
+/// upstream one every 100 ms (arrival i at least i*100 ms after the first,
+/// as the upstream's own clock sees it); with `nodelay` they reach it at
+/// once; beyond the burst, 429.
+#[test]
+fn gcra_paces_a_burst_through_nginx() {
+    let redis = RedisServer::start_unix();
+    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
+    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let nginx = common::Nginx::start(&format!(
+        r#"{snippet}
+lua_shared_dict arrivals 1m;
+server {{
+    listen 127.0.0.1:{{PORT:up}};
+    location / {{
+        content_by_lua_block {{
+            ngx.update_time()
+            ngx.shared.arrivals:rpush(ngx.var.uri, ngx.now())
+            ngx.say("ok")
+        }}
+    }}
+}}
+server {{
+    listen 127.0.0.1:{{PORT}};
+    location /paced {{
+        access_by_lua_block {{
+            local lim = assert(require("resty.ratelimitd").new{{ algorithm = "gcra", limit = 20, window_ms = 2000 }})
+            lim:limit("paced")
+        }}
+        proxy_pass http://127.0.0.1:{{PORT:up}};
+    }}
+    location /nodelay {{
+        access_by_lua_block {{
+            local lim = assert(require("resty.ratelimitd").new{{ algorithm = "gcra", limit = 20, window_ms = 2000, nodelay = true }})
+            lim:limit("nodelay")
+        }}
+        proxy_pass http://127.0.0.1:{{PORT:up}};
+    }}
+    location /arrivals {{
+        content_by_lua_block {{
+            local d = ngx.shared.arrivals
+            local path = ngx.var.arg_path
+            local out = {{}}
+            while true do
+                local t = d:lpop(path)
+                if not t then break end
+                out[#out + 1] = string.format("%.3f", t)
+            end
+            ngx.say(table.concat(out, " "))
+        }}
+    }}
+}}
+"#
+    ));
+    let burst = |path: &str, n: usize| -> Vec<u16> {
+        let url = nginx.url(path);
+        let threads: Vec<_> = (0..n)
+            .map(|_| {
+                let url = url.clone();
+                std::thread::spawn(move || {
+                    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+                    agent.get(&url).call().unwrap().status().as_u16()
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    };
+    let arrivals = |path: &str| -> Vec<f64> {
+        let mut r = ureq::get(&nginx.url(&format!("/arrivals?path={path}"))).call().unwrap();
+        let mut v: Vec<f64> = r.body_mut().read_to_string().unwrap().split_whitespace().map(|t| t.parse().unwrap()).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+
+    let statuses = burst("/paced", 20);
+    assert!(statuses.iter().all(|&s| s == 200), "paced, not refused: {statuses:?}\n{}", nginx.error_log());
+    let paced = arrivals("/paced");
+    assert_eq!(paced.len(), 20);
+    for (i, t) in paced.iter().enumerate() {
+        let after_ms = (t - paced[0]) * 1000.0;
+        assert!(after_ms >= 100.0 * i as f64 - 30.0, "arrival {i} only {after_ms:.0} ms after the first: {paced:?}");
+    }
+    let span = (paced[19] - paced[0]) * 1000.0;
+    assert!(span < 6000.0, "paced at the rate, not slower: {span:.0} ms");
+
+    let statuses = burst("/nodelay", 25);
+    let ok = statuses.iter().filter(|&&s| s == 200).count();
+    assert!((20..=22).contains(&ok) && statuses.iter().all(|&s| s == 200 || s == 429), "burst of 20, then refused: {statuses:?}");
+    let at_once = arrivals("/nodelay");
+    let span = (at_once[at_once.len() - 1] - at_once[0]) * 1000.0;
+    assert!(span < 1000.0, "nodelay: the burst reaches the upstream at once, not paced over 1900 ms: {span:.0} ms");
 }

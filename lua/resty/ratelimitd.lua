@@ -29,6 +29,7 @@ local ngx = ngx
 local ngx_log = ngx.log
 local ngx_now = ngx.now
 local ngx_exit = ngx.exit
+local ngx_sleep = ngx.sleep
 local ngx_header = ngx.header
 local ngx_shared = ngx.shared
 local tcp = ngx.socket.tcp
@@ -88,7 +89,7 @@ end
 local POLICY = { open = 0, closed = 1, ["local"] = 2 }
 -- How a limit counts (docs/ALGORITHMS.md); sent in the CHECK flags' bits
 -- 0x0F00 (the first flags byte), 0 (the log) when not chosen.
-local ALGORITHM = { log = 0, ring = 1 }
+local ALGORITHM = { log = 0, ring = 1, gcra = 2 }
 local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
 local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
 local ERROR_NAME = {
@@ -260,6 +261,17 @@ local function algorithm_option(opts)
         end
         return nil, "algorithm must be one of " .. table.concat(names, ", ")
     end
+    -- Pacing, as nginx limit_req: without nodelay an admitted request
+    -- waits its delay; `delay` requests of a burst pass at once first.
+    if opts.nodelay ~= nil and type(opts.nodelay) ~= "boolean" then
+        return nil, "nodelay must be a boolean"
+    end
+    if opts.delay ~= nil and not (type(opts.delay) == "number" and opts.delay >= 0 and floor(opts.delay) == opts.delay) then
+        return nil, "delay must be a non-negative integer (requests of a burst passed at once)"
+    end
+    if (opts.nodelay ~= nil or opts.delay ~= nil) and algorithm ~= "gcra" then
+        return nil, "nodelay and delay apply to algorithm = 'gcra' only"
+    end
     return algorithm
 end
 
@@ -335,6 +347,7 @@ local function build(limit, window_ms, on_error, local_limit, algorithm)
     return setmetatable({
         _limit = limit,
         _window_ms = window_ms,
+        _algorithm = algorithm,
         _on_error = on_error,
         _local_limit = local_limit,
         _before_cost = before_cost,
@@ -393,7 +406,7 @@ end
 local NEW_OPTIONS = {
     limit = true, window_ms = true, on_error = true, local_limit = true, status = true,
     fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
-    denial_cache = true, algorithm = true,
+    denial_cache = true, algorithm = true, nodelay = true, delay = true,
 }
 
 local POLICY_OPTIONS = {
@@ -498,6 +511,8 @@ function _M.new(opts)
     local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit, algorithm)
     -- nil: configure()'s denial_cache decides at each request.
     lim._denial_cache = opts.denial_cache
+    lim.nodelay = opts.nodelay
+    lim.delay = opts.delay
     lim.status = opts.status
     lim.fail_closed_status = opts.fail_closed_status
     lim.invalid_status = opts.invalid_status
@@ -949,6 +964,15 @@ local function enforce(self, beh, key, cost)
         set_headers(res, beh.header_style or config.header_style)
     end
     if res.allowed then
+        -- GCRA: an admitted request's retry_after_ms is its place at the
+        -- rate. Paced unless nodelay; the first `delay` of a burst at once.
+        local wait = res.retry_after_ms
+        if self._algorithm == "gcra" and wait and wait > 0 and not beh.nodelay and not beh.dry_run then
+            wait = wait - (beh.delay or 0) * self._window_ms / self._limit
+            if wait > 0 then
+                ngx_sleep(wait / 1000)
+            end
+        end
         return res
     end
     if beh.dry_run then

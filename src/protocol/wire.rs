@@ -211,6 +211,9 @@ wire_enum! {
         /// The exact sliding window as a ring of admission times: the log's
         /// decisions at 8 bytes per admission unit.
         Ring = 1 => "ring",
+        /// GCRA: a bucket of `limit` tokens refilled at `limit` per window,
+        /// one number per key; admitted requests carry their pacing delay.
+        Gcra = 2 => "gcra",
     }
 }
 
@@ -264,6 +267,6 @@ mod tests {
         }
         assert_eq!(Algorithm::from_flags(0), Ok(Algorithm::Log));
         assert_eq!(Algorithm::from_flags(0x0F00), Err(15));
-        assert!("lgo".parse::<Algorithm>().unwrap_err().contains("log, ring"));
+        assert!("lgo".parse::<Algorithm>().unwrap_err().contains("log, ring, gcra"));
     }
 }

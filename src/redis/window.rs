@@ -24,6 +24,8 @@ use crate::window::{LimitSpec, StoreError, Verdict};
 pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
 /// The ring's script: same arguments and reply as the log's.
 pub const RING_SOURCE: &str = include_str!("ring.lua");
+/// GCRA's script: same arguments and reply layout.
+pub const GCRA_SOURCE: &str = include_str!("gcra.lua");
 
 /// The script of each algorithm; the link holds them in `Algorithm::ALL`
 /// order, so `Algorithm::index` names its SHA there.
@@ -31,6 +33,7 @@ const fn script_of(algorithm: Algorithm) -> &'static str {
     match algorithm {
         Algorithm::Log => SCRIPT_SOURCE,
         Algorithm::Ring => RING_SOURCE,
+        Algorithm::Gcra => GCRA_SOURCE,
     }
 }
 
