@@ -146,10 +146,13 @@ pub enum Lookup {
 /// the argument of the module doc. The ring decides exactly as the log
 /// (src/redis/ring.lua; its retry-after names the same admission). GCRA's
 /// state only moves on admissions and a larger cost needs more tokens, so
-/// its refusals hold as long (src/redis/gcra.lua).
+/// its refusals hold as long (src/redis/gcra.lua). The fixed window's count
+/// and the sliding counter's estimate never fall before the retry-after
+/// they answer without an admission (src/redis/fixed_window.lua,
+/// sliding_counter.lua).
 pub const fn is_exact_for(algorithm: Algorithm) -> bool {
     match algorithm {
-        Algorithm::Log | Algorithm::Ring | Algorithm::Gcra => true,
+        Algorithm::Log | Algorithm::Ring | Algorithm::Gcra | Algorithm::SlidingCounter | Algorithm::Fixed => true,
     }
 }
 

@@ -13,7 +13,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
@@ -76,6 +76,14 @@ struct KeyWindow {
     /// GCRA's theoretical arrival time in ms (GCRA windows only; their
     /// `entries` stay empty).
     tat_ms: f64,
+    /// Fixed windows and the sliding counter: the current fixed window's
+    /// start on the wall clock (UTC-aligned), its count and the previous
+    /// window's.
+    fixed_start: u64,
+    fixed_count: u64,
+    prev_count: u64,
+    /// Until when (store clock) a GCRA, fixed or counter window counts anything.
+    until_ms: u64,
 }
 
 impl KeyWindow {
@@ -95,7 +103,46 @@ impl KeyWindow {
 
     /// Whether anything of it still counts at `now_ms`.
     fn live(&self, now_ms: u64) -> bool {
-        self.newest().is_some_and(|t| t + self.window_ms as u64 > now_ms) || self.tat_ms > now_ms as f64
+        self.newest().is_some_and(|t| t + self.window_ms as u64 > now_ms) || self.until_ms > now_ms
+    }
+
+    /// The fixed window (`sliding` false) or the sliding counter, as
+    /// src/redis/fixed_window.lua and sliding_counter.lua decide them, at
+    /// `wall_ms` on the wall clock (windows are UTC-aligned); `now_ms` is
+    /// the store's clock, for the sweep.
+    fn fixed(&mut self, spec: &LimitSpec<'_>, wall_ms: u64, now_ms: u64, sliding: bool) -> Verdict {
+        const EPS: f64 = 1e-9;
+        let w = u64::from(spec.window_ms);
+        let start = wall_ms - wall_ms % w;
+        let elapsed = wall_ms - start;
+        if self.fixed_start != start {
+            self.prev_count = if self.fixed_start + w == start { self.fixed_count } else { 0 };
+            self.fixed_count = 0;
+            self.fixed_start = start;
+        }
+        let (limit, cost) = (u64::from(spec.limit), u64::from(spec.cost));
+        let (cur, prev) = (self.fixed_count, if sliding { self.prev_count } else { 0 });
+        let weighted = prev as f64 * (w - elapsed) as f64 / w as f64;
+        let up = |x: f64| (x - EPS).ceil().max(0.0) as u64;
+        if weighted + (cur + cost) as f64 <= limit as f64 + EPS {
+            self.fixed_count += cost;
+            let keep = if sliding { 2 * w - elapsed } else { w - elapsed };
+            self.until_ms = self.until_ms.max(now_ms + keep);
+            let count = up(weighted + self.fixed_count as f64);
+            return Verdict { allowed: true, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: 0, reset_ms: keep as u32 };
+        }
+        let count = up(weighted + cur as f64);
+        let to_end = w - elapsed;
+        let (retry, reset) = if !sliding {
+            (to_end, to_end)
+        } else if limit >= cur + cost {
+            let e = w as f64 - (limit - cur - cost) as f64 * w as f64 / prev as f64;
+            ((up(e).saturating_sub(elapsed)).max(1), if cur > 0 { to_end + w } else { to_end })
+        } else {
+            let e = (w as f64 - (limit - cost) as f64 * w as f64 / cur as f64).max(0.0);
+            (to_end + up(e), to_end + w)
+        };
+        Verdict { allowed: false, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: retry as u32, reset_ms: reset as u32 }
     }
 
     /// GCRA, as src/redis/gcra.lua decides it (same rounding).
@@ -108,12 +155,19 @@ impl KeyWindow {
         let up = |x: f64| (x - EPS).ceil().max(0.0) as u32;
         if new_tat - now <= window + EPS {
             self.tat_ms = new_tat;
+            self.until_ms = new_tat.ceil() as u64;
             let count = up((new_tat - now) / t);
             return Verdict { allowed: true, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(tat - now), reset_ms: up(new_tat - now) };
         }
         let count = up((tat - now) / t);
         Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
     }
+}
+
+/// Milliseconds since the Unix epoch: fixed windows and the sliding counter
+/// align to UTC, as in Redis.
+fn wall_clock_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The per-host windows, shared by all connections of the process and kept
@@ -180,8 +234,11 @@ impl LocalStore {
             Some(w) => w,
             None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
         };
-        if algorithm == Algorithm::Gcra {
-            return Ok(w.gcra(spec, now_ms));
+        match algorithm {
+            Algorithm::Log | Algorithm::Ring => {}
+            Algorithm::Gcra => return Ok(w.gcra(spec, now_ms)),
+            Algorithm::Fixed => return Ok(w.fixed(spec, wall_clock_ms(), now_ms, false)),
+            Algorithm::SlidingCounter => return Ok(w.fixed(spec, wall_clock_ms(), now_ms, true)),
         }
         w.evict(now_ms, spec.window_ms);
         let window = spec.window_ms as u64;

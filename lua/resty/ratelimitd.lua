@@ -89,7 +89,7 @@ end
 local POLICY = { open = 0, closed = 1, ["local"] = 2 }
 -- How a limit counts (docs/ALGORITHMS.md); sent in the CHECK flags' bits
 -- 0x0F00 (the first flags byte), 0 (the log) when not chosen.
-local ALGORITHM = { log = 0, ring = 1, gcra = 2 }
+local ALGORITHM = { log = 0, ring = 1, gcra = 2, sliding_counter = 3, fixed = 4 }
 local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
 local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
 local ERROR_NAME = {

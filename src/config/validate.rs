@@ -616,7 +616,7 @@ mod tests {
         let e = parse("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"1s\"\nalgorithm = \"leaky\"\n").unwrap_err();
         let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
         assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), ["policy.algorithm"]);
-        assert!(e.to_string().contains("policy 'a': unknown algorithm 'leaky' (expected one of: log, ring, gcra"), "{e}");
+        assert!(e.to_string().contains("policy 'a': unknown algorithm 'leaky' (expected one of: log, ring, gcra, sliding_counter, fixed"), "{e}");
     }
 
     #[test]

@@ -214,6 +214,12 @@ wire_enum! {
         /// GCRA: a bucket of `limit` tokens refilled at `limit` per window,
         /// one number per key; admitted requests carry their pacing delay.
         Gcra = 2 => "gcra",
+        /// The previous fixed window weighted by its overlap plus the
+        /// current one: O(1) per key, approximate.
+        SlidingCounter = 3 => "sliding_counter",
+        /// Fixed windows aligned to multiples of the window since the epoch
+        /// (a UTC minute, hour or day): O(1) per key.
+        Fixed = 4 => "fixed",
     }
 }
 
@@ -267,6 +273,6 @@ mod tests {
         }
         assert_eq!(Algorithm::from_flags(0), Ok(Algorithm::Log));
         assert_eq!(Algorithm::from_flags(0x0F00), Err(15));
-        assert!("lgo".parse::<Algorithm>().unwrap_err().contains("log, ring, gcra"));
+        assert!("lgo".parse::<Algorithm>().unwrap_err().contains("log, ring, gcra, sliding_counter, fixed"));
     }
 }

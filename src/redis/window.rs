@@ -26,6 +26,9 @@ pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
 pub const RING_SOURCE: &str = include_str!("ring.lua");
 /// GCRA's script: same arguments and reply layout.
 pub const GCRA_SOURCE: &str = include_str!("gcra.lua");
+/// The sliding-window counter's and the fixed window's: the same again.
+pub const SLIDING_COUNTER_SOURCE: &str = include_str!("sliding_counter.lua");
+pub const FIXED_SOURCE: &str = include_str!("fixed_window.lua");
 
 /// The script of each algorithm; the link holds them in `Algorithm::ALL`
 /// order, so `Algorithm::index` names its SHA there.
@@ -34,6 +37,8 @@ const fn script_of(algorithm: Algorithm) -> &'static str {
         Algorithm::Log => SCRIPT_SOURCE,
         Algorithm::Ring => RING_SOURCE,
         Algorithm::Gcra => GCRA_SOURCE,
+        Algorithm::SlidingCounter => SLIDING_COUNTER_SOURCE,
+        Algorithm::Fixed => FIXED_SOURCE,
     }
 }
 
