@@ -6,7 +6,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-use crate::protocol::{decode_response, encode_policy_request, encode_request_with, Algorithm, CheckArgs, PolicyCheckArgs, Response, ResponseError};
+use crate::protocol::{decode_response, encode_lease_request, encode_policy_request, LeaseArgs, encode_request_with, Algorithm, CheckArgs, PolicyCheckArgs, Response, ResponseError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -59,6 +59,20 @@ impl Client {
         self.next_id = self.next_id.wrapping_add(1);
         self.wbuf.clear();
         encode_policy_request(id, args, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        let r = self.read_response().await?;
+        if r.id != id {
+            return Err(ClientError::IdMismatch { want: id, got: r.id });
+        }
+        Ok(r)
+    }
+
+    /// Sends one ACQUIRE (`op` 5) or RELEASE (`op` 6) and waits for its response.
+    pub async fn lease(&mut self, op: u8, args: &LeaseArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        self.wbuf.clear();
+        encode_lease_request(id, op, args, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;
         if r.id != id {

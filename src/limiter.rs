@@ -11,7 +11,7 @@ use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::config::PolicyLimit;
 use crate::policies::{Outcome, Policies};
-use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, PolicyCheckRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY};
+use crate::protocol::{CheckRequest, Decision, ErrorCode, FailPolicy, LeaseRequest, PolicyCheckRequest, Response, Source, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY};
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
@@ -35,6 +35,7 @@ const OVERLOADED_MESSAGE: &str = "overloaded: too many redis calls in flight; de
 pub enum Ask {
     Check(CheckRequest),
     Policy(PolicyCheckRequest),
+    Lease(LeaseRequest),
 }
 
 /// Where decisions are made.
@@ -157,6 +158,63 @@ impl Limiter {
         match req {
             Ask::Check(r) => self.decide(r).await,
             Ask::Policy(r) => self.decide_policy(r).await,
+            Ask::Lease(r) => {
+                let resp = self.decide_lease(&r).await;
+                METRICS.decided(resp.decision, resp.source, resp.error);
+                resp
+            }
+        }
+    }
+
+    /// ACQUIRE or RELEASE of a concurrency lease. Never coalesced, never
+    /// answered by the denial cache (a release frees a slot at any moment).
+    /// An ACQUIRE Redis cannot decide follows its fail policy (`local`: the
+    /// per-host leases, with `local_limit`); a RELEASE is also applied to
+    /// the per-host leases, which hold it if the fallback acquired it.
+    async fn decide_lease(&self, req: &LeaseRequest) -> Response {
+        let acquire = req.op == OP_ACQUIRE;
+        let local = |limit| {
+            if acquire {
+                self.local.acquire(&req.key, &req.lease, limit, req.lease_ms, req.cost)
+            } else {
+                Ok(self.local.release(&req.key, &req.lease))
+            }
+        };
+        let answer = |source, v: Verdict| Response { op: req.op, ..respond_id(req.id, source, v) };
+        let redis = match &self.backend {
+            Backend::Local => {
+                return match local(req.limit) {
+                    Ok(v) => answer(Source::Memory, v),
+                    Err(full) => Response { source: Source::Memory, ..Response::error(req.id, req.op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) },
+                };
+            }
+            Backend::Redis(redis) => redis,
+        };
+        match redis.lease(acquire, &req.key, &req.lease, req.limit, req.lease_ms, req.cost).await {
+            Ok(v) => {
+                if !acquire {
+                    self.local.release(&req.key, &req.lease);
+                }
+                answer(Source::Redis, v)
+            }
+            Err(e) => {
+                METRICS.fail_policy_applied(req.on_error);
+                if let Some(suppressed) = self.failure_log.permit() {
+                    tracing::warn!(error = %e, policy = ?req.on_error, key = %String::from_utf8_lossy(&req.key), suppressed, "redis failed on a concurrency lease; the request's fail policy decides");
+                }
+                let mut r = match (acquire, req.on_error) {
+                    (false, _) => answer(Source::LocalFallback, self.local.release(&req.key, &req.lease)),
+                    (true, FailPolicy::Open) => answer(Source::FailOpen, Verdict { allowed: true, remaining: req.limit, ..Verdict::default() }),
+                    (true, FailPolicy::Closed) => answer(Source::FailClosed, Verdict { retry_after_ms: req.lease_ms.min(1000), ..Verdict::default() }),
+                    (true, FailPolicy::Local) => match local(req.local_limit) {
+                        Ok(v) => answer(Source::LocalFallback, v),
+                        Err(full) => Response { source: Source::LocalFallback, ..Response::error(req.id, req.op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) },
+                    },
+                };
+                r.error = error_code(&e);
+                r.message = Cow::Owned(e.to_string());
+                r
+            }
         }
     }
 
@@ -270,8 +328,12 @@ fn outcome_of(r: &Response) -> Outcome {
 }
 
 fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
+    respond_id(req.id, source, v)
+}
+
+fn respond_id(id: u32, source: Source, v: Verdict) -> Response {
     Response {
-        id: req.id,
+        id,
         op: OP_CHECK,
         decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
         source,

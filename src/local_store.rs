@@ -179,6 +179,11 @@ pub struct LocalStore {
     keys_per_shard: usize,
     /// Origin of the store's monotonic clock: immune to wall-clock steps.
     epoch: Instant,
+    /// Concurrency leases by key: (lease id, expiry on the store's clock,
+    /// slots). One lock: leases are the memory backend's and the fallback's
+    /// only, two short operations per request.
+    leases: Mutex<HashMap<Box<[u8]>, Vec<(Box<[u8]>, u64, u32)>>>,
+    max_keys: usize,
 }
 
 /// The windows hold `max_keys` keys already, none of them idle.
@@ -194,6 +199,8 @@ impl LocalStore {
             hasher: RandomState::new(),
             keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
             epoch: Instant::now(),
+            leases: Mutex::new(HashMap::new()),
+            max_keys,
         }
     }
 
@@ -208,6 +215,49 @@ impl LocalStore {
     /// decisions); GCRA keeps one number, as in Redis.
     pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, LocalStoreFull> {
         self.check_at(spec, algorithm, self.now_ms())
+    }
+
+    /// Acquires a lease of `cost` slots on `key` for `lease_ms`, if fewer
+    /// than `limit` are held; as src/redis/concurrency.lua answers.
+    pub fn acquire(&self, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, LocalStoreFull> {
+        let now = self.now_ms();
+        let mut all = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        if !all.contains_key(key) && all.len() >= self.max_keys {
+            all.retain(|_, held| {
+                held.retain(|&(_, until, _)| until > now);
+                !held.is_empty()
+            });
+            if all.len() >= self.max_keys {
+                return Err(LocalStoreFull(self.max_keys));
+            }
+        }
+        let held = all.entry(key.into()).or_default();
+        held.retain(|&(_, until, _)| until > now);
+        let count: u32 = held.iter().map(|&(_, _, c)| c).sum();
+        if count + cost <= limit {
+            held.push((lease.into(), now + u64::from(lease_ms), cost));
+            return Ok(Verdict { allowed: true, count: count + cost, remaining: limit - count - cost, retry_after_ms: 0, reset_ms: lease_ms });
+        }
+        let left = |t: u64| (t - now) as u32;
+        let retry = held.iter().map(|&(_, t, _)| t).min().map_or(0, left);
+        let reset = held.iter().map(|&(_, t, _)| t).max().map_or(0, left);
+        Ok(Verdict { allowed: false, count, remaining: limit.saturating_sub(count), retry_after_ms: retry, reset_ms: reset })
+    }
+
+    /// Releases a lease; `allowed` says whether it was held.
+    pub fn release(&self, key: &[u8], lease: &[u8]) -> Verdict {
+        let now = self.now_ms();
+        let mut all = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(held) = all.get_mut(key) else { return Verdict::default() };
+        held.retain(|&(_, until, _)| until > now);
+        let before = held.len();
+        held.retain(|(id, _, _)| **id != *lease);
+        let released = held.len() < before;
+        let count = held.iter().map(|&(_, _, c)| c).sum();
+        if held.is_empty() {
+            all.remove(key);
+        }
+        Verdict { allowed: released, count, ..Verdict::default() }
     }
 
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
@@ -299,6 +349,10 @@ impl LocalStore {
     /// Drops keys whose every admission has left the window; returns how many.
     fn sweep_at(&self, now_ms: u64) -> usize {
         let mut removed = 0;
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, held| {
+            held.retain(|&(_, until, _)| until > now_ms);
+            !held.is_empty()
+        });
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
             let before = map.len();

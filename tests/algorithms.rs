@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{args, Daemon, RedisServer, Setup};
-use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, PolicyCheckArgs, Source};
+use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, LeaseArgs, PolicyCheckArgs, Source, OP_ACQUIRE, OP_RELEASE};
 
 fn with_cost<'a>(a: &CheckArgs<'a>, cost: u32) -> CheckArgs<'a> {
     CheckArgs { cost, ..a.clone() }
@@ -307,4 +307,116 @@ server {{
     let at_once = arrivals("/nodelay");
     let span = (at_once[at_once.len() - 1] - at_once[0]) * 1000.0;
     assert!(span < 1000.0, "nodelay: the burst reaches the upstream at once, not paced over 1900 ms: {span:.0} ms");
+}
+
+fn lease_args<'a>(key: &'a str, lease: &'a str, limit: u32, lease_ms: u32) -> LeaseArgs<'a> {
+    LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit, lease_ms, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
+}
+
+/// Concurrency leases (ACQUIRE and RELEASE, src/redis/concurrency.lua and
+/// the memory store's): at most `limit` held; a release frees its slot at
+/// once; a lease never released stops counting when it expires.
+async fn leases_hold_release_and_expire(setup: &Setup) {
+    let mut c = setup.daemon().client().await;
+    let mut got = Vec::new();
+    for lease in ["a", "b", "c"] {
+        got.push(c.lease(OP_ACQUIRE, &lease_args("conns", lease, 2, 60_000)).await.unwrap());
+    }
+    let decisions: Vec<_> = got.iter().map(|r| (r.decision, r.count)).collect();
+    assert_eq!(decisions, [(Decision::Allowed, 1), (Decision::Allowed, 2), (Decision::Denied, 2)], "{got:?}");
+    assert_eq!(got[0].source, setup.source());
+    assert!(got[2].retry_after_ms > 59_000, "until the earliest lease expires: {:?}", got[2]);
+    let r = c.lease(OP_RELEASE, &lease_args("conns", "a", 2, 60_000)).await.unwrap();
+    assert_eq!((r.decision, r.count), (Decision::Allowed, 1), "{r:?}");
+    let r = c.lease(OP_RELEASE, &lease_args("conns", "a", 2, 60_000)).await.unwrap();
+    assert_eq!(r.decision, Decision::Denied, "released already: {r:?}");
+    assert_eq!(c.lease(OP_ACQUIRE, &lease_args("conns", "d", 2, 60_000)).await.unwrap().decision, Decision::Allowed, "the released slot");
+
+    // A lost release: the lease stops counting when it expires, not before.
+    let held = c.lease(OP_ACQUIRE, &lease_args("lost", "x", 1, 400)).await.unwrap();
+    assert_eq!(held.decision, Decision::Allowed);
+    let started = std::time::Instant::now();
+    let refused = c.lease(OP_ACQUIRE, &lease_args("lost", "y", 1, 400)).await.unwrap();
+    assert_eq!(refused.decision, Decision::Denied, "{refused:?}");
+    assert!((1..=400).contains(&refused.retry_after_ms), "{refused:?}");
+    tokio::time::sleep(Duration::from_millis(u64::from(refused.retry_after_ms) + 20)).await;
+    let after = c.lease(OP_ACQUIRE, &lease_args("lost", "y", 1, 400)).await.unwrap();
+    assert_eq!(after.decision, Decision::Allowed, "expired after {:?}: {after:?}", started.elapsed());
+    let mut bad = lease_args("lost", "has space", 1, 400);
+    assert_eq!(c.lease(OP_ACQUIRE, &bad).await.unwrap().error.as_str(), "INVALID_LEASE");
+    bad.lease = b"ok";
+    bad.lease_ms = 0;
+    assert_eq!(c.lease(OP_ACQUIRE, &bad).await.unwrap().error.as_str(), "INVALID_LEASE");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_on_redis() {
+    let setup = Setup::redis();
+    leases_hold_release_and_expire(&setup).await;
+    let Setup::Redis(redis, _) = &setup else { unreachable!() };
+    let n: u64 = redis::cmd("ZCARD").arg("ratelimitd:{conns}:concurrency").query(&mut redis.conn()).unwrap();
+    assert_eq!(n, 2, "one member per lease held (b, d)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_in_memory() {
+    leases_hold_release_and_expire(&Setup::memory()).await;
+}
+
+/// Through nginx: a request holds its slot while its upstream works; the
+/// client aborts it; nginx finalizes it (499), log_by_lua releases the
+/// lease, and the next request passes at once, long before the lease
+/// (30 s) or the upstream (5 s) would have freed it.
+#[test]
+fn a_client_abort_releases_its_slot() {
+    use std::io::Write;
+    let redis = RedisServer::start_unix();
+    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
+    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let nginx = common::Nginx::start(&format!(
+        r#"{snippet}
+server {{
+    listen 127.0.0.1:{{PORT:up}};
+    location /slow {{ content_by_lua_block {{ ngx.sleep(5) ngx.say("late") }} }}
+    location /fast {{ content_by_lua_block {{ ngx.say("ok") }} }}
+}}
+server {{
+    listen 127.0.0.1:{{PORT}};
+    location / {{
+        access_by_lua_block {{
+            local conns = assert(require("resty.ratelimitd").concurrency{{ limit = 1, lease_ms = 30000 }})
+            conns:enter("tenant-1")
+        }}
+        log_by_lua_block {{ require("resty.ratelimitd").leave() }}
+        proxy_pass http://127.0.0.1:{{PORT:up}};
+    }}
+}}
+"#
+    ));
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
+
+    // The slow request, on a raw connection we can drop.
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+    let zcard = || -> u64 { redis::cmd("ZCARD").arg("ratelimitd:{tenant-1}:concurrency").query(&mut redis.conn()).unwrap() };
+    common::wait_until("the slow request holds its lease", Duration::from_secs(5), || zcard() == 1);
+    assert_eq!(status("/fast"), 429, "one in flight: the slot is taken");
+
+    slow.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(slow);
+    let aborted = std::time::Instant::now();
+    while zcard() != 0 && aborted.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let released_after = aborted.elapsed();
+    let members: Vec<String> = redis::cmd("ZRANGE").arg("ratelimitd:{tenant-1}:concurrency").arg(0).arg(-1).query(&mut redis.conn()).unwrap();
+    assert_eq!(zcard(), 0, "the aborted request's lease is released at once {members:?}\n{}\n{}", nginx.error_log(), d.log());
+    assert_eq!(status("/fast"), 200, "the slot is free again");
+    assert!(released_after < Duration::from_secs(3), "released by the abort, not by the upstream or the lease: {released_after:?}");
+    assert_eq!(zcard(), 0, "and the fast request released its own");
+    let log = nginx.error_log();
+    assert!(!log.contains("ratelimitd: release"), "{log}");
 }

@@ -45,6 +45,7 @@ local md5 = ngx.md5
 local _M = { _VERSION = "0.2.0" }
 
 local VERSION, OP_CHECK, OP_CHECK_POLICY = 1, 1, 2
+local OP_ACQUIRE, OP_RELEASE = 5, 6
 local MAX_POLICY_NAME_LEN = 31
 local UNKNOWN_POLICY = 12
 local RESPONSE_FIXED_LEN = 28
@@ -96,7 +97,7 @@ local ERROR_NAME = {
     [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
-    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [16] = "UNKNOWN_ALGORITHM", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [16] = "UNKNOWN_ALGORITHM", [17] = "INVALID_LEASE", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
     [35] = "OVERLOADED",
 }
@@ -581,10 +582,10 @@ local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 -- One request/response exchange. Returns the parsed response, or nil and an
 -- error; a socket is pooled only after a clean exchange, never after an error
 -- or a timeout. `key` is the wire key, `cost` already checked.
-local function exchange(self, key, cost)
+local function exchange(self, key, cost, lease_op, lease)
     local n = #key
     local policy = self._policy
-    local len = policy and 21 + self._name_len + n or 28 + n
+    local len = lease_op and 29 + n + #lease or policy and 21 + self._name_len + n or 28 + n
     local id = next_id()
     -- Per request only the length, the id, the cost and the key are encoded:
     -- length, version, op and id in one string, then the limiter's constant
@@ -593,10 +594,14 @@ local function exchange(self, key, cost)
     -- measured no cheaper than LuaJIT's concatenation (docs/NGINX.md, section 4).
     local frame
     local head = char(band(rshift(len, 24), 255), band(rshift(len, 16), 255), band(rshift(len, 8), 255), band(len, 255),
-                      VERSION, policy and OP_CHECK_POLICY or OP_CHECK,
+                      VERSION, lease_op or (policy and OP_CHECK_POLICY or OP_CHECK),
                       band(rshift(id, 24), 255), band(rshift(id, 16), 255), band(rshift(id, 8), 255), band(id, 255))
     local key_len = char(band(rshift(n, 8), 255), band(n, 255))
-    if policy then
+    if lease_op then
+        -- ACQUIRE / RELEASE (PROTOCOL.md section 4c): CHECK's fields (the
+        -- lease length as window_ms), then the lease id's length, key, id.
+        frame = head .. self._before_cost .. u32(cost) .. self._after_cost .. key_len .. char(#lease) .. key .. lease
+    elseif policy then
         -- CHECK_POLICY, one item: cost, key_len, name_len, name, key.
         if cost == 1 then
             frame = head .. self._cost_one .. key_len .. self._name_part .. key
@@ -738,6 +743,9 @@ end
 -- One decision: from the denial cache, else from the daemon. `key` is the
 -- wire key, `cost` already checked.
 local function decide(self, key, cost)
+    if self._concurrency then
+        return exchange(self, key, cost, OP_ACQUIRE, ngx.ctx.ratelimitd_lease)
+    end
     local on = self._denial_cache
     if on == nil then
         on = config.denial_cache
@@ -1005,6 +1013,108 @@ end
 function _M.limit(opts)
     local on_error, algorithm = check_opts(opts, 3)
     return enforce(cached_limiter(opts, on_error, algorithm), opts, wire_key(opts.key), opts.cost or 1)
+end
+
+-- Concurrency limits (docs/ALGORITHMS.md, "Concurrency"): at most `limit`
+-- requests in flight per key across every host.
+--
+--   init_by_lua_block    { conns = assert(require("resty.ratelimitd").concurrency{ limit = 10, lease_ms = 60000 }) }
+--   access_by_lua_block  { conns:enter(ngx.var.http_x_tenant_id) }
+--   log_by_lua_block     { require("resty.ratelimitd").leave() }
+--
+-- enter() acquires a lease named by $request_id (refused: 429, as limit());
+-- leave(), in the log phase, which runs for every request, aborted ones
+-- included, releases the request's leases from a timer (cosockets are not
+-- available in the log phase). A lease never released (nginx killed, the
+-- daemon unreachable then) stops counting lease_ms after it was taken.
+local CONCURRENCY_OPTIONS = {
+    limit = true, lease_ms = true, on_error = true, local_limit = true, status = true,
+    fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
+}
+
+function _M.concurrency(opts)
+    if type(opts) ~= "table" or opts == _M then
+        error("concurrency: expects a table of options", 2)
+    end
+    for k in pairs(opts) do
+        if not CONCURRENCY_OPTIONS[k] then
+            return nil, "concurrency: unknown option '" .. tostring(k) .. "'"
+        end
+    end
+    if not positive_int(opts.limit, 4294967295) then
+        return nil, "concurrency: limit must be a positive integer"
+    end
+    if not positive_int(opts.lease_ms, 4294967295) then
+        return nil, "concurrency: lease_ms must be a positive integer (how long a lease never released holds its slot)"
+    end
+    local on_error, err = policy_options(opts)
+    if not on_error then
+        return nil, "concurrency: " .. err
+    end
+    local lim = build(opts.limit, opts.lease_ms, on_error, opts.local_limit, "log")
+    lim._concurrency = true
+    lim.status = opts.status
+    lim.fail_closed_status = opts.fail_closed_status
+    lim.invalid_status = opts.invalid_status
+    lim.headers = opts.headers
+    lim.header_style = opts.header_style
+    lim.dry_run = opts.dry_run
+    return lim
+end
+
+-- Sources under which the daemon holds a lease to give back.
+local LEASED = { redis = true, memory = true, ["local"] = true }
+
+--- For access_by_lua*: acquires a slot of a concurrency limiter for this
+-- request, or ends it as limit() does. Returns the decision table.
+function Limiter.enter(self, key, cost)
+    if type(self) ~= "table" or not self._concurrency then
+        error("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)", 2)
+    end
+    cost = call_args(self, key, cost)
+    local wkey = wire_key(key)
+    -- The lease is named by nginx's $request_id (random, 32 hex digits),
+    -- read once: unless the configuration indexes $request_id, each read
+    -- of ngx.var.request_id makes a new one.
+    local ctx = ngx.ctx
+    if not ctx.ratelimitd_lease then
+        ctx.ratelimitd_lease = ngx.var.request_id
+    end
+    local res = enforce(self, self, wkey, cost)
+    if res and res.allowed and LEASED[res.source] then
+        local held = ctx.ratelimitd_leases
+        if not held then
+            held = {}
+            ctx.ratelimitd_leases = held
+        end
+        held[#held + 1] = { self, wkey, cost }
+    end
+    return res
+end
+
+local function release_all(premature, held, lease)
+    for _, h in ipairs(held) do
+        local res, err = exchange(h[1], h[2], h[3], OP_RELEASE, lease)
+        if not res then
+            log_failure("release", h[2], tostring(err) .. " (the lease expires after lease_ms)")
+        elseif res.decision == "error" then
+            log_failure("release", h[2], res.error .. ": " .. res.message)
+        end
+    end
+end
+
+--- For log_by_lua*: releases every lease enter() took for this request.
+function _M.leave()
+    local ctx = ngx.ctx
+    local held = ctx.ratelimitd_leases
+    if not held then
+        return
+    end
+    ctx.ratelimitd_leases = nil
+    local ok, err = ngx.timer.at(0, release_all, held, ctx.ratelimitd_lease)
+    if not ok then
+        log_failure("release", held[1][2], "timer: " .. tostring(err) .. " (the lease expires after lease_ms)")
+    end
 end
 
 return _M

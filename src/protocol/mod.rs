@@ -15,6 +15,6 @@ mod request;
 mod response;
 mod wire;
 
-pub use request::{encode_policy_request, encode_request, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, PolicyCheckArgs, PolicyCheckRequest, RequestCodec};
+pub use request::{encode_lease_request, encode_policy_request, encode_request, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, LeaseArgs, LeaseRequest, PolicyCheckArgs, PolicyCheckRequest, RequestCodec};
 pub use response::{decode_response, encode_response, Response, ResponseError};
-pub use wire::{Algorithm, Decision, ErrorCode, FailPolicy, Source, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_MESSAGE_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, RESPONSE_FIXED_LEN, VERSION};
+pub use wire::{Algorithm, Decision, ErrorCode, FailPolicy, Source, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_MESSAGE_LEN, MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, RESPONSE_FIXED_LEN, VERSION};

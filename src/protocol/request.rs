@@ -9,7 +9,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
 use super::wire::{
-    be32, Algorithm, ErrorCode, ALGORITHM_FLAGS, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, VERSION,
+    be32, Algorithm, ErrorCode, ALGORITHM_FLAGS, LEASE_HEADER_LEN, MAX_LEASE_ID_LEN, OP_ACQUIRE, OP_RELEASE, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN, VERSION,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -88,10 +88,41 @@ pub struct PolicyCheckArgs<'a> {
     pub local_limit: u32,
 }
 
+/// One validated ACQUIRE or RELEASE of a concurrency lease (section 4c).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRequest {
+    pub id: u32,
+    /// `OP_ACQUIRE` or `OP_RELEASE`.
+    pub op: u8,
+    pub on_error: FailPolicy,
+    /// Requests in flight at most (ACQUIRE).
+    pub limit: u32,
+    /// How long a lease holds its slots if never released (ACQUIRE).
+    pub lease_ms: u32,
+    pub cost: u32,
+    pub local_limit: u32,
+    pub key: Bytes,
+    /// The client's name for this lease: unique among the key's leases.
+    pub lease: Bytes,
+}
+
+/// An ACQUIRE or RELEASE as the client builds it (no validation).
+#[derive(Clone, Debug)]
+pub struct LeaseArgs<'a> {
+    pub key: &'a [u8],
+    pub lease: &'a [u8],
+    pub limit: u32,
+    pub lease_ms: u32,
+    pub cost: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+}
+
 /// What the decoder yields for each complete frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
     Check(CheckRequest),
+    Lease(LeaseRequest),
     PolicyCheck(PolicyCheckRequest),
     /// The frame was read whole but is not a valid request; the stream is in sync.
     Invalid { id: u32, op: u8, code: ErrorCode, message: Cow<'static, str> },
@@ -176,6 +207,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     }
     if op == OP_CHECK_POLICY {
         return parse_policy_check(body, id, bounds);
+    }
+    if op == OP_ACQUIRE || op == OP_RELEASE {
+        return parse_lease(body, op, id, bounds);
     }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
@@ -280,6 +314,78 @@ fn parse_policy_check(mut body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     let name = scoped_key.slice(1..1 + name_len);
     let key = scoped_key.slice(1 + name_len..);
     Inbound::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key })
+}
+
+/// The rest of `parse_request` for ops 5 and 6 (docs/PROTOCOL.md, section
+/// 4c, in its validation order). RELEASE is checked as ACQUIRE is: a client
+/// sends the same fields to release as it sent to acquire.
+fn parse_lease(mut body: Bytes, op: u8, id: u32, bounds: &Bounds) -> Inbound {
+    if body.len() < LEASE_HEADER_LEN {
+        return invalid(id, op, ErrorCode::Malformed, format!("lease body of {} bytes is shorter than the {LEASE_HEADER_LEN} fixed bytes", body.len()));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported for op {op}"));
+    }
+    let Some(on_error) = FailPolicy::from_wire(body[8]) else {
+        return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
+    };
+    if body[9] != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} limits in one request; exactly 1", body[9]));
+    }
+    let (limit, lease_ms, cost, local_limit) = (be32(&body, 10), be32(&body, 14), be32(&body, 18), be32(&body, 22));
+    let key_len = u16::from_be_bytes([body[26], body[27]]) as usize;
+    let lease_len = body[28] as usize;
+    if body.len() != LEASE_HEADER_LEN + key_len + lease_len {
+        return invalid(id, op, ErrorCode::Malformed, format!("key length {key_len} and lease length {lease_len} do not match the {} bytes left in the frame", body.len() - LEASE_HEADER_LEN));
+    }
+    let key_at = LEASE_HEADER_LEN;
+    if key_len == 0 || key_len > bounds.max_key_len {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key length {key_len} is outside 1..={}", bounds.max_key_len));
+    }
+    if let Some(pos) = body[key_at..key_at + key_len].iter().position(|&b| b < 0x20 || b == 0x7f) {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key byte {pos} is a control character"));
+    }
+    let lease_at = key_at + key_len;
+    if lease_len == 0 || lease_len > MAX_LEASE_ID_LEN || body[lease_at..].iter().any(|&b| b <= 0x20 || b == 0x7f || b == b'#') {
+        return invalid(id, op, ErrorCode::InvalidLease, format!("lease id of {lease_len} bytes is not 1..={MAX_LEASE_ID_LEN} printable bytes without spaces or '#'"));
+    }
+    if limit == 0 || limit > bounds.max_limit {
+        return invalid(id, op, ErrorCode::InvalidLimit, format!("limit {limit} is outside 1..={}", bounds.max_limit));
+    }
+    if lease_ms == 0 || lease_ms > bounds.max_window_ms {
+        return invalid(id, op, ErrorCode::InvalidLease, format!("lease length {lease_ms} ms is outside 1..={} ms", bounds.max_window_ms));
+    }
+    if cost == 0 || cost > limit || cost > bounds.max_cost {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost));
+    }
+    if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
+    }
+    body.advance(key_at);
+    let lease = body.split_off(key_len);
+    Inbound::Lease(LeaseRequest { id, op, on_error, limit, lease_ms, cost, local_limit, key: body, lease })
+}
+
+/// Appends one ACQUIRE (`op` 5) or RELEASE (`op` 6) frame to `dst`.
+pub fn encode_lease_request(id: u32, op: u8, a: &LeaseArgs<'_>, dst: &mut BytesMut) {
+    let body_len = LEASE_HEADER_LEN + a.key.len() + a.lease.len();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(op);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(a.on_error.to_wire());
+    dst.put_u8(1);
+    dst.put_u32(a.limit);
+    dst.put_u32(a.lease_ms);
+    dst.put_u32(a.cost);
+    dst.put_u32(a.local_limit);
+    dst.put_u16(a.key.len() as u16);
+    dst.put_u8(a.lease.len() as u8);
+    dst.put_slice(a.key);
+    dst.put_slice(a.lease);
 }
 
 /// Appends one check-policy request frame (one item) to `dst`.

@@ -12,6 +12,14 @@ pub const VERSION: u8 = 1;
 pub const OP_CHECK: u8 = 1;
 /// Op code of a check of named policies from the daemon's configuration.
 pub const OP_CHECK_POLICY: u8 = 2;
+/// Op code of acquiring a concurrency lease (docs/PROTOCOL.md, section 4c).
+pub const OP_ACQUIRE: u8 = 5;
+/// Op code of releasing one; same layout.
+pub const OP_RELEASE: u8 = 6;
+/// Bytes of an ACQUIRE or RELEASE body before its key and lease id.
+pub const LEASE_HEADER_LEN: usize = 29;
+/// Longest lease id.
+pub const MAX_LEASE_ID_LEN: usize = 64;
 /// Bytes of a CHECK_POLICY body before its first item: version, op, id,
 /// flags, fail policy, item count, local limit.
 pub const POLICY_HEADER_LEN: usize = 14;
@@ -190,6 +198,9 @@ wire_enum! {
         UnknownPolicy = 12 => "UNKNOWN_POLICY",
         /// The CHECK's algorithm bits name no algorithm this daemon has.
         UnknownAlgorithm = 16 => "UNKNOWN_ALGORITHM",
+        /// ACQUIRE or RELEASE with a lease id empty, too long or with a
+        /// control byte, or a lease length outside 1..=max_window_ms.
+        InvalidLease = 17 => "INVALID_LEASE",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",

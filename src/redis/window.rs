@@ -28,6 +28,8 @@ pub const RING_SOURCE: &str = include_str!("ring.lua");
 pub const GCRA_SOURCE: &str = include_str!("gcra.lua");
 /// The sliding-window counter's and the fixed window's: the same again.
 pub const SLIDING_COUNTER_SOURCE: &str = include_str!("sliding_counter.lua");
+/// Concurrency leases (ACQUIRE and RELEASE): a script of their own.
+pub const CONCURRENCY_SOURCE: &str = include_str!("concurrency.lua");
 pub const FIXED_SOURCE: &str = include_str!("fixed_window.lua");
 
 /// The script of each algorithm; the link holds them in `Algorithm::ALL`
@@ -118,6 +120,18 @@ impl WindowKey<'_> {
     }
 }
 
+/// The Redis key of a key's concurrency leases: the stem, then
+/// `:concurrency` (src/redis/concurrency.lua).
+#[derive(Clone, Copy, Debug)]
+struct LeaseKey<'a>(WindowKey<'a>);
+
+impl ToRedisArgs for LeaseKey<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut w = out.writer_for_next_arg();
+        let _ = self.0.write_stem(&mut w).and_then(|()| w.write_all(b":concurrency"));
+    }
+}
+
 impl ToRedisArgs for WindowKey<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
         let _ = self.write_into(&mut out.writer_for_next_arg());
@@ -171,7 +185,8 @@ impl RedisWindow {
         let instance = instance_id()?;
         let script = Script::new(SCRIPT_SOURCE);
         let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
-        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).collect();
+        // The algorithms' scripts in `Algorithm::ALL` order, then the leases'.
+        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([CONCURRENCY_SOURCE]).collect();
         Ok(Arc::new(Self {
             link: RedisLink::start(connector, &sources, probe, LinkSettings::from(cfg), shutdown),
             key_prefix: cfg.key_prefix.as_bytes().into(),
@@ -297,6 +312,27 @@ impl RedisWindow {
             .arg(member)
             .arg(spec.limit)
             .arg(spec.cost);
+        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
+    }
+
+    /// Acquires (`acquire`) or releases a concurrency lease, in a call of
+    /// its own: no coalescing (each lease is a member of its own), and the
+    /// caller keeps the denial cache out (a release frees a slot at any
+    /// time). The reply is a verdict: see src/redis/concurrency.lua.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn lease(&self, acquire: bool, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, StoreError> {
+        let mut cmd = redis::Cmd::with_capacity(10, 128 + self.key_prefix.len() + key.len() + lease.len());
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(Algorithm::ALL.len()))
+            .arg(1)
+            .arg(LeaseKey(self.window_key(key, 0, Algorithm::Log)))
+            .arg(if acquire { "acquire" } else { "release" })
+            .arg(self.now_arg())
+            .arg(lease)
+            .arg(limit)
+            .arg(lease_ms)
+            .arg(cost);
         let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
         Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
     }
