@@ -420,3 +420,39 @@ server {{
     let log = nginx.error_log();
     assert!(!log.contains("ratelimitd: release"), "{log}");
 }
+
+/// Every algorithm and the leases on a real Redis Cluster (six nodes), with
+/// `SCRIPT FLUSH` on every primary first: each node that lost the scripts
+/// gets the right script's EVAL on NOSCRIPT, per algorithm, and every
+/// request is decided by Redis as on a single Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_algorithm_on_a_cluster_after_script_flush() {
+    let cluster = common::redis_cluster::RedisCluster::start();
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\ncluster = [{}]\ntimeout_ms = 1000\n", seeds.join(", ")));
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args("warm", 10, 60_000)).await.unwrap().source, Source::Redis);
+    for p in cluster.primaries() {
+        assert_eq!(cluster.cli(p, &["SCRIPT", "FLUSH"]).trim(), "OK");
+    }
+    for &algorithm in Algorithm::ALL {
+        // Keys over several slots, so every primary sees each script.
+        for k in 0..6 {
+            let key = format!("{algorithm}-{k}");
+            let mut allowed = 0;
+            for _ in 0..4 {
+                let r = c.check_with(&args(&key, 3, 60_000), algorithm).await.unwrap();
+                assert!(matches!(r.source, Source::Redis | Source::DenialCache), "{algorithm}: {r:?}");
+                allowed += u32::from(r.decision == Decision::Allowed);
+            }
+            assert_eq!(allowed, 3, "{algorithm} {key}");
+        }
+    }
+    for k in 0..6 {
+        let key = format!("conns-{k}");
+        let a = c.lease(OP_ACQUIRE, &lease_args(&key, "l1", 1, 60_000)).await.unwrap();
+        let b = c.lease(OP_ACQUIRE, &lease_args(&key, "l2", 1, 60_000)).await.unwrap();
+        let r = c.lease(OP_RELEASE, &lease_args(&key, "l1", 1, 60_000)).await.unwrap();
+        assert_eq!((a.decision, b.decision, r.decision, a.source), (Decision::Allowed, Decision::Denied, Decision::Allowed, Source::Redis), "{key}");
+    }
+}
