@@ -170,6 +170,9 @@ fn wall_clock_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// A lease held: its id, when it expires on the store's clock, its slots.
+type Lease = (Box<[u8]>, u64, u32);
+
 /// The per-host windows, shared by all connections of the process and kept
 /// across configuration reloads, so that a reload forgets no admission.
 #[derive(Debug)]
@@ -182,7 +185,7 @@ pub struct LocalStore {
     /// Concurrency leases by key: (lease id, expiry on the store's clock,
     /// slots). One lock: leases are the memory backend's and the fallback's
     /// only, two short operations per request.
-    leases: Mutex<HashMap<Box<[u8]>, Vec<(Box<[u8]>, u64, u32)>>>,
+    leases: Mutex<HashMap<Box<[u8]>, Vec<Lease>>>,
     max_keys: usize,
 }
 

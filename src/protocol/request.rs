@@ -497,6 +497,30 @@ mod tests {
         assert_eq!(with_flags(0x10, 0), ErrorCode::UnsupportedFlags);
     }
 
+    #[test]
+    fn lease_frames_round_trip_and_bad_leases_get_their_code() {
+        let a = LeaseArgs { key: b"t1", lease: b"0123abcd", limit: 10, lease_ms: 30_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+        for op in [OP_ACQUIRE, OP_RELEASE] {
+            let mut buf = BytesMut::new();
+            encode_lease_request(3, op, &a, &mut buf);
+            match decode_one(&buf) {
+                Inbound::Lease(l) => assert_eq!((l.op, l.limit, l.lease_ms, &l.key[..], &l.lease[..]), (op, 10, 30_000, &b"t1"[..], &b"0123abcd"[..])),
+                other => panic!("{other:?}"),
+            }
+        }
+        let code = |a: &LeaseArgs<'_>| {
+            let mut buf = BytesMut::new();
+            encode_lease_request(3, OP_ACQUIRE, a, &mut buf);
+            code_of(decode_one(&buf))
+        };
+        assert_eq!(code(&LeaseArgs { lease: b"", ..a.clone() }), ErrorCode::InvalidLease);
+        assert_eq!(code(&LeaseArgs { lease: b"a#2", ..a.clone() }), ErrorCode::InvalidLease, "'#' names a lease's further slots");
+        assert_eq!(code(&LeaseArgs { lease: &[b'x'; 65], ..a.clone() }), ErrorCode::InvalidLease);
+        assert_eq!(code(&LeaseArgs { lease_ms: 0, ..a.clone() }), ErrorCode::InvalidLease);
+        assert_eq!(code(&LeaseArgs { cost: 11, ..a.clone() }), ErrorCode::InvalidCost);
+        assert_eq!(code(&LeaseArgs { key: b"", ..a.clone() }), ErrorCode::InvalidKey);
+    }
+
     fn policy_args<'a>(policy: &'a [u8], key: &'a [u8]) -> PolicyCheckArgs<'a> {
         PolicyCheckArgs { policy, key, cost: 1, on_error: FailPolicy::Open, local_limit: 0 }
     }
@@ -681,6 +705,7 @@ mod tests {
                             Some(Inbound::Invalid { code, .. }) => prop_assert!((code as u16) < 20),
                             Some(Inbound::Check(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
                             Some(Inbound::PolicyCheck(c)) => prop_assert!(!c.key.is_empty() && !c.name.is_empty()),
+                            Some(Inbound::Lease(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
                             None => break,
                         }
                     }
@@ -718,6 +743,7 @@ mod tests {
                     }
                     Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
                     Inbound::PolicyCheck(_) => prop_assert!(false, "a CHECK decoded as CHECK_POLICY"),
+                    Inbound::Lease(_) => prop_assert!(false, "a CHECK decoded as a lease"),
                 }
             }
         }

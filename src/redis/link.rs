@@ -593,7 +593,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                     up_since = Some(Instant::now());
                 }
                 if !was_open {
-                    tracing::debug!(sha, scripts = link.scripts.len(), "scripts reloaded");
+                    tracing::debug!(sha, scripts = link.scripts.len(), "every script reloaded");
                 } else if let Some(suppressed) = link.up_log.permit() {
                     tracing::info!(redis = %target, sha, scripts = link.scripts.len(), after_failures = failures, closed_before = suppressed, "redis link up; script loaded; breaker closed");
                 }

@@ -236,12 +236,12 @@ impl RedisWindow {
     pub async fn check(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, StoreError> {
         let fp = self.in_flight.fingerprint(spec.key, spec.window_ms, algorithm);
         match self.in_flight.join(fp, spec.key, spec.window_ms, algorithm, spec.limit, spec.cost) {
-            Join::Alone => self.check_at(spec, algorithm, self.now_arg()).await,
+            Join::Alone => self.check_at_with(spec, algorithm, self.now_arg()).await,
             Join::Lead => {
                 // Dropped with the future too (a client gone mid-call), so
                 // the requests queued behind this call are always sent.
                 let _lead = Lead { window: self, fp };
-                self.check_at(spec, algorithm, self.now_arg()).await
+                self.check_at_with(spec, algorithm, self.now_arg()).await
             }
             Join::Wait(rx) => {
                 let limit = self.link.timeout();
@@ -284,7 +284,7 @@ impl RedisWindow {
         }
         METRICS.coalesced(waiters.len() as u64);
         let asks: Vec<BatchAsk> = waiters.iter().map(|w| BatchAsk { limit: w.limit, cost: w.cost }).collect();
-        match self.check_batch_at(key, window_ms, algorithm, &asks, self.now_arg()).await {
+        match self.check_batch_at_with(key, window_ms, algorithm, &asks, self.now_arg()).await {
             Ok(verdicts) => {
                 for (w, v) in waiters.into_iter().zip(verdicts) {
                     let _ = w.tx.send(Ok(v));
@@ -300,7 +300,12 @@ impl RedisWindow {
 
     /// Decides one request at `now_ms` (0 = Redis `TIME`), in a call of its
     /// own.
-    pub async fn check_at(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64) -> Result<Verdict, StoreError> {
+    pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
+        self.check_at_with(spec, Algorithm::Log, now_ms).await
+    }
+
+    /// `check_at` counted by `algorithm`.
+    pub async fn check_at_with(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64) -> Result<Verdict, StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let mut cmd = redis::Cmd::with_capacity(9, 96 + self.key_prefix.len() + spec.key.len());
         cmd.arg("EVALSHA")
@@ -320,7 +325,6 @@ impl RedisWindow {
     /// its own: no coalescing (each lease is a member of its own), and the
     /// caller keeps the denial cache out (a release frees a slot at any
     /// time). The reply is a verdict: see src/redis/concurrency.lua.
-    #[allow(clippy::too_many_arguments)]
     pub async fn lease(&self, acquire: bool, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, StoreError> {
         let mut cmd = redis::Cmd::with_capacity(10, 128 + self.key_prefix.len() + key.len() + lease.len());
         cmd.arg("EVALSHA")
@@ -339,7 +343,12 @@ impl RedisWindow {
 
     /// Decides `asks` in one call, in order, each exactly as a call of its
     /// own at the same instant would (`now_ms`: 0 = Redis `TIME`).
-    pub async fn check_batch_at(&self, key: &[u8], window_ms: u32, algorithm: Algorithm, asks: &[BatchAsk], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
+    pub async fn check_batch_at(&self, key: &[u8], window_ms: u32, asks: &[BatchAsk], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
+        self.check_batch_at_with(key, window_ms, Algorithm::Log, asks, now_ms).await
+    }
+
+    /// `check_batch_at` counted by `algorithm`.
+    pub async fn check_batch_at_with(&self, key: &[u8], window_ms: u32, algorithm: Algorithm, asks: &[BatchAsk], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let mut cmd = redis::Cmd::with_capacity(7 + 2 * asks.len(), 96 + self.key_prefix.len() + key.len() + 16 * asks.len());
         cmd.arg("EVALSHA").arg(self.link.script_sha(algorithm.index())).arg(1).arg(self.window_key(key, window_ms, algorithm)).arg(window_ms).arg(now_ms).arg(member);
