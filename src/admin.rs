@@ -108,7 +108,8 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, windo
             }
             out.push(match algorithm {
                 Algorithm::Gcra => inspect_gcra(redis_key, w, &bytes, now_ms, ttl_ms),
-                _ => inspect_ring(redis_key, w, &bytes, now_ms, ttl_ms),
+                Algorithm::Fixed | Algorithm::SlidingCounter => inspect_counter(redis_key, w, algorithm, &bytes, ttl_ms),
+                Algorithm::Ring | Algorithm::Log => inspect_ring(redis_key, w, &bytes, now_ms, ttl_ms),
             });
             continue;
         }
@@ -149,6 +150,23 @@ fn inspect_gcra(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
         in_window: busy,
         oldest_age_ms: None,
         newest_age_ms: tat.map(|t| now_ms - t),
+        ttl_ms,
+    }
+}
+
+/// A fixed window or sliding counter ("<window start> <count>[ <previous
+/// count>]", src/redis/fixed_window.lua, sliding_counter.lua): members and
+/// in_window are the current fixed window's count.
+fn inspect_counter(redis_key: Vec<u8>, window_ms: u32, algorithm: Algorithm, bytes: &[u8], ttl_ms: i64) -> Inspection {
+    let count = std::str::from_utf8(bytes).ok().and_then(|s| s.split(' ').nth(1)).and_then(|c| c.parse::<u64>().ok()).unwrap_or(0);
+    Inspection {
+        redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
+        window_ms,
+        algorithm: algorithm.as_str(),
+        members: count,
+        in_window: count,
+        oldest_age_ms: None,
+        newest_age_ms: None,
         ttl_ms,
     }
 }

@@ -187,6 +187,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 println!("key:          {}", i.redis_key);
                 println!("window:       {} ms", i.window_ms);
+                println!("algorithm:    {}", i.algorithm);
                 println!("admissions:   {}", i.members);
                 println!("in window:    {}", i.in_window);
                 let age = |a: Option<i64>| a.map_or("-".to_string(), |ms| format!("{ms} ms ago"));

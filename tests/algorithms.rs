@@ -456,3 +456,28 @@ async fn every_algorithm_on_a_cluster_after_script_flush() {
         assert_eq!((a.decision, b.decision, r.decision, a.source), (Decision::Allowed, Decision::Denied, Decision::Allowed, Source::Redis), "{key}");
     }
 }
+
+/// `ratelimitd inspect` and `reset` see every algorithm's key of a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_and_reset_see_every_algorithm() {
+    let redis = RedisServer::start_unix();
+    let d = Daemon::start(Some(&redis.url()), "timeout_ms = 500");
+    let mut c = d.client().await;
+    for &algorithm in Algorithm::ALL {
+        for _ in 0..2 {
+            assert_eq!(c.check_with(&args("t1", 10, 60_000), algorithm).await.unwrap().decision, Decision::Allowed);
+        }
+    }
+    let bin = env!("CARGO_BIN_EXE_ratelimitd");
+    let out = std::process::Command::new(bin).args(["inspect", "--config"]).arg(&d.config).args(["--key", "t1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let seen: Vec<(String, u64)> = all.as_array().unwrap().iter().map(|w| (w["algorithm"].as_str().unwrap().to_string(), w["in_window"].as_u64().unwrap())).collect();
+    let expected: Vec<(String, u64)> = [("log", 2), ("ring", 2), ("gcra", 1), ("sliding_counter", 2), ("fixed", 2)].iter().map(|(a, n)| (a.to_string(), *n)).collect();
+    assert_eq!(seen, expected, "{all}");
+    let out = std::process::Command::new(bin).args(["reset", "--config"]).arg(&d.config).args(["--key", "t1", "--window-ms", "60000"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 5, "{}", String::from_utf8_lossy(&out.stdout));
+    for &algorithm in Algorithm::ALL {
+        assert_eq!(c.check_with(&args("t1", 10, 60_000), algorithm).await.unwrap().count, 1, "{algorithm}: whole again");
+    }
+}
