@@ -294,9 +294,12 @@ server {{
     assert!(statuses.iter().all(|&s| s == 200), "paced, not refused: {statuses:?}\n{}", nginx.error_log());
     let paced = arrivals("/paced");
     assert_eq!(paced.len(), 20);
+    // Arrival j is at least j * 100 ms after the first decision; the first
+    // arrival is that decision plus its own trip to the upstream (a few ms,
+    // more on a loaded machine): 60 ms of slack for it.
     for (i, t) in paced.iter().enumerate() {
         let after_ms = (t - paced[0]) * 1000.0;
-        assert!(after_ms >= 100.0 * i as f64 - 30.0, "arrival {i} only {after_ms:.0} ms after the first: {paced:?}");
+        assert!(after_ms >= 100.0 * i as f64 - 60.0, "arrival {i} only {after_ms:.0} ms after the first: {paced:?}");
     }
     let span = (paced[19] - paced[0]) * 1000.0;
     assert!(span < 6000.0, "paced at the rate, not slower: {span:.0} ms");
