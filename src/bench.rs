@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::client::{Client, ClientError};
-use crate::protocol::{decode_response, encode_request, CheckArgs, Decision, ErrorCode, FailPolicy, Response, Source};
+use crate::protocol::{decode_response, encode_request_with, Algorithm, CheckArgs, Decision, ErrorCode, FailPolicy, Response, Source};
 
 #[derive(Debug, Clone)]
 pub struct BenchArgs {
@@ -32,6 +32,8 @@ pub struct BenchArgs {
     pub cost: u32,
     pub on_error: FailPolicy,
     pub local_limit: u32,
+    /// How the limit counts (docs/ALGORITHMS.md).
+    pub algorithm: Algorithm,
     pub requests: u64,
     pub concurrency: usize,
     /// Requests in flight on each connection (at most; 1: one at a time).
@@ -48,6 +50,7 @@ impl BenchArgs {
     pub fn new(socket: PathBuf, key: &str, limit: u32, window_ms: u32, requests: u64, concurrency: usize) -> Self {
         Self {
             socket,
+            algorithm: Algorithm::Log,
             key: key.to_string(),
             limit,
             window_ms,
@@ -196,7 +199,7 @@ async fn pipelined(mut stream: UnixStream, conn: usize, conns: usize, args: Arc<
                 let _ = write!(key, ":{conn}:{sent}");
             }
             let check = CheckArgs { key: key.as_bytes(), limit: args.limit, window_ms: args.window_ms, cost: args.cost, on_error: args.on_error, local_limit: args.local_limit };
-            encode_request(next_id, &check, &mut wbuf);
+            encode_request_with(next_id, &check, args.algorithm, &mut wbuf);
             sent_at[next_id as usize % SENT_SLOTS] = now;
             next_id = next_id.wrapping_add(1).max(1);
             in_flight += 1;
@@ -251,7 +254,7 @@ async fn run_one_at_a_time(args: BenchArgs) -> Result<BenchReport, ClientError> 
             let mut t = WorkerTally { latencies_us: Vec::with_capacity((args.requests as usize / concurrency) + 1), ..Default::default() };
             while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
                 let sent = Instant::now();
-                let r = client.check(&check).await?;
+                let r = client.check_with(&check, args.algorithm).await?;
                 t.count(&r, sent.elapsed());
                 t.sending = sent - start;
             }

@@ -7,7 +7,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    decode_response, encode_multi_request, encode_policy_request, encode_refund, encode_request, CheckArgs, FailPolicy, ItemArgs, PolicyCheckArgs, Response, ResponseError, HANDLE_LEN,
+    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, Response,
+    ResponseError, HANDLE_LEN,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -36,12 +37,17 @@ impl Client {
         Ok(Self { stream: UnixStream::connect(path).await?, rbuf: BytesMut::with_capacity(1024), wbuf: BytesMut::with_capacity(1024), next_id: 1 })
     }
 
-    /// Sends one check and waits for its response.
+    /// Sends one check (the log algorithm) and waits for its response.
     pub async fn check(&mut self, args: &CheckArgs<'_>) -> Result<Response, ClientError> {
+        self.check_with(args, Algorithm::Log).await
+    }
+
+    /// Sends one check counted by `algorithm` and waits for its response.
+    pub async fn check_with(&mut self, args: &CheckArgs<'_>, algorithm: Algorithm) -> Result<Response, ClientError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
         self.wbuf.clear();
-        encode_request(id, args, &mut self.wbuf);
+        encode_request_with(id, args, algorithm, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;
         if r.id != id {
@@ -62,6 +68,13 @@ impl Client {
             return Err(ClientError::IdMismatch { want: id, got: r.id });
         }
         Ok(r)
+    }
+
+    /// Sends one ACQUIRE (`op` 5) or RELEASE (`op` 6) and waits for its response.
+    pub async fn lease(&mut self, op: u8, args: &LeaseArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_lease_request(id, op, args, &mut self.wbuf);
+        self.round_trip(id).await
     }
 
     /// Sends one CHECK_POLICY of several items (or one refundable) and

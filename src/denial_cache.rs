@@ -31,6 +31,7 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::DenialCacheConfig;
+use crate::protocol::Algorithm;
 use crate::window::{LimitSpec, Verdict};
 
 const MS: u64 = 1_000_000;
@@ -140,6 +141,21 @@ pub enum Lookup {
     Miss(Ticket),
 }
 
+/// Whether a refusal by `algorithm` stays true, for every request of the
+/// same key, limit and window at no smaller cost, until its retry-after:
+/// the argument of the module doc. The ring decides exactly as the log
+/// (src/redis/ring.lua; its retry-after names the same admission). GCRA's
+/// state only moves on admissions and a larger cost needs more tokens, so
+/// its refusals hold as long (src/redis/gcra.lua). The fixed window's count
+/// and the sliding counter's estimate never fall before the retry-after
+/// they answer without an admission (src/redis/fixed_window.lua,
+/// sliding_counter.lua).
+pub const fn is_exact_for(algorithm: Algorithm) -> bool {
+    match algorithm {
+        Algorithm::Log | Algorithm::Ring | Algorithm::Gcra | Algorithm::SlidingCounter | Algorithm::Fixed => true,
+    }
+}
+
 /// The table of recent refusals; shared by every connection.
 pub struct DenialCache {
     slots: Box<[Slot]>,
@@ -177,12 +193,13 @@ impl DenialCache {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    fn fingerprint(&self, spec: &LimitSpec<'_>) -> [u64; 2] {
+    fn fingerprint(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> [u64; 2] {
         self.hashers.each_ref().map(|s| {
             let mut h = s.build_hasher();
             h.write(spec.key);
             h.write_u32(spec.limit);
             h.write_u32(spec.window_ms);
+            h.write_u8(algorithm.to_wire());
             h.finish()
         })
     }
@@ -192,8 +209,10 @@ impl DenialCache {
     }
 
     /// Refuses `spec` if an entry covers it now; else a ticket for `record`.
-    pub fn check(&self, spec: &LimitSpec<'_>) -> Lookup {
-        let fingerprint = self.fingerprint(spec);
+    /// Each algorithm has entries of its own (its own Redis key); the
+    /// caller asks only for algorithms `is_exact_for` accepts.
+    pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Lookup {
+        let fingerprint = self.fingerprint(spec, algorithm);
         let now = self.now_ns();
         if let Some(e) = self.slot(fingerprint).read() {
             if let Some(v) = refusal(&e, fingerprint, spec.cost, now) {
@@ -208,7 +227,8 @@ impl DenialCache {
     /// the entry says. (An entry written by a call that was in flight
     /// during the refund can still outlive it, at most `max_age`.)
     pub fn forget(&self, spec: &LimitSpec<'_>) {
-        let fingerprint = self.fingerprint(spec);
+        // Refunds exist for the log only (several policies in one request).
+        let fingerprint = self.fingerprint(spec, Algorithm::Log);
         let slot = self.slot(fingerprint);
         if slot.read().is_some_and(|e| e.fingerprint == fingerprint) {
             slot.write(&Entry { fingerprint: [0, 0], sent_ns: 0, expires_ns: 0, cost: u32::MAX, count: 0, remaining: 0, retry_after_ms: 0, reset_ms: 0 });
@@ -273,7 +293,7 @@ mod tests {
     }
 
     fn ticket(c: &DenialCache, s: &LimitSpec<'_>) -> Ticket {
-        match c.check(s) {
+        match c.check(s, Algorithm::Log) {
             Lookup::Miss(t) => t,
             Lookup::Refused(v) => panic!("refused: {v:?}"),
         }
@@ -285,18 +305,19 @@ mod tests {
         let s = spec(b"k", 5, 60_000, 2);
         let t = ticket(&c, &s);
         c.record(t, 2, &denied(30_000));
-        let Lookup::Refused(v) = c.check(&s) else { panic!("not cached") };
+        let Lookup::Refused(v) = c.check(&s, Algorithm::Log) else { panic!("not cached") };
         assert_eq!((v.allowed, v.count, v.remaining), (false, 5, 0));
         assert!((29_900..=30_000).contains(&v.retry_after_ms), "{v:?}");
         assert!(v.reset_ms >= v.retry_after_ms);
-        assert!(matches!(c.check(&spec(b"k", 5, 60_000, 3)), Lookup::Refused(_)), "a larger cost is refused too");
-        assert!(matches!(c.check(&spec(b"k", 5, 60_000, 1)), Lookup::Miss(_)), "a smaller cost may fit");
-        assert!(matches!(c.check(&spec(b"k", 6, 60_000, 2)), Lookup::Miss(_)), "another limit is another entry");
-        assert!(matches!(c.check(&spec(b"k", 5, 1000, 2)), Lookup::Miss(_)), "another window is another entry");
-        assert!(matches!(c.check(&spec(b"k2", 5, 60_000, 2)), Lookup::Miss(_)));
+        assert!(matches!(c.check(&spec(b"k", 5, 60_000, 3), Algorithm::Log), Lookup::Refused(_)), "a larger cost is refused too");
+        assert!(matches!(c.check(&spec(b"k", 5, 60_000, 1), Algorithm::Log), Lookup::Miss(_)), "a smaller cost may fit");
+        assert!(matches!(c.check(&spec(b"k", 6, 60_000, 2), Algorithm::Log), Lookup::Miss(_)), "another limit is another entry");
+        assert!(matches!(c.check(&spec(b"k", 5, 1000, 2), Algorithm::Log), Lookup::Miss(_)), "another window is another entry");
+        assert!(matches!(c.check(&spec(b"k2", 5, 60_000, 2), Algorithm::Log), Lookup::Miss(_)));
+        assert!(matches!(c.check(&s, Algorithm::Ring), Lookup::Miss(_)), "another algorithm is another entry");
         // Admissions change nothing.
         c.record(ticket(&c, &spec(b"k", 5, 60_000, 1)), 1, &Verdict { allowed: true, ..Verdict::default() });
-        assert!(matches!(c.check(&s), Lookup::Refused(_)));
+        assert!(matches!(c.check(&s, Algorithm::Log), Lookup::Refused(_)));
     }
 
     #[test]
@@ -399,7 +420,7 @@ mod tests {
                 let cost = cost.min(limit);
                 let k = [key];
                 let s = spec(&k, limit, window, cost);
-                let fp = c.fingerprint(&s);
+                let fp = c.fingerprint(&s, Algorithm::Log);
                 match c.slot(fp).read().and_then(|e| refusal(&e, fp, cost, now_ns)) {
                     Some(v) => {
                         // Decided now, as Redis would with no lag at all.

@@ -5,14 +5,14 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::denial_cache::{DenialCache, Lookup};
+use crate::denial_cache::{is_exact_for, DenialCache, Lookup};
 use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::config::PolicyLimit;
 use crate::policies::{Outcome, Policies, Policy};
 use crate::protocol::{
-    CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, MultiCheckRequest, PolicyCheckRequest, PolicyItem, RefundRequest, Response, Source, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
+    Algorithm, CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, RefundRequest, Response, Source, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
 };
 use crate::redis::{MultiAsk, RedisWindow, RefundItem};
 use crate::top_refused::TOP_REFUSED;
@@ -40,6 +40,7 @@ pub enum Ask {
     Policy(PolicyCheckRequest),
     Multi(MultiCheckRequest),
     Refund(RefundRequest),
+    Lease(LeaseRequest),
 }
 
 /// Where decisions are made.
@@ -119,7 +120,7 @@ impl Limiter {
             Some(f) => (f, policy.local_limit.unwrap_or(0)),
             None => (req.on_error, req.local_limit),
         };
-        let check = CheckRequest { id: req.id, on_error, limit, window_ms: policy.window_ms, cost: req.cost, local_limit, key: req.scoped_key };
+        let check = CheckRequest { id: req.id, on_error, limit, window_ms: policy.window_ms, cost: req.cost, local_limit, key: req.scoped_key, algorithm: policy.algorithm };
         let mut resp = self.decide_inner(check).await;
         resp.op = OP_CHECK_POLICY;
         let mut outcome = outcome_of(&resp);
@@ -167,6 +168,63 @@ impl Limiter {
             // (one per request in flight) stays the size it was.
             Ask::Multi(r) => Box::pin(self.decide_multi(r)).await,
             Ask::Refund(r) => Box::pin(self.refund(r)).await,
+            Ask::Lease(r) => {
+                let resp = self.decide_lease(&r).await;
+                METRICS.decided(resp.decision, resp.source, resp.error);
+                resp
+            }
+        }
+    }
+
+    /// ACQUIRE or RELEASE of a concurrency lease. Never coalesced, never
+    /// answered by the denial cache (a release frees a slot at any moment).
+    /// An ACQUIRE Redis cannot decide follows its fail policy (`local`: the
+    /// per-host leases, with `local_limit`); a RELEASE is also applied to
+    /// the per-host leases, which hold it if the fallback acquired it.
+    async fn decide_lease(&self, req: &LeaseRequest) -> Response {
+        let acquire = req.op == OP_ACQUIRE;
+        let local = |limit| {
+            if acquire {
+                self.local.acquire(&req.key, &req.lease, limit, req.lease_ms, req.cost)
+            } else {
+                Ok(self.local.release(&req.key, &req.lease))
+            }
+        };
+        let answer = |source, v: Verdict| Response { op: req.op, ..respond_id(req.id, source, v) };
+        let redis = match &self.backend {
+            Backend::Local => {
+                return match local(req.limit) {
+                    Ok(v) => answer(Source::Memory, v),
+                    Err(full) => Response { source: Source::Memory, ..Response::error(req.id, req.op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) },
+                };
+            }
+            Backend::Redis(redis) => redis,
+        };
+        match redis.lease(acquire, &req.key, &req.lease, req.limit, req.lease_ms, req.cost).await {
+            Ok(v) => {
+                if !acquire {
+                    self.local.release(&req.key, &req.lease);
+                }
+                answer(Source::Redis, v)
+            }
+            Err(e) => {
+                METRICS.fail_policy_applied(req.on_error);
+                if let Some(suppressed) = self.failure_log.permit() {
+                    tracing::warn!(error = %e, policy = ?req.on_error, key = %String::from_utf8_lossy(&req.key), suppressed, "redis failed on a concurrency lease; the request's fail policy decides");
+                }
+                let mut r = match (acquire, req.on_error) {
+                    (false, _) => answer(Source::LocalFallback, self.local.release(&req.key, &req.lease)),
+                    (true, FailPolicy::Open) => answer(Source::FailOpen, Verdict { allowed: true, remaining: req.limit, ..Verdict::default() }),
+                    (true, FailPolicy::Closed) => answer(Source::FailClosed, Verdict { retry_after_ms: req.lease_ms.min(1000), ..Verdict::default() }),
+                    (true, FailPolicy::Local) => match local(req.local_limit) {
+                        Ok(v) => answer(Source::LocalFallback, v),
+                        Err(full) => Response { source: Source::LocalFallback, ..Response::error(req.id, req.op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) },
+                    },
+                };
+                r.error = error_code(&e);
+                r.message = Cow::Owned(e.to_string());
+                r
+            }
         }
     }
 
@@ -189,19 +247,20 @@ impl Limiter {
     async fn decide_store(&self, req: &CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
         match &self.backend {
-            Backend::Local => match self.local.check(&spec) {
+            Backend::Local => match self.local.check(&spec, req.algorithm) {
                 Ok(v) => respond(req, Source::Memory, v),
                 Err(full) => self.capacity_error(req, Source::Memory, full),
             },
             Backend::Redis(redis) => {
-                let ticket = match self.denials.as_deref().map(|d| d.check(&spec)) {
+                let denials = self.denials.as_deref().filter(|_| is_exact_for(req.algorithm));
+                let ticket = match denials.map(|d| d.check(&spec, req.algorithm)) {
                     Some(Lookup::Refused(v)) => return respond(req, Source::DenialCache, v),
                     Some(Lookup::Miss(ticket)) => Some(ticket),
                     None => None,
                 };
-                match redis.check(&spec).await {
+                match redis.check(&spec, req.algorithm).await {
                     Ok(v) => {
-                        if let (Some(d), Some(t)) = (&self.denials, ticket) {
+                        if let (Some(d), Some(t)) = (denials, ticket) {
                             d.record(t, spec.cost, &v);
                         }
                         respond(req, Source::Redis, v)
@@ -256,7 +315,7 @@ impl Limiter {
                     // Can never fit the local quota: deny without recording.
                     Verdict { remaining: req.local_limit, retry_after_ms: req.window_ms, ..Verdict::default() }
                 } else {
-                    match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }) {
+                    match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }, req.algorithm) {
                         Ok(v) => v,
                         Err(full) => return self.capacity_error(req, Source::LocalFallback, full),
                     }
@@ -296,6 +355,15 @@ impl Limiter {
                 PolicyLimit::Limit(l) => Some(l),
                 PolicyLimit::Unlimited => None,
             };
+            // Several items in one call, and refunds, are written for the
+            // exact log's script and windows; another algorithm's policy
+            // would be judged by the wrong rule: refused loudly instead.
+            if policy.algorithm != Algorithm::Log {
+                policy.counters.count(Outcome::Error);
+                METRICS.decided(Decision::Error, Source::None, ErrorCode::UnknownAlgorithm);
+                let msg = format!("policy '{}' uses algorithm {}: several policies in one request, and refunds, need algorithm log", policy.name, policy.algorithm.as_str());
+                return Err(Response::error(id, op, ErrorCode::UnknownAlgorithm, Cow::Owned(msg)));
+            }
             if limit.is_some_and(|l| item.cost > l) && op != OP_REFUND {
                 policy.counters.count(Outcome::Error);
                 METRICS.decided(Decision::Error, Source::None, ErrorCode::InvalidCost);
@@ -342,7 +410,7 @@ impl Limiter {
                         committed
                     }
                     Err(full) => {
-                        let check = CheckRequest { id: req.id, on_error: req.on_error, limit: 0, window_ms: 0, cost: 0, local_limit: 0, key: req.items[0].scoped_key.clone() };
+                        let check = CheckRequest { id: req.id, on_error: req.on_error, limit: 0, window_ms: 0, cost: 0, local_limit: 0, algorithm: Algorithm::Log, key: req.items[0].scoped_key.clone() };
                         return Response { op: OP_CHECK_POLICY, ..self.capacity_error(&check, Source::Memory, full) };
                     }
                 }
@@ -352,7 +420,7 @@ impl Limiter {
                 let mut cached_refusal = None;
                 if let Some(d) = self.denials.as_deref() {
                     for &i in &stored {
-                        match d.check(&spec(i)) {
+                        match d.check(&spec(i), Algorithm::Log) {
                             Lookup::Refused(v) if !resolved[i].policy.shadow => {
                                 cached_refusal = Some((i, v));
                                 break;
@@ -592,8 +660,12 @@ fn outcome_of(r: &Response) -> Outcome {
 }
 
 fn respond(req: &CheckRequest, source: Source, v: Verdict) -> Response {
+    respond_id(req.id, source, v)
+}
+
+fn respond_id(id: u32, source: Source, v: Verdict) -> Response {
     Response {
-        id: req.id,
+        id,
         op: OP_CHECK,
         decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
         source,
@@ -613,7 +685,7 @@ mod tests {
     use bytes::Bytes;
 
     fn req(key: &'static str, limit: u32, on_error: FailPolicy) -> CheckRequest {
-        CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()) }
+        CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()), algorithm: crate::protocol::Algorithm::Log }
     }
 
     fn policy_req(name: &'static str, key: &'static str) -> PolicyCheckRequest {
@@ -641,6 +713,7 @@ mod tests {
             fail_policy: None,
             local_limit: None,
             shadow,
+            algorithm: crate::protocol::Algorithm::Log,
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
         Arc::new(Policies::build(&[order], None))

@@ -13,10 +13,11 @@ use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::protocol::Algorithm;
 use crate::window::{LimitSpec, Verdict};
 
 const SHARDS: usize = 64;
@@ -27,8 +28,8 @@ const SHRINK_ABOVE: usize = 128;
 /// Names up to this long are composed on the stack.
 const INLINE_NAME: usize = 256;
 
-/// A window's name in the map: the window length (4 bytes, big-endian), then
-/// the key. Composed on the stack for usual key lengths, so a lookup
+/// A window's name in the map: the algorithm (1 byte), the window length
+/// (4 bytes, big-endian), then the key. Composed on the stack for usual key lengths, so a lookup
 /// allocates nothing; only a new window copies it to the heap.
 // Built on the stack for one call and dropped: the size is the point.
 #[allow(clippy::large_enum_variant)]
@@ -38,16 +39,18 @@ enum WindowName {
 }
 
 impl WindowName {
-    fn new(spec: &LimitSpec<'_>) -> Self {
-        let len = 4 + spec.key.len();
+    fn new(spec: &LimitSpec<'_>, algorithm: Algorithm) -> Self {
+        let len = 5 + spec.key.len();
         let window = spec.window_ms.to_be_bytes();
         if len <= INLINE_NAME {
             let mut buf = [0u8; INLINE_NAME];
-            buf[..4].copy_from_slice(&window);
-            buf[4..len].copy_from_slice(spec.key);
+            buf[0] = algorithm.to_wire();
+            buf[1..5].copy_from_slice(&window);
+            buf[5..len].copy_from_slice(spec.key);
             Self::Inline(buf, len)
         } else {
             let mut v = Vec::with_capacity(len);
+            v.push(algorithm.to_wire());
             v.extend_from_slice(&window);
             v.extend_from_slice(spec.key);
             Self::Heap(v)
@@ -70,6 +73,17 @@ struct KeyWindow {
     entries: VecDeque<(u64, u32)>,
     total: u64,
     window_ms: u32,
+    /// GCRA's theoretical arrival time in ms (GCRA windows only; their
+    /// `entries` stay empty).
+    tat_ms: f64,
+    /// Fixed windows and the sliding counter: the current fixed window's
+    /// start on the wall clock (UTC-aligned), its count and the previous
+    /// window's.
+    fixed_start: u64,
+    fixed_count: u64,
+    prev_count: u64,
+    /// Until when (store clock) a GCRA, fixed or counter window counts anything.
+    until_ms: u64,
 }
 
 impl KeyWindow {
@@ -132,7 +146,78 @@ impl KeyWindow {
             reset_ms: (reset_at - now_ms) as u32,
         }
     }
+
+    /// Whether anything of it still counts at `now_ms`.
+    fn live(&self, now_ms: u64) -> bool {
+        self.newest().is_some_and(|t| t + self.window_ms as u64 > now_ms) || self.until_ms > now_ms
+    }
+
+    /// The fixed window (`sliding` false) or the sliding counter, as
+    /// src/redis/fixed_window.lua and sliding_counter.lua decide them, at
+    /// `wall_ms` on the wall clock (windows are UTC-aligned); `now_ms` is
+    /// the store's clock, for the sweep.
+    fn fixed(&mut self, spec: &LimitSpec<'_>, wall_ms: u64, now_ms: u64, sliding: bool) -> Verdict {
+        const EPS: f64 = 1e-9;
+        let w = u64::from(spec.window_ms);
+        let start = wall_ms - wall_ms % w;
+        let elapsed = wall_ms - start;
+        if self.fixed_start != start {
+            self.prev_count = if self.fixed_start + w == start { self.fixed_count } else { 0 };
+            self.fixed_count = 0;
+            self.fixed_start = start;
+        }
+        let (limit, cost) = (u64::from(spec.limit), u64::from(spec.cost));
+        let (cur, prev) = (self.fixed_count, if sliding { self.prev_count } else { 0 });
+        let weighted = prev as f64 * (w - elapsed) as f64 / w as f64;
+        let up = |x: f64| (x - EPS).ceil().max(0.0) as u64;
+        if weighted + (cur + cost) as f64 <= limit as f64 + EPS {
+            self.fixed_count += cost;
+            let keep = if sliding { 2 * w - elapsed } else { w - elapsed };
+            self.until_ms = self.until_ms.max(now_ms + keep);
+            let count = up(weighted + self.fixed_count as f64);
+            return Verdict { allowed: true, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: 0, reset_ms: keep as u32 };
+        }
+        let count = up(weighted + cur as f64);
+        let to_end = w - elapsed;
+        let (retry, reset) = if !sliding {
+            (to_end, to_end)
+        } else if limit >= cur + cost {
+            let e = w as f64 - (limit - cur - cost) as f64 * w as f64 / prev as f64;
+            ((up(e).saturating_sub(elapsed)).max(1), if cur > 0 { to_end + w } else { to_end })
+        } else {
+            let e = (w as f64 - (limit - cost) as f64 * w as f64 / cur as f64).max(0.0);
+            (to_end + up(e), to_end + w)
+        };
+        Verdict { allowed: false, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: retry as u32, reset_ms: reset as u32 }
+    }
+
+    /// GCRA, as src/redis/gcra.lua decides it (same rounding).
+    fn gcra(&mut self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
+        const EPS: f64 = 1e-6;
+        let (now, window, limit) = (now_ms as f64, f64::from(spec.window_ms), f64::from(spec.limit));
+        let t = window / limit;
+        let tat = self.tat_ms.max(now);
+        let new_tat = tat + f64::from(spec.cost) * t;
+        let up = |x: f64| (x - EPS).ceil().max(0.0) as u32;
+        if new_tat - now <= window + EPS {
+            self.tat_ms = new_tat;
+            self.until_ms = new_tat.ceil() as u64;
+            let count = up((new_tat - now) / t);
+            return Verdict { allowed: true, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(tat - now), reset_ms: up(new_tat - now) };
+        }
+        let count = up((tat - now) / t);
+        Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
+    }
 }
+
+/// Milliseconds since the Unix epoch: fixed windows and the sliding counter
+/// align to UTC, as in Redis.
+fn wall_clock_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A lease held: its id, when it expires on the store's clock, its slots.
+type Lease = (Box<[u8]>, u64, u32);
 
 /// The per-host windows, shared by all connections of the process and kept
 /// across configuration reloads, so that a reload forgets no admission.
@@ -143,6 +228,11 @@ pub struct LocalStore {
     keys_per_shard: usize,
     /// Origin of the store's monotonic clock: immune to wall-clock steps.
     epoch: Instant,
+    /// Concurrency leases by key: (lease id, expiry on the store's clock,
+    /// slots). One lock: leases are the memory backend's and the fallback's
+    /// only, two short operations per request.
+    leases: Mutex<HashMap<Box<[u8]>, Vec<Lease>>>,
+    max_keys: usize,
 }
 
 /// The windows hold `max_keys` keys already, none of them idle.
@@ -158,6 +248,8 @@ impl LocalStore {
             hasher: RandomState::new(),
             keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
             epoch: Instant::now(),
+            leases: Mutex::new(HashMap::new()),
+            max_keys,
         }
     }
 
@@ -166,9 +258,55 @@ impl LocalStore {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    /// Decides one request now.
-    pub fn check(&self, spec: &LimitSpec<'_>) -> Result<Verdict, LocalStoreFull> {
-        self.check_at(spec, self.now_ms())
+    /// Decides one request now, counted by `algorithm`. Each algorithm
+    /// has windows of its own. The log and the ring are the same exact
+    /// window here (the ring is a Redis memory layout, not other
+    /// decisions); GCRA keeps one number, as in Redis.
+    pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, LocalStoreFull> {
+        self.check_at(spec, algorithm, self.now_ms())
+    }
+
+    /// Acquires a lease of `cost` slots on `key` for `lease_ms`, if fewer
+    /// than `limit` are held; as src/redis/concurrency.lua answers.
+    pub fn acquire(&self, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, LocalStoreFull> {
+        let now = self.now_ms();
+        let mut all = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        if !all.contains_key(key) && all.len() >= self.max_keys {
+            all.retain(|_, held| {
+                held.retain(|&(_, until, _)| until > now);
+                !held.is_empty()
+            });
+            if all.len() >= self.max_keys {
+                return Err(LocalStoreFull(self.max_keys));
+            }
+        }
+        let held = all.entry(key.into()).or_default();
+        held.retain(|&(_, until, _)| until > now);
+        let count: u32 = held.iter().map(|&(_, _, c)| c).sum();
+        if count + cost <= limit {
+            held.push((lease.into(), now + u64::from(lease_ms), cost));
+            return Ok(Verdict { allowed: true, count: count + cost, remaining: limit - count - cost, retry_after_ms: 0, reset_ms: lease_ms });
+        }
+        let left = |t: u64| (t - now) as u32;
+        let retry = held.iter().map(|&(_, t, _)| t).min().map_or(0, left);
+        let reset = held.iter().map(|&(_, t, _)| t).max().map_or(0, left);
+        Ok(Verdict { allowed: false, count, remaining: limit.saturating_sub(count), retry_after_ms: retry, reset_ms: reset })
+    }
+
+    /// Releases a lease; `allowed` says whether it was held.
+    pub fn release(&self, key: &[u8], lease: &[u8]) -> Verdict {
+        let now = self.now_ms();
+        let mut all = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(held) = all.get_mut(key) else { return Verdict::default() };
+        held.retain(|&(_, until, _)| until > now);
+        let before = held.len();
+        held.retain(|(id, _, _)| **id != *lease);
+        let released = held.len() < before;
+        let count = held.iter().map(|&(_, _, c)| c).sum();
+        if held.is_empty() {
+            all.remove(key);
+        }
+        Verdict { allowed: released, count, ..Verdict::default() }
     }
 
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
@@ -179,13 +317,13 @@ impl LocalStore {
 
     /// Decides one request at `now_ms` on a monotonic millisecond clock.
     /// A new key is refused when its shard is full of keys still in use.
-    fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, LocalStoreFull> {
-        let name = WindowName::new(spec);
+    fn check_at(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64) -> Result<Verdict, LocalStoreFull> {
+        let name = WindowName::new(spec, algorithm);
         let name = name.as_bytes();
         let mut shard = self.shard(name);
         // Length first: below capacity the hit path hashes the name once.
         if shard.len() >= self.keys_per_shard && !shard.contains_key(name) {
-            shard.retain(|_, w| w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms));
+            shard.retain(|_, w| w.live(now_ms));
             if shard.len() >= self.keys_per_shard {
                 return Err(LocalStoreFull(self.keys_per_shard * SHARDS));
             }
@@ -194,6 +332,12 @@ impl LocalStore {
             Some(w) => w,
             None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
         };
+        match algorithm {
+            Algorithm::Log | Algorithm::Ring => {}
+            Algorithm::Gcra => return Ok(w.gcra(spec, now_ms)),
+            Algorithm::Fixed => return Ok(w.fixed(spec, wall_clock_ms(), now_ms, false)),
+            Algorithm::SlidingCounter => return Ok(w.fixed(spec, wall_clock_ms(), now_ms, true)),
+        }
         w.evict(now_ms, spec.window_ms);
         if w.fits(spec) {
             return Ok(w.record(spec, now_ms));
@@ -213,7 +357,7 @@ impl LocalStore {
     }
 
     fn check_multi_at(&self, items: &[(LimitSpec<'_>, bool)], now_ms: u64) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
-        let names: Vec<Box<[u8]>> = items.iter().map(|(s, _)| Box::from(WindowName::new(s).as_bytes())).collect();
+        let names: Vec<Box<[u8]>> = items.iter().map(|(s, _)| Box::from(WindowName::new(s, Algorithm::Log).as_bytes())).collect();
         let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
@@ -286,11 +430,15 @@ impl LocalStore {
     /// Drops keys whose every admission has left the window; returns how many.
     fn sweep_at(&self, now_ms: u64) -> usize {
         let mut removed = 0;
+        self.leases.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, held| {
+            held.retain(|&(_, until, _)| until > now_ms);
+            !held.is_empty()
+        });
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
             let before = map.len();
             map.retain(|_, w| {
-                let live = w.newest().is_some_and(|t| t + w.window_ms as u64 > now_ms);
+                let live = w.live(now_ms);
                 // A key still in use after a burst keeps its deque's buffer:
                 // trimmed the same way as the map below.
                 if live && w.entries.capacity() > 64 && w.entries.len() < w.entries.capacity() / 4 {
@@ -330,7 +478,7 @@ mod tests {
     fn seed_scenario_admits_exactly_the_limit() {
         let m = LocalStore::new(1000);
         let s = spec(b"order:tenant-1001", 1000, 1000, 1);
-        let verdicts: Vec<_> = (0..1005).map(|_| m.check_at(&s, 1_000).unwrap()).collect();
+        let verdicts: Vec<_> = (0..1005).map(|_| m.check_at(&s, Algorithm::Log, 1_000).unwrap()).collect();
         assert_eq!(verdicts.iter().filter(|v| v.allowed).count(), 1000);
         assert_eq!((verdicts[999].count, verdicts[999].remaining), (1000, 0));
         let denied = &verdicts[1000];
@@ -342,15 +490,15 @@ mod tests {
     fn window_slides_and_retry_after_is_exact() {
         let m = LocalStore::new(1000);
         let s = spec(b"k", 3, 100, 1);
-        assert!(m.check_at(&s, 10).unwrap().allowed);
-        assert!(m.check_at(&s, 20).unwrap().allowed);
-        assert!(m.check_at(&s, 30).unwrap().allowed);
-        let d = m.check_at(&s, 40).unwrap();
+        assert!(m.check_at(&s, Algorithm::Log, 10).unwrap().allowed);
+        assert!(m.check_at(&s, Algorithm::Log, 20).unwrap().allowed);
+        assert!(m.check_at(&s, Algorithm::Log, 30).unwrap().allowed);
+        let d = m.check_at(&s, Algorithm::Log, 40).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.retry_after_ms, d.reset_ms), (70, 90));
         // At 110 the admission at 10 has left (10 > 110 - 100 is false).
-        assert!(!m.check_at(&s, 109).unwrap().allowed);
-        let v = m.check_at(&s, 110).unwrap();
+        assert!(!m.check_at(&s, Algorithm::Log, 109).unwrap().allowed);
+        let v = m.check_at(&s, Algorithm::Log, 110).unwrap();
         assert!(v.allowed);
         assert_eq!(v.count, 3);
     }
@@ -358,11 +506,11 @@ mod tests {
     #[test]
     fn cost_is_all_or_nothing() {
         let m = LocalStore::new(1000);
-        assert!(m.check_at(&spec(b"k", 10, 100, 7), 0).unwrap().allowed);
-        let d = m.check_at(&spec(b"k", 10, 100, 4), 1).unwrap();
+        assert!(m.check_at(&spec(b"k", 10, 100, 7), Algorithm::Log, 0).unwrap().allowed);
+        let d = m.check_at(&spec(b"k", 10, 100, 4), Algorithm::Log, 1).unwrap();
         assert!(!d.allowed);
         assert_eq!((d.count, d.remaining, d.retry_after_ms), (7, 3, 99));
-        let v = m.check_at(&spec(b"k", 10, 100, 3), 2).unwrap();
+        let v = m.check_at(&spec(b"k", 10, 100, 3), Algorithm::Log, 2).unwrap();
         assert!(v.allowed);
         assert_eq!((v.count, v.remaining), (10, 0));
     }
@@ -371,10 +519,10 @@ mod tests {
     fn retry_after_counts_enough_admissions_for_the_cost() {
         let m = LocalStore::new(1000);
         for t in 0..5 {
-            assert!(m.check_at(&spec(b"k", 5, 100, 1), t).unwrap().allowed);
+            assert!(m.check_at(&spec(b"k", 5, 100, 1), Algorithm::Log, t).unwrap().allowed);
         }
         // Cost 3 needs the three oldest (t = 0, 1, 2) gone: at 102.
-        let d = m.check_at(&spec(b"k", 5, 100, 3), 50).unwrap();
+        let d = m.check_at(&spec(b"k", 5, 100, 3), Algorithm::Log, 50).unwrap();
         assert_eq!(d.retry_after_ms, 52);
         assert_eq!(d.reset_ms, 54);
     }
@@ -395,15 +543,15 @@ mod tests {
         assert!(!ok);
         assert_eq!(v.iter().map(|v| (v.allowed, v.count, v.remaining)).collect::<Vec<_>>(), [(true, 2, 1), (false, 2, 0), (false, 1, 0)]);
         assert_eq!(v[1].retry_after_ms, 98);
-        assert!(m.check_at(&spec(b"ip", 3, 100, 1), 3).unwrap().allowed, "the refused request charged nothing");
-        assert!(!m.check_at(&spec(b"ip", 3, 100, 1), 3).unwrap().allowed);
+        assert!(m.check_at(&spec(b"ip", 3, 100, 1), Algorithm::Log, 3).unwrap().allowed, "the refused request charged nothing");
+        assert!(!m.check_at(&spec(b"ip", 3, 100, 1), Algorithm::Log, 3).unwrap().allowed);
     }
 
     #[test]
     fn sweep_drops_idle_keys_only() {
         let m = LocalStore::new(1000);
-        m.check_at(&spec(b"old", 5, 100, 1), 0).unwrap();
-        m.check_at(&spec(b"new", 5, 100, 1), 90).unwrap();
+        m.check_at(&spec(b"old", 5, 100, 1), Algorithm::Log, 0).unwrap();
+        m.check_at(&spec(b"new", 5, 100, 1), Algorithm::Log, 90).unwrap();
         assert_eq!(m.sweep_at(100), 1);
         assert_eq!(m.len(), 1);
         assert_eq!(m.sweep_at(190), 1);
@@ -414,12 +562,12 @@ mod tests {
     fn one_key_with_two_windows_keeps_both_histories() {
         let m = LocalStore::new(1000);
         for t in 0..5 {
-            assert!(m.check_at(&spec(b"k", 5, 60_000, 1), t).unwrap().allowed);
+            assert!(m.check_at(&spec(b"k", 5, 60_000, 1), Algorithm::Log, t).unwrap().allowed);
         }
         // A short window on the same key is its own window...
-        assert!(m.check_at(&spec(b"k", 5, 100, 1), 200).unwrap().allowed);
+        assert!(m.check_at(&spec(b"k", 5, 100, 1), Algorithm::Log, 200).unwrap().allowed);
         // ...and does not erase the long one's admissions.
-        let d = m.check_at(&spec(b"k", 5, 60_000, 1), 300).unwrap();
+        let d = m.check_at(&spec(b"k", 5, 60_000, 1), Algorithm::Log, 300).unwrap();
         assert!(!d.allowed);
         assert_eq!(d.count, 5);
         assert_eq!(m.len(), 2);
@@ -431,7 +579,7 @@ mod tests {
         let mut refused = 0;
         for i in 0..10 * SHARDS {
             let key = format!("k{i}");
-            if m.check_at(&spec(key.as_bytes(), 5, 100, 1), 0).is_err() {
+            if m.check_at(&spec(key.as_bytes(), 5, 100, 1), Algorithm::Log, 0).is_err() {
                 refused += 1;
             }
         }
@@ -439,6 +587,6 @@ mod tests {
         assert_eq!(refused, 10 * SHARDS - m.len());
         assert!(refused >= 9 * SHARDS - 2);
         // Once the window has passed, the idle keys make room.
-        assert!(m.check_at(&spec(b"later", 5, 100, 1), 200).is_ok());
+        assert!(m.check_at(&spec(b"later", 5, 100, 1), Algorithm::Log, 200).is_ok());
     }
 }

@@ -10,7 +10,7 @@ use ratelimitd::bench::{self, BenchArgs};
 use ratelimitd::client::Client;
 use ratelimitd::config::{preflight, Config, ConfigError, LogFormat, Overrides, Resolved};
 use ratelimitd::daemon::{Reload, SetLogLevel};
-use ratelimitd::protocol::{CheckArgs, FailPolicy};
+use ratelimitd::protocol::{Algorithm, CheckArgs, FailPolicy};
 
 /// jemalloc, built with a background thread that hands freed pages back to
 /// the kernel after 1 s (`.cargo/config.toml`): after a flood of keys has
@@ -147,6 +147,9 @@ struct CheckOpts {
     /// Quota of the local fallback (with --on-error local).
     #[arg(long, default_value_t = 0)]
     local_limit: u32,
+    /// How the limit counts: log, ring, gcra, sliding_counter, fixed (docs/ALGORITHMS.md).
+    #[arg(long, default_value = "log")]
+    algorithm: Algorithm,
 }
 
 fn main() -> ExitCode {
@@ -209,6 +212,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 println!("key:          {}", i.redis_key);
                 println!("window:       {} ms", i.window_ms);
+                println!("algorithm:    {}", i.algorithm);
                 println!("admissions:   {}", i.members);
                 println!("in window:    {}", i.in_window);
                 let age = |a: Option<i64>| a.map_or("-".to_string(), |ms| format!("{ms} ms ago"));
@@ -233,7 +237,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Query { check, json } => {
             let r = runtime()?.block_on(async {
                 let mut c = Client::connect(&check.socket).await.with_context(|| format!("connect to {}", check.socket.display()))?;
-                Ok::<_, anyhow::Error>(c.check(&check.args()).await?)
+                Ok::<_, anyhow::Error>(c.check_with(&check.args(), check.algorithm).await?)
             })?;
             if json {
                 let v = serde_json::json!({
@@ -303,6 +307,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 cost: check.cost,
                 on_error: check.on_error,
                 local_limit: check.local_limit,
+                algorithm: check.algorithm,
                 requests,
                 concurrency,
                 pipeline,

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::{PolicyConfig, PolicyLimit};
-use crate::protocol::FailPolicy;
+use crate::protocol::{Algorithm, FailPolicy};
 
 /// What happened to one policy request; each request counts in exactly one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +113,7 @@ pub struct Policy {
     pub fail_policy: Option<FailPolicy>,
     pub local_limit: Option<u32>,
     pub shadow: bool,
+    pub algorithm: Algorithm,
     /// Exact keys (allowlist included, as `Unlimited`).
     overrides: HashMap<Box<[u8]>, PolicyLimit>,
     pub counters: Arc<PolicyCounters>,
@@ -153,6 +154,7 @@ impl Policies {
                 fail_policy: c.fail_policy,
                 local_limit: c.local_limit,
                 shadow: c.shadow,
+                algorithm: c.algorithm,
                 overrides: c.overrides.iter().map(|(k, v)| (Box::from(k.as_bytes()), *v)).collect(),
                 counters,
             });
@@ -217,6 +219,7 @@ mod tests {
             fail_policy: None,
             local_limit: None,
             shadow: false,
+            algorithm: Algorithm::Log,
             overrides: BTreeMap::from([("big".into(), PolicyLimit::Limit(50)), ("free".into(), PolicyLimit::Unlimited)]),
         }
     }

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, Source};
+use ratelimitd::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, Source};
 
 fn read(rel: &str) -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap()
@@ -58,6 +58,7 @@ fn the_lua_client_speaks_the_daemons_vocabulary() {
     assert_eq!(lua_table(&lua, "POLICY"), daemon_table(FailPolicy::ALL, |v| v.to_wire().into(), FailPolicy::as_str), "POLICY");
     assert_eq!(lua_table(&lua, "DECISION"), daemon_table(Decision::ALL, |v| v.to_wire().into(), Decision::as_str), "DECISION");
     assert_eq!(lua_table(&lua, "SOURCE"), daemon_table(Source::ALL, |v| v.to_wire().into(), Source::as_str), "SOURCE");
+    assert_eq!(lua_table(&lua, "ALGORITHM"), daemon_table(Algorithm::ALL, |v| v.to_wire().into(), Algorithm::as_str), "ALGORITHM");
     assert_eq!(lua_table(&lua, "ERROR_NAME"), daemon_table(ErrorCode::ALL, ErrorCode::to_wire, ErrorCode::as_str), "ERROR_NAME");
 }
 
@@ -67,6 +68,7 @@ fn the_protocol_document_lists_the_daemons_vocabulary() {
     assert_eq!(doc_table(&doc, "Fail policy"), daemon_table(FailPolicy::ALL, |v| v.to_wire().into(), FailPolicy::as_str), "fail policy");
     assert_eq!(doc_table(&doc, "Decision"), daemon_table(Decision::ALL, |v| v.to_wire().into(), Decision::as_str), "decision");
     assert_eq!(doc_table(&doc, "Source"), daemon_table(Source::ALL, |v| v.to_wire().into(), Source::as_str), "source");
+    assert_eq!(doc_table(&doc, "Algorithm"), daemon_table(Algorithm::ALL, |v| v.to_wire().into(), Algorithm::as_str), "algorithm");
     assert_eq!(doc_table(&doc, "Error codes"), daemon_table(ErrorCode::ALL, ErrorCode::to_wire, ErrorCode::as_str), "error codes");
 }
 

@@ -29,6 +29,7 @@ local ngx = ngx
 local ngx_log = ngx.log
 local ngx_now = ngx.now
 local ngx_exit = ngx.exit
+local ngx_sleep = ngx.sleep
 local ngx_header = ngx.header
 local ngx_shared = ngx.shared
 local tcp = ngx.socket.tcp
@@ -45,6 +46,7 @@ local md5 = ngx.md5
 local _M = { _VERSION = "0.2.0" }
 
 local VERSION, OP_CHECK, OP_CHECK_POLICY, OP_REFUND = 1, 1, 2, 3
+local OP_ACQUIRE, OP_RELEASE = 5, 6
 local FLAG_REFUNDABLE = 1
 local MAX_POLICY_ITEMS = 8
 local MAX_POLICY_NAME_LEN = 31
@@ -91,6 +93,9 @@ do
 end
 
 local POLICY = { open = 0, closed = 1, ["local"] = 2 }
+-- How a limit counts (docs/ALGORITHMS.md); sent in the CHECK flags' bits
+-- 0x0F00 (the first flags byte), 0 (the log) when not chosen.
+local ALGORITHM = { log = 0, ring = 1, gcra = 2, sliding_counter = 3, fixed = 4 }
 local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
 local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
 local ERROR_NAME = {
@@ -98,7 +103,8 @@ local ERROR_NAME = {
     [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
     [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [13] = "DUPLICATE_ITEM",
-    [14] = "REFUND_UNSUPPORTED", [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [14] = "REFUND_UNSUPPORTED", [16] = "UNKNOWN_ALGORITHM", [17] = "INVALID_LEASE",
+    [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
     [35] = "OVERLOADED",
 }
@@ -259,6 +265,31 @@ local function policy_options(opts)
     return on_error
 end
 
+-- The algorithm option of new() and the table form: its name, or nil and a
+-- message. The log when not given.
+local function algorithm_option(opts)
+    local algorithm = opts.algorithm or "log"
+    if ALGORITHM[algorithm] == nil then
+        local names = {}
+        for name, v in pairs(ALGORITHM) do
+            names[v + 1] = "'" .. name .. "'"
+        end
+        return nil, "algorithm must be one of " .. table.concat(names, ", ")
+    end
+    -- Pacing, as nginx limit_req: without nodelay an admitted request
+    -- waits its delay; `delay` requests of a burst pass at once first.
+    if opts.nodelay ~= nil and type(opts.nodelay) ~= "boolean" then
+        return nil, "nodelay must be a boolean"
+    end
+    if opts.delay ~= nil and not (type(opts.delay) == "number" and opts.delay >= 0 and floor(opts.delay) == opts.delay) then
+        return nil, "delay must be a non-negative integer (requests of a burst passed at once)"
+    end
+    if (opts.nodelay ~= nil or opts.delay ~= nil) and algorithm ~= "gcra" then
+        return nil, "nodelay and delay apply to algorithm = 'gcra' only"
+    end
+    return algorithm
+end
+
 -- Validates the options of the table form; bad ones are the caller's bug.
 local function check_opts(opts, level)
     if type(opts) ~= "table" then
@@ -280,7 +311,12 @@ local function check_opts(opts, level)
     if not on_error then
         error(err, level)
     end
-    return on_error
+    local algorithm
+    algorithm, err = algorithm_option(opts)
+    if not algorithm then
+        error(err, level)
+    end
+    return on_error, algorithm
 end
 
 -- Keys come from request data (headers, addresses). One too long for the
@@ -305,7 +341,7 @@ local function next_id()
     return request_id
 end
 
--- Request body after the id (PROTOCOL.md section 4): flags (0), policy,
+-- Request body after the id (PROTOCOL.md section 4): flags (the algorithm), policy,
 -- n_limits (1), limit, window_ms | cost | local_limit. The parts around cost
 -- never change for a limiter, so new() builds them once.
 local COST_ONE = u32(1)
@@ -320,37 +356,40 @@ local new_policy, new_multi, multi_args, multi_exchange
 
 -- A limiter from values already validated (by new() or by the table form),
 -- without the behaviour options (all nil: configure()'s values).
-local function build(limit, window_ms, on_error, local_limit)
-    local before_cost = "\0\0" .. char(POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
+local function build(limit, window_ms, on_error, local_limit, algorithm)
+    local before_cost = char(ALGORITHM[algorithm], 0, POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
     local after_cost = u32(local_limit or 0)
     return setmetatable({
         _limit = limit,
         _window_ms = window_ms,
+        _algorithm = algorithm,
         _on_error = on_error,
         _local_limit = local_limit,
         _before_cost = before_cost,
         _after_cost = after_cost,
         -- The whole constant part for the usual cost of 1: one piece fewer.
         _cost_one = before_cost .. COST_ONE .. after_cost,
-        -- The denial cache's keys: "\1<limit>|<window_ms>|<wire key>". A
-        -- wire key holds no control byte, so no local fallback key (which
-        -- starts with the wire key) can be one.
-        _deny_prefix = "\1" .. limit .. "|" .. window_ms .. "|",
+        -- The denial cache's keys: "\1<limit>|<window_ms>|<wire key>"
+        -- (the log), "\1<algorithm>|<limit>|..." (the others: each has
+        -- windows of its own). A wire key holds no control byte, so no
+        -- local fallback key (which starts with the wire key) can be one.
+        _deny_prefix = "\1" .. (algorithm == "log" and "" or algorithm .. "|") .. limit .. "|" .. window_ms .. "|",
     }, limiter_mt)
 end
 
 -- The table form does not build a limiter per call (measured: that alone
 -- costs more than the whole call did before the object form): the limiters
 -- of the option sets it has seen are kept by what goes into the frame
--- (policy, limit, window_ms, local_limit), and its other options are read
+-- (policy and algorithm, limit, window_ms, local_limit), and its other options are read
 -- from its own table at each call. Bounded: past CACHE_MAX limiters the cache
 -- starts over, so limits computed per request cannot grow it without end.
 local CACHE_MAX = 256
 local cache, cached = {}, 0
 
-local function cached_limiter(opts, on_error)
+local function cached_limiter(opts, on_error, algorithm)
     local limit, window_ms, local_limit = opts.limit, opts.window_ms, opts.local_limit
-    local by_limit = cache[on_error]
+    local mode = algorithm == "log" and on_error or on_error .. "|" .. algorithm
+    local by_limit = cache[mode]
     local by_window = by_limit and by_limit[limit]
     local by_local = by_window and by_window[window_ms]
     local lim = by_local and by_local[local_limit or 0]
@@ -363,7 +402,7 @@ local function cached_limiter(opts, on_error)
     end
     if not by_limit then
         by_limit = {}
-        cache[on_error] = by_limit
+        cache[mode] = by_limit
     end
     if not by_window then
         by_window = {}
@@ -373,7 +412,7 @@ local function cached_limiter(opts, on_error)
         by_local = {}
         by_window[window_ms] = by_local
     end
-    lim = build(limit, window_ms, on_error, local_limit)
+    lim = build(limit, window_ms, on_error, local_limit, algorithm)
     by_local[local_limit or 0] = lim
     cached = cached + 1
     return lim
@@ -382,7 +421,7 @@ end
 local NEW_OPTIONS = {
     limit = true, window_ms = true, on_error = true, local_limit = true, status = true,
     fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
-    denial_cache = true,
+    denial_cache = true, algorithm = true, nodelay = true, delay = true,
 }
 
 local POLICY_OPTIONS = {
@@ -400,8 +439,8 @@ local POLICY_OPTIONS = {
 function new_policy(opts)
     for k in pairs(opts) do
         if not POLICY_OPTIONS[k] then
-            if k == "limit" or k == "cost" or k == "key" then
-                return nil, "new: " .. k .. " is not an option of a policy limiter: the limit is the policy's, in ratelimitd.toml; key and cost are given per request"
+            if k == "limit" or k == "cost" or k == "key" or k == "algorithm" then
+                return nil, "new: " .. k .. " is not an option of a policy limiter: the limit and algorithm are the policy's, in ratelimitd.toml; key and cost are given per request"
             end
             return nil, "new: unknown option '" .. tostring(k) .. "'"
         end
@@ -482,9 +521,16 @@ function _M.new(opts)
     if opts.denial_cache ~= nil and type(opts.denial_cache) ~= "boolean" then
         return nil, "new: denial_cache must be a boolean"
     end
-    local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit)
+    local algorithm
+    algorithm, err = algorithm_option(opts)
+    if not algorithm then
+        return nil, "new: " .. err
+    end
+    local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit, algorithm)
     -- nil: configure()'s denial_cache decides at each request.
     lim._denial_cache = opts.denial_cache
+    lim.nodelay = opts.nodelay
+    lim.delay = opts.delay
     lim.status = opts.status
     lim.fail_closed_status = opts.fail_closed_status
     lim.invalid_status = opts.invalid_status
@@ -560,10 +606,10 @@ local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 -- One request/response exchange. Returns the parsed response, or nil and an
 -- error; a socket is pooled only after a clean exchange, never after an error
 -- or a timeout. `key` is the wire key, `cost` already checked.
-local function exchange(self, key, cost)
+local function exchange(self, key, cost, lease_op, lease)
     local n = #key
     local policy = self._policy
-    local len = policy and 21 + self._name_len + n or 28 + n
+    local len = lease_op and 29 + n + #lease or policy and 21 + self._name_len + n or 28 + n
     local id = next_id()
     -- Per request only the length, the id, the cost and the key are encoded:
     -- length, version, op and id in one string, then the limiter's constant
@@ -572,10 +618,14 @@ local function exchange(self, key, cost)
     -- measured no cheaper than LuaJIT's concatenation (docs/NGINX.md, section 4).
     local frame
     local head = char(band(rshift(len, 24), 255), band(rshift(len, 16), 255), band(rshift(len, 8), 255), band(len, 255),
-                      VERSION, policy and OP_CHECK_POLICY or OP_CHECK,
+                      VERSION, lease_op or (policy and OP_CHECK_POLICY or OP_CHECK),
                       band(rshift(id, 24), 255), band(rshift(id, 16), 255), band(rshift(id, 8), 255), band(id, 255))
     local key_len = char(band(rshift(n, 8), 255), band(n, 255))
-    if policy then
+    if lease_op then
+        -- ACQUIRE / RELEASE (PROTOCOL.md section 4d): CHECK's fields (the
+        -- lease length as window_ms), then the lease id's length, key, id.
+        frame = head .. self._before_cost .. u32(cost) .. self._after_cost .. key_len .. char(#lease) .. key .. lease
+    elseif policy then
         -- CHECK_POLICY, one item: cost, key_len, name_len, name, key.
         if cost == 1 then
             frame = head .. self._cost_one .. key_len .. self._name_part .. key
@@ -727,6 +777,9 @@ end
 -- One decision: from the denial cache, else from the daemon. `key` is the
 -- wire key, `cost` already checked.
 local function decide(self, key, cost)
+    if self._concurrency then
+        return exchange(self, key, cost, OP_ACQUIRE, ngx.ctx.ratelimitd_lease)
+    end
     local on = self._denial_cache
     if on == nil then
         on = config.denial_cache
@@ -798,8 +851,8 @@ end
 
 --- Asks the daemon; table form of check (see docs/NGINX.md).
 function _M.check(opts)
-    local on_error = check_opts(opts, 3)
-    return decide(cached_limiter(opts, on_error), wire_key(opts.key), opts.cost or 1)
+    local on_error, algorithm = check_opts(opts, 3)
+    return decide(cached_limiter(opts, on_error, algorithm), wire_key(opts.key), opts.cost or 1)
 end
 
 -- Rate-limited per worker and per kind of failure, so an outage gives one
@@ -958,7 +1011,19 @@ local function enforce(self, beh, key, cost)
         set_headers(res, beh.header_style or config.header_style)
     end
     if res.allowed then
-        log_outcome(self, res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or "PASSED")
+        -- GCRA: an admitted request's retry_after_ms is its place at the
+        -- rate. Paced unless nodelay; the first `delay` of a burst at once.
+        local wait = res.retry_after_ms
+        local delayed = false
+        if self._algorithm == "gcra" and wait and wait > 0 and not beh.nodelay and not beh.dry_run then
+            wait = wait - (beh.delay or 0) * self._window_ms / self._limit
+            if wait > 0 then
+                ngx_sleep(wait / 1000)
+                delayed = true
+            end
+        end
+        -- DELAYED as limit_req's $limit_req_status says of a paced request.
+        log_outcome(self, res, (res.source == "fail_open" or res.source == "lua_fail_open") and "FAIL_OPEN" or (delayed and "DELAYED" or "PASSED"))
         return res
     end
     if beh.dry_run then
@@ -1377,8 +1442,110 @@ end
 -- header_style, dry_run. Validates them on every call (raising on a bad one)
 -- and builds a limiter for the call.
 function _M.limit(opts)
-    local on_error = check_opts(opts, 3)
-    return enforce(cached_limiter(opts, on_error), opts, wire_key(opts.key), opts.cost or 1)
+    local on_error, algorithm = check_opts(opts, 3)
+    return enforce(cached_limiter(opts, on_error, algorithm), opts, wire_key(opts.key), opts.cost or 1)
+end
+
+-- Concurrency limits (docs/ALGORITHMS.md, "Concurrency"): at most `limit`
+-- requests in flight per key across every host.
+--
+--   init_by_lua_block    { conns = assert(require("resty.ratelimitd").concurrency{ limit = 10, lease_ms = 60000 }) }
+--   access_by_lua_block  { conns:enter(ngx.var.http_x_tenant_id) }
+--   log_by_lua_block     { require("resty.ratelimitd").leave() }
+--
+-- enter() acquires a lease named by $request_id (refused: 429, as limit());
+-- leave(), in the log phase, which runs for every request, aborted ones
+-- included, releases the request's leases from a timer (cosockets are not
+-- available in the log phase). A lease never released (nginx killed, the
+-- daemon unreachable then) stops counting lease_ms after it was taken.
+local CONCURRENCY_OPTIONS = {
+    limit = true, lease_ms = true, on_error = true, local_limit = true, status = true,
+    fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
+}
+
+function _M.concurrency(opts)
+    if type(opts) ~= "table" or opts == _M then
+        error("concurrency: expects a table of options", 2)
+    end
+    for k in pairs(opts) do
+        if not CONCURRENCY_OPTIONS[k] then
+            return nil, "concurrency: unknown option '" .. tostring(k) .. "'"
+        end
+    end
+    if not positive_int(opts.limit, 4294967295) then
+        return nil, "concurrency: limit must be a positive integer"
+    end
+    if not positive_int(opts.lease_ms, 4294967295) then
+        return nil, "concurrency: lease_ms must be a positive integer (how long a lease never released holds its slot)"
+    end
+    local on_error, err = policy_options(opts)
+    if not on_error then
+        return nil, "concurrency: " .. err
+    end
+    local lim = build(opts.limit, opts.lease_ms, on_error, opts.local_limit, "log")
+    lim._concurrency = true
+    lim.status = opts.status
+    lim.fail_closed_status = opts.fail_closed_status
+    lim.invalid_status = opts.invalid_status
+    lim.headers = opts.headers
+    lim.header_style = opts.header_style
+    lim.dry_run = opts.dry_run
+    return lim
+end
+
+-- Sources under which the daemon holds a lease to give back.
+local LEASED = { redis = true, memory = true, ["local"] = true }
+
+--- For access_by_lua*: acquires a slot of a concurrency limiter for this
+-- request, or ends it as limit() does. Returns the decision table.
+function Limiter.enter(self, key, cost)
+    if type(self) ~= "table" or not self._concurrency then
+        error("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)", 2)
+    end
+    cost = call_args(self, key, cost)
+    local wkey = wire_key(key)
+    -- The lease is named by nginx's $request_id (random, 32 hex digits),
+    -- read once: unless the configuration indexes $request_id, each read
+    -- of ngx.var.request_id makes a new one.
+    local ctx = ngx.ctx
+    if not ctx.ratelimitd_lease then
+        ctx.ratelimitd_lease = ngx.var.request_id
+    end
+    local res = enforce(self, self, wkey, cost)
+    if res and res.allowed and LEASED[res.source] then
+        local held = ctx.ratelimitd_leases
+        if not held then
+            held = {}
+            ctx.ratelimitd_leases = held
+        end
+        held[#held + 1] = { self, wkey, cost }
+    end
+    return res
+end
+
+local function release_all(premature, held, lease)
+    for _, h in ipairs(held) do
+        local res, err = exchange(h[1], h[2], h[3], OP_RELEASE, lease)
+        if not res then
+            log_failure("release", h[2], tostring(err) .. " (the lease expires after lease_ms)")
+        elseif res.decision == "error" then
+            log_failure("release", h[2], res.error .. ": " .. res.message)
+        end
+    end
+end
+
+--- For log_by_lua*: releases every lease enter() took for this request.
+function _M.leave()
+    local ctx = ngx.ctx
+    local held = ctx.ratelimitd_leases
+    if not held then
+        return
+    end
+    ctx.ratelimitd_leases = nil
+    local ok, err = ngx.timer.at(0, release_all, held, ctx.ratelimitd_lease)
+    if not ok then
+        log_failure("release", held[1][2], "timer: " .. tostring(err) .. " (the lease expires after lease_ms)")
+    end
 end
 
 return _M

@@ -43,6 +43,9 @@ pub(super) struct PolicySection {
     pub local_limit: Option<u64>,
     #[serde(default)]
     pub shadow: bool,
+    /// "log" (default), "ring", ...: how the policy's windows count.
+    #[serde(default)]
+    pub algorithm: Option<String>,
     /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
     /// stable order.
     #[serde(default)]

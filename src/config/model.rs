@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::protocol::{Bounds, FailPolicy};
+use crate::protocol::{Algorithm, Bounds, FailPolicy};
 
 /// Where a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +99,8 @@ pub struct PolicyConfig {
     pub local_limit: Option<u32>,
     /// Decide and count, but admit every request.
     pub shadow: bool,
+    /// How the policy's windows count (docs/ALGORITHMS.md); the log by default.
+    pub algorithm: Algorithm,
     /// Exact keys with another limit, or none; the allowlist's keys are
     /// here as `Unlimited`.
     pub overrides: BTreeMap<String, PolicyLimit>,

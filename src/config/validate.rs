@@ -9,7 +9,7 @@ use super::model::{
     redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL,
 };
-use crate::protocol::{Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
+use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
 
 impl Default for Config {
     /// The configuration of an empty file.
@@ -389,9 +389,22 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             }
             overrides.insert(key, PolicyLimit::Unlimited);
         }
-        out.push(PolicyConfig { name, limit, window, fail_policy, local_limit, shadow: s.shadow, overrides });
+        let algorithm = policy_algorithm(p, &name, s.algorithm.as_deref());
+        out.push(PolicyConfig { name, limit, window, fail_policy, local_limit, shadow: s.shadow, algorithm, overrides });
     }
     out
+}
+
+/// A policy's `algorithm`, the log when absent; an unknown name is an error.
+fn policy_algorithm(p: &mut Problems, name: &str, algorithm: Option<&str>) -> Algorithm {
+    match algorithm.map(str::parse::<Algorithm>) {
+        None => Algorithm::Log,
+        Some(Ok(a)) => a,
+        Some(Err(e)) => {
+            p.add("policy.algorithm", format!("policy '{name}': {e}"));
+            Algorithm::Log
+        }
+    }
 }
 
 /// A bare level, or directives each of which names a level after `=`:
@@ -593,6 +606,17 @@ mod tests {
         assert_eq!(order.overrides.get("internal"), Some(&PolicyLimit::Unlimited));
         let login = &c.policies[1];
         assert_eq!((login.window, login.fail_policy, login.local_limit, login.shadow), (Duration::from_secs(600), Some(FailPolicy::Local), Some(2), true));
+        assert_eq!((order.algorithm, login.algorithm), (Algorithm::Log, Algorithm::Log), "the log by default");
+    }
+
+    #[test]
+    fn a_policy_names_its_algorithm() {
+        let c = parse("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"1s\"\nalgorithm = \"ring\"\n").unwrap();
+        assert_eq!(c.policies[0].algorithm, Algorithm::Ring);
+        let e = parse("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"1s\"\nalgorithm = \"leaky\"\n").unwrap_err();
+        let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
+        assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), ["policy.algorithm"]);
+        assert!(e.to_string().contains("policy 'a': unknown algorithm 'leaky' (expected one of: log, ring, gcra, sliding_counter, fixed"), "{e}");
     }
 
     #[test]

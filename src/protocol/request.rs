@@ -9,8 +9,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
 use super::wire::{
-    be32, ErrorCode, FailPolicy, FLAG_REFUNDABLE, HANDLE_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_ITEMS, MAX_POLICY_NAME_LEN, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, POLICY_HEADER_LEN,
-    POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
+    be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
+    MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -42,6 +42,8 @@ pub struct CheckRequest {
     pub local_limit: u32,
     /// The client's key, before the daemon adds its namespace prefix.
     pub key: Bytes,
+    /// How the limit counts (flag bits `ALGORITHM_FLAGS`; the log when 0).
+    pub algorithm: Algorithm,
 }
 
 /// A request as the client builds it (no validation); used by `query`, `bench` and tests.
@@ -142,10 +144,41 @@ impl ItemArgs<'_> {
     }
 }
 
+/// One validated ACQUIRE or RELEASE of a concurrency lease (section 4d).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRequest {
+    pub id: u32,
+    /// `OP_ACQUIRE` or `OP_RELEASE`.
+    pub op: u8,
+    pub on_error: FailPolicy,
+    /// Requests in flight at most (ACQUIRE).
+    pub limit: u32,
+    /// How long a lease holds its slots if never released (ACQUIRE).
+    pub lease_ms: u32,
+    pub cost: u32,
+    pub local_limit: u32,
+    pub key: Bytes,
+    /// The client's name for this lease: unique among the key's leases.
+    pub lease: Bytes,
+}
+
+/// An ACQUIRE or RELEASE as the client builds it (no validation).
+#[derive(Clone, Debug)]
+pub struct LeaseArgs<'a> {
+    pub key: &'a [u8],
+    pub lease: &'a [u8],
+    pub limit: u32,
+    pub lease_ms: u32,
+    pub cost: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+}
+
 /// What the decoder yields for each complete frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
     Check(CheckRequest),
+    Lease(LeaseRequest),
     PolicyCheck(PolicyCheckRequest),
     MultiCheck(MultiCheckRequest),
     Refund(RefundRequest),
@@ -236,6 +269,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if op == OP_REFUND {
         return parse_refund(body, id, bounds);
     }
+    if op == OP_ACQUIRE || op == OP_RELEASE {
+        return parse_lease(body, op, id, bounds);
+    }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
     }
@@ -243,9 +279,13 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("check body of {} bytes is shorter than the {} fixed bytes", body.len(), REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
+    if flags & !ALGORITHM_FLAGS != 0 {
         return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
     }
+    let algorithm = match Algorithm::from_flags(flags) {
+        Ok(a) => a,
+        Err(bits) => return invalid(id, op, ErrorCode::UnknownAlgorithm, format!("algorithm {bits} (flags 0x{flags:04x}) is not one this daemon has")),
+    };
     let Some(on_error) = FailPolicy::from_wire(body[8]) else {
         return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
     };
@@ -282,7 +322,7 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
     }
     body.advance(key_at);
-    Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body })
+    Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm })
 }
 
 /// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
@@ -458,6 +498,78 @@ pub fn encode_refund(id: u32, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>],
     }
 }
 
+/// The rest of `parse_request` for ops 5 and 6 (docs/PROTOCOL.md, section
+/// 4c, in its validation order). RELEASE is checked as ACQUIRE is: a client
+/// sends the same fields to release as it sent to acquire.
+fn parse_lease(mut body: Bytes, op: u8, id: u32, bounds: &Bounds) -> Inbound {
+    if body.len() < LEASE_HEADER_LEN {
+        return invalid(id, op, ErrorCode::Malformed, format!("lease body of {} bytes is shorter than the {LEASE_HEADER_LEN} fixed bytes", body.len()));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported for op {op}"));
+    }
+    let Some(on_error) = FailPolicy::from_wire(body[8]) else {
+        return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
+    };
+    if body[9] != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} limits in one request; exactly 1", body[9]));
+    }
+    let (limit, lease_ms, cost, local_limit) = (be32(&body, 10), be32(&body, 14), be32(&body, 18), be32(&body, 22));
+    let key_len = u16::from_be_bytes([body[26], body[27]]) as usize;
+    let lease_len = body[28] as usize;
+    if body.len() != LEASE_HEADER_LEN + key_len + lease_len {
+        return invalid(id, op, ErrorCode::Malformed, format!("key length {key_len} and lease length {lease_len} do not match the {} bytes left in the frame", body.len() - LEASE_HEADER_LEN));
+    }
+    let key_at = LEASE_HEADER_LEN;
+    if key_len == 0 || key_len > bounds.max_key_len {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key length {key_len} is outside 1..={}", bounds.max_key_len));
+    }
+    if let Some(pos) = body[key_at..key_at + key_len].iter().position(|&b| b < 0x20 || b == 0x7f) {
+        return invalid(id, op, ErrorCode::InvalidKey, format!("key byte {pos} is a control character"));
+    }
+    let lease_at = key_at + key_len;
+    if lease_len == 0 || lease_len > MAX_LEASE_ID_LEN || body[lease_at..].iter().any(|&b| b <= 0x20 || b == 0x7f || b == b'#') {
+        return invalid(id, op, ErrorCode::InvalidLease, format!("lease id of {lease_len} bytes is not 1..={MAX_LEASE_ID_LEN} printable bytes without spaces or '#'"));
+    }
+    if limit == 0 || limit > bounds.max_limit {
+        return invalid(id, op, ErrorCode::InvalidLimit, format!("limit {limit} is outside 1..={}", bounds.max_limit));
+    }
+    if lease_ms == 0 || lease_ms > bounds.max_window_ms {
+        return invalid(id, op, ErrorCode::InvalidLease, format!("lease length {lease_ms} ms is outside 1..={} ms", bounds.max_window_ms));
+    }
+    if cost == 0 || cost > limit || cost > bounds.max_cost {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost));
+    }
+    if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
+    }
+    body.advance(key_at);
+    let lease = body.split_off(key_len);
+    Inbound::Lease(LeaseRequest { id, op, on_error, limit, lease_ms, cost, local_limit, key: body, lease })
+}
+
+/// Appends one ACQUIRE (`op` 5) or RELEASE (`op` 6) frame to `dst`.
+pub fn encode_lease_request(id: u32, op: u8, a: &LeaseArgs<'_>, dst: &mut BytesMut) {
+    let body_len = LEASE_HEADER_LEN + a.key.len() + a.lease.len();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(op);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(a.on_error.to_wire());
+    dst.put_u8(1);
+    dst.put_u32(a.limit);
+    dst.put_u32(a.lease_ms);
+    dst.put_u32(a.cost);
+    dst.put_u32(a.local_limit);
+    dst.put_u16(a.key.len() as u16);
+    dst.put_u8(a.lease.len() as u8);
+    dst.put_slice(a.key);
+    dst.put_slice(a.lease);
+}
+
 /// Appends one check-policy request frame (one item) to `dst`.
 pub fn encode_policy_request(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) {
     let body_len = POLICY_HEADER_LEN + POLICY_ITEM_LEN + a.policy.len() + a.key.len();
@@ -477,15 +589,20 @@ pub fn encode_policy_request(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMu
     dst.put_slice(a.key);
 }
 
-/// Appends one check request frame to `dst`.
+/// Appends one check request frame to `dst` (the log algorithm).
 pub fn encode_request(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
+    encode_request_with(id, a, Algorithm::Log, dst);
+}
+
+/// Appends one check request frame for `algorithm` to `dst`.
+pub fn encode_request_with(id: u32, a: &CheckArgs<'_>, algorithm: Algorithm, dst: &mut BytesMut) {
     let body_len = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN + a.key.len();
     dst.reserve(LEN_PREFIX + body_len);
     dst.put_u32(body_len as u32);
     dst.put_u8(VERSION);
     dst.put_u8(OP_CHECK);
     dst.put_u32(id);
-    dst.put_u16(0);
+    dst.put_u16(algorithm.to_flags());
     dst.put_u8(a.on_error.to_wire());
     dst.put_u8(1);
     dst.put_u32(a.limit);
@@ -537,6 +654,53 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn the_algorithm_rides_in_flag_bits_0x0f00() {
+        let mut buf = BytesMut::new();
+        encode_request_with(7, &args(b"t1"), Algorithm::Ring, &mut buf);
+        assert_eq!(&buf[10..12], &[0x01, 0x00], "flags 0x0100");
+        match decode_one(&buf) {
+            Inbound::Check(c) => assert_eq!(c.algorithm, Algorithm::Ring),
+            other => panic!("{other:?}"),
+        }
+        let mut log = BytesMut::new();
+        encode_request(7, &args(b"t1"), &mut log);
+        assert!(matches!(decode_one(&log), Inbound::Check(CheckRequest { algorithm: Algorithm::Log, .. })));
+        let with_flags = |hi: u8, lo: u8| {
+            let mut b = buf.clone();
+            b[10] = hi;
+            b[11] = lo;
+            code_of(decode_one(&b))
+        };
+        assert_eq!(with_flags(0x0F, 0), ErrorCode::UnknownAlgorithm);
+        assert_eq!(with_flags(0x01, 0x10), ErrorCode::UnsupportedFlags);
+        assert_eq!(with_flags(0x10, 0), ErrorCode::UnsupportedFlags);
+    }
+
+    #[test]
+    fn lease_frames_round_trip_and_bad_leases_get_their_code() {
+        let a = LeaseArgs { key: b"t1", lease: b"0123abcd", limit: 10, lease_ms: 30_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+        for op in [OP_ACQUIRE, OP_RELEASE] {
+            let mut buf = BytesMut::new();
+            encode_lease_request(3, op, &a, &mut buf);
+            match decode_one(&buf) {
+                Inbound::Lease(l) => assert_eq!((l.op, l.limit, l.lease_ms, &l.key[..], &l.lease[..]), (op, 10, 30_000, &b"t1"[..], &b"0123abcd"[..])),
+                other => panic!("{other:?}"),
+            }
+        }
+        let code = |a: &LeaseArgs<'_>| {
+            let mut buf = BytesMut::new();
+            encode_lease_request(3, OP_ACQUIRE, a, &mut buf);
+            code_of(decode_one(&buf))
+        };
+        assert_eq!(code(&LeaseArgs { lease: b"", ..a.clone() }), ErrorCode::InvalidLease);
+        assert_eq!(code(&LeaseArgs { lease: b"a#2", ..a.clone() }), ErrorCode::InvalidLease, "'#' names a lease's further slots");
+        assert_eq!(code(&LeaseArgs { lease: &[b'x'; 65], ..a.clone() }), ErrorCode::InvalidLease);
+        assert_eq!(code(&LeaseArgs { lease_ms: 0, ..a.clone() }), ErrorCode::InvalidLease);
+        assert_eq!(code(&LeaseArgs { cost: 11, ..a.clone() }), ErrorCode::InvalidCost);
+        assert_eq!(code(&LeaseArgs { key: b"", ..a.clone() }), ErrorCode::InvalidKey);
     }
 
     fn policy_args<'a>(policy: &'a [u8], key: &'a [u8]) -> PolicyCheckArgs<'a> {
@@ -783,6 +947,7 @@ mod tests {
                             Some(Inbound::MultiCheck(MultiCheckRequest { items, .. }) | Inbound::Refund(RefundRequest { items, .. })) => {
                                 prop_assert!((1..=MAX_POLICY_ITEMS).contains(&items.len()) && items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty()))
                             }
+                            Some(Inbound::Lease(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
                             None => break,
                         }
                     }
@@ -820,6 +985,7 @@ mod tests {
                     }
                     Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
                     Inbound::PolicyCheck(_) | Inbound::MultiCheck(_) | Inbound::Refund(_) => prop_assert!(false, "a CHECK decoded as another op"),
+                    Inbound::Lease(_) => prop_assert!(false, "a CHECK decoded as a lease"),
                 }
             }
         }

@@ -32,6 +32,14 @@ pub const ITEM_RESULT_LEN: usize = 26;
 /// Largest response extension: item count, refusing item, handle length,
 /// a handle and `MAX_POLICY_ITEMS` item results.
 pub const MAX_EXTENSION_LEN: usize = 3 + HANDLE_LEN + MAX_POLICY_ITEMS * ITEM_RESULT_LEN;
+/// Op code of acquiring a concurrency lease (docs/PROTOCOL.md, section 4d).
+pub const OP_ACQUIRE: u8 = 5;
+/// Op code of releasing one; same layout.
+pub const OP_RELEASE: u8 = 6;
+/// Bytes of an ACQUIRE or RELEASE body before its key and lease id.
+pub const LEASE_HEADER_LEN: usize = 29;
+/// Longest lease id.
+pub const MAX_LEASE_ID_LEN: usize = 64;
 /// Bytes of a CHECK_POLICY body before its first item: version, op, id,
 /// flags, fail policy, item count, local limit.
 pub const POLICY_HEADER_LEN: usize = 14;
@@ -43,6 +51,11 @@ pub const POLICY_ITEM_LEN: usize = 7;
 /// inline key may hold, so policy windows never share a key with inline
 /// ones (docs/POLICIES.md).
 pub const MAX_POLICY_NAME_LEN: usize = 31;
+/// CHECK flag bits naming the request's algorithm (an `Algorithm` wire
+/// value, shifted by `ALGORITHM_SHIFT`); 0 is the log, so a client that
+/// sends no flags keeps the seed's behaviour.
+pub const ALGORITHM_FLAGS: u16 = 0x0F00;
+pub const ALGORITHM_SHIFT: u32 = 8;
 /// Bytes in the length prefix.
 pub const LEN_PREFIX: usize = 4;
 /// Largest body accepted, in bytes. A check with a 512-byte key is 540 bytes;
@@ -208,6 +221,11 @@ wire_enum! {
         /// A REFUND the store cannot carry out (the in-memory backend keeps
         /// no member ids); nothing was taken back.
         RefundUnsupported = 14 => "REFUND_UNSUPPORTED",
+        /// The CHECK's algorithm bits name no algorithm this daemon has.
+        UnknownAlgorithm = 16 => "UNKNOWN_ALGORITHM",
+        /// ACQUIRE or RELEASE with a lease id empty, too long or with a
+        /// control byte, or a lease length outside 1..=max_window_ms.
+        InvalidLease = 17 => "INVALID_LEASE",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",
@@ -217,6 +235,53 @@ wire_enum! {
         /// Too many Redis calls in flight (the adaptive limit): refused at
         /// once, Redis not asked; the fail policy decided.
         Overloaded = 35 => "OVERLOADED",
+    }
+}
+
+wire_enum! {
+    /// How a limit counts (docs/ALGORITHMS.md). Sent in a CHECK's flag bits
+    /// `ALGORITHM_FLAGS`; set per `[[policy]]` by `algorithm = "..."`.
+    pub enum Algorithm: u8 {
+        /// The exact sliding log: one ZSET member per admission (the default).
+        Log = 0 => "log",
+        /// The exact sliding window as a ring of admission times: the log's
+        /// decisions at 8 bytes per admission unit.
+        Ring = 1 => "ring",
+        /// GCRA: a bucket of `limit` tokens refilled at `limit` per window,
+        /// one number per key; admitted requests carry their pacing delay.
+        Gcra = 2 => "gcra",
+        /// The previous fixed window weighted by its overlap plus the
+        /// current one: O(1) per key, approximate.
+        SlidingCounter = 3 => "sliding_counter",
+        /// Fixed windows aligned to multiples of the window since the epoch
+        /// (a UTC minute, hour or day): O(1) per key.
+        Fixed = 4 => "fixed",
+    }
+}
+
+impl Algorithm {
+    /// The algorithm named by a CHECK's flags, or the bits that name none.
+    pub const fn from_flags(flags: u16) -> Result<Self, u8> {
+        let bits = ((flags & ALGORITHM_FLAGS) >> ALGORITHM_SHIFT) as u8;
+        match Self::from_wire(bits) {
+            Some(a) => Ok(a),
+            None => Err(bits),
+        }
+    }
+
+    /// The CHECK flag bits that name this algorithm.
+    pub const fn to_flags(self) -> u16 {
+        (self.to_wire() as u16) << ALGORITHM_SHIFT
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::from_name(s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|a| a.as_str()).collect();
+            format!("unknown algorithm '{s}' (expected one of: {})", names.join(", "))
+        })
     }
 }
 
@@ -239,5 +304,11 @@ mod tests {
         assert_eq!(ErrorCode::from_wire(15), None);
         assert_eq!("local".parse::<FailPolicy>(), Ok(FailPolicy::Local));
         assert!("nope".parse::<FailPolicy>().unwrap_err().contains("open, closed or local"));
+        for &a in Algorithm::ALL {
+            assert_eq!(Algorithm::from_flags(a.to_flags() | 0x0003), Ok(a));
+        }
+        assert_eq!(Algorithm::from_flags(0), Ok(Algorithm::Log));
+        assert_eq!(Algorithm::from_flags(0x0F00), Err(15));
+        assert!("lgo".parse::<Algorithm>().unwrap_err().contains("log, ring, gcra, sliding_counter, fixed"));
     }
 }

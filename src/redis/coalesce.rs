@@ -1,6 +1,7 @@
 //! Per-key coalescing of Redis calls.
 //!
-//! While one call for a window (key and window length) is in flight, later
+//! While one call for a window (key, window length and algorithm: each
+//! algorithm has its own Redis key and script) is in flight, later
 //! checks of the same window do not make calls of their own: they queue
 //! here, and when the call in flight returns, the queue goes to Redis as one
 //! call carrying each request's limit and cost in arrival order. The script
@@ -30,6 +31,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
 
+use crate::protocol::Algorithm;
 use crate::window::{StoreError, Verdict};
 
 const SHARDS: usize = 64;
@@ -54,6 +56,7 @@ pub struct Waiter {
 pub struct Batch {
     pub key: Box<[u8]>,
     pub window_ms: u32,
+    pub algorithm: Algorithm,
     pub waiters: Vec<Waiter>,
 }
 
@@ -61,7 +64,7 @@ pub struct Batch {
 #[derive(Debug, Default)]
 struct Pending {
     /// The key and window of the waiters (set by the first of them).
-    window: Option<(Box<[u8]>, u32)>,
+    window: Option<(Box<[u8]>, u32, Algorithm)>,
     waiters: Vec<Waiter>,
 }
 
@@ -93,8 +96,8 @@ impl Default for InFlight {
 }
 
 impl InFlight {
-    pub fn fingerprint(&self, key: &[u8], window_ms: u32) -> u128 {
-        let hash = |s: &RandomState| s.hash_one((key, window_ms));
+    pub fn fingerprint(&self, key: &[u8], window_ms: u32, algorithm: Algorithm) -> u128 {
+        let hash = |s: &RandomState| s.hash_one((key, window_ms, algorithm));
         ((hash(&self.hi) as u128) << 64) | hash(&self.lo) as u128
     }
 
@@ -105,7 +108,7 @@ impl InFlight {
     }
 
     /// Joins the window's call in flight, or marks one as started.
-    pub fn join(&self, fp: u128, key: &[u8], window_ms: u32, limit: u32, cost: u32) -> Join {
+    pub fn join(&self, fp: u128, key: &[u8], window_ms: u32, algorithm: Algorithm, limit: u32, cost: u32) -> Join {
         let mut map = self.shard(fp);
         match map.entry(fp) {
             Entry::Vacant(v) => {
@@ -115,9 +118,9 @@ impl InFlight {
             Entry::Occupied(mut o) => {
                 let p = o.get_mut();
                 match &p.window {
-                    Some((k, w)) if **k != *key || *w != window_ms => return Join::Alone,
+                    Some((k, w, a)) if **k != *key || *w != window_ms || *a != algorithm => return Join::Alone,
                     Some(_) => {}
-                    None => p.window = Some((key.into(), window_ms)),
+                    None => p.window = Some((key.into(), window_ms, algorithm)),
                 }
                 let (tx, rx) = oneshot::channel();
                 p.waiters.push(Waiter { limit, cost, tx });
@@ -137,8 +140,8 @@ impl InFlight {
             return None;
         }
         let p = o.get_mut();
-        let (key, window_ms) = p.window.take().expect("waiters set the window");
-        Some(Batch { key, window_ms, waiters: std::mem::take(&mut p.waiters) })
+        let (key, window_ms, algorithm) = p.window.take().expect("waiters set the window");
+        Some(Batch { key, window_ms, algorithm, waiters: std::mem::take(&mut p.waiters) })
     }
 
     /// Windows marked in flight (tests).
@@ -155,11 +158,11 @@ mod tests {
     #[test]
     fn the_first_request_leads_later_ones_queue_in_order() {
         let t = InFlight::default();
-        let fp = t.fingerprint(b"k", 1000);
-        assert!(matches!(t.join(fp, b"k", 1000, 10, 1), Join::Lead));
+        let fp = t.fingerprint(b"k", 1000, Algorithm::Log);
+        assert!(matches!(t.join(fp, b"k", 1000, Algorithm::Log, 10, 1), Join::Lead));
         let mut rxs = Vec::new();
         for cost in 1..=3 {
-            match t.join(fp, b"k", 1000, 10, cost) {
+            match t.join(fp, b"k", 1000, Algorithm::Log, 10, cost) {
                 Join::Wait(rx) => rxs.push(rx),
                 other => panic!("{other:?}"),
             }
@@ -168,22 +171,23 @@ mod tests {
         assert_eq!((&*b.key, b.window_ms), (&b"k"[..], 1000));
         assert_eq!(b.waiters.iter().map(|w| w.cost).collect::<Vec<_>>(), [1, 2, 3]);
         // Still in flight while the batch runs: a newcomer queues.
-        assert!(matches!(t.join(fp, b"k", 1000, 10, 1), Join::Wait(_)));
+        assert!(matches!(t.join(fp, b"k", 1000, Algorithm::Log, 10, 1), Join::Wait(_)));
         assert!(t.next_batch(fp).is_some());
         assert!(t.next_batch(fp).is_none(), "nobody queued: the mark is cleared");
         assert_eq!(t.len(), 0);
-        assert!(matches!(t.join(fp, b"k", 1000, 10, 1), Join::Lead));
+        assert!(matches!(t.join(fp, b"k", 1000, Algorithm::Log, 10, 1), Join::Lead));
     }
 
     #[test]
     fn a_fingerprint_collision_is_sent_alone() {
         let t = InFlight::default();
         // Force the same fingerprint for two windows.
-        let fp = t.fingerprint(b"a", 1000);
-        assert!(matches!(t.join(fp, b"a", 1000, 10, 1), Join::Lead));
-        assert!(matches!(t.join(fp, b"a", 1000, 10, 1), Join::Wait(_)));
-        assert!(matches!(t.join(fp, b"b", 1000, 10, 1), Join::Alone));
-        assert!(matches!(t.join(fp, b"a", 2000, 10, 1), Join::Alone));
+        let fp = t.fingerprint(b"a", 1000, Algorithm::Log);
+        assert!(matches!(t.join(fp, b"a", 1000, Algorithm::Log, 10, 1), Join::Lead));
+        assert!(matches!(t.join(fp, b"a", 1000, Algorithm::Log, 10, 1), Join::Wait(_)));
+        assert!(matches!(t.join(fp, b"b", 1000, Algorithm::Log, 10, 1), Join::Alone));
+        assert!(matches!(t.join(fp, b"a", 2000, Algorithm::Log, 10, 1), Join::Alone));
+        assert!(matches!(t.join(fp, b"a", 1000, Algorithm::Ring, 10, 1), Join::Alone));
         let b = t.next_batch(fp).unwrap();
         assert_eq!(b.waiters.len(), 1);
     }
@@ -191,8 +195,9 @@ mod tests {
     #[test]
     fn windows_differ_by_key_and_length() {
         let t = InFlight::default();
-        assert_ne!(t.fingerprint(b"k", 1000), t.fingerprint(b"k", 2000));
-        assert_ne!(t.fingerprint(b"k", 1000), t.fingerprint(b"j", 1000));
-        assert_eq!(t.fingerprint(b"k", 1000), t.fingerprint(b"k", 1000));
+        assert_ne!(t.fingerprint(b"k", 1000, Algorithm::Log), t.fingerprint(b"k", 2000, Algorithm::Log));
+        assert_ne!(t.fingerprint(b"k", 1000, Algorithm::Log), t.fingerprint(b"k", 1000, Algorithm::Ring));
+        assert_ne!(t.fingerprint(b"k", 1000, Algorithm::Log), t.fingerprint(b"j", 1000, Algorithm::Log));
+        assert_eq!(t.fingerprint(b"k", 1000, Algorithm::Log), t.fingerprint(b"k", 1000, Algorithm::Log));
     }
 }

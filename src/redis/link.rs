@@ -121,9 +121,11 @@ pub struct RedisLink {
     /// Wakes requests waiting for a reload.
     loaded: Notify,
     settings: LinkSettings,
-    script: Script,
-    /// The script's text, for `EVAL` when a cluster node answers NOSCRIPT.
-    script_source: &'static str,
+    /// The scripts, one per algorithm, in the order given to `start`
+    /// (`script_sha(i)`); all are loaded together, so a link is ready
+    /// for every algorithm or for none. Each keeps its text for `EVAL` when
+    /// a cluster node answers NOSCRIPT.
+    scripts: Box<[(Script, &'static str)]>,
     /// A real call of the script (on a key of its own) that a new connection
     /// must answer before the breaker closes: `SCRIPT LOAD` alone succeeds on
     /// a server that then refuses or blocks writes (`CLIENT PAUSE WRITE`,
@@ -172,9 +174,10 @@ fn classify(e: &RedisError) -> Failure {
 
 impl RedisLink {
     /// Starts the supervisor; the link is down (breaker open) until it has
-    /// connected and loaded `script`. Background tasks stop with `shutdown`.
-    pub fn start(connector: Connector, script_source: &'static str, probe: Cmd, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
-        let script = Script::new(script_source);
+    /// connected and loaded every script of `sources` (the probe calls the
+    /// first). Background tasks stop with `shutdown`.
+    pub fn start(connector: Connector, sources: &[&'static str], probe: Cmd, settings: LinkSettings, shutdown: CancellationToken) -> Arc<Self> {
+        let scripts = sources.iter().map(|s| (Script::new(s), *s)).collect();
         let link = Arc::new(Self {
             conn: ArcSwapOption::empty(),
             breaker: Breaker::new(settings.breaker_failures),
@@ -187,8 +190,7 @@ impl RedisLink {
             wake: Notify::new(),
             loaded: Notify::new(),
             settings,
-            script,
-            script_source,
+            scripts,
             probe,
             trip_log: RateLimitedLog::new(LOG_INTERVAL),
             up_log: RateLimitedLog::new(LOG_INTERVAL),
@@ -214,9 +216,18 @@ impl RedisLink {
         self.settings.timeout
     }
 
-    /// The SHA1 that EVALSHA names.
-    pub fn script_sha(&self) -> &str {
-        self.script.get_hash()
+    /// The SHA1 that EVALSHA names for the `i`-th script given to `start`.
+    pub fn script_sha(&self, i: usize) -> &str {
+        self.scripts[i].0.get_hash()
+    }
+
+    /// The text of the script `cmd` (an EVALSHA) names, for its EVAL.
+    fn source_of(&self, cmd: &Cmd) -> &'static str {
+        let sha = cmd.args_iter().nth(1).and_then(|a| match a {
+            redis::Arg::Simple(b) => Some(b),
+            _ => None,
+        });
+        self.scripts.iter().find(|(s, _)| sha == Some(s.get_hash().as_bytes())).unwrap_or(&self.scripts[0]).1
     }
 
     /// Runs `cmd`, an EVALSHA of the link's script, within the deadline. On
@@ -253,7 +264,7 @@ impl RedisLink {
                     // none being down matters (`SCRIPT LOAD` on a cluster
                     // goes to every node and fails if any one is down).
                     METRICS.noscript_reload();
-                    eval_source(cmd, self.script_source).query_async::<T>(&mut conn).await
+                    eval_source(cmd, self.source_of(cmd)).query_async::<T>(&mut conn).await
                 }
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                     METRICS.noscript_reload();
@@ -498,7 +509,7 @@ const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// (Re)connects, reloads the script and closes the breaker; runs until shutdown.
 async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: CancellationToken) {
-    let script = &link.script;
+    let sha = link.script_sha(0);
     let conn_cfg = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(link.settings.connect_timeout))
         .set_response_timeout(Some(link.settings.timeout.max(Duration::from_secs(1))));
@@ -550,7 +561,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                     // The probe's node may have no script if SCRIPT LOAD
                     // missed it (see `load_script`).
                     match link.probe.query_async::<redis::Value>(&mut conn).await {
-                        Err(e) if is_noscript(&e) => eval_source(&link.probe, link.script_source).query_async::<redis::Value>(&mut conn).await?,
+                        Err(e) if is_noscript(&e) => eval_source(&link.probe, link.source_of(&link.probe)).query_async::<redis::Value>(&mut conn).await?,
                         other => other?,
                     };
                 } else {
@@ -582,9 +593,9 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                     up_since = Some(Instant::now());
                 }
                 if !was_open {
-                    tracing::debug!(sha = script.get_hash(), "sliding-window script reloaded");
+                    tracing::debug!(sha, scripts = link.scripts.len(), "every script reloaded");
                 } else if let Some(suppressed) = link.up_log.permit() {
-                    tracing::info!(redis = %target, sha = script.get_hash(), after_failures = failures, closed_before = suppressed, "redis link up; script loaded; breaker closed");
+                    tracing::info!(redis = %target, sha, scripts = link.scripts.len(), after_failures = failures, closed_before = suppressed, "redis link up; script loaded; breaker closed");
                 }
                 failures = 0;
                 continue;
@@ -634,14 +645,16 @@ fn eval_source(cmd: &Cmd, source: &str) -> Cmd {
 /// (the others decide their keys), so there it is only logged; a node
 /// without the script answers NOSCRIPT and gets an EVAL (`eval`).
 async fn load_script(link: &RedisLink, conn: &mut LinkConnection) -> Result<(), RedisError> {
-    match link.script.load_async(conn).await {
-        Ok(_) => Ok(()),
-        Err(e) if conn.is_cluster() => {
-            tracing::debug!(error = %e, "SCRIPT LOAD did not reach every cluster node; nodes without the script get EVAL on NOSCRIPT");
-            Ok(())
+    for (script, _) in link.scripts.iter() {
+        match script.load_async(conn).await {
+            Ok(_) => {}
+            Err(e) if conn.is_cluster() => {
+                tracing::debug!(error = %e, "SCRIPT LOAD did not reach every cluster node; nodes without the script get EVAL on NOSCRIPT");
+            }
+            Err(e) => return Err(e),
         }
-        Err(e) => Err(e),
     }
+    Ok(())
 }
 
 /// PINGs the idle link. A lost connection is found here rather than by the

@@ -7,7 +7,8 @@
 //!   tells its owner through a callback;
 //! - `link`: the one shared connection, its supervisor and its circuit
 //!   breaker, and `eval`, the single entry point every call goes through;
-//! - `window`: the sliding-window script, its keys and its reply;
+//! - `window`: the scripts (one per algorithm: the log, the ring, GCRA,
+//!   the sliding counter, the fixed window), their keys and their reply;
 //! - `coalesce`: the windows with a call in flight, and the requests that
 //!   queue for their next call.
 

@@ -16,13 +16,38 @@ use super::coalesce::{Batch, InFlight, Join, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
 use super::link::{LinkSettings, RedisLink};
 use crate::config::{ClockSource, RedisConfig, RedisSecrets};
+use crate::protocol::Algorithm;
 use crate::metrics::METRICS;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
-/// The script, as shipped in the binary.
+/// The log's script, as shipped in the binary.
 pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
+/// The ring's script: same arguments and reply as the log's.
+pub const RING_SOURCE: &str = include_str!("ring.lua");
+/// GCRA's script: same arguments and reply layout.
+pub const GCRA_SOURCE: &str = include_str!("gcra.lua");
+/// The sliding-window counter's and the fixed window's: the same again.
+pub const SLIDING_COUNTER_SOURCE: &str = include_str!("sliding_counter.lua");
+/// Concurrency leases (ACQUIRE and RELEASE): a script of their own.
+pub const CONCURRENCY_SOURCE: &str = include_str!("concurrency.lua");
+pub const FIXED_SOURCE: &str = include_str!("fixed_window.lua");
 
-/// The Redis key of a client key and window: `<prefix>{<key>}:<window>ms`,
+/// The script of each algorithm; the link holds them in `Algorithm::ALL`
+/// order, so `Algorithm::index` names its SHA there.
+const fn script_of(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::Log => SCRIPT_SOURCE,
+        Algorithm::Ring => RING_SOURCE,
+        Algorithm::Gcra => GCRA_SOURCE,
+        Algorithm::SlidingCounter => SLIDING_COUNTER_SOURCE,
+        Algorithm::Fixed => FIXED_SOURCE,
+    }
+}
+
+/// The Redis key of a client key, window and algorithm:
+/// `<prefix>{<key>}:<window>ms` for the log (the seed's keys, unchanged),
+/// `<prefix>{<key>}:<window>ms:<algorithm>` for the others (`:ring`), so
+/// that two algorithms never read each other's data;
 /// or `<prefix>~<key>:<window>ms` when the key already carries a non-empty
 /// `{...}` hash tag of its own, so that callers can keep related keys in
 /// one Cluster slot. The `~` keeps the two forms apart (`a` and `{a}` are
@@ -36,6 +61,7 @@ pub struct WindowKey<'a> {
     pub prefix: &'a [u8],
     pub key: &'a [u8],
     pub window_ms: u32,
+    pub algorithm: Algorithm,
 }
 
 impl WindowKey<'_> {
@@ -69,11 +95,16 @@ impl WindowKey<'_> {
 
     fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
         self.write_stem(w)?;
-        write!(w, ":{}ms", self.window_ms)
+        write!(w, ":{}ms", self.window_ms)?;
+        match self.algorithm {
+            Algorithm::Log => Ok(()),
+            a => write!(w, ":{}", a.as_str()),
+        }
     }
 
-    /// A `SCAN MATCH` pattern for every window of this key (admin tools):
-    /// the stem with glob characters escaped, then `:*ms`.
+    /// A `SCAN MATCH` pattern for every window of this key, of every
+    /// algorithm (admin tools): the stem with glob characters escaped, then
+    /// `:*ms*`.
     pub fn all_windows_pattern(&self) -> Vec<u8> {
         let mut stem = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
         self.write_stem(&mut stem).expect("writing to a Vec cannot fail");
@@ -84,8 +115,20 @@ impl WindowKey<'_> {
             }
             out.push(b);
         }
-        out.extend_from_slice(b":*ms");
+        out.extend_from_slice(b":*ms*");
         out
+    }
+}
+
+/// The Redis key of a key's concurrency leases: the stem, then
+/// `:concurrency` (src/redis/concurrency.lua).
+#[derive(Clone, Copy, Debug)]
+struct LeaseKey<'a>(WindowKey<'a>);
+
+impl ToRedisArgs for LeaseKey<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut w = out.writer_for_next_arg();
+        let _ = self.0.write_stem(&mut w).and_then(|()| w.write_all(b":concurrency"));
     }
 }
 
@@ -179,8 +222,10 @@ impl RedisWindow {
         let instance = instance_id()?;
         let script = Script::new(SCRIPT_SOURCE);
         let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
+        // The algorithms' scripts in `Algorithm::ALL` order, then the leases'.
+        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([CONCURRENCY_SOURCE]).collect();
         Ok(Arc::new(Self {
-            link: RedisLink::start(connector, SCRIPT_SOURCE, probe, LinkSettings::from(cfg), shutdown),
+            link: RedisLink::start(connector, &sources, probe, LinkSettings::from(cfg), shutdown),
             key_prefix: cfg.key_prefix.as_bytes().into(),
             instance,
             seq: AtomicU64::new(0),
@@ -190,9 +235,9 @@ impl RedisWindow {
         }))
     }
 
-    /// The SHA1 that EVALSHA names.
+    /// The SHA1 that EVALSHA names for the log.
     pub fn script_sha(&self) -> &str {
-        self.link.script_sha()
+        self.link.script_sha(Algorithm::Log.index())
     }
 
     /// True while requests reach Redis: connected, script loaded, breaker closed.
@@ -210,8 +255,8 @@ impl RedisWindow {
     }
 
     /// The Redis key for a client key.
-    fn window_key<'a>(&'a self, key: &'a [u8], window_ms: u32) -> WindowKey<'a> {
-        WindowKey { prefix: &self.key_prefix, key, window_ms }
+    fn window_key<'a>(&'a self, key: &'a [u8], window_ms: u32, algorithm: Algorithm) -> WindowKey<'a> {
+        WindowKey { prefix: &self.key_prefix, key, window_ms, algorithm }
     }
 
     /// `now` as the script takes it: 0 for Redis `TIME`, else this host's clock.
@@ -226,15 +271,15 @@ impl RedisWindow {
     /// the same key and window is in flight, the request waits for it and
     /// goes to Redis with the others that queued meanwhile, in one call
     /// (`coalesce`); it is answered within the deadline either way.
-    pub async fn check(self: &Arc<Self>, spec: &LimitSpec<'_>) -> Result<Verdict, StoreError> {
-        let fp = self.in_flight.fingerprint(spec.key, spec.window_ms);
-        match self.in_flight.join(fp, spec.key, spec.window_ms, spec.limit, spec.cost) {
-            Join::Alone => self.check_at(spec, self.now_arg()).await,
+    pub async fn check(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, StoreError> {
+        let fp = self.in_flight.fingerprint(spec.key, spec.window_ms, algorithm);
+        match self.in_flight.join(fp, spec.key, spec.window_ms, algorithm, spec.limit, spec.cost) {
+            Join::Alone => self.check_at_with(spec, algorithm, self.now_arg()).await,
             Join::Lead => {
                 // Dropped with the future too (a client gone mid-call), so
                 // the requests queued behind this call are always sent.
                 let _lead = Lead { window: self, fp };
-                self.check_at(spec, self.now_arg()).await
+                self.check_at_with(spec, algorithm, self.now_arg()).await
             }
             Join::Wait(rx) => {
                 let limit = self.link.timeout();
@@ -254,10 +299,10 @@ impl RedisWindow {
     /// batch, until none are left; runs as a task of its own.
     async fn drain(self: Arc<Self>, fp: u128, mut batch: Batch) {
         loop {
-            let Batch { key, window_ms, mut waiters } = batch;
+            let Batch { key, window_ms, algorithm, mut waiters } = batch;
             while !waiters.is_empty() {
                 let rest = if waiters.len() > MAX_BATCH { waiters.split_off(MAX_BATCH) } else { Vec::new() };
-                self.send_batch(&key, window_ms, waiters).await;
+                self.send_batch(&key, window_ms, algorithm, waiters).await;
                 waiters = rest;
             }
             match self.in_flight.next_batch(fp) {
@@ -270,14 +315,14 @@ impl RedisWindow {
     /// One call for `waiters`, each answered with its own verdict. Requests
     /// already answered by their deadline are left out, so they are not
     /// counted.
-    async fn send_batch(&self, key: &[u8], window_ms: u32, waiters: Vec<Waiter>) {
+    async fn send_batch(&self, key: &[u8], window_ms: u32, algorithm: Algorithm, waiters: Vec<Waiter>) {
         let waiters: Vec<Waiter> = waiters.into_iter().filter(|w| !w.tx.is_closed()).collect();
         if waiters.is_empty() {
             return;
         }
         METRICS.coalesced(waiters.len() as u64);
         let asks: Vec<BatchAsk> = waiters.iter().map(|w| BatchAsk { limit: w.limit, cost: w.cost }).collect();
-        match self.check_batch_at(key, window_ms, &asks, self.now_arg()).await {
+        match self.check_batch_at_with(key, window_ms, algorithm, &asks, self.now_arg()).await {
             Ok(verdicts) => {
                 for (w, v) in waiters.into_iter().zip(verdicts) {
                     let _ = w.tx.send(Ok(v));
@@ -294,12 +339,17 @@ impl RedisWindow {
     /// Decides one request at `now_ms` (0 = Redis `TIME`), in a call of its
     /// own.
     pub async fn check_at(&self, spec: &LimitSpec<'_>, now_ms: u64) -> Result<Verdict, StoreError> {
+        self.check_at_with(spec, Algorithm::Log, now_ms).await
+    }
+
+    /// `check_at` counted by `algorithm`.
+    pub async fn check_at_with(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64) -> Result<Verdict, StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let mut cmd = redis::Cmd::with_capacity(9, 96 + self.key_prefix.len() + spec.key.len());
         cmd.arg("EVALSHA")
-            .arg(self.link.script_sha())
+            .arg(self.link.script_sha(algorithm.index()))
             .arg(1)
-            .arg(self.window_key(spec.key, spec.window_ms))
+            .arg(self.window_key(spec.key, spec.window_ms, algorithm))
             .arg(spec.window_ms)
             .arg(now_ms)
             .arg(member)
@@ -309,12 +359,37 @@ impl RedisWindow {
         Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
     }
 
+    /// Acquires (`acquire`) or releases a concurrency lease, in a call of
+    /// its own: no coalescing (each lease is a member of its own), and the
+    /// caller keeps the denial cache out (a release frees a slot at any
+    /// time). The reply is a verdict: see src/redis/concurrency.lua.
+    pub async fn lease(&self, acquire: bool, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, StoreError> {
+        let mut cmd = redis::Cmd::with_capacity(10, 128 + self.key_prefix.len() + key.len() + lease.len());
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(Algorithm::ALL.len()))
+            .arg(1)
+            .arg(LeaseKey(self.window_key(key, 0, Algorithm::Log)))
+            .arg(if acquire { "acquire" } else { "release" })
+            .arg(self.now_arg())
+            .arg(lease)
+            .arg(limit)
+            .arg(lease_ms)
+            .arg(cost);
+        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
+    }
+
     /// Decides `asks` in one call, in order, each exactly as a call of its
     /// own at the same instant would (`now_ms`: 0 = Redis `TIME`).
     pub async fn check_batch_at(&self, key: &[u8], window_ms: u32, asks: &[BatchAsk], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
+        self.check_batch_at_with(key, window_ms, Algorithm::Log, asks, now_ms).await
+    }
+
+    /// `check_batch_at` counted by `algorithm`.
+    pub async fn check_batch_at_with(&self, key: &[u8], window_ms: u32, algorithm: Algorithm, asks: &[BatchAsk], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let mut cmd = redis::Cmd::with_capacity(7 + 2 * asks.len(), 96 + self.key_prefix.len() + key.len() + 16 * asks.len());
-        cmd.arg("EVALSHA").arg(self.link.script_sha()).arg(1).arg(self.window_key(key, window_ms)).arg(window_ms).arg(now_ms).arg(member);
+        cmd.arg("EVALSHA").arg(self.link.script_sha(algorithm.index())).arg(1).arg(self.window_key(key, window_ms, algorithm)).arg(window_ms).arg(now_ms).arg(member);
         for a in asks {
             cmd.arg(a.limit).arg(a.cost);
         }
@@ -371,7 +446,7 @@ impl RedisWindow {
     fn slot_groups(&self, asks: &[MultiAsk<'_>]) -> Vec<Vec<usize>> {
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
         for (i, a) in asks.iter().enumerate() {
-            let slot = key_slot(&self.window_key(a.key, a.window_ms).to_vec());
+            let slot = key_slot(&self.window_key(a.key, a.window_ms, Algorithm::Log).to_vec());
             match groups.iter_mut().find(|g| g.0 == slot) {
                 Some(g) => g.1.push(i),
                 None => groups.push((slot, vec![i])),
@@ -394,9 +469,9 @@ impl RedisWindow {
 
     async fn multi_call(&self, asks: &[MultiAsk<'_>], member: MemberId, now_ms: u64) -> Result<(bool, Vec<Verdict>), StoreError> {
         let mut cmd = redis::Cmd::with_capacity(6 + 6 * asks.len(), 64 + asks.iter().map(|a| a.key.len() + self.key_prefix.len() + 48).sum::<usize>());
-        cmd.arg("EVALSHA").arg(self.link.script_sha()).arg(asks.len());
+        cmd.arg("EVALSHA").arg(self.link.script_sha(Algorithm::Log.index())).arg(asks.len());
         for a in asks {
-            cmd.arg(self.window_key(a.key, a.window_ms));
+            cmd.arg(self.window_key(a.key, a.window_ms, Algorithm::Log));
         }
         cmd.arg("m").arg(now_ms).arg(member);
         for a in asks {
@@ -429,9 +504,9 @@ impl RedisWindow {
 
     async fn refund_call(&self, items: &[RefundItem<'_>], member: MemberId) -> Result<u64, StoreError> {
         let mut cmd = redis::Cmd::new();
-        cmd.arg("EVALSHA").arg(self.link.script_sha()).arg(items.len());
+        cmd.arg("EVALSHA").arg(self.link.script_sha(Algorithm::Log.index())).arg(items.len());
         for r in items {
-            cmd.arg(self.window_key(r.key, r.window_ms));
+            cmd.arg(self.window_key(r.key, r.window_ms, Algorithm::Log));
         }
         cmd.arg("r").arg(member);
         for r in items {
@@ -512,7 +587,7 @@ fn probe_command(script: &Script, prefix: &[u8], instance: u64) -> redis::Cmd {
     cmd.arg("EVALSHA")
         .arg(script.get_hash())
         .arg(1)
-        .arg(WindowKey { prefix, key: b"\0probe", window_ms: 1 })
+        .arg(WindowKey { prefix, key: b"\0probe", window_ms: 1, algorithm: Algorithm::Log })
         .arg(1)
         .arg(0)
         .arg(MemberId { instance, seq: u64::MAX })
@@ -553,7 +628,7 @@ mod tests {
     use super::*;
 
     fn key(prefix: &str, key: &str) -> String {
-        String::from_utf8(WindowKey { prefix: prefix.as_bytes(), key: key.as_bytes(), window_ms: 1000 }.to_vec()).unwrap()
+        String::from_utf8(WindowKey { prefix: prefix.as_bytes(), key: key.as_bytes(), window_ms: 1000, algorithm: Algorithm::Log }.to_vec()).unwrap()
     }
 
     #[test]
@@ -564,10 +639,11 @@ mod tests {
         // An empty tag is no tag: the whole key is wrapped.
         assert_eq!(key("rl:", "a{}b"), "rl:{a{}b}:1000ms");
         assert_eq!(key("rl:", "a}b{"), "rl:{a}b{}:1000ms");
-        let k = |w| WindowKey { prefix: b"rl:", key: b"k", window_ms: w }.to_vec();
-        assert_ne!(k(100), k(60_000));
-        let glob = WindowKey { prefix: b"rl:", key: b"a*b?[c]", window_ms: 5 }.all_windows_pattern();
-        assert_eq!(String::from_utf8(glob).unwrap(), r"rl:{a\*b\?\[c\]}:*ms");
+        let k = |w, algorithm| WindowKey { prefix: b"rl:", key: b"k", window_ms: w, algorithm }.to_vec();
+        assert_ne!(k(100, Algorithm::Log), k(60_000, Algorithm::Log));
+        assert_eq!(k(100, Algorithm::Ring), b"rl:{k}:100ms:ring");
+        let glob = WindowKey { prefix: b"rl:", key: b"a*b?[c]", window_ms: 5, algorithm: Algorithm::Log }.all_windows_pattern();
+        assert_eq!(String::from_utf8(glob).unwrap(), r"rl:{a\*b\?\[c\]}:*ms*");
     }
 
     #[test]

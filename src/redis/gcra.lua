@@ -1,0 +1,92 @@
+#!lua
+-- ratelimitd: GCRA (the generic cell rate algorithm: a token bucket kept as
+-- one number), run atomically by Redis. Same arguments and reply layout as
+-- sliding_window.lua, so coalesced batches work the same way. O(1) memory:
+-- one string per key, the theoretical arrival time (TAT) in ms.
+--
+-- A limit of L per window W is a bucket of L tokens refilled at L per W:
+-- one token every T = W / L ms. A request of cost c at `now` is admitted
+-- iff max(TAT, now) + c T - now <= W, i.e. the bucket holds c tokens; then
+-- TAT := max(TAT, now) + c T. So L requests pass at once from a full
+-- bucket (the burst), and after that one every T (the rate): nginx
+-- `limit_req rate=R burst=B` is L = B + 1, W = L / R.
+--
+-- Pacing (nginx `limit_req` without `nodelay`): an admitted request's
+-- retry_after_ms is its delay, max(TAT, now) - now before this request:
+-- the time until its place at the rate. A client that sleeps it sends the
+-- burst upstream at the rate; one that ignores it (`nodelay`) sends it at
+-- once. 0 when the bucket was full.
+--
+-- Replies, per request, {allowed (1|0), count, remaining, retry_after_ms,
+-- reset_ms}:
+--   count      tokens in use after the request: ceil((TAT - now) / T)
+--   remaining  L - count
+--   retry      allowed: the pacing delay; refused: ms until c tokens are
+--              back (an integer: the first whole ms at which it fits)
+--   reset      ms until the bucket is full again (TAT - now, rounded up)
+--
+-- A refusal records nothing, and the TAT only moves forward on
+-- admissions, so a refused cost c fits no sooner than its retry-after:
+-- the daemon's denial cache is exact for GCRA as for the log.
+--
+-- KEYS[1]  the GCRA key (one Cluster slot; never another algorithm's key)
+-- ARGV[1]  window length W in ms
+-- ARGV[2]  now in ms from the caller's clock, or 0 to use Redis TIME
+-- ARGV[3]  member id (unused; kept so every script takes the same arguments)
+-- ARGV[4], ARGV[5]  limit and cost of the first request (1 <= cost <= limit)
+-- ARGV[6], ARGV[7]  ... of the second, and so on
+
+local key = KEYS[1]
+local window = tonumber(ARGV[1])
+local now = tonumber(ARGV[2])
+local n = (#ARGV - 3) / 2
+
+if now == 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Float error in c T must not turn an exact fit into a refusal.
+local EPS = 1e-6
+
+local stored = redis.call('GET', key)
+local tat = now
+if stored then
+  tat = math.max(tonumber(stored), now)
+end
+local changed = false
+local out = {}
+
+for j = 1, n do
+  local limit = tonumber(ARGV[2 + 2 * j])
+  local cost = tonumber(ARGV[3 + 2 * j])
+  local t = window / limit
+  local new_tat = tat + cost * t
+  if new_tat - now <= window + EPS then
+    local count = math.ceil((new_tat - now) / t - EPS)
+    out[#out + 1] = 1
+    out[#out + 1] = count
+    out[#out + 1] = limit - count
+    out[#out + 1] = math.ceil(tat - now - EPS)
+    out[#out + 1] = math.ceil(new_tat - now - EPS)
+    tat = new_tat
+    changed = true
+  else
+    local count = math.ceil((tat - now) / t - EPS)
+    local remaining = limit - count
+    if remaining < 0 then
+      remaining = 0
+    end
+    out[#out + 1] = 0
+    out[#out + 1] = count
+    out[#out + 1] = remaining
+    out[#out + 1] = math.ceil(new_tat - window - now - EPS)
+    out[#out + 1] = math.ceil(tat - now - EPS)
+  end
+end
+
+if changed then
+  -- %.17g keeps the double exact; the key lives until the bucket is full.
+  redis.call('SET', key, string.format('%.17g', tat), 'PX', math.max(1, math.ceil(tat - now)))
+end
+return out
