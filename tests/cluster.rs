@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::redis_cluster::RedisCluster;
+use common::redis_cluster::{key_slot, RedisCluster};
 use common::{args, Daemon};
 use ratelimitd::protocol::{CheckArgs, Decision, FailPolicy, Response, Source};
 use tokio::sync::Notify;
@@ -384,6 +384,107 @@ async fn hot_key_slot_moved_under_load() {
     assert_eq!(cluster.cli(dst, &["ZCARD", &rk]).trim(), LIMIT.to_string());
     let at_src = cluster.cli(src, &["EXISTS", &rk]);
     assert_eq!(at_src.trim(), format!("MOVED {slot} 127.0.0.1:{dst}"), "the old primary sends the slot's clients on");
+}
+
+/// `redis-cli --cluster reshard` moving a hot key's slot (with the slots
+/// below it on its primary) to another primary while the key is under load
+/// through the daemon: every request is decided by Redis (through the
+/// `ASK` and `MOVED` redis-cli's migration causes), and Redis's own record
+/// of the window holds exactly the limit, on the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_resharded_by_redis_cli_under_load() {
+    const LIMIT: u32 = 1500;
+    let cluster = RedisCluster::start();
+    // A key whose slot is among the lowest of its primary's range, so that
+    // a reshard of a few slots (redis-cli moves the source's lowest) takes it.
+    let primaries = cluster.primaries();
+    let ranges: Vec<(u16, Vec<(u16, u16)>)> = primaries.iter().map(|&p| (p, cluster.slot_ranges(p))).collect();
+    let (key, src, slots) = (0..100_000)
+        .find_map(|i| {
+            let key: &'static str = Box::leak(format!("hot-{i}").into_boxed_str());
+            let slot = key_slot(redis_key(key, 60_000).as_bytes());
+            ranges.iter().find_map(|(p, rs)| {
+                let lowest = rs.iter().map(|r| r.0).min()?;
+                let (lo, hi) = *rs.iter().find(|r| r.0 <= slot && slot <= r.1)?;
+                (lo == lowest && slot - lo < 40 && hi - lo > 100).then_some((key, *p, slot - lo + 1))
+            })
+        })
+        .expect("a key among the lowest slots of a primary");
+    let dst = primaries.into_iter().find(|&p| p != src).unwrap();
+    let rk = redis_key(key, 60_000);
+    let slot = key_slot(rk.as_bytes());
+    assert_eq!(cluster.cli(src, &["CLUSTER", "KEYSLOT", &rk]).trim(), slot.to_string(), "key_slot agrees with Redis");
+
+    let d = cluster_daemon(&cluster, "timeout_ms = 500");
+    let mut c = d.client().await;
+    assert_eq!(c.check(&args(key, LIMIT, 60_000)).await.unwrap().source, Source::Redis);
+    assert_eq!(owner_of(&cluster, &rk), Some(src));
+    // Other keys in the moving slots, so redis-cli has a MIGRATE pipeline to run.
+    for i in 0..300 {
+        let other = format!("ratelimitd:{{filler-{i}}}:60000ms");
+        let s = key_slot(other.as_bytes());
+        if s >= slot + 1 - slots && s <= slot {
+            cluster.cli(src, &["ZADD", &other, "1", "m"]);
+        }
+    }
+
+    let start = Instant::now();
+    let stop = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = d.client().await;
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut answers: Vec<(Duration, Response)> = Vec::new();
+            let a = args(key, LIMIT, 60_000);
+            let stopped = stop.notified();
+            tokio::pin!(stopped);
+            loop {
+                let resp = tokio::select! {
+                    _ = &mut stopped => return answers,
+                    r = c.check(&a) => r.expect("every request gets an answer"),
+                };
+                answers.push((start.elapsed(), resp));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let reshard_from = start.elapsed();
+    let cluster = Arc::new(cluster);
+    let output = tokio::task::spawn_blocking({
+        let cluster = cluster.clone();
+        move || cluster.reshard(src, dst, slots)
+    })
+    .await
+    .unwrap();
+    let reshard_to = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.notify_waiters();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.extend(t.await.unwrap());
+    }
+    answers.sort_by_key(|(at, _)| *at);
+    let off_redis: Vec<&(Duration, Response)> = answers.iter().filter(|(_, r)| !on_redis(r)).collect();
+    assert!(off_redis.is_empty(), "reshard {reshard_from:?}..{reshard_to:?}: not decided by Redis: {off_redis:#?}");
+    let allowed = answers.iter().filter(|(_, r)| r.decision == Decision::Allowed).count() as u32;
+    let during = answers.iter().filter(|(at, _)| *at > reshard_from && *at < reshard_to).count();
+    let after = answers.iter().filter(|(at, _)| *at > reshard_to).count();
+    eprintln!(
+        "redis-cli --cluster reshard of {slots} slots ({}..={slot}) {src} -> {dst} took {:?}: {} requests, {during} during it, {after} after",
+        slot + 1 - slots,
+        reshard_to - reshard_from,
+        answers.len()
+    );
+    assert!(output.contains(&format!("Moving slot {slot} from")), "redis-cli moved the key's slot: {output}");
+    assert!(during > 0 && after > 0, "requests during ({during}) and after ({after}) the reshard");
+    assert!(answers.len() as u32 + 1 > LIMIT + 100, "the limit is reached: {} requests", answers.len());
+    assert_eq!(allowed + 1, LIMIT, "exactly the limit admitted across the reshard");
+    // Redis's own record: the whole run is inside one 60 s window, on the new primary.
+    assert_eq!(owner_of(&cluster, &rk), Some(dst));
+    assert_eq!(cluster.cli(dst, &["ZCARD", &rk]).trim(), LIMIT.to_string());
+    assert_eq!(cluster.cli(src, &["EXISTS", &rk]).trim(), format!("MOVED {slot} 127.0.0.1:{dst}"));
 }
 
 /// AUTH on every node (`requirepass`): the daemon's `password_file` is used

@@ -202,6 +202,38 @@ impl RedisCluster {
         cli_output(port, &self.access, args).unwrap_or_else(|| panic!("redis-cli -p {port} {args:?} failed"))
     }
 
+    /// `redis-cli --cluster reshard`: moves `slots` slots from the primary
+    /// `from` to the primary `to` (redis-cli takes the source's lowest
+    /// slots first), keys and all; returns redis-cli's output. Panics if it
+    /// fails.
+    pub fn reshard(&self, from: u16, to: u16, slots: u16) -> String {
+        let id = |p: u16| self.cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+        let mut cmd = Command::new("redis-cli");
+        self.access.cli_args(&mut cmd);
+        let out = cmd
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to), "--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && !text.contains("[ERR]"), "redis-cli --cluster reshard: {text}");
+        text
+    }
+
+    /// The slot ranges `port`'s node serves, from its `CLUSTER NODES` line.
+    pub fn slot_ranges(&self, port: u16) -> Vec<(u16, u16)> {
+        let nodes = self.cli(port, &["CLUSTER", "NODES"]);
+        let me = nodes.lines().find(|l| l.contains("myself")).expect("CLUSTER NODES names myself");
+        me.split_whitespace()
+            .skip(8)
+            .filter(|r| !r.starts_with('['))
+            .map(|r| match r.split_once('-') {
+                Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
+                None => (r.parse().unwrap(), r.parse().unwrap()),
+            })
+            .collect()
+    }
+
     /// SIGKILL the node on `port`.
     pub fn kill(&mut self, port: u16) {
         let i = self.ports.iter().position(|&p| p == port).expect("a node of this cluster");
@@ -243,4 +275,22 @@ fn cli_output(port: u16, access: &Access, args: &[&str]) -> Option<String> {
     let out = cmd.args(args).stderr(Stdio::null()).output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     (out.status.success() && !text.starts_with("ERR") && !text.starts_with("NOAUTH") && !text.starts_with("Could not connect")).then_some(text)
+}
+
+/// The Cluster slot of `key` (CRC16/XMODEM of the key, or of its first
+/// non-empty `{...}` hash tag, mod 16384), as Redis computes it: lets a
+/// test pick keys by slot without a redis-cli call per candidate.
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        rest.iter().position(|&b| b == b'}').filter(|&len| len > 0).map(|len| &rest[..len])
+    });
+    let mut crc: u16 = 0;
+    for &b in tagged.unwrap_or(key) {
+        crc ^= (b as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc & 0x3fff
 }
