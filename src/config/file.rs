@@ -43,6 +43,9 @@ pub(super) struct PolicySection {
     pub local_limit: Option<u64>,
     #[serde(default)]
     pub shadow: bool,
+    /// Hot-key shards: the key's quota split over this many windows.
+    #[serde(default)]
+    pub shards: Option<i64>,
     /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
     /// stable order.
     #[serde(default)]

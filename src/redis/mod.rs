@@ -9,13 +9,16 @@
 //!   breaker, and `eval`, the single entry point every call goes through;
 //! - `window`: the sliding-window script, its keys and its reply;
 //! - `coalesce`: the windows with a call in flight, and the requests that
-//!   queue for their next call.
+//!   queue for their next call;
+//! - `shard`: the keys of a hot key's shards, one per range of Cluster slots.
 
 mod coalesce;
 mod connector;
 mod link;
 mod sentinel;
+mod shard;
 mod window;
 
 pub use connector::{Connector, ConnectorError, LinkConnection};
+pub use shard::shard_key;
 pub use window::{BatchAsk, RedisWindow, StartError, WindowKey};
