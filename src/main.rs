@@ -95,6 +95,9 @@ enum Command {
         /// Give every request a key of its own (KEY:CONNECTION:N).
         #[arg(long)]
         distinct_keys: bool,
+        /// Send CHECK_POLICY for this configured [[policy]] instead of an inline check (--limit and --window-ms are then not sent).
+        #[arg(long)]
+        policy: Option<String>,
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
@@ -239,7 +242,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             // Exit status for scripts: 0 allowed, 1 denied, 2 error.
             Ok(ExitCode::from(r.decision.to_wire()))
         }
-        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, json } => {
+        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, policy, json } => {
             if rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
                 anyhow::bail!("--rate must be a positive number of requests per second");
             }
@@ -256,6 +259,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 pipeline,
                 rate,
                 distinct_keys,
+                policy,
             };
             let report = runtime()?.block_on(bench::run(args)).with_context(|| format!("bench against {}", check.socket.display()))?;
             if json {
