@@ -41,6 +41,8 @@ struct Access {
     /// CA, certificate and key; the server certificate (127.0.0.1) serves
     /// both as the nodes' server and client certificate.
     tls: Option<TlsPaths>,
+    /// More `redis-server` options for every node.
+    server_args: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -75,13 +77,19 @@ impl RedisCluster {
     /// certificate of `certs`' CA), on the cluster bus too.
     pub fn start_tls(certs: &Certs) -> Self {
         let tls = TlsPaths { ca: certs.ca(), server_cert: certs.server_cert(), server_key: certs.server_key(), client_cert: certs.client_cert(), client_key: certs.client_key() };
-        Self::start_inner(Access { password: None, tls: Some(tls) })
+        Self::start_inner(Access { tls: Some(tls), ..Access::default() })
     }
 
     /// Like `start`, every node requiring `password` (replicas use it as
     /// `masterauth`; `cli` authenticates with it).
     pub fn start_with_password(password: &str) -> Self {
-        Self::start_inner(Access { password: Some(password.to_string()), tls: None })
+        Self::start_inner(Access { password: Some(password.to_string()), ..Access::default() })
+    }
+
+    /// Like `start`, every node also started with `args` (e.g.
+    /// `--cluster-require-full-coverage no`).
+    pub fn start_with_args(args: &[&str]) -> Self {
+        Self::start_inner(Access { server_args: args.iter().map(|a| a.to_string()).collect(), ..Access::default() })
     }
 
     fn start_inner(access: Access) -> Self {
@@ -128,6 +136,7 @@ impl RedisCluster {
         if let Some(pw) = &self.access.password {
             cmd.args(["--requirepass", pw, "--masterauth", pw]);
         }
+        cmd.args(&self.access.server_args);
         ChildGuard::spawn("redis-server (cluster node)", &mut cmd, Some(log))
     }
 
