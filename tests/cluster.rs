@@ -450,6 +450,9 @@ async fn failover_once(run: usize) -> (u64, u64) {
     tokio::time::sleep(Duration::from_millis(700)).await;
     let killed_at = start.elapsed();
     cluster.kill(victim);
+    // `kill` returns once the process is gone: nothing sent after this
+    // reached it.
+    let dead_at = start.elapsed();
     assert!(cluster.wait_ok(Duration::from_secs(20)), "the replica is promoted");
     let promoted_at = start.elapsed();
     // Redis decides the key again (on the promoted replica) for a while.
@@ -470,7 +473,7 @@ async fn failover_once(run: usize) -> (u64, u64) {
     let probe_admitted = 1 + 1;
     let acknowledged = answers.iter().filter(|(_, r)| admitted(r)).count() as u64 + probe_admitted;
     let before_kill = answers.iter().filter(|(at, r)| *at < killed_at && admitted(r)).count() as u64 + 1;
-    let unsure = answers.iter().filter(|(at, r)| *at < killed_at && !on_redis(r)).count() as u64;
+    let unsure = answers.iter().filter(|(at, r)| *at < dead_at && !on_redis(r)).count() as u64;
     let new_owner = owner_of(&cluster, &rk).expect("the window is on the promoted replica");
     assert_ne!(new_owner, victim);
     let present: u64 = cluster.cli(new_owner, &["ZCARD", &rk]).trim().parse().unwrap();
@@ -622,10 +625,12 @@ async fn hot_key_resharded_by_redis_cli_under_load() {
 
     let start = Instant::now();
     let stop = Arc::new(Notify::new());
+    let answered = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let mut c = d.client().await;
         let stop = stop.clone();
+        let answered = answered.clone();
         tasks.push(tokio::spawn(async move {
             let mut answers: Vec<(Duration, Response)> = Vec::new();
             let a = args(key, LIMIT, 60_000);
@@ -637,6 +642,7 @@ async fn hot_key_resharded_by_redis_cli_under_load() {
                     r = c.check(&a) => r.expect("every request gets an answer"),
                 };
                 answers.push((start.elapsed(), resp));
+                answered.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }));
@@ -651,7 +657,12 @@ async fn hot_key_resharded_by_redis_cli_under_load() {
     .await
     .unwrap();
     let reshard_to = start.elapsed();
+    // Past the limit, however slow the machine.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    while answered.load(Ordering::Relaxed) < LIMIT + 100 {
+        assert!(start.elapsed() < Duration::from_secs(30), "the load reaches the limit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     stop.notify_waiters();
     let mut answers = Vec::new();
     for t in tasks {
