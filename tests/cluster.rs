@@ -515,10 +515,12 @@ async fn hot_key_slot_moved_under_load() {
 
     let start = Instant::now();
     let stop = Arc::new(Notify::new());
+    let answered = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let mut c = d.client().await;
         let stop = stop.clone();
+        let answered = answered.clone();
         tasks.push(tokio::spawn(async move {
             let mut answers: Vec<(Duration, Response)> = Vec::new();
             let a = args("hot", LIMIT, 60_000);
@@ -530,6 +532,7 @@ async fn hot_key_slot_moved_under_load() {
                     r = c.check(&a) => r.expect("every request gets an answer"),
                 };
                 answers.push((start.elapsed(), resp));
+                answered.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }));
@@ -559,7 +562,12 @@ async fn hot_key_slot_moved_under_load() {
         }
     }
     let moved_at = start.elapsed();
+    // Past the limit, however slow the machine (a loaded one sent 1578).
     tokio::time::sleep(Duration::from_millis(500)).await;
+    while answered.load(Ordering::Relaxed) < LIMIT + 100 {
+        assert!(start.elapsed() < Duration::from_secs(30), "the load reaches the limit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     stop.notify_waiters();
     let mut answers = Vec::new();
     for t in tasks {
