@@ -394,7 +394,7 @@ async fn partial_coverage_keeps_other_primaries_serving() {
     for s in others.iter().filter(|s| !on_redis(&s.resp)) {
         assert!(s.resp.error != ErrorCode::CircuitOpen && !s.resp.message.contains("CLUSTERDOWN"), "{:?}", s.resp);
     }
-    assert!(others.len() > 300 && others_on_redis * 100 >= others.len() * 97, "other keys on Redis: {others_on_redis} of {}", others.len());
+    assert!(others.len() > 300 && others_on_redis * 100 >= others.len() * 95, "other keys on Redis: {others_on_redis} of {}", others.len());
 }
 
 /// What one primary failover under load loses: admissions Redis
