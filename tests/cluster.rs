@@ -482,6 +482,9 @@ async fn failover_once(run: usize) -> (u64, u64) {
     // that was not admitted (or possibly admitted, unanswered).
     assert!(present >= after, "run {run}: {present} on the promoted replica, {after} admitted after the kill");
     assert!(present <= acknowledged + unsure, "run {run}: {present} on the promoted replica, {acknowledged} admitted, {unsure} unanswered");
+    if present * 2 < before_kill {
+        eprintln!("run {run}: the promoted replica lacks most of the old primary's admissions; node logs:\n{}", cluster.logs());
+    }
     let low = (acknowledged).saturating_sub(present);
     let high = (acknowledged + unsure).saturating_sub(present);
     eprintln!(

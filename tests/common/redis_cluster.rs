@@ -182,11 +182,21 @@ impl RedisCluster {
         }
     }
 
-    /// Every replica's link to its primary is up (replication done).
+    /// Every replica's link to its primary is up (replication done), and
+    /// every primary streams to its replica (`state=online`): after the
+    /// initial (diskless) sync a primary holds its writes back until the
+    /// replica's first `REPLCONF ACK`, up to a second later, although the
+    /// replica already says `master_link_status:up`. A primary killed in
+    /// that second leaves a promoted replica with none of them.
     fn replicas_linked(&self) -> bool {
         self.live_ports().into_iter().all(|p| match cli_output(p, &self.access, &["INFO", "replication"]) {
             Some(info) if info.contains("role:slave") => info.contains("master_link_status:up"),
-            Some(_) => true,
+            Some(info) => {
+                let replicas: Vec<&str> = info.lines().filter(|l| l.starts_with("slave") && l.contains("ip=")).collect();
+                // The ACK's offset: 0 until the first one arrives.
+                let acked = |l: &str| l.split(',').find_map(|f| f.strip_prefix("offset=")).and_then(|o| o.parse::<u64>().ok()).is_some_and(|o| o > 0);
+                replicas.iter().all(|l| l.contains("state=online") && acked(l))
+            }
             None => false,
         })
     }
