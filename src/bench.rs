@@ -21,7 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::client::{Client, ClientError};
-use crate::protocol::{decode_response, encode_request_with, Algorithm, CheckArgs, Decision, ErrorCode, FailPolicy, Response, Source};
+use crate::protocol::{decode_response, encode_policy_request, encode_request_with, Algorithm, CheckArgs, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, Response, Source};
 
 #[derive(Debug, Clone)]
 pub struct BenchArgs {
@@ -43,6 +43,9 @@ pub struct BenchArgs {
     pub rate: Option<f64>,
     /// Every request its own key (`<key>:<connection>:<n>`).
     pub distinct_keys: bool,
+    /// Send CHECK_POLICY for this `[[policy]]` (its limit and window are
+    /// the daemon's; `limit` and `window_ms` are not sent).
+    pub policy: Option<String>,
 }
 
 impl BenchArgs {
@@ -62,6 +65,7 @@ impl BenchArgs {
             pipeline: 1,
             rate: None,
             distinct_keys: false,
+            policy: None,
         }
     }
 }
@@ -198,8 +202,16 @@ async fn pipelined(mut stream: UnixStream, conn: usize, conns: usize, args: Arc<
             if args.distinct_keys {
                 let _ = write!(key, ":{conn}:{sent}");
             }
-            let check = CheckArgs { key: key.as_bytes(), limit: args.limit, window_ms: args.window_ms, cost: args.cost, on_error: args.on_error, local_limit: args.local_limit };
-            encode_request_with(next_id, &check, args.algorithm, &mut wbuf);
+            match &args.policy {
+                Some(p) => {
+                    let check = PolicyCheckArgs { policy: p.as_bytes(), key: key.as_bytes(), cost: args.cost, on_error: args.on_error, local_limit: args.local_limit };
+                    encode_policy_request(next_id, &check, &mut wbuf);
+                }
+                None => {
+                    let check = CheckArgs { key: key.as_bytes(), limit: args.limit, window_ms: args.window_ms, cost: args.cost, on_error: args.on_error, local_limit: args.local_limit };
+                    encode_request_with(next_id, &check, args.algorithm, &mut wbuf);
+                }
+            }
             sent_at[next_id as usize % SENT_SLOTS] = now;
             next_id = next_id.wrapping_add(1).max(1);
             in_flight += 1;
@@ -254,7 +266,10 @@ async fn run_one_at_a_time(args: BenchArgs) -> Result<BenchReport, ClientError> 
             let mut t = WorkerTally { latencies_us: Vec::with_capacity((args.requests as usize / concurrency) + 1), ..Default::default() };
             while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
                 let sent = Instant::now();
-                let r = client.check_with(&check, args.algorithm).await?;
+                let r = match &args.policy {
+                    Some(p) => client.check_policy(&PolicyCheckArgs { policy: p.as_bytes(), key: check.key, cost: check.cost, on_error: check.on_error, local_limit: check.local_limit }).await?,
+                    None => client.check_with(&check, args.algorithm).await?,
+                };
                 t.count(&r, sent.elapsed());
                 t.sending = sent - start;
             }

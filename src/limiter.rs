@@ -10,11 +10,11 @@ use crate::local_store::{LocalStore, LocalStoreFull};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::config::PolicyLimit;
-use crate::policies::{Outcome, Policies, Policy};
+use crate::policies::{shard_limit, Outcome, Policies, Policy};
 use crate::protocol::{
     Algorithm, CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, RefundRequest, Response, Source, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
 };
-use crate::redis::{MultiAsk, RedisWindow, RefundItem};
+use crate::redis::{shard_key, MultiAsk, RedisWindow, RefundItem};
 use crate::top_refused::TOP_REFUSED;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
@@ -108,11 +108,18 @@ impl Limiter {
                 return Response { decision: Decision::Allowed, source: Source::Exempt, error: ErrorCode::None, ..Response::error(req.id, OP_CHECK_POLICY, ErrorCode::None, Cow::Borrowed("")) };
             }
         };
-        if req.cost > limit {
+        // A sharded key admits a cost only within one shard: the largest
+        // shard's part is the most one request can ever get.
+        let most = if policy.shards > 1 { shard_limit(limit, 0, policy.shards) } else { limit };
+        if req.cost > most {
             // What a CHECK with this cost and limit gets: it can never pass.
             policy.counters.count(Outcome::Error);
             METRICS.decided(Decision::Error, Source::None, ErrorCode::InvalidCost);
-            let msg = format!("cost {} is above the limit {limit} of policy '{}' for this key", req.cost, policy.name);
+            let msg = if most < limit {
+                format!("cost {} is above {most}, the largest shard of the limit {limit} of policy '{}' ({} shards) for this key", req.cost, policy.name, policy.shards)
+            } else {
+                format!("cost {} is above the limit {limit} of policy '{}' for this key", req.cost, policy.name)
+            };
             return Response::error(req.id, OP_CHECK_POLICY, ErrorCode::InvalidCost, Cow::Owned(msg));
         }
         // The policy's own fail policy, when it has one, replaces the location's.
@@ -121,7 +128,16 @@ impl Limiter {
             None => (req.on_error, req.local_limit),
         };
         let check = CheckRequest { id: req.id, on_error, limit, window_ms: policy.window_ms, cost: req.cost, local_limit, key: req.scoped_key, algorithm: policy.algorithm };
-        let mut resp = self.decide_inner(check).await;
+        let mut resp = if policy.shards > 1 {
+            let key = check.key.clone();
+            let resp = self.decide_sharded(policy, check).await;
+            if refused_by_a_limit(&resp) {
+                TOP_REFUSED.record(&key);
+            }
+            resp
+        } else {
+            self.decide_inner(check).await
+        };
         resp.op = OP_CHECK_POLICY;
         let mut outcome = outcome_of(&resp);
         if policy.shadow && resp.decision == Decision::Denied {
@@ -246,28 +262,100 @@ impl Limiter {
 
     async fn decide_store(&self, req: &CheckRequest) -> Response {
         let spec = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
+        match self.verdict(&spec, req.algorithm).await {
+            Ok((source, v)) => respond(req, source, v),
+            Err(NoVerdict::Full(full)) => self.capacity_error(req, Source::Memory, full),
+            Err(NoVerdict::Store(e)) => self.on_backend_error(req, spec, e),
+        }
+    }
+
+    /// The store's verdict on `spec`: the in-memory backend's, or the denial
+    /// cache's (for the algorithms it is exact for), or Redis's (recorded in
+    /// the denial cache). No fail policy.
+    async fn verdict(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<(Source, Verdict), NoVerdict> {
         match &self.backend {
-            Backend::Local => match self.local.check(&spec, req.algorithm) {
-                Ok(v) => respond(req, Source::Memory, v),
-                Err(full) => self.capacity_error(req, Source::Memory, full),
-            },
+            Backend::Local => self.local.check(spec, algorithm).map(|v| (Source::Memory, v)).map_err(NoVerdict::Full),
             Backend::Redis(redis) => {
-                let denials = self.denials.as_deref().filter(|_| is_exact_for(req.algorithm));
-                let ticket = match denials.map(|d| d.check(&spec, req.algorithm)) {
-                    Some(Lookup::Refused(v)) => return respond(req, Source::DenialCache, v),
+                let denials = self.denials.as_deref().filter(|_| is_exact_for(algorithm));
+                let ticket = match denials.map(|d| d.check(spec, algorithm)) {
+                    Some(Lookup::Refused(v)) => return Ok((Source::DenialCache, v)),
                     Some(Lookup::Miss(ticket)) => Some(ticket),
                     None => None,
                 };
-                match redis.check(&spec, req.algorithm).await {
-                    Ok(v) => {
-                        if let (Some(d), Some(t)) = (denials, ticket) {
-                            d.record(t, spec.cost, &v);
-                        }
-                        respond(req, Source::Redis, v)
-                    }
-                    Err(e) => self.on_backend_error(req, spec, e),
+                let v = redis.check(spec, algorithm).await.map_err(NoVerdict::Store)?;
+                if let (Some(d), Some(t)) = (denials, ticket) {
+                    d.record(t, spec.cost, &v);
                 }
+                Ok((Source::Redis, v))
             }
+        }
+    }
+
+    /// A request of a policy with `shards` > 1 (docs/SCALING.md, hot keys):
+    /// the key's limit is split over its shards' windows (`shard_limit`,
+    /// parts summing to the limit, so the key never admits more than its
+    /// limit in any window). The shards are tried one after another from
+    /// this daemon's round-robin start until one admits: a request is
+    /// refused only when every shard refused it (or was unreachable). A
+    /// shard whose Redis answered with an error at once (node down,
+    /// CLUSTERDOWN) is skipped; a timeout, an open breaker or overload ends
+    /// the tries and the fail policy decides, as for one window, so a
+    /// request waits for at most one deadline. The fail policy's local
+    /// window is the key's own, not a shard's.
+    async fn decide_sharded(&self, policy: &Policy, req: CheckRequest) -> Response {
+        let shards = policy.shards;
+        let first = policy.first_shard();
+        let whole = LimitSpec { key: &req.key, limit: req.limit, window_ms: req.window_ms, cost: req.cost };
+        // The refusals so far, merged: room left summed, earliest retry.
+        let mut refused: Option<(Source, Verdict)> = None;
+        let mut skipped: Option<StoreError> = None;
+        for t in 0..shards {
+            let i = (first + t) % shards;
+            let part = shard_limit(req.limit, i, shards);
+            if req.cost > part {
+                continue;
+            }
+            // A key of its own per shard: one small allocation per try,
+            // only for sharded policies.
+            let key = shard_key(&req.key, i, shards);
+            let spec = LimitSpec { key: &key, limit: part, ..whole };
+            match self.verdict(&spec, req.algorithm).await {
+                Ok((source, v)) if v.allowed => {
+                    // count and remaining of the key: estimated from this
+                    // shard's, the round robin filling shards evenly.
+                    let remaining = v.remaining.saturating_mul(shards).min(req.limit - req.cost.min(req.limit));
+                    return respond(&req, source, Verdict { remaining, count: req.limit - remaining, ..v });
+                }
+                Ok((source, v)) => {
+                    let merged = match refused {
+                        None => (source, v),
+                        Some((s, m)) => (
+                            if s == Source::DenialCache { source } else { s },
+                            Verdict {
+                                remaining: m.remaining + v.remaining,
+                                retry_after_ms: m.retry_after_ms.min(v.retry_after_ms),
+                                reset_ms: m.reset_ms.max(v.reset_ms),
+                                ..m
+                            },
+                        ),
+                    };
+                    refused = Some(merged);
+                }
+                Err(NoVerdict::Store(e @ (StoreError::Unavailable(_) | StoreError::Redis(_)))) => {
+                    skipped.get_or_insert(e);
+                }
+                Err(NoVerdict::Store(e)) => return self.on_backend_error(&req, whole, e),
+                Err(NoVerdict::Full(full)) => return self.capacity_error(&req, Source::Memory, full),
+            }
+        }
+        match (refused, skipped) {
+            (Some((source, v)), _) => {
+                let remaining = v.remaining.min(req.limit);
+                respond(&req, source, Verdict { allowed: false, remaining, count: req.limit - remaining, ..v })
+            }
+            (None, Some(e)) => self.on_backend_error(&req, whole, e),
+            // decide_policy refuses a cost above every shard's part.
+            (None, None) => Response::error(req.id, OP_CHECK, ErrorCode::InvalidCost, Cow::Borrowed("cost above every shard's limit")),
         }
     }
 
@@ -645,6 +733,14 @@ fn refused_by_a_limit(r: &Response) -> bool {
     r.decision == Decision::Denied && matches!(r.source, Source::Redis | Source::DenialCache | Source::Memory | Source::LocalFallback)
 }
 
+/// Why a store gave no verdict.
+enum NoVerdict {
+    /// Redis failed: the fail policy decides.
+    Store(StoreError),
+    /// The in-memory windows are full.
+    Full(LocalStoreFull),
+}
+
 /// The per-policy outcome of a decided response.
 fn outcome_of(r: &Response) -> Outcome {
     match (r.decision, r.source) {
@@ -714,6 +810,7 @@ mod tests {
             local_limit: None,
             shadow,
             algorithm: crate::protocol::Algorithm::Log,
+            shards: 1,
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
         Arc::new(Policies::build(&[order], None))
@@ -743,6 +840,43 @@ mod tests {
         assert_eq!((r.decision, r.source, r.error), (Decision::Error, Source::None, ErrorCode::UnknownPolicy));
         let c = &l.policies().get(b"order").unwrap().counters;
         assert_eq!((c.get(Outcome::Admitted), c.get(Outcome::Refused), c.get(Outcome::Exempt)), (5, 3, 1));
+    }
+
+    /// A sharded policy against a serial model: limit 10 over 3 shards (4,
+    /// 3, 3) admits exactly 10 of any number of requests of cost 1, the
+    /// refusal reports the room left summed over the shards (0) and the
+    /// key's limit as count + remaining; a cost above the largest shard (4)
+    /// is INVALID_COST.
+    #[tokio::test]
+    async fn sharded_policy_admits_exactly_its_limit() {
+        use crate::config::PolicyConfig;
+        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), fail_policy: None, local_limit: None, shadow: false, shards: 3, overrides: Default::default() };
+        let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None)));
+        let mut admitted = 0;
+        for n in 0..25 {
+            let r = l.decide_policy(policy_req("hot", "t1")).await;
+            assert_eq!(r.count + r.remaining, 10, "{r:?}");
+            match r.decision {
+                Decision::Allowed => admitted += 1,
+                Decision::Denied => {
+                    assert!(n >= 10, "refused at request {n} with room left: {r:?}");
+                    assert_eq!((r.source, r.remaining), (Source::Memory, 0), "{r:?}");
+                    assert!(r.retry_after_ms > 0 && r.retry_after_ms <= 60_000, "{r:?}");
+                }
+                d => panic!("{d:?}"),
+            }
+        }
+        assert_eq!(admitted, 10);
+        // The shards' own windows hold 4, 3 and 3.
+        for (i, part) in [(0, 4), (1, 3), (2, 3)] {
+            let key = crate::redis::shard_key(&policy_req("hot", "t1").scoped_key, i, 3);
+            let v = l.local.check(&LimitSpec { key: &key, limit: part, window_ms: 60_000, cost: 1 }, Algorithm::Log).unwrap();
+            assert_eq!((v.allowed, v.count), (false, part), "shard {i}");
+        }
+        let big = PolicyCheckRequest { cost: 5, ..policy_req("hot", "t2") };
+        let r = l.decide_policy(big).await;
+        assert_eq!(r.error, ErrorCode::InvalidCost, "{r:?}");
+        assert!(r.message.contains("largest shard"), "{}", r.message);
     }
 
     #[tokio::test]

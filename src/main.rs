@@ -120,6 +120,9 @@ enum Command {
         /// Give every request a key of its own (KEY:CONNECTION:N).
         #[arg(long)]
         distinct_keys: bool,
+        /// Send CHECK_POLICY for this configured [[policy]] instead of an inline check (--limit and --window-ms are then not sent).
+        #[arg(long)]
+        policy: Option<String>,
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
@@ -192,7 +195,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let policies = match cfg.policies.len() {
                 0 => String::new(),
-                n => format!(", {n} {}: {}", if n == 1 { "policy" } else { "policies" }, cfg.policies.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(" ")),
+                n => format!(", {n} {}: {}", if n == 1 { "policy" } else { "policies" }, cfg.policies.iter().map(|p| if p.shards > 1 { format!("{} ({} shards)", p.name, p.shards) } else { p.name.clone() }).collect::<Vec<_>>().join(" ")),
             };
             println!("{}: ok (socket {}, backend {backend}{policies})", config.display(), cfg.server.listen.display());
             Ok(ExitCode::SUCCESS)
@@ -295,7 +298,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ratelimitd::top::run(&addr, output, std::time::Duration::from_secs_f64(secs), count, keys, &mut std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, json } => {
+        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, policy, json } => {
             if rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
                 anyhow::bail!("--rate must be a positive number of requests per second");
             }
@@ -313,6 +316,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 pipeline,
                 rate,
                 distinct_keys,
+                policy,
             };
             let report = runtime()?.block_on(bench::run(args)).with_context(|| format!("bench against {}", check.socket.display()))?;
             if json {

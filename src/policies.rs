@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::{PolicyConfig, PolicyLimit};
@@ -114,6 +114,12 @@ pub struct Policy {
     pub local_limit: Option<u32>,
     pub shadow: bool,
     pub algorithm: Algorithm,
+    /// Hot-key shards: 1 (one window per key) or the key's quota split over
+    /// this many windows (`redis::shard_key`).
+    pub shards: u32,
+    /// Where this daemon's next sharded request starts (round robin, from a
+    /// random shard, so daemons do not all begin on the same one).
+    next_shard: AtomicU32,
     /// Exact keys (allowlist included, as `Unlimited`).
     overrides: HashMap<Box<[u8]>, PolicyLimit>,
     pub counters: Arc<PolicyCounters>,
@@ -128,6 +134,26 @@ impl Policy {
         }
         self.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(self.limit))
     }
+
+    /// The shard a sharded request tries first: one relaxed increment.
+    #[inline]
+    pub fn first_shard(&self) -> u32 {
+        self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards
+    }
+}
+
+/// Shard `i`'s part of `limit` split over `shards`: the first `limit %
+/// shards` shards get one more, so the parts sum to `limit` exactly.
+#[inline]
+pub fn shard_limit(limit: u32, i: u32, shards: u32) -> u32 {
+    limit / shards + u32::from(i < limit % shards)
+}
+
+/// A start for the round robin; without randomness, 0 (only fairness
+/// between daemons depends on it).
+fn random_u32() -> u32 {
+    let mut b = [0u8; 4];
+    getrandom::fill(&mut b).map_or(0, |()| u32::from_le_bytes(b))
 }
 
 /// Every configured policy, by name.
@@ -155,6 +181,8 @@ impl Policies {
                 local_limit: c.local_limit,
                 shadow: c.shadow,
                 algorithm: c.algorithm,
+                shards: c.shards,
+                next_shard: AtomicU32::new(random_u32()),
                 overrides: c.overrides.iter().map(|(k, v)| (Box::from(k.as_bytes()), *v)).collect(),
                 counters,
             });
@@ -220,6 +248,7 @@ mod tests {
             local_limit: None,
             shadow: false,
             algorithm: Algorithm::Log,
+            shards: 1,
             overrides: BTreeMap::from([("big".into(), PolicyLimit::Limit(50)), ("free".into(), PolicyLimit::Unlimited)]),
         }
     }
@@ -233,6 +262,15 @@ mod tests {
         assert_eq!(order.limit_for(b"big"), PolicyLimit::Limit(50));
         assert_eq!(order.limit_for(b"free"), PolicyLimit::Unlimited);
         assert!(p.get(b"orde").is_none());
+    }
+
+    #[test]
+    fn shard_limits_sum_to_the_limit() {
+        for (limit, shards) in [(1000, 3), (10, 3), (7, 7), (65, 64), (1, 1)] {
+            let parts: Vec<u32> = (0..shards).map(|i| shard_limit(limit, i, shards)).collect();
+            assert_eq!(parts.iter().sum::<u32>(), limit, "{parts:?}");
+            assert!(parts.iter().all(|&p| p >= limit / shards && p <= limit / shards + 1 && p >= 1), "{parts:?}");
+        }
     }
 
     #[test]

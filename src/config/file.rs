@@ -46,6 +46,9 @@ pub(super) struct PolicySection {
     /// "log" (default), "ring", ...: how the policy's windows count.
     #[serde(default)]
     pub algorithm: Option<String>,
+    /// Hot-key shards: the key's quota split over this many windows.
+    #[serde(default)]
+    pub shards: Option<i64>,
     /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
     /// stable order.
     #[serde(default)]

@@ -17,6 +17,6 @@ mod validate;
 
 pub use model::{
     redacted_url, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
-    ServerConfig, TlsFiles, DEFAULT_REDIS_URL,
+    ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
 };
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

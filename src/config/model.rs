@@ -101,10 +101,18 @@ pub struct PolicyConfig {
     pub shadow: bool,
     /// How the policy's windows count (docs/ALGORITHMS.md); the log by default.
     pub algorithm: Algorithm,
+    /// Hot-key shards (docs/SCALING.md): each key's quota split over this
+    /// many windows in different Cluster slots; 1..=`MAX_SHARDS` and at
+    /// most the policy's limit and every override's. 1: one window.
+    pub shards: u32,
     /// Exact keys with another limit, or none; the allowlist's keys are
     /// here as `Unlimited`.
     pub overrides: BTreeMap<String, PolicyLimit>,
 }
+
+/// Most shards a `[[policy]]` may split a key over: each is a Redis call
+/// when the shards before it refuse.
+pub const MAX_SHARDS: u32 = 64;
 
 /// The limit an override gives a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

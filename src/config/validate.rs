@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::file;
 use super::model::{
     redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
-    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL,
+    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
 
@@ -390,7 +390,8 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             overrides.insert(key, PolicyLimit::Unlimited);
         }
         let algorithm = policy_algorithm(p, &name, s.algorithm.as_deref());
-        out.push(PolicyConfig { name, limit, window, fail_policy, local_limit, shadow: s.shadow, algorithm, overrides });
+        let shards = policy_shards(p, &name, s.shards, limit, &overrides);
+        out.push(PolicyConfig { name, limit, window, fail_policy, local_limit, shadow: s.shadow, algorithm, shards, overrides });
     }
     out
 }
@@ -405,6 +406,28 @@ fn policy_algorithm(p: &mut Problems, name: &str, algorithm: Option<&str>) -> Al
             Algorithm::Log
         }
     }
+}
+
+/// `shards`: 1..=`MAX_SHARDS`, and no more than the policy's limit or any
+/// override's, so that every shard has a limit of at least 1.
+fn policy_shards(p: &mut Problems, name: &str, shards: Option<i64>, limit: u32, overrides: &std::collections::BTreeMap<String, PolicyLimit>) -> u32 {
+    let Some(s) = shards else { return 1 };
+    if !(1..=i64::from(MAX_SHARDS)).contains(&s) {
+        p.add("policy.shards", format!("policy '{name}': shards {s} is outside 1..={MAX_SHARDS}"));
+        return 1;
+    }
+    let s = s as u32;
+    if s > limit {
+        p.add("policy.shards", format!("policy '{name}': shards {s} is above its limit {limit}: every shard needs a limit of at least 1"));
+    }
+    for (key, v) in overrides {
+        if let PolicyLimit::Limit(l) = v {
+            if s > *l {
+                p.add("policy.shards", format!("policy '{name}': shards {s} is above the override {l} of {key:?}: every shard needs a limit of at least 1"));
+            }
+        }
+    }
+    s
 }
 
 /// A bare level, or directives each of which names a level after `=`:
@@ -617,6 +640,26 @@ mod tests {
         let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
         assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), ["policy.algorithm"]);
         assert!(e.to_string().contains("policy 'a': unknown algorithm 'leaky' (expected one of: log, ring, gcra, sliding_counter, fixed"), "{e}");
+    }
+
+    #[test]
+    fn shards_are_1_to_64_and_at_most_every_limit() {
+        let policy = |extra: &str| format!("[[policy]]\nname = \"hot\"\nlimit = 100\nwindow = \"1s\"\n{extra}\n");
+        assert_eq!(parse(&policy("")).unwrap().policies[0].shards, 1, "default: one window");
+        assert_eq!(parse(&policy("shards = 64")).unwrap().policies[0].shards, 64);
+        for (bad, says) in [
+            ("shards = 0", "shards 0 is outside 1..=64"),
+            ("shards = 65", "shards 65 is outside 1..=64"),
+            ("shards = -1", "shards -1 is outside 1..=64"),
+            ("shards = 8\n[policy.overrides]\nsmall = 5", "shards 8 is above the override 5 of \"small\""),
+        ] {
+            let e = parse(&policy(bad)).unwrap_err().to_string();
+            assert!(e.contains(&format!("policy.shards: policy 'hot': {says}")), "{bad}: {e}");
+        }
+        let e = parse("[[policy]]\nname = \"tiny\"\nlimit = 3\nwindow = \"1s\"\nshards = 4\n").unwrap_err().to_string();
+        assert!(e.contains("shards 4 is above its limit 3"), "{e}");
+        // "unlimited" overrides take no shards.
+        assert!(parse(&policy("shards = 8\n[policy.overrides]\nfree = \"unlimited\"")).is_ok());
     }
 
     #[test]

@@ -10,13 +10,16 @@
 //! - `window`: the scripts (one per algorithm: the log, the ring, GCRA,
 //!   the sliding counter, the fixed window), their keys and their reply;
 //! - `coalesce`: the windows with a call in flight, and the requests that
-//!   queue for their next call.
+//!   queue for their next call;
+//! - `shard`: the keys of a hot key's shards, one per range of Cluster slots.
 
 mod coalesce;
 mod connector;
 mod link;
 mod sentinel;
+mod shard;
 mod window;
 
 pub use connector::{Connector, ConnectorError, LinkConnection};
+pub use shard::shard_key;
 pub use window::{BatchAsk, MultiAsk, RedisWindow, RefundItem, StartError, WindowKey};

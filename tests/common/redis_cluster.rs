@@ -34,10 +34,34 @@ pub struct RedisCluster {
     /// gone (fields drop in order: this one last). Six redis-servers per
     /// test, several tests at once on a 2-core machine, made the failover
     /// tests' deadlines a matter of luck.
-    one_at_a_time: Option<std::sync::MutexGuard<'static, ()>>,
+    one_at_a_time: Option<OneAtATime>,
 }
 
-static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// A process-wide turn (a flag and a condition variable, so the turn is
+/// `Send`, unlike a `MutexGuard`, and a cluster can move between threads).
+struct OneAtATime;
+
+static BUSY: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+static FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+impl OneAtATime {
+    fn take() -> Self {
+        // A test that panicked while holding the flag poisoned nothing of ours.
+        let mut busy = BUSY.lock().unwrap_or_else(|e| e.into_inner());
+        while *busy {
+            busy = FREED.wait(busy).unwrap_or_else(|e| e.into_inner());
+        }
+        *busy = true;
+        OneAtATime
+    }
+}
+
+impl Drop for OneAtATime {
+    fn drop(&mut self) {
+        *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        FREED.notify_one();
+    }
+}
 
 /// What a client needs to talk to the nodes, and what the nodes are started
 /// with: `requirepass` (and `masterauth`), and TLS only (client certificate
@@ -48,6 +72,8 @@ struct Access {
     /// CA, certificate and key; the server certificate (127.0.0.1) serves
     /// both as the nodes' server and client certificate.
     tls: Option<TlsPaths>,
+    /// More `redis-server` options for every node.
+    server_args: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -82,19 +108,24 @@ impl RedisCluster {
     /// certificate of `certs`' CA), on the cluster bus too.
     pub fn start_tls(certs: &Certs) -> Self {
         let tls = TlsPaths { ca: certs.ca(), server_cert: certs.server_cert(), server_key: certs.server_key(), client_cert: certs.client_cert(), client_key: certs.client_key() };
-        Self::start_inner(Access { password: None, tls: Some(tls) })
+        Self::start_inner(Access { tls: Some(tls), ..Access::default() })
     }
 
     /// Like `start`, every node requiring `password` (replicas use it as
     /// `masterauth`; `cli` authenticates with it).
     pub fn start_with_password(password: &str) -> Self {
-        Self::start_inner(Access { password: Some(password.to_string()), tls: None })
+        Self::start_inner(Access { password: Some(password.to_string()), ..Access::default() })
+    }
+
+    /// Like `start`, every node also started with `args` (e.g.
+    /// `--cluster-require-full-coverage no`).
+    pub fn start_with_args(args: &[&str]) -> Self {
+        Self::start_inner(Access { server_args: args.iter().map(|a| a.to_string()).collect(), ..Access::default() })
     }
 
     fn start_inner(access: Access) -> Self {
-        // Taken before the ports are chosen, so none is taken meanwhile. A
-        // test that panicked while holding it poisoned nothing of ours.
-        let one_at_a_time = ONE_CLUSTER_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        // Taken before the ports are chosen, so none is taken meanwhile.
+        let one_at_a_time = OneAtATime::take();
         let mut cluster = on_own_ports("redis cluster", NODES, |ports| {
             if ports.iter().any(|&p| p > u16::MAX - BUS_OFFSET || std::net::TcpListener::bind(("127.0.0.1", p + BUS_OFFSET)).is_err()) {
                 return Err("a cluster bus port (port + 10000) is not free".into());
@@ -145,6 +176,7 @@ impl RedisCluster {
         if let Some(pw) = &self.access.password {
             cmd.args(["--requirepass", pw, "--masterauth", pw]);
         }
+        cmd.args(&self.access.server_args);
         ChildGuard::spawn("redis-server (cluster node)", &mut cmd, Some(log))
     }
 
@@ -190,11 +222,21 @@ impl RedisCluster {
         }
     }
 
-    /// Every replica's link to its primary is up (replication done).
+    /// Every replica's link to its primary is up (replication done), and
+    /// every primary streams to its replica (`state=online`): after the
+    /// initial (diskless) sync a primary holds its writes back until the
+    /// replica's first `REPLCONF ACK`, up to a second later, although the
+    /// replica already says `master_link_status:up`. A primary killed in
+    /// that second leaves a promoted replica with none of them.
     fn replicas_linked(&self) -> bool {
         self.live_ports().into_iter().all(|p| match cli_output(p, &self.access, &["INFO", "replication"]) {
             Some(info) if info.contains("role:slave") => info.contains("master_link_status:up"),
-            Some(_) => true,
+            Some(info) => {
+                let replicas: Vec<&str> = info.lines().filter(|l| l.starts_with("slave") && l.contains("ip=")).collect();
+                // The ACK's offset: 0 until the first one arrives.
+                let acked = |l: &str| l.split(',').find_map(|f| f.strip_prefix("offset=")).and_then(|o| o.parse::<u64>().ok()).is_some_and(|o| o > 0);
+                replicas.iter().all(|l| l.contains("state=online") && acked(l))
+            }
             None => false,
         })
     }
@@ -217,6 +259,38 @@ impl RedisCluster {
     /// formatting). Panics if redis-cli fails.
     pub fn cli(&self, port: u16, args: &[&str]) -> String {
         cli_output(port, &self.access, args).unwrap_or_else(|| panic!("redis-cli -p {port} {args:?} failed"))
+    }
+
+    /// `redis-cli --cluster reshard`: moves `slots` slots from the primary
+    /// `from` to the primary `to` (redis-cli takes the source's lowest
+    /// slots first), keys and all; returns redis-cli's output. Panics if it
+    /// fails.
+    pub fn reshard(&self, from: u16, to: u16, slots: u16) -> String {
+        let id = |p: u16| self.cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+        let mut cmd = Command::new("redis-cli");
+        self.access.cli_args(&mut cmd);
+        let out = cmd
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{from}")])
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to), "--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && !text.contains("[ERR]"), "redis-cli --cluster reshard: {text}");
+        text
+    }
+
+    /// The slot ranges `port`'s node serves, from its `CLUSTER NODES` line.
+    pub fn slot_ranges(&self, port: u16) -> Vec<(u16, u16)> {
+        let nodes = self.cli(port, &["CLUSTER", "NODES"]);
+        let me = nodes.lines().find(|l| l.contains("myself")).expect("CLUSTER NODES names myself");
+        me.split_whitespace()
+            .skip(8)
+            .filter(|r| !r.starts_with('['))
+            .map(|r| match r.split_once('-') {
+                Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
+                None => (r.parse().unwrap(), r.parse().unwrap()),
+            })
+            .collect()
     }
 
     /// SIGKILL the node on `port`.
@@ -260,4 +334,22 @@ fn cli_output(port: u16, access: &Access, args: &[&str]) -> Option<String> {
     let out = cmd.args(args).stderr(Stdio::null()).output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     (out.status.success() && !text.starts_with("ERR") && !text.starts_with("NOAUTH") && !text.starts_with("Could not connect")).then_some(text)
+}
+
+/// The Cluster slot of `key` (CRC16/XMODEM of the key, or of its first
+/// non-empty `{...}` hash tag, mod 16384), as Redis computes it: lets a
+/// test pick keys by slot without a redis-cli call per candidate.
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        rest.iter().position(|&b| b == b'}').filter(|&len| len > 0).map(|len| &rest[..len])
+    });
+    let mut crc: u16 = 0;
+    for &b in tagged.unwrap_or(key) {
+        crc ^= (b as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc & 0x3fff
 }
