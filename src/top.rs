@@ -215,14 +215,17 @@ impl View {
             ("local", &["fail_local_admitted", "fail_local_refused"]),
             ("error", &["error"]),
         ];
-        let mut head = format!("{:<16}{:>9}", "POLICY (/s)", "total");
+        // As wide as the longest name (shadow marked), at least 16.
+        let label = |p: &PolicyRates| if p.shadow { format!("{} (shadow)", p.name) } else { p.name.clone() };
+        let w = self.policies.iter().map(|p| label(p).len() + 1).max().unwrap_or(0).max(16);
+        let mut head = format!("{:<w$}{:>9}", "POLICY (/s)", "total");
         for (c, _) in COLS {
             head += &format!("{c:>9}");
         }
         line(head);
         for p in &self.policies {
-            let name = if p.shadow { format!("{} (shadow)", p.name) } else { p.name.clone() };
-            let mut row = format!("{name:<16}{:>9}", r(p.per_s.values().sum()));
+            let name = label(p);
+            let mut row = format!("{name:<w$}{:>9}", r(p.per_s.values().sum()));
             for (_, outcomes) in COLS {
                 row += &format!("{:>9}", r(outcomes.iter().map(|o| p.per_s.get(*o).copied().unwrap_or(0.0)).sum()));
             }
@@ -237,7 +240,7 @@ impl View {
         line(String::new());
         let t = &self.top_refused;
         line(format!(
-            "TOP REFUSED KEYS, last {} s: {} refusals recorded{}; REFUSED is at most ERROR over",
+            "TOP REFUSED KEYS, last {} s: {} refusals recorded{}; REFUSED may count up to ERROR too many",
             t.window_ms / 1000,
             t.recorded,
             if t.skipped > 0 { format!(" ({} skipped since start)", t.skipped) } else { String::new() }
