@@ -401,7 +401,7 @@ impl Limiter {
             FailPolicy::Local => {
                 let v = if spec.cost > req.local_limit {
                     // Can never fit the local quota: deny without recording.
-                    Verdict { remaining: req.local_limit, retry_after_ms: req.window_ms, ..Verdict::default() }
+                    Verdict { remaining: req.local_limit, retry_after_ms: crate::window::nominal_window_ms(req.window_ms), ..Verdict::default() }
                 } else {
                     match self.local.check(&LimitSpec { limit: req.local_limit, ..spec }, req.algorithm) {
                         Ok(v) => v,
@@ -806,6 +806,7 @@ mod tests {
             name: "order".into(),
             limit: 2,
             window: Duration::from_secs(60),
+            calendar_window_ms: None,
             fail_policy: None,
             local_limit: None,
             shadow,
@@ -850,7 +851,7 @@ mod tests {
     #[tokio::test]
     async fn sharded_policy_admits_exactly_its_limit() {
         use crate::config::PolicyConfig;
-        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), fail_policy: None, local_limit: None, shadow: false, shards: 3, overrides: Default::default() };
+        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, shards: 3, overrides: Default::default() };
         let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None)));
         let mut admitted = 0;
         for n in 0..25 {

@@ -158,8 +158,9 @@ impl KeyWindow {
     /// the store's clock, for the sweep.
     fn fixed(&mut self, spec: &LimitSpec<'_>, wall_ms: u64, now_ms: u64, sliding: bool) -> Verdict {
         const EPS: f64 = 1e-9;
-        let w = u64::from(spec.window_ms);
-        let start = wall_ms - wall_ms % w;
+        // Plain windows, or calendar months and UTC offsets (fixed only).
+        let (start, end) = crate::window::fixed_bounds(spec.window_ms, wall_ms);
+        let w = end - start;
         let elapsed = wall_ms - start;
         if self.fixed_start != start {
             self.prev_count = if self.fixed_start + w == start { self.fixed_count } else { 0 };
@@ -588,5 +589,29 @@ mod tests {
         assert!(refused >= 9 * SHARDS - 2);
         // Once the window has passed, the idle keys make room.
         assert!(m.check_at(&spec(b"later", 5, 100, 1), Algorithm::Log, 200).is_ok());
+    }
+    #[test]
+    fn a_calendar_month_resets_on_the_first() {
+        let month = crate::window::calendar_window_ms(0, 0);
+        let day = 86_400_000u64;
+        // 2028-02-29 and 2028-03-01 00:00 UTC, counted here by hand: 58 years
+        // of days (14 leap) then 31 + 28 days of 2028 before February 29.
+        let feb29 = (58 * 365 + 14 + 31 + 28) * day;
+        let mar1 = feb29 + day;
+        let mut w = KeyWindow::default();
+        let s = spec(b"k", 2, month, 2);
+        let v = w.fixed(&s, feb29 + 1000, 5, false);
+        assert!(v.allowed && u64::from(v.reset_ms) == mar1 - feb29 - 1000, "{v:?}");
+        let v = w.fixed(&spec(b"k", 2, month, 1), mar1 - 1, 6, false);
+        assert_eq!((v.allowed, v.count, v.retry_after_ms, v.reset_ms), (false, 2, 1, 1));
+        let v = w.fixed(&s, mar1, 7, false);
+        assert!(v.allowed && u64::from(v.reset_ms) == 31 * day, "{v:?}");
+        // At +01:00 April starts at 23:00 UTC on March 31.
+        let mut w = KeyWindow::default();
+        let s = spec(b"k", 1, crate::window::calendar_window_ms(0, 60), 1);
+        let apr1 = mar1 + 31 * day - 3_600_000;
+        assert!(w.fixed(&s, apr1 - 1, 8, false).allowed);
+        assert!(!w.fixed(&s, apr1 - 1, 8, false).allowed);
+        assert!(w.fixed(&s, apr1, 9, false).allowed);
     }
 }

@@ -176,7 +176,8 @@ impl Policies {
                 name: c.name.as_str().into(),
                 limit: c.limit,
                 // Validated to fit limits.max_window_ms, a u32.
-                window_ms: u32::try_from(c.window.as_millis()).unwrap_or(u32::MAX),
+                // A calendar window's code (src/window.rs) when it has one.
+                window_ms: c.calendar_window_ms.unwrap_or_else(|| u32::try_from(c.window.as_millis()).unwrap_or(u32::MAX)),
                 fail_policy: c.fail_policy,
                 local_limit: c.local_limit,
                 shadow: c.shadow,
@@ -244,6 +245,7 @@ mod tests {
             name: name.into(),
             limit,
             window: Duration::from_secs(1),
+            calendar_window_ms: None,
             fail_policy: None,
             local_limit: None,
             shadow: false,

@@ -139,7 +139,8 @@ pub fn build(breaker_open: Option<bool>, policies: &Policies) -> TopDoc {
             .map(|p| PolicyCounts {
                 name: p.name.to_string(),
                 limit: p.limit,
-                window_ms: p.window_ms,
+                // A calendar month as 31 days (src/window.rs).
+                window_ms: crate::window::nominal_window_ms(p.window_ms),
                 shadow: p.shadow,
                 outcomes: Outcome::ALL.iter().map(|o| (o.as_str().to_string(), p.counters.get(*o))).collect(),
             })

@@ -35,8 +35,11 @@ pub(super) struct File {
 pub(super) struct PolicySection {
     pub name: String,
     pub limit: u64,
-    /// A duration: "500ms", "1s", "1m", "1h", "1d".
+    /// A duration: "500ms", "1s", "1m", "1h", "1d"; or "month" (fixed only).
     pub window: String,
+    /// "+02:00": fixed windows aligned to this offset's midnight (fixed only).
+    #[serde(default)]
+    pub utc_offset: Option<String>,
     #[serde(default)]
     pub fail_policy: Option<String>,
     #[serde(default)]

@@ -91,8 +91,11 @@ pub struct PolicyConfig {
     /// `[A-Za-z0-9_.-]`, 1..=31 bytes, unique in the file.
     pub name: String,
     pub limit: u32,
-    /// Whole milliseconds, 1..=`limits.max_window_ms`.
+    /// Whole milliseconds, 1..=`limits.max_window_ms` (31 days for `window = "month"`).
     pub window: Duration,
+    /// A `fixed` policy's calendar window (`window = "month"` or a
+    /// `utc_offset`): its `window_ms`, `crate::window::CALENDAR` or above.
+    pub calendar_window_ms: Option<u32>,
     /// Replaces the location's fail policy for this policy's checks.
     pub fail_policy: Option<FailPolicy>,
     /// The local quota of `fail_policy = "local"` (required with it).

@@ -339,7 +339,10 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             p.add("policy.name", format!("[[policy]] #{}: '{name}' is already the name of an earlier policy", i + 1));
         }
         let limit = policy_limit(p, "policy.limit", &name, "limit", i64::try_from(s.limit).unwrap_or(i64::MAX), bounds);
+        let algorithm = policy_algorithm(p, &name, s.algorithm.as_deref());
+        let calendar_window_ms = policy_calendar(p, &name, &s.window, s.utc_offset.as_deref(), algorithm);
         let window = match parse_duration(&s.window) {
+            _ if s.window == "month" => Duration::from_millis(31 * 86_400_000),
             Ok(w) if w.is_zero() || w.as_millis() > u128::from(bounds.max_window_ms) => {
                 p.add("policy.window", format!("policy '{name}': {} is outside 1ms..={}ms (limits.max_window_ms)", s.window, bounds.max_window_ms));
                 Duration::from_millis(1)
@@ -389,11 +392,60 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             }
             overrides.insert(key, PolicyLimit::Unlimited);
         }
-        let algorithm = policy_algorithm(p, &name, s.algorithm.as_deref());
         let shards = policy_shards(p, &name, s.shards, limit, &overrides);
-        out.push(PolicyConfig { name, limit, window, fail_policy, local_limit, shadow: s.shadow, algorithm, shards, overrides });
+        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, shards, overrides });
     }
     out
+}
+
+/// A `fixed` policy's calendar window: `window = "month"` and/or a
+/// `utc_offset` ("+02:00", within ±14:00), encoded as `window_ms`
+/// (`crate::window::calendar_window_ms`); None for a plain window.
+fn policy_calendar(p: &mut Problems, name: &str, window: &str, utc_offset: Option<&str>, algorithm: Algorithm) -> Option<u32> {
+    let month = window == "month";
+    if !month && utc_offset.is_none() {
+        return None;
+    }
+    if algorithm != Algorithm::Fixed {
+        let what = if month { "window = \"month\"" } else { "utc_offset" };
+        p.add(if month { "policy.window" } else { "policy.utc_offset" }, format!("policy '{name}': {what} needs algorithm = \"fixed\""));
+        return None;
+    }
+    let offset = match utc_offset.map(parse_utc_offset) {
+        None => 0,
+        Some(Ok(o)) => o,
+        Some(Err(e)) => {
+            p.add("policy.utc_offset", format!("policy '{name}': {e}"));
+            return None;
+        }
+    };
+    let minutes = if month {
+        0
+    } else {
+        match parse_duration(window) {
+            Ok(w) if !w.is_zero() && w.as_millis() % 60_000 == 0 && w.as_millis() <= 30 * 86_400_000 => (w.as_millis() / 60_000) as u32,
+            Ok(_) => {
+                p.add("policy.utc_offset", format!("policy '{name}': a utc_offset needs a window of whole minutes, up to 30 days, or \"month\" (not '{window}')"));
+                return None;
+            }
+            Err(_) => return None, // reported as policy.window
+        }
+    };
+    Some(crate::window::calendar_window_ms(minutes, offset))
+}
+
+/// "+HH:MM" or "-HH:MM" within ±14:00, in minutes east of UTC.
+fn parse_utc_offset(s: &str) -> Result<i32, String> {
+    let err = || format!("utc_offset '{s}' is not an offset such as \"+02:00\" or \"-05:30\" within ±14:00");
+    let b = s.as_bytes();
+    if b.len() != 6 || !matches!(b[0], b'+' | b'-') || b[3] != b':' || ![1, 2, 4, 5].iter().all(|&i| b[i].is_ascii_digit()) {
+        return Err(err());
+    }
+    let (h, m) = (i32::from(b[1] - b'0') * 10 + i32::from(b[2] - b'0'), i32::from(b[4] - b'0') * 10 + i32::from(b[5] - b'0'));
+    if m >= 60 || h * 60 + m > 14 * 60 {
+        return Err(err());
+    }
+    Ok(if b[0] == b'-' { -(h * 60 + m) } else { h * 60 + m })
 }
 
 /// A policy's `algorithm`, the log when absent; an unknown name is an error.
@@ -630,6 +682,30 @@ mod tests {
         let login = &c.policies[1];
         assert_eq!((login.window, login.fail_policy, login.local_limit, login.shadow), (Duration::from_secs(600), Some(FailPolicy::Local), Some(2), true));
         assert_eq!((order.algorithm, login.algorithm), (Algorithm::Log, Algorithm::Log), "the log by default");
+    }
+
+    #[test]
+    fn calendar_windows_need_fixed_and_a_valid_offset() {
+        let policy = |window: &str, extra: &str| parse(&format!("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"{window}\"\n{extra}"));
+        let c = policy("month", "algorithm = \"fixed\"\n").unwrap();
+        assert_eq!(c.policies[0].calendar_window_ms, Some(crate::window::calendar_window_ms(0, 0)));
+        let c = policy("1d", "algorithm = \"fixed\"\nutc_offset = \"-05:30\"\n").unwrap();
+        assert_eq!(c.policies[0].calendar_window_ms, Some(crate::window::calendar_window_ms(1440, -330)));
+        assert_eq!(policy("1d", "algorithm = \"fixed\"\nutc_offset = \"+00:00\"\n").unwrap().policies[0].calendar_window_ms, Some(86_400_000));
+        assert_eq!(policy("1h", "algorithm = \"fixed\"\n").unwrap().policies[0].calendar_window_ms, None);
+        for (window, extra, field, text) in [
+            ("month", "", "policy.window", "window = \"month\" needs algorithm = \"fixed\""),
+            ("1d", "algorithm = \"gcra\"\nutc_offset = \"+02:00\"\n", "policy.utc_offset", "utc_offset needs algorithm"),
+            ("1d", "algorithm = \"fixed\"\nutc_offset = \"+15:00\"\n", "policy.utc_offset", "within ±14:00"),
+            ("1d", "algorithm = \"fixed\"\nutc_offset = \"2:00\"\n", "policy.utc_offset", "not an offset"),
+            ("1d", "algorithm = \"fixed\"\nutc_offset = \"+02:60\"\n", "policy.utc_offset", "not an offset"),
+            ("90s", "algorithm = \"fixed\"\nutc_offset = \"+02:00\"\n", "policy.utc_offset", "whole minutes"),
+        ] {
+            let e = policy(window, extra).unwrap_err();
+            let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
+            assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), [field], "{window} {extra}");
+            assert!(e.to_string().contains(text), "{e}");
+        }
     }
 
     #[test]

@@ -6,7 +6,8 @@
 -- Windows are aligned to multiples of the window length since the Unix
 -- epoch, which is midnight UTC: a window of 60000, 3600000 or 86400000 ms
 -- is a UTC minute, hour or day (quotas that reset on the minute, the hour,
--- or at midnight UTC). A request of cost c is admitted iff count + c <=
+-- or at midnight UTC). A window_ms of CALENDAR or above (src/window.rs) is
+-- a calendar month or a window aligned to a fixed UTC offset. A request of cost c is admitted iff count + c <=
 -- limit; the count starts at 0 in each window.
 --
 -- Replies, per request, {allowed (1|0), count, remaining, retry_after_ms,
@@ -35,8 +36,57 @@ if now == 0 then
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local start = now - now % window
-local reset = start + window - now
+-- Hinnant's days_from_civil and civil_from_days (src/window.rs has the same).
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local doy = math.floor((153 * ((m + 9) % 12) + 2) / 5) + d - 1
+  return era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy - 719468
+end
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+local start, stop
+if window >= 3221225472 then
+  -- CALENDAR (0xC0000000) + minutes * 4096 + offset minutes + 2048: a
+  -- window of whole minutes (0: a calendar month) at a UTC offset.
+  local code = window - 3221225472
+  local minutes = math.floor(code / 4096)
+  local offset = (code % 4096 - 2048) * 60000
+  local day = 86400000
+  local loc = now + offset
+  if minutes > 0 then
+    local w = minutes * 60000
+    start = loc - loc % w
+    stop = start + w
+  else
+    local y, m = civil_from_days(math.floor(loc / day))
+    start = days_from_civil(y, m, 1) * day
+    if m == 12 then
+      stop = days_from_civil(y + 1, 1, 1) * day
+    else
+      stop = days_from_civil(y, m + 1, 1) * day
+    end
+  end
+  start = start - offset
+  stop = stop - offset
+else
+  start = now - now % window
+  stop = start + window
+end
+local reset = stop - now
 local count = 0
 local stored = redis.call('GET', key)
 if stored then
