@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, Response,
+    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
     ResponseError, HANDLE_LEN,
 };
 
@@ -74,6 +74,14 @@ impl Client {
     pub async fn lease(&mut self, op: u8, args: &LeaseArgs<'_>) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_lease_request(id, op, args, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    /// Sends one ACQUIRE_POLICY (op 7; with `release`, the release of the
+    /// lease) and waits for its response.
+    pub async fn policy_lease(&mut self, release: bool, args: &PolicyLeaseArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_policy_lease_request(id, release, args, &mut self.wbuf);
         self.round_trip(id).await
     }
 

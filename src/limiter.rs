@@ -12,7 +12,7 @@ use crate::metrics::METRICS;
 use crate::config::PolicyLimit;
 use crate::policies::{shard_limit, Outcome, Policies, Policy};
 use crate::protocol::{
-    Algorithm, CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, RefundRequest, Response, Source, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
+    Algorithm, CheckRequest, Decision, ErrorCode, Extension, FailPolicy, ItemResult, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, OP_ACQUIRE_POLICY, OP_RELEASE, RefundRequest, Response, Source, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
 };
 use crate::redis::{shard_key, MultiAsk, RedisWindow, RefundItem};
 use crate::top_refused::TOP_REFUSED;
@@ -33,6 +33,21 @@ fn error_code(e: &StoreError) -> ErrorCode {
 /// allocates nothing per request.
 const OVERLOADED_MESSAGE: &str = "overloaded: too many redis calls in flight; decided at once by the fail policy";
 
+/// A policy named by the op of the other kind: CHECK_POLICY (or several
+/// items, a refund) of a concurrency policy, or ACQUIRE_POLICY of a rate
+/// policy. A configuration error of the location, answered loudly rather
+/// than judged by the wrong rule.
+fn wrong_policy_kind(policy: &Policy, id: u32, op: u8) -> Response {
+    policy.counters.count(Outcome::Error);
+    METRICS.decided(Decision::Error, Source::None, ErrorCode::WrongPolicyKind);
+    let msg = if policy.lease_ms.is_some() {
+        format!("policy '{}' is a concurrency policy: acquire and release it with op 7 (ratelimitd.concurrency{{policy=...}}), not with a check", policy.name)
+    } else {
+        format!("policy '{}' is a rate policy, not a concurrency one: check it with op 2 (ratelimitd.new{{policy=...}})", policy.name)
+    };
+    Response::error(id, op, ErrorCode::WrongPolicyKind, Cow::Owned(msg))
+}
+
 /// A validated request of either op.
 #[derive(Debug)]
 pub enum Ask {
@@ -41,6 +56,7 @@ pub enum Ask {
     Multi(MultiCheckRequest),
     Refund(RefundRequest),
     Lease(LeaseRequest),
+    PolicyLease(PolicyLeaseRequest),
 }
 
 /// Where decisions are made.
@@ -100,6 +116,9 @@ impl Limiter {
         let Some(policy) = self.policies.get(&req.name) else {
             return self.unknown_policy(&req);
         };
+        if policy.lease_ms.is_some() {
+            return wrong_policy_kind(policy, req.id, OP_CHECK_POLICY);
+        }
         let limit = match policy.limit_for(&req.key) {
             PolicyLimit::Limit(l) => l,
             PolicyLimit::Unlimited => {
@@ -151,6 +170,62 @@ impl Limiter {
         resp
     }
 
+    /// Decides one ACQUIRE_POLICY (op 7) or its release: resolves the
+    /// concurrency policy, the key's limit (override, allowlist) and the
+    /// policy's lease and fail policy, then decides exactly as an ACQUIRE or
+    /// RELEASE (ops 5, 6) of them would, under the key scoped to the policy.
+    async fn decide_policy_lease(&self, req: PolicyLeaseRequest) -> Response {
+        let op = OP_ACQUIRE_POLICY;
+        let Some(policy) = self.policies.get(&req.name) else {
+            let single = PolicyCheckRequest { id: req.id, on_error: req.on_error, local_limit: req.local_limit, cost: req.cost, name: req.name, key: req.key, scoped_key: req.scoped_key };
+            return Response { op, ..self.unknown_policy(&single) };
+        };
+        let Some(lease_ms) = policy.lease_ms else {
+            return wrong_policy_kind(policy, req.id, op);
+        };
+        let limit = match policy.limit_for(&req.key) {
+            PolicyLimit::Limit(l) => l,
+            PolicyLimit::Unlimited => {
+                // Exempt: nothing acquired, so nothing to release.
+                policy.counters.count(Outcome::Exempt);
+                METRICS.decided(Decision::Allowed, Source::Exempt, ErrorCode::None);
+                return Response { decision: Decision::Allowed, source: Source::Exempt, error: ErrorCode::None, ..Response::error(req.id, op, ErrorCode::None, Cow::Borrowed("")) };
+            }
+        };
+        if req.cost > limit && !req.release {
+            policy.counters.count(Outcome::Error);
+            METRICS.decided(Decision::Error, Source::None, ErrorCode::InvalidCost);
+            let msg = format!("cost {} is above the limit {limit} of policy '{}' for this key", req.cost, policy.name);
+            return Response::error(req.id, op, ErrorCode::InvalidCost, Cow::Owned(msg));
+        }
+        let (on_error, local_limit) = match policy.fail_policy {
+            Some(f) => (f, policy.local_limit.unwrap_or(0)),
+            None => (req.on_error, req.local_limit),
+        };
+        let lease = LeaseRequest {
+            id: req.id,
+            op: if req.release { OP_RELEASE } else { OP_ACQUIRE },
+            on_error,
+            limit,
+            lease_ms,
+            cost: req.cost,
+            local_limit,
+            key: req.scoped_key,
+            lease: req.lease,
+        };
+        let mut resp = self.decide_lease(&lease).await;
+        resp.op = op;
+        let mut outcome = outcome_of(&resp);
+        if policy.shadow && resp.decision == Decision::Denied {
+            // Reported, never enforced: no slot was taken.
+            resp.decision = Decision::ShadowDenied;
+            outcome = Outcome::ShadowRefused;
+        }
+        policy.counters.count(outcome);
+        METRICS.decided(resp.decision, resp.source, resp.error);
+        resp
+    }
+
     /// A name the configuration does not have: a configuration error of the
     /// location (or a reload that removed the policy), logged loudly; the
     /// client's own fail policy decides.
@@ -189,6 +264,7 @@ impl Limiter {
                 METRICS.decided(resp.decision, resp.source, resp.error);
                 resp
             }
+            Ask::PolicyLease(r) => Box::pin(self.decide_policy_lease(r)).await,
         }
     }
 
@@ -443,6 +519,9 @@ impl Limiter {
                 PolicyLimit::Limit(l) => Some(l),
                 PolicyLimit::Unlimited => None,
             };
+            if policy.lease_ms.is_some() {
+                return Err(wrong_policy_kind(policy, id, op));
+            }
             // Several items in one call, and refunds, are written for the
             // exact log's script and windows; another algorithm's policy
             // would be judged by the wrong rule: refused loudly instead.
@@ -811,6 +890,7 @@ mod tests {
             local_limit: None,
             shadow,
             algorithm: crate::protocol::Algorithm::Log,
+            lease_ms: None,
             shards: 1,
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
@@ -851,7 +931,7 @@ mod tests {
     #[tokio::test]
     async fn sharded_policy_admits_exactly_its_limit() {
         use crate::config::PolicyConfig;
-        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, shards: 3, overrides: Default::default() };
+        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, lease_ms: None, shards: 3, overrides: Default::default() };
         let l = Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None)));
         let mut admitted = 0;
         for n in 0..25 {

@@ -195,7 +195,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let policies = match cfg.policies.len() {
                 0 => String::new(),
-                n => format!(", {n} {}: {}", if n == 1 { "policy" } else { "policies" }, cfg.policies.iter().map(|p| if p.shards > 1 { format!("{} ({} shards)", p.name, p.shards) } else { p.name.clone() }).collect::<Vec<_>>().join(" ")),
+                n => format!(", {n} {}: {}", if n == 1 { "policy" } else { "policies" }, cfg.policies.iter().map(|p| match p.lease_ms {
+                    Some(l) => format!("{} (concurrency, lease {l}ms)", p.name),
+                    None if p.shards > 1 => format!("{} ({} shards)", p.name, p.shards),
+                    None => p.name.clone(),
+                }).collect::<Vec<_>>().join(" ")),
             };
             println!("{}: ok (socket {}, backend {backend}{policies})", config.display(), cfg.server.listen.display());
             Ok(ExitCode::SUCCESS)

@@ -114,6 +114,9 @@ pub struct Policy {
     pub local_limit: Option<u32>,
     pub shadow: bool,
     pub algorithm: Algorithm,
+    /// `Some`: a concurrency policy (ACQUIRE_POLICY, op 7) holding each
+    /// slot for at most this many ms; `None`: a rate policy (CHECK_POLICY).
+    pub lease_ms: Option<u32>,
     /// Hot-key shards: 1 (one window per key) or the key's quota split over
     /// this many windows (`redis::shard_key`).
     pub shards: u32,
@@ -182,6 +185,7 @@ impl Policies {
                 local_limit: c.local_limit,
                 shadow: c.shadow,
                 algorithm: c.algorithm,
+                lease_ms: c.lease_ms,
                 shards: c.shards,
                 next_shard: AtomicU32::new(random_u32()),
                 overrides: c.overrides.iter().map(|(k, v)| (Box::from(k.as_bytes()), *v)).collect(),
@@ -216,7 +220,7 @@ impl Policies {
     pub fn render(&self, out: &mut String) {
         let _ = writeln!(
             out,
-            "# HELP ratelimitd_policy_unknown_requests_total CHECK_POLICY requests naming a policy not in the configuration; the location's fail policy decided.\n# TYPE ratelimitd_policy_unknown_requests_total counter\nratelimitd_policy_unknown_requests_total {}",
+            "# HELP ratelimitd_policy_unknown_requests_total CHECK_POLICY and ACQUIRE_POLICY requests naming a policy not in the configuration; the location's fail policy decided.\n# TYPE ratelimitd_policy_unknown_requests_total counter\nratelimitd_policy_unknown_requests_total {}",
             unknown_requests()
         );
         if self.is_empty() {
@@ -224,7 +228,7 @@ impl Policies {
         }
         let _ = writeln!(
             out,
-            "# HELP ratelimitd_policy_requests_total CHECK_POLICY requests by configured policy and outcome; each request counts in one outcome.\n# TYPE ratelimitd_policy_requests_total counter"
+            "# HELP ratelimitd_policy_requests_total CHECK_POLICY and ACQUIRE_POLICY requests by configured policy and outcome; each request counts in one outcome.\n# TYPE ratelimitd_policy_requests_total counter"
         );
         for p in &self.list {
             for o in Outcome::ALL {
@@ -250,6 +254,7 @@ mod tests {
             local_limit: None,
             shadow: false,
             algorithm: Algorithm::Log,
+            lease_ms: None,
             shards: 1,
             overrides: BTreeMap::from([("big".into(), PolicyLimit::Limit(50)), ("free".into(), PolicyLimit::Unlimited)]),
         }

@@ -473,6 +473,10 @@ impl Handler {
                                 METRICS.in_flight(1);
                                 in_flight.push(limiter.clone().decide_owned(Ask::Lease(req)));
                             }
+                            Inbound::PolicyLease(req) => {
+                                METRICS.in_flight(1);
+                                in_flight.push(limiter.clone().decide_owned(Ask::PolicyLease(req)));
+                            }
                             Inbound::Invalid { id, op, code, message } => {
                                 METRICS.decided(Decision::Error, Source::None, code);
                                 if let Some(suppressed) = shared.invalid_logs[code.index()].permit() {

@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{args, Daemon, RedisServer, Setup};
-use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, LeaseArgs, PolicyCheckArgs, Source, OP_ACQUIRE, OP_RELEASE};
+use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_RELEASE};
 
 fn with_cost<'a>(a: &CheckArgs<'a>, cost: u32) -> CheckArgs<'a> {
     CheckArgs { cost, ..a.clone() }
@@ -364,6 +364,77 @@ async fn leases_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_in_memory() {
     leases_hold_release_and_expire(&Setup::memory()).await;
+}
+
+/// A named concurrency policy (`algorithm = "concurrency"`, op 7) on a real
+/// Redis: up to its limit in flight, then refused until a release; an
+/// override's limit for its key; an allowlisted key exempt; leases counted
+/// under the policy-scoped key (not the inline one); an unknown name is
+/// UNKNOWN_POLICY; a check of a concurrency policy, or a lease of a rate
+/// policy, WRONG_POLICY_KIND; the per-policy counters count each outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_policy_acquires_refuses_and_releases() {
+    let redis = RedisServer::start_unix();
+    let d = Daemon::start_config_with_metrics(&format!(
+        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n\
+         [[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 2\nlease = \"30s\"\nallowlist = [\"ops\"]\n[policy.overrides]\nbig = 3\n\
+         [[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n",
+        redis.url()
+    ));
+    let mut c = d.client().await;
+    let ask = |key: &'static str, lease: &'static str| PolicyLeaseArgs { policy: b"uploads", key: key.as_bytes(), lease: lease.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let mut got = Vec::new();
+    for lease in ["a", "b", "c"] {
+        let r = c.policy_lease(false, &ask("t1", lease)).await.unwrap();
+        assert_eq!((r.op, r.source), (OP_ACQUIRE_POLICY, Source::Redis), "{r:?}");
+        got.push(r.decision);
+    }
+    assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::Denied], "the policy's limit of 2 in flight");
+    let refused = c.policy_lease(false, &ask("t1", "c")).await.unwrap();
+    assert!(refused.retry_after_ms > 29_000 && refused.retry_after_ms <= 30_000, "until the first lease (the policy's 30 s) expires: {refused:?}");
+    let zcard = |key: &[u8]| -> u64 { redis::cmd("ZCARD").arg(key).query(&mut redis.conn()).unwrap() };
+    assert_eq!(zcard(b"ratelimitd:{\x07uploadst1}:concurrency"), 2, "held under the policy-scoped key");
+    assert_eq!(zcard(b"ratelimitd:{t1}:concurrency"), 0, "not the inline key's");
+
+    let r = c.policy_lease(true, &ask("t1", "a")).await.unwrap();
+    assert_eq!(r.decision, Decision::Allowed, "released: {r:?}");
+    assert_eq!(c.policy_lease(true, &ask("t1", "a")).await.unwrap().decision, Decision::Denied, "released already");
+    assert_eq!(c.policy_lease(false, &ask("t1", "c")).await.unwrap().decision, Decision::Allowed, "the released slot");
+    assert_eq!(zcard(b"ratelimitd:{\x07uploadst1}:concurrency"), 2);
+
+    let mut big = Vec::new();
+    for lease in ["a", "b", "c", "d"] {
+        big.push(c.policy_lease(false, &ask("big", lease)).await.unwrap().decision);
+    }
+    assert_eq!(big, [Decision::Allowed, Decision::Allowed, Decision::Allowed, Decision::Denied], "the override's limit of 3");
+    for lease in ["a", "b", "c"] {
+        let r = c.policy_lease(false, &ask("ops", lease)).await.unwrap();
+        assert_eq!((r.decision, r.source), (Decision::Allowed, Source::Exempt), "allowlisted");
+    }
+
+    let unknown = PolicyLeaseArgs { policy: b"upload", ..ask("t1", "z") };
+    assert_eq!(c.policy_lease(false, &unknown).await.unwrap().error.as_str(), "UNKNOWN_POLICY");
+    let check = c.check_policy(&PolicyCheckArgs { policy: b"uploads", key: b"t1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }).await.unwrap();
+    assert_eq!((check.decision, check.error.as_str()), (Decision::Error, "WRONG_POLICY_KIND"), "not a silent window check: {check:?}");
+    assert!(check.message.contains("concurrency policy"), "{check:?}");
+    let rate = PolicyLeaseArgs { policy: b"rate", ..ask("t1", "z") };
+    assert_eq!(c.policy_lease(false, &rate).await.unwrap().error.as_str(), "WRONG_POLICY_KIND");
+    let mut bad = ask("t1", "has space");
+    assert_eq!(c.policy_lease(false, &bad).await.unwrap().error.as_str(), "INVALID_LEASE");
+    bad.lease = b"ok";
+    bad.cost = 3;
+    assert_eq!(c.policy_lease(false, &bad).await.unwrap().error.as_str(), "INVALID_COST", "above the limit of 2");
+    let still = c.policy_lease(false, &ask("t1", "e")).await.unwrap();
+    assert_eq!(still.decision, Decision::Denied, "the stream is in sync after the errors: {still:?}");
+
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let text = agent.get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
+    let sample = |outcome: &str| -> u64 {
+        let start = format!("ratelimitd_policy_requests_total{{policy=\"uploads\",outcome=\"{outcome}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(start.as_str())).unwrap_or_else(|| panic!("no {start} in\n{text}")).parse().unwrap()
+    };
+    // Admitted: a, b, release a, c, big a-c. Refused: c, c, release a again, big d, e.
+    assert_eq!((sample("admitted"), sample("refused"), sample("exempt"), sample("error")), (7, 5, 3, 2), "{text}");
 }
 
 /// Through nginx: a request holds its slot while its upstream works; the

@@ -36,6 +36,8 @@ pub(super) struct PolicySection {
     pub name: String,
     pub limit: u64,
     /// A duration: "500ms", "1s", "1m", "1h", "1d"; or "month" (fixed only).
+    /// Absent for algorithm = "concurrency" (which has a `lease` instead).
+    #[serde(default)]
     pub window: String,
     /// "+02:00": fixed windows aligned to this offset's midnight (fixed only).
     #[serde(default)]
@@ -49,6 +51,9 @@ pub(super) struct PolicySection {
     /// "log" (default), "ring", ...: how the policy's windows count.
     #[serde(default)]
     pub algorithm: Option<String>,
+    /// A concurrency policy's lease: how long a slot is held if never released.
+    #[serde(default)]
+    pub lease: Option<String>,
     /// Hot-key shards: the key's quota split over this many windows.
     #[serde(default)]
     pub shards: Option<i64>,

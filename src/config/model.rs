@@ -103,7 +103,13 @@ pub struct PolicyConfig {
     /// Decide and count, but admit every request.
     pub shadow: bool,
     /// How the policy's windows count (docs/ALGORITHMS.md); the log by default.
+    /// Unused by a concurrency policy.
     pub algorithm: Algorithm,
+    /// `Some`: a concurrency policy (`algorithm = "concurrency"`, ops 7),
+    /// `limit` requests in flight at most, each slot held for at most this
+    /// lease if never released (1..=`limits.max_window_ms`). `None`: a rate
+    /// policy (CHECK_POLICY).
+    pub lease_ms: Option<u32>,
     /// Hot-key shards (docs/SCALING.md): each key's quota split over this
     /// many windows in different Cluster slots; 1..=`MAX_SHARDS` and at
     /// most the policy's limit and every override's. 1: one window.

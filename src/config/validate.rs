@@ -339,9 +339,12 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             p.add("policy.name", format!("[[policy]] #{}: '{name}' is already the name of an earlier policy", i + 1));
         }
         let limit = policy_limit(p, "policy.limit", &name, "limit", i64::try_from(s.limit).unwrap_or(i64::MAX), bounds);
-        let algorithm = policy_algorithm(p, &name, s.algorithm.as_deref());
+        let concurrency = s.algorithm.as_deref() == Some(CONCURRENCY);
+        let lease_ms = policy_lease(p, &name, concurrency, s.lease.as_deref(), &s.window, bounds);
+        let algorithm = if concurrency { Algorithm::Log } else { policy_algorithm(p, &name, s.algorithm.as_deref()) };
         let calendar_window_ms = policy_calendar(p, &name, &s.window, s.utc_offset.as_deref(), algorithm);
         let window = match parse_duration(&s.window) {
+            _ if concurrency => Duration::from_millis(u64::from(lease_ms.unwrap_or(1))),
             _ if s.window == "month" => Duration::from_millis(31 * 86_400_000),
             Ok(w) if w.is_zero() || w.as_millis() > u128::from(bounds.max_window_ms) => {
                 p.add("policy.window", format!("policy '{name}': {} is outside 1ms..={}ms (limits.max_window_ms)", s.window, bounds.max_window_ms));
@@ -392,8 +395,11 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             }
             overrides.insert(key, PolicyLimit::Unlimited);
         }
-        let shards = policy_shards(p, &name, s.shards, limit, &overrides);
-        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, shards, overrides });
+        if concurrency && s.shards.is_some_and(|n| n != 1) {
+            p.add("policy.shards", format!("policy '{name}': shards are not supported with algorithm = \"concurrency\" (one key's leases are one set)"));
+        }
+        let shards = if concurrency { 1 } else { policy_shards(p, &name, s.shards, limit, &overrides) };
+        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, overrides });
     }
     out
 }
@@ -448,13 +454,46 @@ fn parse_utc_offset(s: &str) -> Result<i32, String> {
     Ok(if b[0] == b'-' { -(h * 60 + m) } else { h * 60 + m })
 }
 
+/// The `algorithm` of a concurrency policy: not a wire algorithm (a CHECK
+/// cannot name it), the policy's kind.
+const CONCURRENCY: &str = "concurrency";
+
+/// A concurrency policy's `lease` (required, 1ms..=`limits.max_window_ms`;
+/// a `window` is refused); any other policy's `lease` is refused.
+fn policy_lease(p: &mut Problems, name: &str, concurrency: bool, lease: Option<&str>, window: &str, bounds: &Bounds) -> Option<u32> {
+    if !concurrency {
+        if lease.is_some() {
+            p.add("policy.lease", format!("policy '{name}': lease is used only with algorithm = \"concurrency\""));
+        }
+        return None;
+    }
+    if !window.is_empty() {
+        p.add("policy.window", format!("policy '{name}': algorithm = \"concurrency\" has a lease, not a window"));
+    }
+    let Some(lease) = lease else {
+        p.add("policy.lease", format!("policy '{name}': algorithm = \"concurrency\" needs a lease (such as \"30s\"): how long a slot is held if never released"));
+        return Some(1);
+    };
+    match parse_duration(lease) {
+        Ok(l) if !l.is_zero() && l.as_millis() <= u128::from(bounds.max_window_ms) => Some(l.as_millis() as u32),
+        Ok(_) => {
+            p.add("policy.lease", format!("policy '{name}': lease {lease} is outside 1ms..={}ms (limits.max_window_ms)", bounds.max_window_ms));
+            Some(1)
+        }
+        Err(e) => {
+            p.add("policy.lease", format!("policy '{name}': {e}"));
+            Some(1)
+        }
+    }
+}
+
 /// A policy's `algorithm`, the log when absent; an unknown name is an error.
 fn policy_algorithm(p: &mut Problems, name: &str, algorithm: Option<&str>) -> Algorithm {
     match algorithm.map(str::parse::<Algorithm>) {
         None => Algorithm::Log,
         Some(Ok(a)) => a,
         Some(Err(e)) => {
-            p.add("policy.algorithm", format!("policy '{name}': {e}"));
+            p.add("policy.algorithm", format!("policy '{name}': {e}, or {CONCURRENCY} for requests in flight"));
             Algorithm::Log
         }
     }

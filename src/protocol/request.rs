@@ -11,6 +11,7 @@ use tokio_util::codec::Decoder;
 use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
+    FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -174,11 +175,43 @@ pub struct LeaseArgs<'a> {
     pub local_limit: u32,
 }
 
+/// One validated ACQUIRE_POLICY (op 7; with `FLAG_RELEASE`, its release):
+/// a lease of a named concurrency policy (section 4e). The policy is named,
+/// not yet resolved: the daemon takes the limit and lease length from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyLeaseRequest {
+    pub id: u32,
+    pub release: bool,
+    /// The location's fail policy; the policy's own takes precedence.
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+    pub cost: u32,
+    pub name: Bytes,
+    /// The client's key (what overrides and the allowlist are matched against).
+    pub key: Bytes,
+    /// The name's length byte, the name and the key, as CHECK_POLICY's.
+    pub scoped_key: Bytes,
+    /// The client's name for this lease, as in ACQUIRE.
+    pub lease: Bytes,
+}
+
+/// An ACQUIRE_POLICY as the client builds it (no validation).
+#[derive(Clone, Debug)]
+pub struct PolicyLeaseArgs<'a> {
+    pub policy: &'a [u8],
+    pub key: &'a [u8],
+    pub lease: &'a [u8],
+    pub cost: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+}
+
 /// What the decoder yields for each complete frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
     Check(CheckRequest),
     Lease(LeaseRequest),
+    PolicyLease(PolicyLeaseRequest),
     PolicyCheck(PolicyCheckRequest),
     MultiCheck(MultiCheckRequest),
     Refund(RefundRequest),
@@ -271,6 +304,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     }
     if op == OP_ACQUIRE || op == OP_RELEASE {
         return parse_lease(body, op, id, bounds);
+    }
+    if op == OP_ACQUIRE_POLICY {
+        return parse_policy_lease(body, id, bounds);
     }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
@@ -547,6 +583,80 @@ fn parse_lease(mut body: Bytes, op: u8, id: u32, bounds: &Bounds) -> Inbound {
     body.advance(key_at);
     let lease = body.split_off(key_len);
     Inbound::Lease(LeaseRequest { id, op, on_error, limit, lease_ms, cost, local_limit, key: body, lease })
+}
+
+/// The lease id's rule (section 4d): 1..=`MAX_LEASE_ID_LEN` printable
+/// bytes without spaces or '#' (which names a lease's further slots).
+fn lease_id_error(lease: &[u8]) -> Option<String> {
+    (lease.is_empty() || lease.len() > MAX_LEASE_ID_LEN || lease.iter().any(|&b| b <= 0x20 || b == 0x7f || b == b'#'))
+        .then(|| format!("lease id of {} bytes is not 1..={MAX_LEASE_ID_LEN} printable bytes without spaces or '#'", lease.len()))
+}
+
+/// The rest of `parse_request` for op 7 (docs/PROTOCOL.md, section 4e, in
+/// its validation order): CHECK_POLICY's header and one item, with the
+/// lease id's length before the item and the lease id after it.
+fn parse_policy_lease(mut body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
+    let op = OP_ACQUIRE_POLICY;
+    if body.len() < POLICY_LEASE_HEADER_LEN {
+        return invalid(id, op, ErrorCode::Malformed, format!("acquire-policy body of {} bytes is shorter than the {POLICY_LEASE_HEADER_LEN} fixed bytes", body.len()));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags & !FLAG_RELEASE != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: only 0x0001 (release) is defined for op {op}"));
+    }
+    let Some(on_error) = FailPolicy::from_wire(body[8]) else {
+        return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
+    };
+    if body[9] != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} items in one acquire-policy request; exactly 1", body[9]));
+    }
+    let local_limit = be32(&body, 10);
+    let lease_len = body[14] as usize;
+    let item_at = POLICY_HEADER_LEN + 1;
+    let key_len = u16::from_be_bytes([body[item_at + 4], body[item_at + 5]]) as usize;
+    let name_len = body[item_at + 6] as usize;
+    if body.len() != POLICY_LEASE_HEADER_LEN + name_len + key_len + lease_len {
+        return invalid(
+            id,
+            op,
+            ErrorCode::Malformed,
+            format!("name length {name_len}, key length {key_len} and lease length {lease_len} do not match the {} bytes left in the frame", body.len() - POLICY_LEASE_HEADER_LEN),
+        );
+    }
+    let (item, end) = match parse_item(&body, item_at, bounds) {
+        Ok(item) => item,
+        Err((code, message)) => return invalid(id, op, code, message),
+    };
+    if let Some(e) = lease_id_error(&body[end..]) {
+        return invalid(id, op, ErrorCode::InvalidLease, e);
+    }
+    if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
+    }
+    let lease = body.split_off(end);
+    let PolicyItem { cost, name, key, scoped_key } = item;
+    Inbound::PolicyLease(PolicyLeaseRequest { id, release: flags & FLAG_RELEASE != 0, on_error, local_limit, cost, name, key, scoped_key, lease })
+}
+
+/// Appends one ACQUIRE_POLICY frame (op 7; with `release`, the release) to `dst`.
+pub fn encode_policy_lease_request(id: u32, release: bool, a: &PolicyLeaseArgs<'_>, dst: &mut BytesMut) {
+    let body_len = POLICY_LEASE_HEADER_LEN + a.policy.len() + a.key.len() + a.lease.len();
+    dst.reserve(LEN_PREFIX + body_len);
+    dst.put_u32(body_len as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_ACQUIRE_POLICY);
+    dst.put_u32(id);
+    dst.put_u16(if release { FLAG_RELEASE } else { 0 });
+    dst.put_u8(a.on_error.to_wire());
+    dst.put_u8(1);
+    dst.put_u32(a.local_limit);
+    dst.put_u8(a.lease.len() as u8);
+    dst.put_u32(a.cost);
+    dst.put_u16(a.key.len() as u16);
+    dst.put_u8(a.policy.len() as u8);
+    dst.put_slice(a.policy);
+    dst.put_slice(a.key);
+    dst.put_slice(a.lease);
 }
 
 /// Appends one ACQUIRE (`op` 5) or RELEASE (`op` 6) frame to `dst`.

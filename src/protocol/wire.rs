@@ -40,6 +40,14 @@ pub const OP_RELEASE: u8 = 6;
 pub const LEASE_HEADER_LEN: usize = 29;
 /// Longest lease id.
 pub const MAX_LEASE_ID_LEN: usize = 64;
+/// ACQUIRE_POLICY (section 4e): a lease of a named concurrency policy; with
+/// `FLAG_RELEASE`, its release.
+pub const OP_ACQUIRE_POLICY: u8 = 7;
+/// Op 7's flag: release the lease instead of acquiring it.
+pub const FLAG_RELEASE: u16 = 0x0001;
+/// Op 7's fixed bytes: the 14 of CHECK_POLICY's header, the lease id's
+/// length, and the item's 7 (cost, key length, name length).
+pub const POLICY_LEASE_HEADER_LEN: usize = 22;
 /// Bytes of a CHECK_POLICY body before its first item: version, op, id,
 /// flags, fail policy, item count, local limit.
 pub const POLICY_HEADER_LEN: usize = 14;
@@ -226,6 +234,9 @@ wire_enum! {
         /// ACQUIRE or RELEASE with a lease id empty, too long or with a
         /// control byte, or a lease length outside 1..=max_window_ms.
         InvalidLease = 17 => "INVALID_LEASE",
+        /// The policy named is of the other kind: CHECK_POLICY (op 2) of a
+        /// concurrency policy, or ACQUIRE_POLICY (op 7) of a rate policy.
+        WrongPolicyKind = 18 => "WRONG_POLICY_KIND",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",
