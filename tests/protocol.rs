@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use bytes::BytesMut;
 use common::{args, Daemon, RedisServer};
 use ratelimitd::client::ClientError;
-use ratelimitd::protocol::{encode_policy_request, encode_request, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, Source, MAX_FRAME_LEN};
+use ratelimitd::protocol::{encode_policy_lease_request, encode_policy_request, encode_request, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, PolicyLeaseArgs, Source, MAX_FRAME_LEN};
 
 fn frame(body: &[u8]) -> Vec<u8> {
     let mut v = (body.len() as u32).to_be_bytes().to_vec();
@@ -248,4 +248,62 @@ async fn multi_item_frames_are_all_or_nothing_with_the_documented_bytes() {
     assert_eq!(ext.items[1].decision, Decision::Denied);
     let ip = c.check_policy(&PolicyCheckArgs { policy: b"ip", key: b"a", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }).await.unwrap();
     assert_eq!((ip.decision, ip.count), (Decision::Allowed, 2), "the refused request charged ip nothing");
+}
+
+/// ACQUIRE_POLICY (docs/PROTOCOL.md 4e): the documented frame against the
+/// real daemon (in-memory backend), its release (flag 0x0001), the encoder
+/// writing the same bytes, and each validation error with its code, the
+/// stream staying in sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_policy_frames_hold_and_release_with_the_documented_bytes() {
+    let policies = "[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n";
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{policies}"));
+    let mut c = d.client().await;
+    // Section 4e: id 7, fail policy open, lease "a"; cost 1, policy "uploads", key "t1".
+    let documented = "000000200107000000070000000100000000010000000100020775706c6f616473743161";
+    let hex = |s: &str| -> Vec<u8> { (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect() };
+    let bytes = hex(documented);
+    let args = PolicyLeaseArgs { policy: b"uploads", key: b"t1", lease: b"a", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
+    let mut encoded = BytesMut::new();
+    encode_policy_lease_request(7, false, &args, &mut encoded);
+    assert_eq!(&encoded[..], &bytes[..], "the encoder writes the documented bytes");
+    let release = {
+        let mut v = BytesMut::new();
+        encode_policy_lease_request(7, true, &args, &mut v);
+        v.to_vec()
+    };
+    assert_eq!(release, hex("000000200107000000070001000100000000010000000100020775706c6f616473743161"));
+    let mut got = Vec::new();
+    for frame in [&bytes, &bytes, &release, &bytes] {
+        c.send_raw(frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.op, r.source, r.error), (7, 7, Source::Memory, ErrorCode::None), "{}", r.message);
+        got.push(r.decision);
+    }
+    assert_eq!(got, [Decision::Allowed, Decision::Denied, Decision::Allowed, Decision::Allowed], "held, refused at the limit of 1, released, held again");
+
+    let with = |at: usize, b: &[u8]| {
+        let mut v = bytes.clone();
+        v[at..at + b.len()].copy_from_slice(b);
+        v
+    };
+    let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
+        (with(4 + 6, &[0, 2]), ErrorCode::UnsupportedFlags),
+        (with(4 + 8, &[3]), ErrorCode::InvalidPolicy),
+        (with(4 + 9, &[2]), ErrorCode::UnsupportedLimitCount),
+        (with(4 + 14, &[2]), ErrorCode::Malformed),
+        (with(4 + 21, &[8]), ErrorCode::Malformed),
+        (with(4 + 21, &[0]), ErrorCode::Malformed),
+        (with(4 + 15, &0u32.to_be_bytes()), ErrorCode::InvalidCost),
+        (with(4 + 31, b"#"), ErrorCode::InvalidLease),
+        (with(4 + 29, b"\x01"), ErrorCode::InvalidKey),
+        (with(4 + 8, &[2]), ErrorCode::InvalidLocalLimit),
+        (with(4 + 22, b"U"), ErrorCode::UnknownPolicy),
+    ];
+    for (frame, code) in cases {
+        c.send_raw(&frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.op, r.decision, r.error), (7, 7, Decision::Error, code), "{frame:02x?}: {}", r.message);
+        assert_eq!(c.check(&common::args("after-error", 1000, 60_000)).await.unwrap().decision, Decision::Allowed, "version 1 CHECK on the same connection");
+    }
 }

@@ -758,6 +758,29 @@ mod tests {
     }
 
     #[test]
+    fn a_concurrency_policy_has_a_lease_and_no_window_or_shards() {
+        let c = parse("[[policy]]\nname = \"up\"\nalgorithm = \"concurrency\"\nlimit = 10\nlease = \"30s\"\n[policy.overrides]\nbig = 20\n").unwrap();
+        let up = &c.policies[0];
+        assert_eq!((up.lease_ms, up.limit, up.shards, up.overrides.get("big")), (Some(30_000), 10, 1, Some(&PolicyLimit::Limit(20))));
+        assert_eq!(parse("[[policy]]\nname = \"r\"\nlimit = 10\nwindow = \"1s\"\n").unwrap().policies[0].lease_ms, None, "a rate policy");
+        let cases = [
+            ("algorithm = \"concurrency\"\n", "policy.lease", "needs a lease"),
+            ("algorithm = \"concurrency\"\nlease = \"0s\"\n", "policy.lease", "outside 1ms"),
+            ("algorithm = \"concurrency\"\nlease = \"soon\"\n", "policy.lease", "soon"),
+            ("algorithm = \"concurrency\"\nlease = \"30s\"\nwindow = \"1s\"\n", "policy.window", "a lease, not a window"),
+            ("algorithm = \"concurrency\"\nlease = \"30s\"\nshards = 4\n", "policy.shards", "shards are not supported"),
+            ("window = \"1s\"\nlease = \"30s\"\n", "policy.lease", "only with algorithm = \"concurrency\""),
+            ("window = \"1s\"\nalgorithm = \"concurrent\"\n", "policy.algorithm", "or concurrency for requests in flight"),
+        ];
+        for (extra, field, text) in cases {
+            let e = parse(&format!("[[policy]]\nname = \"up\"\nlimit = 10\n{extra}")).unwrap_err();
+            let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
+            assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), [field], "{extra}: {e}");
+            assert!(e.to_string().contains(text), "{extra}: {e}");
+        }
+    }
+
+    #[test]
     fn shards_are_1_to_64_and_at_most_every_limit() {
         let policy = |extra: &str| format!("[[policy]]\nname = \"hot\"\nlimit = 100\nwindow = \"1s\"\n{extra}\n");
         assert_eq!(parse(&policy("")).unwrap().policies[0].shards, 1, "default: one window");

@@ -1058,6 +1058,7 @@ mod tests {
                                 prop_assert!((1..=MAX_POLICY_ITEMS).contains(&items.len()) && items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty()))
                             }
                             Some(Inbound::Lease(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
+                            Some(Inbound::PolicyLease(c)) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
                             None => break,
                         }
                     }
@@ -1096,6 +1097,7 @@ mod tests {
                     Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
                     Inbound::PolicyCheck(_) | Inbound::MultiCheck(_) | Inbound::Refund(_) => prop_assert!(false, "a CHECK decoded as another op"),
                     Inbound::Lease(_) => prop_assert!(false, "a CHECK decoded as a lease"),
+                    Inbound::PolicyLease(_) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                 }
             }
         }
