@@ -495,6 +495,81 @@ server {{
     assert!(!log.contains("ratelimitd: release"), "{log}");
 }
 
+/// A named concurrency policy through nginx: `concurrency{ policy = ... }`
+/// holds the policy's one slot while a slow request is in flight (429 for
+/// the next), under the policy-scoped key; the client aborts; log_by_lua
+/// releases it and the next request passes. A location naming a rate
+/// policy gets the invalid status (WRONG_POLICY_KIND), not a silent pass;
+/// a limit given to a policy limiter is refused when it is built.
+#[test]
+fn a_concurrency_policy_holds_and_releases_through_nginx() {
+    use std::io::Write;
+    let redis = RedisServer::start_unix();
+    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!(
+        "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n[[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n",
+        redis.url()
+    ));
+    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let nginx = common::Nginx::start(&format!(
+        r#"{snippet}
+server {{
+    listen 127.0.0.1:{{PORT:up}};
+    location /slow {{ content_by_lua_block {{ ngx.sleep(5) ngx.say("late") }} }}
+    location / {{ content_by_lua_block {{ ngx.say("ok") }} }}
+}}
+server {{
+    listen 127.0.0.1:{{PORT}};
+    location /bad-options {{
+        content_by_lua_block {{
+            local lim, err = require("resty.ratelimitd").concurrency{{ policy = "uploads", limit = 3 }}
+            ngx.say(tostring(lim), " ", err)
+        }}
+    }}
+    location /rate {{
+        access_by_lua_block {{
+            local conns = assert(require("resty.ratelimitd").concurrency{{ policy = "rate", on_error = "open" }})
+            conns:enter("tenant-1")
+        }}
+        log_by_lua_block {{ require("resty.ratelimitd").leave() }}
+        proxy_pass http://127.0.0.1:{{PORT:up}};
+    }}
+    location / {{
+        access_by_lua_block {{
+            local conns = assert(require("resty.ratelimitd").concurrency{{ policy = "uploads", on_error = "closed" }})
+            conns:enter("tenant-1")
+        }}
+        log_by_lua_block {{ require("resty.ratelimitd").leave() }}
+        proxy_pass http://127.0.0.1:{{PORT:up}};
+    }}
+}}
+"#
+    ));
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
+    let body = agent.get(&nginx.url("/bad-options")).call().unwrap().body_mut().read_to_string().unwrap();
+    assert!(body.starts_with("nil concurrency: limit is not an option of a policy limiter"), "{body}");
+
+    let scoped = b"ratelimitd:{\x07uploadstenant-1}:concurrency";
+    let zcard = || -> u64 { redis::cmd("ZCARD").arg(&scoped[..]).query(&mut redis.conn()).unwrap() };
+    assert_eq!(status("/fast"), 200, "{}\n{}", nginx.error_log(), d.log());
+    assert_eq!(zcard(), 0, "released after the request");
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+    common::wait_until("the slow request holds the policy's slot", Duration::from_secs(5), || zcard() == 1);
+    assert_eq!(status("/fast"), 429, "the policy's limit of 1 in flight");
+    slow.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(slow);
+    common::wait_until("the aborted request's lease is released", Duration::from_secs(3), || zcard() == 0);
+    assert_eq!(status("/fast"), 200, "the slot is free again");
+
+    assert_eq!(status("/rate"), 500, "a rate policy named as a concurrency one is a configuration error, not a pass");
+    let log = nginx.error_log();
+    assert!(log.contains("WRONG_POLICY_KIND"), "{log}");
+    assert!(!log.contains("ratelimitd: release"), "{log}");
+}
+
 /// Every algorithm and the leases on a real Redis Cluster (six nodes), with
 /// `SCRIPT FLUSH` on every primary first: each node that lost the scripts
 /// gets the right script's EVAL on NOSCRIPT, per algorithm, and every

@@ -47,6 +47,9 @@ local _M = { _VERSION = "0.2.0" }
 
 local VERSION, OP_CHECK, OP_CHECK_POLICY, OP_REFUND = 1, 1, 2, 3
 local OP_ACQUIRE, OP_RELEASE = 5, 6
+-- ACQUIRE_POLICY (section 4e): a lease of a named concurrency policy; with
+-- the flag 0x0001, its release.
+local OP_ACQUIRE_POLICY, FLAG_RELEASE = 7, 1
 local FLAG_REFUNDABLE = 1
 local MAX_POLICY_ITEMS = 8
 local MAX_POLICY_NAME_LEN = 31
@@ -104,6 +107,7 @@ local ERROR_NAME = {
     [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
     [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [13] = "DUPLICATE_ITEM",
     [14] = "REFUND_UNSUPPORTED", [16] = "UNKNOWN_ALGORITHM", [17] = "INVALID_LEASE",
+    [18] = "WRONG_POLICY_KIND",
     [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
     [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
     [35] = "OVERLOADED",
@@ -608,6 +612,17 @@ local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 -- or a timeout. `key` is the wire key, `cost` already checked.
 local function exchange(self, key, cost, lease_op, lease)
     local n = #key
+    if self._lease_policy then
+        -- ACQUIRE_POLICY (PROTOCOL.md section 4e): CHECK_POLICY's header
+        -- (the release flag in it), the lease id's length, the item (cost,
+        -- key_len, name_len, name, key), then the lease id.
+        local len = 22 + self._name_len + n + #lease
+        local id = next_id()
+        local frame = u32(len) .. char(VERSION, OP_ACQUIRE_POLICY) .. u32(id)
+            .. (lease_op == OP_RELEASE and self._release_header or self._acquire_header) .. char(#lease)
+            .. u32(cost) .. char(band(rshift(n, 8), 255), band(n, 255)) .. self._name_part .. key .. lease
+        return transact(self, frame, id)
+    end
     local policy = self._policy
     local len = lease_op and 29 + n + #lease or policy and 21 + self._name_len + n or 28 + n
     local id = next_id()
@@ -1450,6 +1465,8 @@ end
 -- requests in flight per key across every host.
 --
 --   init_by_lua_block    { conns = assert(require("resty.ratelimitd").concurrency{ limit = 10, lease_ms = 60000 }) }
+--                        -- or of a named policy (algorithm = "concurrency"):
+--                        { uploads = assert(require("resty.ratelimitd").concurrency{ policy = "uploads" }) }
 --   access_by_lua_block  { conns:enter(ngx.var.http_x_tenant_id) }
 --   log_by_lua_block     { require("resty.ratelimitd").leave() }
 --
@@ -1463,9 +1480,69 @@ local CONCURRENCY_OPTIONS = {
     fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
 }
 
+local CONCURRENCY_POLICY_OPTIONS = {
+    policy = true, lease_ms = true, on_error = true, local_limit = true, status = true,
+    fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
+}
+
+-- A concurrency limiter of a named `[[policy]]` (algorithm = "concurrency",
+-- docs/POLICIES.md): the daemon holds its limit, lease, overrides and
+-- allowlist; the frame (op 7) carries the name, the key, the cost and the
+-- lease id. With on_error = "local", local_limit is the per-host quota and
+-- lease_ms the window of this client's own fallback.
+local function concurrency_policy(opts)
+    for k in pairs(opts) do
+        if not CONCURRENCY_POLICY_OPTIONS[k] then
+            if k == "limit" then
+                return nil, "concurrency: limit is not an option of a policy limiter: the limit and lease are the policy's, in ratelimitd.toml"
+            end
+            return nil, "concurrency: unknown option '" .. tostring(k) .. "'"
+        end
+    end
+    local name = opts.policy
+    if type(name) ~= "string" or #name < 1 or #name > MAX_POLICY_NAME_LEN or find(name, "[^%w_.-]") then
+        return nil, "concurrency: policy must be a name of 1 to " .. MAX_POLICY_NAME_LEN .. " characters A-Z a-z 0-9 _ . -"
+    end
+    local on_error, err = policy_options(opts)
+    if not on_error then
+        return nil, "concurrency: " .. err
+    end
+    if opts.lease_ms ~= nil and not positive_int(opts.lease_ms, 4294967295) then
+        return nil, "concurrency: lease_ms must be a positive integer"
+    end
+    if on_error == "local" and opts.lease_ms == nil then
+        return nil, "concurrency: on_error = 'local' needs lease_ms: the window of this client's own fallback quota"
+    end
+    local header = char(POLICY[on_error], 1) .. u32(opts.local_limit or 0)
+    local lim = setmetatable({
+        _concurrency = true,
+        _lease_policy = true,
+        _policy = name,
+        _on_error = on_error,
+        _local_limit = opts.local_limit,
+        _window_ms = opts.lease_ms,
+        _acquire_header = char(0, 0) .. header,
+        _release_header = char(0, FLAG_RELEASE) .. header,
+        _name_part = char(#name) .. name,
+        _name_len = #name,
+        -- Unused by op 7's frame; marks an object from a constructor (call_args).
+        _cost_one = COST_ONE,
+    }, limiter_mt)
+    lim.status = opts.status
+    lim.fail_closed_status = opts.fail_closed_status
+    lim.invalid_status = opts.invalid_status
+    lim.headers = opts.headers
+    lim.header_style = opts.header_style
+    lim.dry_run = opts.dry_run
+    return lim
+end
+
 function _M.concurrency(opts)
     if type(opts) ~= "table" or opts == _M then
         error("concurrency: expects a table of options", 2)
+    end
+    if opts.policy ~= nil then
+        return concurrency_policy(opts)
     end
     for k in pairs(opts) do
         if not CONCURRENCY_OPTIONS[k] then
