@@ -345,6 +345,10 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
         let calendar_window_ms = policy_calendar(p, &name, &s.window, s.utc_offset.as_deref(), algorithm);
         let window = match parse_duration(&s.window) {
             _ if concurrency => Duration::from_millis(u64::from(lease_ms.unwrap_or(1))),
+            _ if s.window.is_empty() => {
+                p.add("policy.window", format!("policy '{name}': missing field `window` (such as \"1s\"), or algorithm = \"{CONCURRENCY}\" with a lease"));
+                Duration::from_millis(1)
+            }
             _ if s.window == "month" => Duration::from_millis(31 * 86_400_000),
             Ok(w) if w.is_zero() || w.as_millis() > u128::from(bounds.max_window_ms) => {
                 p.add("policy.window", format!("policy '{name}': {} is outside 1ms..={}ms (limits.max_window_ms)", s.window, bounds.max_window_ms));
@@ -832,7 +836,7 @@ mod tests {
         assert!(text.contains("'a' is already the name of an earlier policy"), "{text}");
         assert!(text.contains("override of \"j\" is 'lots'"), "{text}");
         assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nburst = 2\n").unwrap_err().to_string().contains("unknown field `burst`"));
-        assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\n").unwrap_err().to_string().contains("missing field `window`"));
+        assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\n").unwrap_err().to_string().contains("policy 'a': missing field `window` (such as \"1s\"), or algorithm = \"concurrency\" with a lease"));
         let e = parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nlocal_limit = 3\n").unwrap_err().to_string();
         assert!(e.contains("local_limit needs fail_policy"), "{e}");
     }
