@@ -497,6 +497,25 @@ server {{
     assert!(!log.contains("ratelimitd: release"), "{log}");
 }
 
+/// Redis unreachable: a concurrency policy's own `fail_policy` replaces
+/// the location's (closed: refused though the location says open); a policy
+/// without one follows the location's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_policy_applies_its_own_fail_policy() {
+    let gone = RedisServer::start_unix().url(); // stopped and removed at once
+    let d = Daemon::start_config(&format!(
+        "socket_mode = \"0600\"\n[redis]\nurl = \"{gone}\"\ntimeout_ms = 200\n\
+         [[policy]]\nname = \"strict\"\nalgorithm = \"concurrency\"\nlimit = 2\nlease = \"30s\"\nfail_policy = \"closed\"\n\
+         [[policy]]\nname = \"lax\"\nalgorithm = \"concurrency\"\nlimit = 2\nlease = \"30s\"\n"
+    ));
+    let mut c = d.client().await;
+    let ask = |policy: &'static [u8]| PolicyLeaseArgs { policy, key: b"t1", lease: b"a", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
+    let strict = c.policy_lease(false, &ask(b"strict")).await.unwrap();
+    assert_eq!((strict.decision, strict.source), (Decision::Denied, Source::FailClosed), "the policy's fail_policy: {strict:?}");
+    let lax = c.policy_lease(false, &ask(b"lax")).await.unwrap();
+    assert_eq!((lax.decision, lax.source), (Decision::Allowed, Source::FailOpen), "the location's: {lax:?}");
+}
+
 /// A named concurrency policy through nginx: `concurrency{ policy = ... }`
 /// holds the policy's one slot while a slow request is in flight (429 for
 /// the next), under the policy-scoped key; the client aborts; log_by_lua
