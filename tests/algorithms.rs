@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{args, Daemon, RedisServer, Setup};
-use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_RELEASE};
+use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_RELEASE};
 
 fn with_cost<'a>(a: &CheckArgs<'a>, cost: u32) -> CheckArgs<'a> {
     CheckArgs { cost, ..a.clone() }
@@ -417,6 +417,9 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
     let check = c.check_policy(&PolicyCheckArgs { policy: b"uploads", key: b"t1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }).await.unwrap();
     assert_eq!((check.decision, check.error.as_str()), (Decision::Error, "WRONG_POLICY_KIND"), "not a silent window check: {check:?}");
     assert!(check.message.contains("concurrency policy"), "{check:?}");
+    let items = [ItemArgs { policy: b"rate", key: b"t1", cost: 1 }, ItemArgs { policy: b"uploads", key: b"t1", cost: 1 }];
+    let multi = c.check_multi(FailPolicy::Open, 0, false, &items).await.unwrap();
+    assert_eq!((multi.decision, multi.error.as_str()), (Decision::Error, "WRONG_POLICY_KIND"), "nor as one item of several: {multi:?}");
     let rate = PolicyLeaseArgs { policy: b"rate", ..ask("t1", "z") };
     assert_eq!(c.policy_lease(false, &rate).await.unwrap().error.as_str(), "WRONG_POLICY_KIND");
     let mut bad = ask("t1", "has space");
@@ -434,7 +437,8 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
         text.lines().find_map(|l| l.strip_prefix(start.as_str())).unwrap_or_else(|| panic!("no {start} in\n{text}")).parse().unwrap()
     };
     // Admitted: a, b, release a, c, big a-c. Refused: c, c, release a again, big d, e.
-    assert_eq!((sample("admitted"), sample("refused"), sample("exempt"), sample("error")), (7, 5, 3, 2), "{text}");
+    // Errors: the check, the item of several, the cost above the limit.
+    assert_eq!((sample("admitted"), sample("refused"), sample("exempt"), sample("error")), (7, 5, 3, 3), "{text}");
 }
 
 /// Through nginx: a request holds its slot while its upstream works; the
