@@ -657,3 +657,55 @@ async fn inspect_and_reset_see_every_algorithm() {
         assert_eq!(c.check_with(&args("t1", 10, 60_000), algorithm).await.unwrap().count, 1, "{algorithm}: whole again");
     }
 }
+
+/// Through nginx, the three other algorithms chosen in the Lua client
+/// (`new{ algorithm = ... }`): each admits its limit and refuses the rest,
+/// in a Redis key of its own (`...:<window>ms:<algorithm>`); the fixed
+/// window's refusal says when the UTC hour ends (the real reset).
+#[test]
+fn ring_sliding_counter_and_fixed_through_nginx() {
+    let redis = RedisServer::start_unix();
+    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
+    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let mut locations = String::new();
+    for (name, window_ms) in [("ring", 60_000), ("sliding_counter", 60_000), ("fixed", 3_600_000)] {
+        locations += &format!(
+            r#"
+    location /{name} {{
+        access_by_lua_block {{
+            local lim = assert(require("resty.ratelimitd").new{{ algorithm = "{name}", limit = 5, window_ms = {window_ms} }})
+            lim:limit("nginx-{name}")
+        }}
+        content_by_lua_block {{ ngx.say("ok") }}
+    }}"#
+        );
+    }
+    let nginx = common::Nginx::start(&format!("{snippet}\nserver {{\n    listen 127.0.0.1:{{PORT}};{locations}\n}}\n"));
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    for (name, window_ms) in [("ring", 60_000u64), ("sliding_counter", 60_000), ("fixed", 3_600_000)] {
+        let mut statuses = Vec::new();
+        let mut retry_after = None;
+        for _ in 0..7 {
+            let r = agent.get(&nginx.url(&format!("/{name}"))).call().unwrap();
+            statuses.push(r.status().as_u16());
+            if r.status().as_u16() == 429 {
+                retry_after = r.headers().get("Retry-After").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+            }
+        }
+        assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429], "{name}: the limit, then refusals\n{}\n{}", nginx.error_log(), d.log());
+        let key = format!("ratelimitd:{{nginx-{name}}}:{window_ms}ms:{name}");
+        let exists: u32 = redis::cmd("EXISTS").arg(&key).query(&mut redis.conn()).unwrap();
+        assert_eq!(exists, 1, "{name}: its own Redis key {key}");
+        let retry = retry_after.expect("a 429 carries Retry-After");
+        if name == "fixed" {
+            // The hour's end on the wall clock (Redis TIME is this host's).
+            let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+            let to_end = 3600 - now_s % 3600;
+            assert!(retry.abs_diff(to_end) <= 2, "fixed: Retry-After {retry} s, the UTC hour ends in {to_end} s");
+        } else {
+            assert!((1..=60).contains(&retry), "{name}: Retry-After {retry} s within the 60 s window");
+        }
+    }
+}
