@@ -433,6 +433,11 @@ local POLICY_OPTIONS = {
     fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
 }
 
+-- A policy's name as ratelimitd.toml allows it: 1 to 31 of A-Z a-z 0-9 _ . -
+local function valid_policy_name(name)
+    return type(name) == "string" and #name >= 1 and #name <= MAX_POLICY_NAME_LEN and not find(name, "[^%w_.-]")
+end
+
 -- A limiter of a named policy: the daemon holds its limit, window,
 -- overrides and allowlist (docs/POLICIES.md); the frame (op 2, CHECK_POLICY)
 -- carries the name, the key and the cost. The location's on_error decides
@@ -450,7 +455,7 @@ function new_policy(opts)
         end
     end
     local name = opts.policy
-    if type(name) ~= "string" or #name < 1 or #name > MAX_POLICY_NAME_LEN or find(name, "[^%w_.-]") then
+    if not valid_policy_name(name) then
         return nil, "new: policy must be a name of 1 to " .. MAX_POLICY_NAME_LEN .. " characters A-Z a-z 0-9 _ . -"
     end
     local on_error, err = policy_options(opts)
@@ -493,7 +498,7 @@ end
 function _M.new(opts)
     -- A string that cannot be a policy name (e.g. "limit=10") is a bug in
     -- the code, raised like any other non-table.
-    if type(opts) == "string" and #opts >= 1 and #opts <= MAX_POLICY_NAME_LEN and not find(opts, "[^%w_.-]") then
+    if valid_policy_name(opts) then
         opts = { policy = opts }
     end
     if type(opts) ~= "table" or opts == _M then
@@ -1074,10 +1079,6 @@ local MULTI_OPTIONS = {
     status = true, fail_closed_status = true, invalid_status = true, headers = true, header_style = true, dry_run = true,
 }
 
-local function valid_name(name)
-    return type(name) == "string" and #name >= 1 and #name <= MAX_POLICY_NAME_LEN and not find(name, "[^%w_.-]")
-end
-
 function new_multi(opts)
     for k in pairs(opts) do
         if not MULTI_OPTIONS[k] then
@@ -1095,7 +1096,7 @@ function new_multi(opts)
     end
     local parts, seen = {}, {}
     for i, name in ipairs(names) do
-        if not valid_name(name) then
+        if not valid_policy_name(name) then
             return nil, "new: policy must be a name of 1 to " .. MAX_POLICY_NAME_LEN .. " characters A-Z a-z 0-9 _ . -"
         end
         if seen[name] then
@@ -1500,7 +1501,7 @@ local function concurrency_policy(opts)
         end
     end
     local name = opts.policy
-    if type(name) ~= "string" or #name < 1 or #name > MAX_POLICY_NAME_LEN or find(name, "[^%w_.-]") then
+    if not valid_policy_name(name) then
         return nil, "concurrency: policy must be a name of 1 to " .. MAX_POLICY_NAME_LEN .. " characters A-Z a-z 0-9 _ . -"
     end
     local on_error, err = policy_options(opts)
