@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
-use crate::limiter::{Backend, Limiter};
+use crate::decision::{Backend, Limiter};
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
 use crate::metrics_server::{self, BreakerState, Live};

@@ -17,7 +17,7 @@
 //! | stores | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `window` (a script per algorithm), `coalesce` (calls in flight per window), `shard` (hot-key shard keys) |
 //! | policies | `policies` | the configured `[[policy]]` tables by name, overrides, per-policy counters |
-//! | decisions | `limiter` | asks a store, applies the fail policy, builds the response |
+//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores with the fail policies, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
 //! | edges | `daemon`, `bench`, `admin`, `top` | `serve` wiring and reloads; the load generator; `inspect`/`reset`; `ratelimitd top` |
@@ -31,8 +31,8 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod daemon;
+mod decision;
 mod denial_cache;
-mod limiter;
 mod local_store;
 mod log_limit;
 mod metrics;

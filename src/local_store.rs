@@ -267,8 +267,11 @@ impl LocalStore {
         self.check_at(spec, algorithm, self.now_ms())
     }
 
-    /// Acquires a lease of `cost` slots on `key` for `lease_ms`, if fewer
-    /// than `limit` are held; as src/redis/concurrency.lua answers.
+    /// Acquires a lease of `cost` slots on `key` for `lease_ms`, if the
+    /// key's slots held stay within `limit`; as src/redis/concurrency.lua
+    /// answers. An id the key holds already is renewed (SEMANTICS S4): its
+    /// slots are not counted against the new cost, and a refused renewal
+    /// leaves the lease as it was.
     pub fn acquire(&self, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, LocalStoreFull> {
         let now = self.now_ms();
         let mut all = self.leases.lock().unwrap_or_else(|e| e.into_inner());
@@ -284,9 +287,15 @@ impl LocalStore {
         let held = all.entry(key.into()).or_default();
         held.retain(|&(_, until, _)| until > now);
         let count: u32 = held.iter().map(|&(_, _, c)| c).sum();
-        if count + cost <= limit {
-            held.push((lease.into(), now + u64::from(lease_ms), cost));
-            return Ok(Verdict { allowed: true, count: count + cost, remaining: limit - count - cost, retry_after_ms: 0, reset_ms: lease_ms });
+        let own = held.iter().position(|(id, _, _)| **id == *lease);
+        let others = count - own.map_or(0, |i| held[i].2);
+        if others + cost <= limit {
+            let renewed = (lease.into(), now + u64::from(lease_ms), cost);
+            match own {
+                Some(i) => held[i] = renewed,
+                None => held.push(renewed),
+            }
+            return Ok(Verdict { allowed: true, count: others + cost, remaining: limit - others - cost, retry_after_ms: 0, reset_ms: lease_ms });
         }
         let left = |t: u64| (t - now) as u32;
         let retry = held.iter().map(|&(_, t, _)| t).min().map_or(0, left);

@@ -38,7 +38,7 @@ use tokio_util::codec::Decoder;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
-use crate::limiter::{Ask, Limiter};
+use crate::decision::Limiter;
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::{CloseReason, METRICS};
 use crate::protocol::{
@@ -453,29 +453,9 @@ impl Handler {
                     took = true;
                     match frame {
                         Frame::Body(body) => match parse_request(body.clone(), &bounds) {
-                            Inbound::Check(req) => {
+                            Inbound::Request(req) => {
                                 METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(Ask::Check(req)));
-                            }
-                            Inbound::PolicyCheck(req) => {
-                                METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(Ask::Policy(req)));
-                            }
-                            Inbound::MultiCheck(req) => {
-                                METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(Ask::Multi(req)));
-                            }
-                            Inbound::Refund(req) => {
-                                METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(Ask::Refund(req)));
-                            }
-                            Inbound::Lease(req) => {
-                                METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(Ask::Lease(req)));
-                            }
-                            Inbound::PolicyLease(req) => {
-                                METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide_owned(Ask::PolicyLease(req)));
+                                in_flight.push(limiter.clone().decide(req));
                             }
                             Inbound::Invalid { id, op, code, message } => {
                                 METRICS.decided(Decision::Error, Source::None, code);
@@ -652,7 +632,7 @@ impl Handler {
 mod tests {
     use super::*;
     use crate::client::Client;
-    use crate::limiter::Backend;
+    use crate::decision::Backend;
     use crate::local_store::LocalStore;
     use crate::protocol::{CheckArgs, FailPolicy};
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{Daemon, RedisServer};
 use ratelimitd::client::Client;
-use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, Source, OP_ACQUIRE, OP_RELEASE};
+use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, OP_ACQUIRE, OP_RELEASE};
 
 const POLICIES: &str = r#"
 [[policy]]

@@ -33,7 +33,7 @@ struct Single(RedisServer);
 
 impl Record for Single {
     fn shard_keys(&self) -> Vec<Vec<u8>> {
-        redis::cmd("KEYS").arg("*hott1#*").query(&mut self.0.conn()).unwrap()
+        redis::cmd("KEYS").arg("*hott1\x1f*").query(&mut self.0.conn()).unwrap()
     }
     fn members(&self, key: &[u8]) -> Vec<(Vec<u8>, f64)> {
         redis::cmd("ZRANGE").arg(key).arg(0).arg(-1).arg("WITHSCORES").query(&mut self.0.conn()).unwrap()
@@ -54,7 +54,7 @@ impl Record for Cluster {
     fn shard_keys(&self) -> Vec<Vec<u8>> {
         let mut keys = Vec::new();
         for p in self.0.primaries() {
-            for k in self.0.cli(p, &["--scan", "--pattern", "*hott1#*"]).lines().filter(|l| !l.is_empty()) {
+            for k in self.0.cli(p, &["--scan", "--pattern", "*hott1\x1f*"]).lines().filter(|l| !l.is_empty()) {
                 self.1.lock().unwrap().insert(k.as_bytes().to_vec(), p);
                 keys.push(k.as_bytes().to_vec());
             }

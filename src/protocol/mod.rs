@@ -17,7 +17,7 @@ mod wire;
 
 pub use request::{
     encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
-    LeaseRequest, MultiCheckRequest, PolicyCheckArgs, PolicyCheckRequest, PolicyItem, PolicyLeaseArgs, PolicyLeaseRequest, encode_policy_lease_request, RefundRequest, RequestCodec,
+    LeaseRequest, MultiCheckRequest, PolicyCheckArgs, PolicyCheckRequest, PolicyItem, PolicyLeaseArgs, PolicyLeaseRequest, encode_policy_lease_request, RefundRequest, Request, RequestCodec,
 };
 pub use response::{decode_response, encode_response, Extension, ItemResult, Response, ResponseError};
 pub use wire::{

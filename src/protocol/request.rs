@@ -206,15 +206,44 @@ pub struct PolicyLeaseArgs<'a> {
     pub local_limit: u32,
 }
 
-/// What the decoder yields for each complete frame.
+/// One validated request: what the daemon decides (src/decision/). The
+/// one request model: the decoder yields it, the decision pipeline takes
+/// it; no other enum of the ops exists.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Request {
+    /// CHECK (op 1): an inline limit.
+    Check(CheckRequest),
+    /// CHECK_POLICY (op 2) of one item without flags.
+    PolicyCheck(PolicyCheckRequest),
+    /// CHECK_POLICY (op 2) of several items, or of one refundable.
+    MultiCheck(MultiCheckRequest),
+    /// REFUND (op 3).
+    Refund(RefundRequest),
+    /// ACQUIRE or RELEASE (ops 5, 6) of an inline concurrency limit.
+    Lease(LeaseRequest),
+    /// ACQUIRE_POLICY (op 7), or its release.
+    PolicyLease(PolicyLeaseRequest),
+}
+
+impl Request {
+    /// The request id, echoed by the response.
+    pub fn id(&self) -> u32 {
+        match self {
+            Self::Check(r) => r.id,
+            Self::PolicyCheck(r) => r.id,
+            Self::MultiCheck(r) => r.id,
+            Self::Refund(r) => r.id,
+            Self::Lease(r) => r.id,
+            Self::PolicyLease(r) => r.id,
+        }
+    }
+}
+
+/// What the decoder yields for each complete frame: a request, or a frame
+/// that is none.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
-    Check(CheckRequest),
-    Lease(LeaseRequest),
-    PolicyLease(PolicyLeaseRequest),
-    PolicyCheck(PolicyCheckRequest),
-    MultiCheck(MultiCheckRequest),
-    Refund(RefundRequest),
+    Request(Request),
     /// The frame was read whole but is not a valid request; the stream is in sync.
     Invalid { id: u32, op: u8, code: ErrorCode, message: Cow<'static, str> },
     /// The length prefix is beyond `MAX_FRAME_LEN`: answer, then close.
@@ -358,7 +387,7 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
     }
     body.advance(key_at);
-    Inbound::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm })
+    Inbound::Request(Request::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm }))
 }
 
 /// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
@@ -398,7 +427,7 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
             return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
         }
         let PolicyItem { cost, name, key, scoped_key } = item;
-        return Inbound::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key });
+        return Inbound::Request(Request::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }));
     }
     let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, bounds) {
         Ok(items) => items,
@@ -407,7 +436,7 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
     }
-    Inbound::MultiCheck(MultiCheckRequest { id, on_error, local_limit, refundable: flags & FLAG_REFUNDABLE != 0, items })
+    Inbound::Request(Request::MultiCheck(MultiCheckRequest { id, on_error, local_limit, refundable: flags & FLAG_REFUNDABLE != 0, items }))
 }
 
 fn local_limit_error(on_error: FailPolicy, local_limit: u32, bounds: &Bounds) -> Option<String> {
@@ -494,7 +523,7 @@ fn parse_refund(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     let mut handle = [0u8; HANDLE_LEN];
     handle.copy_from_slice(&body[10..REFUND_HEADER_LEN]);
     match parse_items(&body, REFUND_HEADER_LEN, n_items, bounds) {
-        Ok(items) => Inbound::Refund(RefundRequest { id, handle, items }),
+        Ok(items) => Inbound::Request(Request::Refund(RefundRequest { id, handle, items })),
         Err((code, message)) => invalid(id, op, code, message),
     }
 }
@@ -582,7 +611,7 @@ fn parse_lease(mut body: Bytes, op: u8, id: u32, bounds: &Bounds) -> Inbound {
     }
     body.advance(key_at);
     let lease = body.split_off(key_len);
-    Inbound::Lease(LeaseRequest { id, op, on_error, limit, lease_ms, cost, local_limit, key: body, lease })
+    Inbound::Request(Request::Lease(LeaseRequest { id, op, on_error, limit, lease_ms, cost, local_limit, key: body, lease }))
 }
 
 /// The lease id's rule (section 4d): 1..=`MAX_LEASE_ID_LEN` printable
@@ -635,7 +664,7 @@ fn parse_policy_lease(mut body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     }
     let lease = body.split_off(end);
     let PolicyItem { cost, name, key, scoped_key } = item;
-    Inbound::PolicyLease(PolicyLeaseRequest { id, release: flags & FLAG_RELEASE != 0, on_error, local_limit, cost, name, key, scoped_key, lease })
+    Inbound::Request(Request::PolicyLease(PolicyLeaseRequest { id, release: flags & FLAG_RELEASE != 0, on_error, local_limit, cost, name, key, scoped_key, lease }))
 }
 
 /// Appends one ACQUIRE_POLICY frame (op 7; with `release`, the release) to `dst`.
@@ -758,7 +787,7 @@ mod tests {
         let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(hex, "0000001e01010000000700000101000003e8000003e8000000010000000000027431");
         match decode_one(&buf) {
-            Inbound::Check(c) => {
+            Inbound::Request(Request::Check(c)) => {
                 assert_eq!((c.id, c.limit, c.window_ms, c.cost, &c.key[..]), (7, 1000, 1000, 1, &b"t1"[..]));
                 assert_eq!(c.on_error, FailPolicy::Closed);
             }
@@ -772,12 +801,12 @@ mod tests {
         encode_request_with(7, &args(b"t1"), Algorithm::Ring, &mut buf);
         assert_eq!(&buf[10..12], &[0x01, 0x00], "flags 0x0100");
         match decode_one(&buf) {
-            Inbound::Check(c) => assert_eq!(c.algorithm, Algorithm::Ring),
+            Inbound::Request(Request::Check(c)) => assert_eq!(c.algorithm, Algorithm::Ring),
             other => panic!("{other:?}"),
         }
         let mut log = BytesMut::new();
         encode_request(7, &args(b"t1"), &mut log);
-        assert!(matches!(decode_one(&log), Inbound::Check(CheckRequest { algorithm: Algorithm::Log, .. })));
+        assert!(matches!(decode_one(&log), Inbound::Request(Request::Check(CheckRequest { algorithm: Algorithm::Log, .. }))));
         let with_flags = |hi: u8, lo: u8| {
             let mut b = buf.clone();
             b[10] = hi;
@@ -796,7 +825,7 @@ mod tests {
             let mut buf = BytesMut::new();
             encode_lease_request(3, op, &a, &mut buf);
             match decode_one(&buf) {
-                Inbound::Lease(l) => assert_eq!((l.op, l.limit, l.lease_ms, &l.key[..], &l.lease[..]), (op, 10, 30_000, &b"t1"[..], &b"0123abcd"[..])),
+                Inbound::Request(Request::Lease(l)) => assert_eq!((l.op, l.limit, l.lease_ms, &l.key[..], &l.lease[..]), (op, 10, 30_000, &b"t1"[..], &b"0123abcd"[..])),
                 other => panic!("{other:?}"),
             }
         }
@@ -825,7 +854,7 @@ mod tests {
         let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(hex, "0000001c0102000000070000000100000000000000010002056f726465727431");
         match decode_one(&buf) {
-            Inbound::PolicyCheck(c) => {
+            Inbound::Request(Request::PolicyCheck(c)) => {
                 assert_eq!((c.id, c.cost, &c.name[..], &c.key[..]), (7, 1, &b"order"[..], &b"t1"[..]));
                 assert_eq!(&c.scoped_key[..], b"\x05ordert1");
                 assert_eq!(c.on_error, FailPolicy::Open);
@@ -842,20 +871,20 @@ mod tests {
         // The same bytes are shown in docs/PROTOCOL.md, section 4b.
         let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(hex, "000000270102000000070001010200000000000000010001026970610000000200020674656e616e747431");
-        let Inbound::MultiCheck(m) = decode_one(&buf) else { panic!("not a multi check") };
+        let Inbound::Request(Request::MultiCheck(m)) = decode_one(&buf) else { panic!("not a multi check") };
         assert_eq!((m.id, m.on_error, m.refundable, m.items.len()), (7, FailPolicy::Closed, true, 2));
         assert_eq!((&m.items[1].name[..], &m.items[1].key[..], m.items[1].cost), (&b"tenant"[..], &b"t1"[..], 2));
         assert_eq!(&m.items[0].scoped_key[..], b"\x02ipa");
         // One item with the flag is a multi check too; without, the single one.
         let mut one = BytesMut::new();
         encode_multi_request(8, FailPolicy::Open, 0, true, &items[..1], &mut one);
-        assert!(matches!(decode_one(&one), Inbound::MultiCheck(m) if m.items.len() == 1 && m.refundable));
+        assert!(matches!(decode_one(&one), Inbound::Request(Request::MultiCheck(m)) if m.items.len() == 1 && m.refundable));
         let mut one = BytesMut::new();
         encode_multi_request(8, FailPolicy::Open, 0, false, &items[..1], &mut one);
         let mut same = BytesMut::new();
         encode_policy_request(8, &PolicyCheckArgs { policy: b"ip", key: b"a", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }, &mut same);
         assert_eq!(one, same);
-        assert!(matches!(decode_one(&one), Inbound::PolicyCheck(_)));
+        assert!(matches!(decode_one(&one), Inbound::Request(Request::PolicyCheck(_))));
     }
 
     #[test]
@@ -882,7 +911,7 @@ mod tests {
         let handle = [0xab; HANDLE_LEN];
         let mut r = BytesMut::new();
         encode_refund(5, &handle, &[item, ItemArgs { key: b"x", cost: 3, ..item }], &mut r);
-        let Inbound::Refund(req) = decode_one(&r) else { panic!("not a refund") };
+        let Inbound::Request(Request::Refund(req)) = decode_one(&r) else { panic!("not a refund") };
         assert_eq!((req.id, req.handle, req.items.len(), req.items[1].cost), (5, handle, 2, 3));
         let mut bad = r[4..].to_vec();
         bad[7] = 1;
@@ -1052,13 +1081,13 @@ mod tests {
                         match codec.decode(&mut buf).unwrap() {
                             Some(Inbound::TooLarge { .. }) => { buf.clear(); break }
                             Some(Inbound::Invalid { code, .. }) => prop_assert!((code as u16) < 20),
-                            Some(Inbound::Check(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
-                            Some(Inbound::PolicyCheck(c)) => prop_assert!(!c.key.is_empty() && !c.name.is_empty()),
-                            Some(Inbound::MultiCheck(MultiCheckRequest { items, .. }) | Inbound::Refund(RefundRequest { items, .. })) => {
+                            Some(Inbound::Request(Request::Check(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
+                            Some(Inbound::Request(Request::PolicyCheck(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty()),
+                            Some(Inbound::Request(Request::MultiCheck(MultiCheckRequest { items, .. })) | Inbound::Request(Request::Refund(RefundRequest { items, .. }))) => {
                                 prop_assert!((1..=MAX_POLICY_ITEMS).contains(&items.len()) && items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty()))
                             }
-                            Some(Inbound::Lease(c)) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
-                            Some(Inbound::PolicyLease(c)) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
+                            Some(Inbound::Request(Request::Lease(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
+                            Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
                             None => break,
                         }
                     }
@@ -1079,7 +1108,7 @@ mod tests {
                 encode_request(id, &a, &mut buf);
                 let b = Bounds::default();
                 match RequestCodec::new(b).decode(&mut buf).unwrap().unwrap() {
-                    Inbound::Check(c) => {
+                    Inbound::Request(Request::Check(c)) => {
                         prop_assert_eq!((c.id, c.limit, c.window_ms, c.cost, &c.key[..]), (id, limit, window_ms, cost, &key[..]));
                     }
                     Inbound::Invalid { id: got, code, .. } => {
@@ -1095,9 +1124,9 @@ mod tests {
                         prop_assert!(expected_bad, "{:?} for a request that is valid there", code);
                     }
                     Inbound::TooLarge { .. } => prop_assert!(key.len() + REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN > MAX_FRAME_LEN),
-                    Inbound::PolicyCheck(_) | Inbound::MultiCheck(_) | Inbound::Refund(_) => prop_assert!(false, "a CHECK decoded as another op"),
-                    Inbound::Lease(_) => prop_assert!(false, "a CHECK decoded as a lease"),
-                    Inbound::PolicyLease(_) => prop_assert!(false, "a CHECK decoded as a policy lease"),
+                    Inbound::Request(Request::PolicyCheck(_)) | Inbound::Request(Request::MultiCheck(_)) | Inbound::Request(Request::Refund(_)) => prop_assert!(false, "a CHECK decoded as another op"),
+                    Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
+                    Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                 }
             }
         }

@@ -237,6 +237,11 @@ wire_enum! {
         /// The policy named is of the other kind: CHECK_POLICY (op 2) of a
         /// concurrency policy, or ACQUIRE_POLICY (op 7) of a rate policy.
         WrongPolicyKind = 18 => "WRONG_POLICY_KIND",
+        /// A combination of features the daemon cannot honour at request
+        /// time: a policy of another algorithm than log in a multi-item or
+        /// refundable check, or in a refund. A decision error: the
+        /// client's fail policy applies.
+        UnsupportedCombination = 19 => "UNSUPPORTED_COMBINATION",
         FrameTooLarge = 20 => "FRAME_TOO_LARGE",
         RedisTimeout = 30 => "REDIS_TIMEOUT",
         RedisUnavailable = 31 => "REDIS_UNAVAILABLE",

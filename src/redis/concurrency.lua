@@ -13,7 +13,11 @@
 -- ARGV[5]  lease length in ms (acquire)
 -- ARGV[6]  cost: slots the request takes (acquire; 1 <= cost <= limit)
 -- Returns {allowed (1|0), count, remaining, retry_after_ms, reset_ms}:
---   acquire: allowed iff in-flight + cost <= limit; count in flight after;
+--   acquire: allowed iff in-flight + cost <= limit, where a lease id the
+--            key holds already is renewed: its own slots are not counted,
+--            and on admission replaced by `cost` slots expiring at
+--            now + lease_ms (a refused renewal leaves it as it was);
+--            count in flight after;
 --            refused: retry = ms until the earliest lease expires (an upper
 --            bound: a release can come sooner); reset = the lease length
 --            (admitted) or ms until every lease has expired (refused)
@@ -32,14 +36,32 @@ end
 
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 
+-- A lease of cost c is c members: lease, lease#2, ..., lease#c. The
+-- slots the lease holds (0 when it is not held).
+local function held()
+  if not redis.call('ZSCORE', key, lease) then
+    return 0
+  end
+  local k = 1
+  while redis.call('ZSCORE', key, lease .. '#' .. (k + 1)) do
+    k = k + 1
+  end
+  return k
+end
+
+local function remove(k)
+  redis.call('ZREM', key, lease)
+  for j = 2, k do
+    redis.call('ZREM', key, lease .. '#' .. j)
+  end
+end
+
 if mode == 'release' then
-  -- A lease of cost c is c members: lease, lease#2, ..., lease#c.
-  local removed = redis.call('ZREM', key, lease)
-  if removed == 1 then
-    local k = 2
-    while redis.call('ZREM', key, lease .. '#' .. k) == 1 do
-      k = k + 1
-    end
+  local k = held()
+  remove(k)
+  local removed = 0
+  if k > 0 then
+    removed = 1
   end
   local count = redis.call('ZCARD', key)
   return {removed, count, 0, 0, 0}
@@ -48,8 +70,10 @@ end
 local limit = tonumber(ARGV[4])
 local lease_ms = tonumber(ARGV[5])
 local cost = tonumber(ARGV[6])
-local count = redis.call('ZCARD', key)
+local own = held()
+local count = redis.call('ZCARD', key) - own
 if count + cost <= limit then
+  remove(own)
   redis.call('ZADD', key, now + lease_ms, lease)
   for k = 2, cost do
     redis.call('ZADD', key, now + lease_ms, lease .. '#' .. k)
@@ -59,6 +83,8 @@ if count + cost <= limit then
   count = count + cost
   return {1, count, limit - count, 0, lease_ms}
 end
+-- Refused: the lease held, if any, stays as it was and counts.
+count = count + own
 local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
 local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 local remaining = limit - count

@@ -1,6 +1,7 @@
 //! Hot-key shards: the keys of a key's S windows (`shards = S` on a
-//! `[[policy]]`, docs/SCALING.md). Shard i's key is the key with `#<n>`
-//! appended, inside its hash tag (`<prefix>{<key>#<n>}:<window>ms`), where
+//! `[[policy]]`, docs/SCALING.md). Shard i's key is the key with the byte
+//! 0x1F (`SHARD_MARK`) and `<n>` appended, inside its hash tag
+//! (`<prefix>{<key>\x1f<n>}:<window>ms`), where
 //! `n` is the smallest number >= i whose tag hashes into the i-th of S equal
 //! ranges of the 16384 Cluster slots. So the shards sit in S different slots
 //! and, on a cluster whose primaries hold contiguous equal ranges (what
@@ -14,6 +15,11 @@ use bytes::{BufMut, Bytes, BytesMut};
 /// Redis Cluster's slot count.
 const SLOTS: u32 = 16_384;
 
+/// Between a key and its shard's number: a control byte, refused in every
+/// key a client sends (PROTOCOL.md), so no client key is another key's
+/// shard ("a#4" was shard 4 of "a" while the mark was `#`).
+pub const SHARD_MARK: u8 = 0x1f;
+
 /// Candidates tried per shard before settling for `n = i` (unreachable in
 /// practice: a range of at least 256 slots is missed 4096 times in a row
 /// with probability below 1e-27).
@@ -23,17 +29,17 @@ const MAX_CANDIDATES: u32 = 4096;
 pub fn shard_key(key: &[u8], shard: u32, shards: u32) -> Bytes {
     let mut out = BytesMut::with_capacity(key.len() + 6);
     out.put_slice(key);
-    out.put_u8(b'#');
+    out.put_u8(SHARD_MARK);
     let n = if has_hash_tag(key) { shard } else { steer(key, shard, shards) };
     out.put_slice(decimal(n, &mut [0; 10]));
     out.freeze()
 }
 
-/// The smallest `n >= shard` such that `key#n` hashes into the slot range
+/// The smallest `n >= shard` such that `key` 0x1F `n` hashes into the slot range
 /// of `shard`.
 fn steer(key: &[u8], shard: u32, shards: u32) -> u32 {
     let (lo, hi) = (shard * SLOTS / shards, (shard + 1) * SLOTS / shards);
-    let stem = crc16(crc16(0, key), b"#");
+    let stem = crc16(crc16(0, key), &[SHARD_MARK]);
     (shard..shard + MAX_CANDIDATES)
         .find(|&n| {
             let slot = u32::from(crc16(stem, decimal(n, &mut [0; 10]))) % SLOTS;
@@ -97,7 +103,7 @@ mod tests {
                 let mut slots = Vec::new();
                 for i in 0..shards {
                     let k = shard_key(key, i, shards);
-                    assert!(k.starts_with(key) && k[key.len()] == b'#', "{k:?}");
+                    assert!(k.starts_with(key) && k[key.len()] == SHARD_MARK, "{k:?}");
                     let s = slot(&k);
                     assert!((i * SLOTS / shards..(i + 1) * SLOTS / shards).contains(&s), "shard {i}/{shards} of {key:?}: slot {s}");
                     slots.push(s);
@@ -111,6 +117,6 @@ mod tests {
 
     #[test]
     fn own_hash_tag_is_kept() {
-        assert_eq!(&shard_key(b"\x01a{t}", 2, 3)[..], b"\x01a{t}#2");
+        assert_eq!(&shard_key(b"\x01a{t}", 2, 3)[..], b"\x01a{t}\x1f2");
     }
 }

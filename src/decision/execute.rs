@@ -1,0 +1,221 @@
+//! Execution of one item: the store's verdict on its window (the memory
+//! backend, or the denial cache then Redis with coalescing, every
+//! algorithm), on its shards one after another, or on its lease; and the
+//! fail policy when Redis cannot answer.
+
+use std::borrow::Cow;
+
+use crate::denial_cache::{is_exact_for, Lookup};
+use crate::local_store::LocalStoreFull;
+use crate::metrics::METRICS;
+use crate::protocol::{Algorithm, ErrorCode, FailPolicy, Response, Source};
+use crate::window::{nominal_window_ms, LimitSpec, StoreError, Verdict};
+
+use super::plan::ShardOrder;
+use super::respond::{error_code, verdict_response, OVERLOADED_MESSAGE};
+use super::resolve::Item;
+use super::limiter::{Backend, Limiter};
+
+/// Why a store gave no verdict.
+pub(super) enum NoVerdict {
+    /// Redis failed: the fail policy decides.
+    Store(StoreError),
+    /// The in-memory windows are full.
+    Full(LocalStoreFull),
+}
+
+impl Limiter {
+    /// Decides one item with a limit: its window, or its shards. Never
+    /// fails: store errors become the fail policy's response.
+    pub(super) async fn check_item(&self, id: u32, op: u8, item: &Item<'_>, limit: u32) -> Response {
+        if item.shards > 1 {
+            return self.check_shards(id, op, item, limit).await;
+        }
+        let spec = LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: item.cost };
+        match self.verdict(&spec, item.algorithm).await {
+            Ok((source, v)) => verdict_response(id, op, source, v),
+            Err(NoVerdict::Full(full)) => self.capacity_error(id, op, Source::Memory, full),
+            Err(NoVerdict::Store(e)) => self.on_store_error(id, op, item, limit, e),
+        }
+    }
+
+    /// The store's verdict on `spec`: the in-memory backend's, or the denial
+    /// cache's (for the algorithms it is exact for), or Redis's (recorded in
+    /// the denial cache). No fail policy.
+    pub(super) async fn verdict(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<(Source, Verdict), NoVerdict> {
+        match &self.backend {
+            Backend::Local => self.local.check(spec, algorithm).map(|v| (Source::Memory, v)).map_err(NoVerdict::Full),
+            Backend::Redis(redis) => {
+                let denials = self.denials.as_deref().filter(|_| is_exact_for(algorithm));
+                let ticket = match denials.map(|d| d.check(spec, algorithm)) {
+                    Some(Lookup::Refused(v)) => return Ok((Source::DenialCache, v)),
+                    Some(Lookup::Miss(ticket)) => Some(ticket),
+                    None => None,
+                };
+                let v = redis.check(spec, algorithm).await.map_err(NoVerdict::Store)?;
+                if let (Some(d), Some(t)) = (denials, ticket) {
+                    d.record(t, spec.cost, &v);
+                }
+                Ok((Source::Redis, v))
+            }
+        }
+    }
+
+    /// A sharded item (docs/SCALING.md, hot keys): the shards are tried one
+    /// after another in the plan's order until one admits: a request is
+    /// refused only when every shard that can hold its cost refused it (or
+    /// was unreachable). A shard whose Redis answered with an error at once
+    /// (node down, CLUSTERDOWN) is skipped; a timeout, an open breaker or
+    /// overload ends the tries and the fail policy decides, as for one
+    /// window, so a request waits for at most one deadline. The fail
+    /// policy's local window is the key's own, not a shard's.
+    async fn check_shards(&self, id: u32, op: u8, item: &Item<'_>, limit: u32) -> Response {
+        let shards = item.shards;
+        // The refusals so far, merged: room left summed, earliest retry.
+        let mut refused: Option<(Source, Verdict)> = None;
+        let mut skipped: Option<StoreError> = None;
+        for (i, part) in ShardOrder::of(item, limit) {
+            let key = crate::redis::shard_key(item.key, i, shards);
+            let spec = LimitSpec { key: &key, limit: part, window_ms: item.window_ms, cost: item.cost };
+            match self.verdict(&spec, item.algorithm).await {
+                Ok((source, v)) if v.allowed => return verdict_response(id, op, source, whole_key(v, limit, item.cost, shards)),
+                Ok((source, v)) => refused = Some(merge_refusals(refused, source, v)),
+                Err(NoVerdict::Store(e @ (StoreError::Unavailable(_) | StoreError::Redis(_)))) => {
+                    skipped.get_or_insert(e);
+                }
+                Err(NoVerdict::Store(e)) => return self.on_store_error(id, op, item, limit, e),
+                Err(NoVerdict::Full(full)) => return self.capacity_error(id, op, Source::Memory, full),
+            }
+        }
+        match (refused, skipped) {
+            (Some((source, v)), _) => {
+                let remaining = v.remaining.min(limit);
+                verdict_response(id, op, source, Verdict { allowed: false, remaining, count: limit - remaining, ..v })
+            }
+            (None, Some(e)) => self.on_store_error(id, op, item, limit, e),
+            // Resolution refuses a cost above every shard's part.
+            (None, None) => Response::error(id, op, ErrorCode::InvalidCost, Cow::Borrowed("cost above every shard's limit")),
+        }
+    }
+
+    /// No decision: the in-memory windows are full; the client's policy decides.
+    pub(super) fn capacity_error(&self, id: u32, op: u8, source: Source, full: LocalStoreFull) -> Response {
+        if let Some(suppressed) = self.capacity_log.permit() {
+            tracing::warn!(error = %full, suppressed, "in-memory windows full: new keys get LOCAL_CAPACITY; raise limits.max_local_keys or look for a flood of unique keys");
+        }
+        Response { source, ..Response::error(id, op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) }
+    }
+
+    /// Redis could not decide one item: its fail policy does.
+    pub(super) fn on_store_error(&self, id: u32, op: u8, item: &Item<'_>, limit: u32, e: StoreError) -> Response {
+        METRICS.fail_policy_applied(item.on_error);
+        self.log_store_error(&e, item);
+        let mut r = match item.on_error {
+            FailPolicy::Open => verdict_response(id, op, Source::FailOpen, Verdict { allowed: true, remaining: limit, ..Verdict::default() }),
+            // Ask clients to come back once, not to hammer a failing store.
+            FailPolicy::Closed => verdict_response(id, op, Source::FailClosed, Verdict { retry_after_ms: item.window_ms.min(1000), ..Verdict::default() }),
+            FailPolicy::Local => {
+                let v = if item.cost > item.local_limit {
+                    // Can never fit the local quota: deny without recording.
+                    Verdict { remaining: item.local_limit, retry_after_ms: nominal_window_ms(item.window_ms), ..Verdict::default() }
+                } else {
+                    let spec = LimitSpec { key: item.key, limit: item.local_limit, window_ms: item.window_ms, cost: item.cost };
+                    match self.local.check(&spec, item.algorithm) {
+                        Ok(v) => v,
+                        Err(full) => return self.capacity_error(id, op, Source::LocalFallback, full),
+                    }
+                };
+                verdict_response(id, op, Source::LocalFallback, v)
+            }
+        };
+        r.error = error_code(&e);
+        r.message = match e {
+            StoreError::Overloaded(_) => Cow::Borrowed(OVERLOADED_MESSAGE),
+            e => Cow::Owned(e.to_string()),
+        };
+        r
+    }
+
+    fn log_store_error(&self, e: &StoreError, item: &Item<'_>) {
+        if let StoreError::Overloaded(limit) = e {
+            // Load shed by design, not a failure of Redis: a line of its own
+            // at most every 10 s, so that the failure line stays about Redis.
+            if let Some(suppressed) = self.overload_log.permit() {
+                tracing::warn!(in_flight_limit = limit, policy = ?item.on_error, suppressed, "redis calls at their adaptive in-flight limit: the excess gets OVERLOADED and its fail policy decides");
+            }
+        } else if let Some(suppressed) = self.failure_log.permit() {
+            tracing::warn!(error = %e, policy = ?item.on_error, key = %String::from_utf8_lossy(item.key), suppressed, "redis failed; the request's fail policy decides");
+        }
+    }
+
+    /// ACQUIRE or RELEASE of a concurrency lease (SEMANTICS S4: an acquire
+    /// of an id held renews it). Never coalesced, never answered by the
+    /// denial cache (a release frees a slot at any moment). An ACQUIRE
+    /// Redis cannot decide follows its fail policy (`local`: the per-host
+    /// leases, with `local_limit`); a RELEASE is also applied to the
+    /// per-host leases, which hold it if the fallback acquired it.
+    pub(super) async fn lease(&self, id: u32, op: u8, acquire: bool, item: &Item<'_>, limit: u32, lease: &[u8]) -> Response {
+        let local = |limit| {
+            if acquire {
+                self.local.acquire(item.key, lease, limit, item.window_ms, item.cost)
+            } else {
+                Ok(self.local.release(item.key, lease))
+            }
+        };
+        let capacity = |source, full: LocalStoreFull| Response { source, ..Response::error(id, op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) };
+        let redis = match &self.backend {
+            Backend::Local => {
+                return match local(limit) {
+                    Ok(v) => verdict_response(id, op, Source::Memory, v),
+                    Err(full) => capacity(Source::Memory, full),
+                };
+            }
+            Backend::Redis(redis) => redis,
+        };
+        match redis.lease(acquire, item.key, lease, limit, item.window_ms, item.cost).await {
+            Ok(v) => {
+                if !acquire {
+                    self.local.release(item.key, lease);
+                }
+                verdict_response(id, op, Source::Redis, v)
+            }
+            Err(e) => {
+                METRICS.fail_policy_applied(item.on_error);
+                if let Some(suppressed) = self.failure_log.permit() {
+                    tracing::warn!(error = %e, policy = ?item.on_error, key = %String::from_utf8_lossy(item.key), suppressed, "redis failed on a concurrency lease; the request's fail policy decides");
+                }
+                let mut r = match (acquire, item.on_error) {
+                    (false, _) => verdict_response(id, op, Source::LocalFallback, self.local.release(item.key, lease)),
+                    (true, FailPolicy::Open) => verdict_response(id, op, Source::FailOpen, Verdict { allowed: true, remaining: limit, ..Verdict::default() }),
+                    (true, FailPolicy::Closed) => verdict_response(id, op, Source::FailClosed, Verdict { retry_after_ms: item.window_ms.min(1000), ..Verdict::default() }),
+                    (true, FailPolicy::Local) => match local(item.local_limit) {
+                        Ok(v) => verdict_response(id, op, Source::LocalFallback, v),
+                        Err(full) => capacity(Source::LocalFallback, full),
+                    },
+                };
+                r.error = error_code(&e);
+                r.message = Cow::Owned(e.to_string());
+                r
+            }
+        }
+    }
+}
+
+/// An admitting shard's verdict as the key's: count and remaining
+/// estimated from the shard's, the round robin filling shards evenly.
+pub(super) fn whole_key(v: Verdict, limit: u32, cost: u32, shards: u32) -> Verdict {
+    let remaining = v.remaining.saturating_mul(shards).min(limit - cost.min(limit));
+    Verdict { remaining, count: limit - remaining, ..v }
+}
+
+/// Two shards' refusals as one: room left summed, the earliest retry, the
+/// latest reset; a Redis source wins over the denial cache's.
+pub(super) fn merge_refusals(so_far: Option<(Source, Verdict)>, source: Source, v: Verdict) -> (Source, Verdict) {
+    match so_far {
+        None => (source, v),
+        Some((s, m)) => (
+            if s == Source::DenialCache { source } else { s },
+            Verdict { remaining: m.remaining + v.remaining, retry_after_ms: m.retry_after_ms.min(v.retry_after_ms), reset_ms: m.reset_ms.max(v.reset_ms), ..m },
+        ),
+    }
+}

@@ -1,0 +1,72 @@
+//! The decision engine's state: the backend, the per-host store, the
+//! denial cache, the policies and the rate-limited logs. The pipeline's
+//! steps are `impl Limiter` blocks in the sibling files.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::denial_cache::DenialCache;
+use crate::local_store::LocalStore;
+use crate::log_limit::RateLimitedLog;
+use crate::policies::Policies;
+use crate::redis::RedisWindow;
+
+/// Where decisions are made.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Redis(Arc<RedisWindow>),
+    /// No Redis configured: the per-host store decides; limits are per host.
+    Local,
+}
+
+/// The decision engine shared by all connections; replaced whole on reload.
+#[derive(Debug)]
+pub struct Limiter {
+    pub(super) backend: Backend,
+    /// The store of the local backend, and the fallback of the `local` fail
+    /// policy with Redis; outlives reloads.
+    pub(super) local: Arc<LocalStore>,
+    pub(super) failure_log: RateLimitedLog,
+    pub(super) capacity_log: RateLimitedLog,
+    pub(super) overload_log: RateLimitedLog,
+    /// Refusals by Redis, answered again here (Redis backend only).
+    pub(super) denials: Option<Arc<DenialCache>>,
+    /// The configured `[[policy]]` tables requests name.
+    pub(super) policies: Arc<Policies>,
+    pub(super) unknown_policy_log: RateLimitedLog,
+}
+
+
+impl Limiter {
+    pub fn new(backend: Backend, local: Arc<LocalStore>) -> Self {
+        Self {
+            backend,
+            local,
+            failure_log: RateLimitedLog::new(Duration::from_secs(1)),
+            capacity_log: RateLimitedLog::new(Duration::from_secs(10)),
+            overload_log: RateLimitedLog::new(Duration::from_secs(10)),
+            denials: None,
+            policies: Arc::default(),
+            unknown_policy_log: RateLimitedLog::new(Duration::from_secs(1)),
+        }
+    }
+
+    /// The policies requests are decided with.
+    pub fn with_policies(self, policies: Arc<Policies>) -> Self {
+        Self { policies, ..self }
+    }
+
+    pub fn policies(&self) -> &Arc<Policies> {
+        &self.policies
+    }
+
+    /// Puts `denials` in front of the Redis backend.
+    pub fn with_denial_cache(self, denials: Option<Arc<DenialCache>>) -> Self {
+        Self { denials, ..self }
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+}

@@ -1,0 +1,259 @@
+//! Execution of several items all or nothing (PROTOCOL.md 4b), of a
+//! refundable one, and of refunds (4c), on the plan's windows: every item
+//! fits and all are recorded, or none is. A sharded item a shard refused is
+//! tried again on its next untried shard, the whole request again, all or
+//! nothing each time (SEMANTICS S1), until it is admitted or a refusing
+//! item has no shard left.
+
+use std::borrow::Cow;
+
+use crate::denial_cache::Lookup;
+use crate::metrics::METRICS;
+use crate::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, ItemResult, Response, Source};
+use crate::redis::{MultiAsk, RefundItem};
+use crate::window::{LimitSpec, Verdict};
+
+use super::execute::{merge_refusals, whole_key, NoVerdict};
+use super::limiter::{Backend, Limiter};
+use super::plan::{refund_keys, Planned};
+use super::resolve::Item;
+use super::respond::{error_code, Executed};
+
+/// One attempt's answer: whether it committed, and per planned item its
+/// verdict (`None`: not asked) and where it came from.
+struct Attempt {
+    committed: bool,
+    verdicts: Vec<Option<(Source, Verdict)>>,
+    handle: Option<[u8; 16]>,
+}
+
+impl Limiter {
+    /// Decides `items` all or nothing. `Err`: the in-memory windows are
+    /// full (no decision).
+    pub(super) async fn check_items(&self, id: u32, op: u8, items: &[Item<'_>], refundable: bool) -> Result<Executed, Response> {
+        let n = items.len();
+        let mut results = vec![ItemResult::NOT_EVALUATED; n];
+        // The items a store decides, with their windows; exempt ones are
+        // admitted here.
+        let mut stored: Vec<(usize, Planned<'_>)> = Vec::with_capacity(n);
+        for (i, item) in items.iter().enumerate() {
+            match item.limit {
+                Some(limit) => match Planned::first(item, limit) {
+                    Some(p) => stored.push((i, p)),
+                    // Resolution refuses such a cost already.
+                    None => return Err(Response::error(id, op, ErrorCode::InvalidCost, Cow::Borrowed("cost above every shard's limit"))),
+                },
+                None => results[i] = ItemResult { decision: Decision::Allowed, source: Source::Exempt, window_ms: item.window_ms, ..ItemResult::NOT_EVALUATED },
+            }
+        }
+        if stored.is_empty() {
+            return Ok(Executed { results, handle: None, failure: None });
+        }
+        loop {
+            let attempt = match self.attempt(items, &stored).await {
+                Ok(a) => a,
+                Err(NoVerdict::Full(full)) => return Err(self.capacity_error(id, op, Source::Memory, full)),
+                Err(NoVerdict::Store(e)) => {
+                    // The response says whether they admitted (an item refused).
+                    self.fail_policies(items, &stored, &mut results);
+                    return Ok(Executed { results, handle: None, failure: Some(e) });
+                }
+            };
+            // The enforced items that refused: when each is sharded and has
+            // a shard left, the request is tried again on those shards.
+            let mut again = true;
+            let mut any = false;
+            for ((i, p), v) in stored.iter_mut().zip(&attempt.verdicts) {
+                if let Some((source, v)) = *v {
+                    if !v.allowed && !items[*i].shadow {
+                        any = true;
+                        if p.rest.is_some() {
+                            p.refusals = Some(merge_refusals(p.refusals.map(|r| (source, r)), source, v).1);
+                        }
+                        again &= p.advance(&items[*i]);
+                    }
+                }
+            }
+            if attempt.committed || !any || !again {
+                for ((i, p), v) in stored.iter().zip(attempt.verdicts) {
+                    if let Some((source, v)) = v {
+                        results[*i] = item_result(&items[*i], p, source, v);
+                    }
+                }
+                return Ok(Executed { results, handle: attempt.handle.filter(|_| attempt.committed && refundable), failure: None });
+            }
+        }
+    }
+
+    /// One all-or-nothing try of the planned windows: the memory backend,
+    /// or the denial cache (any enforced item it refuses decides, exact:
+    /// Redis would refuse that item) then one Redis call.
+    async fn attempt(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)]) -> Result<Attempt, NoVerdict> {
+        fn spec<'s>(items: &[Item<'_>], (i, p): &'s (usize, Planned<'_>)) -> LimitSpec<'s> {
+            LimitSpec { key: &p.window.key, limit: p.window.limit, window_ms: items[*i].window_ms, cost: items[*i].cost }
+        }
+        let spec = |s| spec(items, s);
+        let redis = match &self.backend {
+            Backend::Local => {
+                let specs: Vec<(LimitSpec<'_>, bool)> = stored.iter().map(|s| (spec(s), items[s.0].shadow)).collect();
+                return match self.local.check_multi(&specs) {
+                    Ok((committed, verdicts)) => Ok(Attempt { committed, verdicts: verdicts.into_iter().map(|v| Some((Source::Memory, v))).collect(), handle: None }),
+                    Err(full) => Err(NoVerdict::Full(full)),
+                };
+            }
+            Backend::Redis(redis) => redis,
+        };
+        let mut tickets = Vec::with_capacity(stored.len());
+        if let Some(d) = self.denials.as_deref() {
+            let mut cached = vec![None; stored.len()];
+            let mut refused = false;
+            for (k, s) in stored.iter().enumerate() {
+                match d.check(&spec(s), Algorithm::Log) {
+                    Lookup::Refused(v) if !items[s.0].shadow => {
+                        cached[k] = Some((Source::DenialCache, v));
+                        refused = true;
+                    }
+                    Lookup::Refused(_) => tickets.push(None),
+                    Lookup::Miss(t) => tickets.push(Some(t)),
+                }
+            }
+            if refused {
+                return Ok(Attempt { committed: false, verdicts: cached, handle: None });
+            }
+        }
+        let asks: Vec<MultiAsk<'_>> = stored
+            .iter()
+            .map(|s| {
+                let l = spec(s);
+                MultiAsk { key: l.key, window_ms: l.window_ms, limit: l.limit, cost: l.cost, shadow: items[s.0].shadow, number: (s.0 + 1) as u8 }
+            })
+            .collect();
+        let answer = redis.check_multi(&asks).await.map_err(NoVerdict::Store)?;
+        let mut verdicts = Vec::with_capacity(stored.len());
+        for (k, (s, v)) in stored.iter().zip(&answer.verdicts).enumerate() {
+            if let (Some(v), Some(d), Some(Some(t))) = (v, &self.denials, tickets.get(k)) {
+                d.record(*t, spec(s).cost, v);
+            }
+            verdicts.push(v.map(|v| (Source::Redis, v)));
+        }
+        Ok(Attempt { committed: answer.committed, verdicts, handle: Some(answer.handle) })
+    }
+
+    /// Redis could not decide a multi-item check: each item's fail policy
+    /// decides, all or nothing: `closed` refuses, `open` admits, `local`
+    /// items are checked together in the per-host windows of their keys
+    /// (a sharded key's own, not a shard's) with their local quota.
+    fn fail_policies(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], results: &mut [ItemResult]) -> bool {
+        let mut refused = false;
+        let mut local: Vec<usize> = Vec::new();
+        for (i, _) in stored {
+            let (i, item) = (*i, &items[*i]);
+            let limit = item.limit.unwrap_or(0);
+            let base = ItemResult { limit, window_ms: item.window_ms, ..ItemResult::NOT_EVALUATED };
+            METRICS.fail_policy_applied(item.on_error);
+            results[i] = match item.on_error {
+                FailPolicy::Open => ItemResult { decision: Decision::Allowed, source: Source::FailOpen, remaining: limit, ..base },
+                FailPolicy::Closed => {
+                    refused |= !item.shadow;
+                    ItemResult { decision: Decision::Denied, source: Source::FailClosed, retry_after_ms: item.window_ms.min(1000), ..base }
+                }
+                FailPolicy::Local if item.cost > item.local_limit => {
+                    refused |= !item.shadow;
+                    ItemResult { decision: Decision::Denied, source: Source::LocalFallback, remaining: item.local_limit, retry_after_ms: item.window_ms, limit: item.local_limit, ..base }
+                }
+                FailPolicy::Local => {
+                    local.push(i);
+                    base
+                }
+            };
+        }
+        if refused || local.is_empty() {
+            return !refused;
+        }
+        let specs: Vec<(LimitSpec<'_>, bool)> =
+            local.iter().map(|&i| (LimitSpec { key: items[i].key, limit: items[i].local_limit, window_ms: items[i].window_ms, cost: items[i].cost }, items[i].shadow)).collect();
+        match self.local.check_multi(&specs) {
+            Ok((committed, verdicts)) => {
+                for ((&i, v), (s, _)) in local.iter().zip(verdicts).zip(&specs) {
+                    results[i] = ItemResult { limit: s.limit, ..verdict_item(v, Source::LocalFallback, s.window_ms) };
+                }
+                committed
+            }
+            Err(full) => {
+                if let Some(suppressed) = self.capacity_log.permit() {
+                    tracing::warn!(error = %full, suppressed, "in-memory windows full: a multi-item check's local fallback refuses");
+                }
+                for &i in &local {
+                    results[i].source = Source::LocalFallback;
+                }
+                false
+            }
+        }
+    }
+
+    /// Takes back what a refundable check recorded (REFUND, op 3): exact
+    /// and idempotent with Redis (the members are removed; gone ones are
+    /// not found); a sharded item names every shard's window. The in-memory
+    /// backend keeps no member ids: `REFUND_UNSUPPORTED`.
+    pub(super) async fn refund_items(&self, id: u32, op: u8, handle: &[u8; 16], items: &[Item<'_>]) -> Result<u64, Response> {
+        let redis = match &self.backend {
+            Backend::Local => return Err(Response::error(id, op, ErrorCode::RefundUnsupported, Cow::Borrowed("the in-memory backend keeps no member ids: refunds need the Redis backend"))),
+            Backend::Redis(redis) => redis,
+        };
+        let keys: Vec<(usize, bytes::Bytes)> = items.iter().enumerate().flat_map(|(i, item)| refund_keys(item).into_iter().map(move |k| (i, k))).collect();
+        let refund: Vec<RefundItem<'_>> = keys.iter().map(|(i, k)| RefundItem { key: k, window_ms: items[*i].window_ms, cost: items[*i].cost, number: (*i + 1) as u8 }).collect();
+        match redis.refund(handle, &refund).await {
+            Ok(removed) => {
+                if let Some(d) = self.denials.as_deref() {
+                    for (i, k) in &keys {
+                        let item = &items[*i];
+                        if let Some(limit) = item.limit {
+                            // A shard's refusals are cached under its part.
+                            let part = if item.shards > 1 { crate::policies::shard_limit(limit, shard_of(k, item), item.shards) } else { limit };
+                            d.forget(&LimitSpec { key: k, limit: part, window_ms: item.window_ms, cost: item.cost });
+                        }
+                    }
+                }
+                Ok(removed)
+            }
+            Err(e) => Err(Response { source: Source::Redis, ..Response::error(id, op, error_code(&e), Cow::Owned(e.to_string())) }),
+        }
+    }
+}
+
+/// The shard index of `key`, one of `item`'s shard keys (refund_keys
+/// lists them in order).
+fn shard_of(key: &[u8], item: &Item<'_>) -> u32 {
+    (0..item.shards).find(|&i| crate::redis::shard_key(item.key, i, item.shards)[..] == *key).unwrap_or(0)
+}
+
+/// An item's result from its last verdict: a sharded item's as the key's
+/// (count and remaining estimated, the refusals of its tried shards merged).
+fn item_result(item: &Item<'_>, p: &Planned<'_>, source: Source, v: Verdict) -> ItemResult {
+    let limit = item.limit.unwrap_or(0);
+    if p.rest.is_none() {
+        return ItemResult { limit, ..verdict_item(v, source, item.window_ms) };
+    }
+    let v = match (v.allowed, p.refusals) {
+        (true, _) => whole_key(v, limit, item.cost, item.shards),
+        (false, Some(r)) => {
+            let remaining = r.remaining.min(limit);
+            Verdict { remaining, count: limit - remaining, ..r }
+        }
+        (false, None) => v,
+    };
+    ItemResult { limit, ..verdict_item(v, source, item.window_ms) }
+}
+
+fn verdict_item(v: Verdict, source: Source, window_ms: u32) -> ItemResult {
+    ItemResult {
+        decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
+        source,
+        count: v.count,
+        remaining: v.remaining,
+        retry_after_ms: v.retry_after_ms,
+        reset_ms: v.reset_ms,
+        limit: 0,
+        window_ms,
+    }
+}

@@ -1,0 +1,116 @@
+//! Responding: a verdict as a response, an exempt key's and a shadow
+//! refusal's answers, and a multi-item check's results aggregated into one
+//! response.
+
+use std::borrow::Cow;
+
+use crate::protocol::{Decision, ErrorCode, Extension, ItemResult, Response, Source};
+use crate::window::{StoreError, Verdict};
+
+use super::resolve::Item;
+
+/// What the stores made of a multi-item check, for its response.
+pub(super) struct Executed {
+    /// Per item: its result (exempt, a verdict, not evaluated).
+    pub results: Vec<ItemResult>,
+    /// The refund handle of the recorded members (Redis, refundable).
+    pub handle: Option<[u8; 16]>,
+    /// Redis failed: the items' fail policies decided.
+    pub failure: Option<StoreError>,
+}
+
+/// The message of an `OVERLOADED` response: static, so that shedding load
+/// allocates nothing per request.
+pub(super) const OVERLOADED_MESSAGE: &str = "overloaded: too many redis calls in flight; decided at once by the fail policy";
+
+/// The response code of a store failure.
+pub(super) fn error_code(e: &StoreError) -> ErrorCode {
+    match e {
+        StoreError::Timeout(_) => ErrorCode::RedisTimeout,
+        StoreError::Unavailable(_) => ErrorCode::RedisUnavailable,
+        StoreError::Redis(_) => ErrorCode::RedisError,
+        StoreError::CircuitOpen => ErrorCode::CircuitOpen,
+        StoreError::Overloaded(_) => ErrorCode::Overloaded,
+    }
+}
+
+/// A store's verdict as a response.
+pub(super) fn verdict_response(id: u32, op: u8, source: Source, v: Verdict) -> Response {
+    Response {
+        id,
+        op,
+        decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
+        source,
+        count: v.count,
+        remaining: v.remaining,
+        retry_after_ms: v.retry_after_ms,
+        reset_ms: v.reset_ms,
+        error: ErrorCode::None,
+        message: Cow::Borrowed(""),
+        extension: None,
+    }
+}
+
+/// An exempt key's answer: allowed, nothing asked or recorded.
+pub(super) fn exempt(id: u32, op: u8) -> Response {
+    Response { decision: Decision::Allowed, source: Source::Exempt, error: ErrorCode::None, ..Response::error(id, op, ErrorCode::None, Cow::Borrowed("")) }
+}
+
+/// A shadow policy's refusal, reported and never enforced (SEMANTICS S3):
+/// nothing was recorded for it. Releases are never refusals of a policy.
+pub(super) fn shadowed(mut r: Response, item: &Item<'_>) -> Response {
+    if item.shadow && r.decision == Decision::Denied {
+        r.decision = Decision::ShadowDenied;
+    }
+    r
+}
+
+/// One response for a multi-item check: shadow refusals marked, the fixed
+/// fields from enforced items only (SEMANTICS S3): the first refusing
+/// item's (retry-after: when every refusing item fits), else the most
+/// constrained admitted item's.
+pub(super) fn aggregate(id: u32, op: u8, items: &[Item<'_>], done: Executed) -> Response {
+    let Executed { mut results, handle, failure } = done;
+    let mut refused = 0u8;
+    for (i, (item, res)) in items.iter().zip(results.iter_mut()).enumerate() {
+        if res.decision == Decision::Denied && res.source != Source::None {
+            if item.shadow {
+                res.decision = Decision::ShadowDenied;
+            } else if refused == 0 {
+                refused = (i + 1) as u8;
+            }
+        }
+    }
+    let enforced = || items.iter().zip(results.iter()).filter(|(item, _)| !item.shadow).map(|(_, r)| r);
+    let main: ItemResult = if refused > 0 {
+        let mut m = results[refused as usize - 1];
+        m.retry_after_ms = enforced().filter(|r| r.decision == Decision::Denied && r.source != Source::None).map(|r| r.retry_after_ms).max().unwrap_or(m.retry_after_ms);
+        m
+    } else {
+        enforced()
+            .filter(|r| r.source != Source::Exempt && r.decision == Decision::Allowed)
+            .min_by_key(|r| r.remaining)
+            .copied()
+            .or_else(|| enforced().next().copied())
+            // Shadow items only: the first one's, as before.
+            .unwrap_or(results[0])
+    };
+    let mut resp = Response {
+        id,
+        op,
+        decision: if refused > 0 { Decision::Denied } else { Decision::Allowed },
+        source: main.source,
+        count: main.count,
+        remaining: main.remaining,
+        retry_after_ms: main.retry_after_ms,
+        reset_ms: main.reset_ms,
+        error: ErrorCode::None,
+        message: Cow::Borrowed(""),
+        extension: Some(Box::new(Extension { refused, handle, items: results })),
+    };
+    if let Some(e) = failure {
+        resp.error = error_code(&e);
+        resp.message = Cow::Owned(e.to_string());
+    }
+    resp
+}
