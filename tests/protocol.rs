@@ -280,7 +280,10 @@ async fn acquire_policy_frames_hold_and_release_with_the_documented_bytes() {
         assert_eq!((r.id, r.op, r.source, r.error), (7, 7, Source::Memory, ErrorCode::None), "{}", r.message);
         got.push(r.decision);
     }
-    assert_eq!(got, [Decision::Allowed, Decision::Denied, Decision::Allowed, Decision::Allowed], "held, refused at the limit of 1, released, held again");
+    // The second frame names the lease id held: a renewal (SEMANTICS S4), not a second slot.
+    assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::Allowed, Decision::Allowed], "held, renewed, released, held again");
+    let other = PolicyLeaseArgs { lease: b"b", ..args.clone() };
+    assert_eq!(c.policy_lease(false, &other).await.unwrap().decision, Decision::Denied, "another lease id is refused at the limit of 1");
 
     let with = |at: usize, b: &[u8]| {
         let mut v = bytes.clone();
