@@ -27,6 +27,19 @@ window = "60s"
 shards = 3
 
 [[policy]]
+name = "quad"
+limit = 4
+window = "60s"
+shards = 4
+
+[[policy]]
+name = "shade"
+limit = 4
+window = "60s"
+shards = 4
+shadow = true
+
+[[policy]]
 name = "ip"
 limit = 100
 window = "60s"
@@ -155,6 +168,42 @@ async fn a_sharded_policy_admits_its_limit_across_single_multi_item_and_refundab
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_policy_admits_its_limit_across_single_multi_item_and_refundable_checks_on_redis() {
     sharded_limit_holds_across_kinds(Store::Redis).await;
+}
+
+/// S1: a multi-item check a shard refused is tried again on the item's
+/// next shard. The round robin is the policy's, not the key's: two keys
+/// taking turns over 4 shards of one unit each send each key to the same
+/// two shards, so each key's third request finds its shard full and must
+/// move on. Shadow items are placed wherever they fit, as a single check
+/// places them.
+async fn refused_shards_are_tried_again(store: Store) {
+    let s = setup(store);
+    let mut c = s.daemon.client().await;
+    for name in ["quad", "shade"] {
+        for n in 0..8 {
+            let key = ["k1", "k2"][n % 2];
+            let r = c.check_multi(FailPolicy::Closed, 0, false, &[item(name, key), item("ip", key)]).await.unwrap();
+            assert!(admitted(&r), "{store:?}: {name} {key} request {n}: {r:?}");
+            let items = &r.extension.as_ref().unwrap().items;
+            assert_eq!(items[0].decision, Decision::Allowed, "{store:?}: {name} {key} request {n}: every unit found a shard: {r:?}");
+            assert_eq!(items[0].count + items[0].remaining, 4, "{store:?}: the key's limit in count + remaining: {r:?}");
+        }
+        for key in ["k1", "k2"] {
+            let r = c.check_policy(&policy(name, key)).await.unwrap();
+            let refused = if name == "quad" { Decision::Denied } else { Decision::ShadowDenied };
+            assert_eq!((r.decision, r.count, r.remaining), (refused, 4, 0), "{store:?}: {name} {key} holds exactly its limit: {r:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_in_memory() {
+    refused_shards_are_tried_again(Store::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_on_redis() {
+    refused_shards_are_tried_again(Store::Redis).await;
 }
 
 /// Defect 2, refunds (S1): a refund of a sharded item frees the one unit

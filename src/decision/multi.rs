@@ -54,7 +54,7 @@ impl Limiter {
                 Ok(a) => a,
                 Err(NoVerdict::Full(full)) => return Err(self.capacity_error(id, op, Source::Memory, full)),
                 Err(NoVerdict::Store(e)) => {
-                    // The response says whether they admitted (an item refused).
+                    // The response says whether they admitted (no enforced item refused).
                     self.fail_policies(items, &stored, &mut results);
                     return Ok(Executed { results, handle: None, failure: Some(e) });
                 }
@@ -65,22 +65,60 @@ impl Limiter {
             let mut any = false;
             for ((i, p), v) in stored.iter_mut().zip(&attempt.verdicts) {
                 if let Some((source, v)) = *v {
+                    if !v.allowed && p.rest.is_some() {
+                        p.refusals = Some(merge_refusals(p.refusals.map(|r| (source, r)), source, v).1);
+                    }
                     if !v.allowed && !items[*i].shadow {
                         any = true;
-                        if p.rest.is_some() {
-                            p.refusals = Some(merge_refusals(p.refusals.map(|r| (source, r)), source, v).1);
-                        }
                         again &= p.advance(&items[*i]);
                     }
                 }
             }
-            if attempt.committed || !any || !again {
-                for ((i, p), v) in stored.iter().zip(attempt.verdicts) {
-                    if let Some((source, v)) = v {
-                        results[*i] = item_result(&items[*i], p, source, v);
+            if !attempt.committed && any && again {
+                // Tried again anyway: a sharded shadow item that did not fit
+                // moves on too (it is recorded where it fits, S1, S3).
+                for ((i, p), v) in stored.iter_mut().zip(&attempt.verdicts) {
+                    if matches!(v, Some((_, v)) if !v.allowed) && items[*i].shadow {
+                        p.advance(&items[*i]);
                     }
                 }
-                return Ok(Executed { results, handle: attempt.handle.filter(|_| attempt.committed && refundable), failure: None });
+                continue;
+            }
+            for ((i, p), v) in stored.iter().zip(&attempt.verdicts) {
+                if let Some((source, v)) = *v {
+                    results[*i] = item_result(&items[*i], p, source, v);
+                }
+            }
+            if attempt.committed {
+                self.place_shadow_shards(items, &mut stored, &attempt.verdicts, &mut results).await;
+            }
+            return Ok(Executed { results, handle: attempt.handle.filter(|_| attempt.committed && refundable), failure: None });
+        }
+    }
+
+    /// After an admission: a sharded shadow item whose shard had no room is
+    /// tried alone on its other shards, so that it is recorded wherever it
+    /// fits, as a single check of it would be (S1, S3). Shadow only:
+    /// nothing enforced depends on it; a store error leaves it reported as
+    /// refused. Such a unit is recorded under a handle of its own, which a
+    /// refund of the admission does not name.
+    async fn place_shadow_shards(&self, items: &[Item<'_>], stored: &mut [(usize, Planned<'_>)], verdicts: &[Option<(Source, Verdict)>], results: &mut [ItemResult]) {
+        for (k, v) in verdicts.iter().enumerate() {
+            let i = stored[k].0;
+            if !(items[i].shadow && matches!(v, Some((_, v)) if !v.allowed)) {
+                continue;
+            }
+            while stored[k].1.advance(&items[i]) {
+                let Ok(one) = self.attempt(items, std::slice::from_ref(&stored[k])).await else { break };
+                let Some(Some((source, v))) = one.verdicts.first().copied() else { break };
+                let p = &mut stored[k].1;
+                if !v.allowed {
+                    p.refusals = Some(merge_refusals(p.refusals.map(|r| (source, r)), source, v).1);
+                }
+                results[i] = item_result(&items[i], p, source, v);
+                if v.allowed {
+                    break;
+                }
             }
         }
     }
@@ -143,7 +181,7 @@ impl Limiter {
     /// decides, all or nothing: `closed` refuses, `open` admits, `local`
     /// items are checked together in the per-host windows of their keys
     /// (a sharded key's own, not a shard's) with their local quota.
-    fn fail_policies(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], results: &mut [ItemResult]) -> bool {
+    fn fail_policies(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], results: &mut [ItemResult]) {
         let mut refused = false;
         let mut local: Vec<usize> = Vec::new();
         for (i, _) in stored {
@@ -168,16 +206,15 @@ impl Limiter {
             };
         }
         if refused || local.is_empty() {
-            return !refused;
+            return;
         }
         let specs: Vec<(LimitSpec<'_>, bool)> =
             local.iter().map(|&i| (LimitSpec { key: items[i].key, limit: items[i].local_limit, window_ms: items[i].window_ms, cost: items[i].cost }, items[i].shadow)).collect();
         match self.local.check_multi(&specs) {
-            Ok((committed, verdicts)) => {
+            Ok((_, verdicts)) => {
                 for ((&i, v), (s, _)) in local.iter().zip(verdicts).zip(&specs) {
                     results[i] = ItemResult { limit: s.limit, ..verdict_item(v, Source::LocalFallback, s.window_ms) };
                 }
-                committed
             }
             Err(full) => {
                 if let Some(suppressed) = self.capacity_log.permit() {
@@ -186,7 +223,6 @@ impl Limiter {
                 for &i in &local {
                     results[i].source = Source::LocalFallback;
                 }
-                false
             }
         }
     }
