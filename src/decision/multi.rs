@@ -17,7 +17,7 @@ use super::execute::{merge_refusals, whole_key, NoVerdict};
 use super::limiter::{Backend, Limiter};
 use super::plan::{refund_keys, Planned};
 use super::resolve::Item;
-use super::respond::{error_code, Executed};
+use super::respond::{error_code, verdict_item, Executed};
 
 /// One attempt's answer: whether it committed, and per planned item its
 /// verdict (`None`: not asked) and where it came from.
@@ -279,17 +279,4 @@ fn item_result(item: &Item<'_>, p: &Planned<'_>, source: Source, v: Verdict) -> 
         (false, None) => v,
     };
     ItemResult { limit, ..verdict_item(v, source, item.window_ms) }
-}
-
-fn verdict_item(v: Verdict, source: Source, window_ms: u32) -> ItemResult {
-    ItemResult {
-        decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
-        source,
-        count: v.count,
-        remaining: v.remaining,
-        retry_after_ms: v.retry_after_ms,
-        reset_ms: v.reset_ms,
-        limit: 0,
-        window_ms,
-    }
 }

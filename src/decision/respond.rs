@@ -36,19 +36,14 @@ pub(super) fn error_code(e: &StoreError) -> ErrorCode {
 
 /// A store's verdict as a response.
 pub(super) fn verdict_response(id: u32, op: u8, source: Source, v: Verdict) -> Response {
-    Response {
-        id,
-        op,
-        decision: if v.allowed { Decision::Allowed } else { Decision::Denied },
-        source,
-        count: v.count,
-        remaining: v.remaining,
-        retry_after_ms: v.retry_after_ms,
-        reset_ms: v.reset_ms,
-        error: ErrorCode::None,
-        message: Cow::Borrowed(""),
-        extension: None,
-    }
+    let decision = if v.allowed { Decision::Allowed } else { Decision::Denied };
+    Response { decision, source, count: v.count, remaining: v.remaining, retry_after_ms: v.retry_after_ms, reset_ms: v.reset_ms, ..Response::error(id, op, ErrorCode::None, Cow::Borrowed("")) }
+}
+
+/// A store's verdict as one item's result (its limit set by the caller).
+pub(super) fn verdict_item(v: Verdict, source: Source, window_ms: u32) -> ItemResult {
+    let decision = if v.allowed { Decision::Allowed } else { Decision::Denied };
+    ItemResult { decision, source, count: v.count, remaining: v.remaining, retry_after_ms: v.retry_after_ms, reset_ms: v.reset_ms, limit: 0, window_ms }
 }
 
 /// An exempt key's answer: allowed, nothing asked or recorded.
