@@ -9,6 +9,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::redis_cluster::RedisCluster;
 use common::{Daemon, RedisServer};
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, OP_ACQUIRE, OP_RELEASE};
@@ -70,6 +71,8 @@ window = "60s"
 enum Store {
     Memory,
     Redis,
+    /// A real Redis Cluster: a sharded key's shards in different slots.
+    Cluster,
 }
 
 /// A daemon serving `POLICIES` and metrics, and the Redis it uses (kept
@@ -77,15 +80,22 @@ enum Store {
 struct Setup {
     daemon: Daemon,
     _redis: Option<RedisServer>,
+    _cluster: Option<RedisCluster>,
 }
 
 fn setup(store: Store) -> Setup {
     match store {
-        Store::Memory => Setup { daemon: Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n{POLICIES}")), _redis: None },
+        Store::Memory => Setup { daemon: Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n{POLICIES}")), _redis: None, _cluster: None },
         Store::Redis => {
             let redis = RedisServer::start_unix();
             let daemon = Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}", redis.url()));
-            Setup { daemon, _redis: Some(redis) }
+            Setup { daemon, _redis: Some(redis), _cluster: None }
+        }
+        Store::Cluster => {
+            let cluster = RedisCluster::start();
+            let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+            let daemon = Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\ncluster = [{}]\ntimeout_ms = 1000\n{POLICIES}", seeds.join(", ")));
+            Setup { daemon, _redis: None, _cluster: Some(cluster) }
         }
     }
 }
@@ -204,6 +214,15 @@ async fn a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_in_memory(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_on_redis() {
     refused_shards_are_tried_again(Store::Redis).await;
+}
+
+/// The same on a Redis Cluster, where a sharded key's shards sit in
+/// different slots: a multi-item check is one call per slot group, and a
+/// refused group's reservations are taken back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_policy_admits_its_limit_across_kinds_and_retries_shards_on_a_cluster() {
+    sharded_limit_holds_across_kinds(Store::Cluster).await;
+    refused_shards_are_tried_again(Store::Cluster).await;
 }
 
 /// Defect 2, refunds (S1): a refund of a sharded item frees the one unit
@@ -384,7 +403,7 @@ async fn send_every_op(c: &mut Client, store: Store) -> Tally {
     match store {
         // The memory backend answers REFUND_UNSUPPORTED: an error, counted as one.
         Store::Memory => t.decisions += 1,
-        Store::Redis => {
+        Store::Redis | Store::Cluster => {
             assert_eq!(r.error, ErrorCode::None, "{r:?}");
             t.refunds += 1;
         }

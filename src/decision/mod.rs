@@ -31,7 +31,8 @@ mod respond;
 use std::sync::Arc;
 
 use crate::protocol::{
-    Decision, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK, OP_CHECK_POLICY, OP_REFUND,
+    Decision, ErrorCode, FailPolicy, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK,
+    OP_CHECK_POLICY, OP_REFUND,
 };
 
 pub use limiter::{Backend, Limiter};
@@ -104,14 +105,14 @@ impl Limiter {
 
     /// REFUND: the admission's members removed from its items' windows.
     async fn refund<'a>(&'a self, r: &'a RefundRequest) -> Decided<'a> {
-        let items = match self.resolve_all(r.id, OP_REFUND, &r.items, crate::protocol::FailPolicy::Closed, 0, Kind::Refund) {
+        let items = match self.resolve_all(r.id, OP_REFUND, &r.items, FailPolicy::Closed, 0, Kind::Refund) {
             Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
         match self.refund_items(r.id, OP_REFUND, &r.handle, &items).await {
             Ok(removed) => {
                 let count = removed.min(u64::from(u32::MAX)) as u32;
-                (Response { decision: Decision::Allowed, source: Source::Redis, count, ..Response::error(r.id, OP_REFUND, crate::protocol::ErrorCode::None, "".into()) }, Charge::Refund { removed })
+                (Response { decision: Decision::Allowed, source: Source::Redis, count, ..Response::error(r.id, OP_REFUND, ErrorCode::None, "".into()) }, Charge::Refund { removed })
             }
             Err(response) => (response, Charge::Nobody),
         }
@@ -144,7 +145,7 @@ impl Limiter {
 
     /// Resolves every item of a multi-item check or a refund; the first
     /// refused one answers for the whole request.
-    fn resolve_all<'a>(&'a self, id: u32, op: u8, items: &'a [crate::protocol::PolicyItem], on_error: crate::protocol::FailPolicy, local_limit: u32, kind: Kind) -> Result<Vec<Item<'a>>, Rejected<'a>> {
+    fn resolve_all<'a>(&'a self, id: u32, op: u8, items: &'a [PolicyItem], on_error: FailPolicy, local_limit: u32, kind: Kind) -> Result<Vec<Item<'a>>, Rejected<'a>> {
         items
             .iter()
             .map(|i| self.resolve(&Named { id, op, name: &i.name, key: &i.key, scoped_key: &i.scoped_key, cost: i.cost, on_error, local_limit }, kind))

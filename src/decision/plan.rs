@@ -120,3 +120,20 @@ impl<'a> Planned<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parts of limit 10 over 3 shards are 4, 3, 3: a cost of 4 fits
+    /// shard 0 only, a cost of 3 every shard, each once, in round-robin
+    /// order from the start.
+    #[test]
+    fn the_shard_order_skips_parts_below_the_cost_and_visits_each_shard_once() {
+        let order = |first, cost| ShardOrder { first, shards: 3, limit: 10, cost, next: 0 }.collect::<Vec<_>>();
+        assert_eq!(order(1, 4), [(0, 4)]);
+        assert_eq!(order(1, 3), [(1, 3), (2, 3), (0, 4)]);
+        assert_eq!(order(2, 1), [(2, 3), (0, 4), (1, 3)]);
+        assert_eq!(order(0, 5), []);
+    }
+}
