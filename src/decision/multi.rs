@@ -15,7 +15,7 @@ use crate::window::{LimitSpec, Verdict};
 
 use super::execute::{merge_refusals, whole_key, NoVerdict};
 use super::limiter::{Backend, Limiter};
-use super::plan::{refund_keys, Planned};
+use super::plan::{refund_windows, Planned};
 use super::resolve::Item;
 use super::respond::{error_code, verdict_item, Executed};
 
@@ -236,18 +236,16 @@ impl Limiter {
             Backend::Local => return Err(Response::error(id, op, ErrorCode::RefundUnsupported, Cow::Borrowed("the in-memory backend keeps no member ids: refunds need the Redis backend"))),
             Backend::Redis(redis) => redis,
         };
-        let keys: Vec<(usize, bytes::Bytes)> = items.iter().enumerate().flat_map(|(i, item)| refund_keys(item).into_iter().map(move |k| (i, k))).collect();
-        let refund: Vec<RefundItem<'_>> = keys.iter().map(|(i, k)| RefundItem { key: k, window_ms: items[*i].window_ms, cost: items[*i].cost, number: (*i + 1) as u8 }).collect();
+        // Per item its windows and their limits (the limit of an exempt
+        // key is 0: nothing of it is cached).
+        let windows: Vec<(usize, bytes::Bytes, u32)> =
+            items.iter().enumerate().flat_map(|(i, item)| refund_windows(item, item.limit.unwrap_or(0)).into_iter().map(move |(k, limit)| (i, k, limit))).collect();
+        let refund: Vec<RefundItem<'_>> = windows.iter().map(|(i, k, _)| RefundItem { key: k, window_ms: items[*i].window_ms, cost: items[*i].cost, number: (*i + 1) as u8 }).collect();
         match redis.refund(handle, &refund).await {
             Ok(removed) => {
                 if let Some(d) = self.denials.as_deref() {
-                    for (i, k) in &keys {
-                        let item = &items[*i];
-                        if let Some(limit) = item.limit {
-                            // A shard's refusals are cached under its part.
-                            let part = if item.shards > 1 { crate::policies::shard_limit(limit, shard_of(k, item), item.shards) } else { limit };
-                            d.forget(&LimitSpec { key: k, limit: part, window_ms: item.window_ms, cost: item.cost });
-                        }
+                    for (i, k, limit) in windows.iter().filter(|w| w.2 > 0) {
+                        d.forget(&LimitSpec { key: k, limit: *limit, window_ms: items[*i].window_ms, cost: items[*i].cost });
                     }
                 }
                 Ok(removed)
@@ -255,12 +253,6 @@ impl Limiter {
             Err(e) => Err(Response { source: Source::Redis, ..Response::error(id, op, error_code(&e), Cow::Owned(e.to_string())) }),
         }
     }
-}
-
-/// The shard index of `key`, one of `item`'s shard keys (refund_keys
-/// lists them in order).
-fn shard_of(key: &[u8], item: &Item<'_>) -> u32 {
-    (0..item.shards).find(|&i| crate::redis::shard_key(item.key, i, item.shards)[..] == *key).unwrap_or(0)
 }
 
 /// An item's result from its last verdict: a sharded item's as the key's

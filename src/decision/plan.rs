@@ -73,13 +73,14 @@ impl<'a> Window<'a> {
     }
 }
 
-/// Every window a refund of `item` names: its key, or every shard's (the
-/// admission was taken by one; removing absent members is harmless).
-pub(super) fn refund_keys(item: &Item<'_>) -> Vec<Bytes> {
+/// Every window a refund of `item` names, with its limit: its key, or
+/// every shard's (the admission was taken by one; removing absent members
+/// is harmless).
+pub(super) fn refund_windows(item: &Item<'_>, limit: u32) -> Vec<(Bytes, u32)> {
     if item.shards > 1 {
-        (0..item.shards).map(|i| shard_key(item.key, i, item.shards)).collect()
+        (0..item.shards).map(|i| (shard_key(item.key, i, item.shards), shard_limit(limit, i, item.shards))).collect()
     } else {
-        vec![item.key.clone()]
+        vec![(item.key.clone(), limit)]
     }
 }
 
