@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::redis_cluster::RedisCluster;
 use common::{Daemon, RedisServer};
 use ratelimitd::client::Client;
-use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, OP_ACQUIRE, OP_RELEASE};
+use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, Source, OP_ACQUIRE, OP_RELEASE};
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -314,6 +314,25 @@ async fn acquiring_a_lease_id_already_held_renews_it_in_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquiring_a_lease_id_already_held_renews_it_on_redis() {
     reacquire_renews(Store::Redis).await;
+}
+
+/// S4 in the `local` fallback: with Redis gone, ACQUIREs of one lease id
+/// held in the daemon's per-host leases renew it there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquiring_a_lease_id_already_held_renews_it_in_the_local_fallback() {
+    let mut redis = RedisServer::start_unix();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 200\n", redis.url()));
+    let mut c = d.client().await;
+    redis.kill();
+    let local = |id| LeaseArgs { on_error: FailPolicy::Local, local_limit: 2, ..lease(id, 5) };
+    for n in 0..3 {
+        let r = c.lease(OP_ACQUIRE, &local("L1")).await.unwrap();
+        assert_eq!((r.decision, r.source, r.count), (Decision::Allowed, Source::LocalFallback, 1), "acquire {n} of one id: {r:?}");
+    }
+    let r = c.lease(OP_ACQUIRE, &local("L2")).await.unwrap();
+    assert_eq!((r.decision, r.source, r.count), (Decision::Allowed, Source::LocalFallback, 2), "{r:?}");
+    let r = c.lease(OP_ACQUIRE, &local("L3")).await.unwrap();
+    assert_eq!((r.decision, r.source, r.count), (Decision::Denied, Source::LocalFallback, 2), "the local quota of 2 holds: {r:?}");
 }
 
 /// Defect 9 (S5): a shadow concurrency refusal is counted once, in the

@@ -225,20 +225,6 @@ pub enum Request {
     PolicyLease(PolicyLeaseRequest),
 }
 
-impl Request {
-    /// The request id, echoed by the response.
-    pub fn id(&self) -> u32 {
-        match self {
-            Self::Check(r) => r.id,
-            Self::PolicyCheck(r) => r.id,
-            Self::MultiCheck(r) => r.id,
-            Self::Refund(r) => r.id,
-            Self::Lease(r) => r.id,
-            Self::PolicyLease(r) => r.id,
-        }
-    }
-}
-
 /// What the decoder yields for each complete frame: a request, or a frame
 /// that is none.
 #[derive(Debug, PartialEq, Eq)]
