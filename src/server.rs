@@ -38,11 +38,11 @@ use tokio_util::codec::Decoder;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
-use crate::decision::Limiter;
+use crate::decision::{count_undecoded, Limiter};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::{CloseReason, METRICS};
 use crate::protocol::{
-    encode_response, parse_request, Bounds, Decision, ErrorCode, Inbound, RequestCodec, Response, Source, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN,
+    encode_response, parse_request, Bounds, ErrorCode, Inbound, RequestCodec, Response, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN,
     REQUEST_HEADER_LEN,
 };
 
@@ -351,9 +351,10 @@ fn next_frame(buf: &mut BytesMut) -> Option<Frame> {
 /// connection is then closed.
 fn answer_too_large(len: usize, out: &mut BytesMut) {
     tracing::debug!(len, "frame too large; closing the connection");
-    METRICS.decided(Decision::Error, Source::None, ErrorCode::FrameTooLarge);
     let msg = format!("frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}");
-    encode_response(&Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()), out);
+    let r = Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into());
+    count_undecoded(&r);
+    encode_response(&r, out);
 }
 
 /// The key of a request body, for logs: escaped, at most 128 bytes shown;
@@ -458,7 +459,6 @@ impl Handler {
                                 in_flight.push(limiter.clone().decide(req));
                             }
                             Inbound::Invalid { id, op, code, message } => {
-                                METRICS.decided(Decision::Error, Source::None, code);
                                 if let Some(suppressed) = shared.invalid_logs[code.index()].permit() {
                                     tracing::error!(
                                         id,
@@ -469,7 +469,9 @@ impl Handler {
                                         "invalid request refused, no decision made: the client's configuration or code is wrong"
                                     );
                                 }
-                                encode_response(&Response::error(id, op, code, message), &mut out);
+                                let r = Response::error(id, op, code, message);
+                                count_undecoded(&r);
+                                encode_response(&r, &mut out);
                             }
                             // Not from parse_request (next_frame frames), but handled alike.
                             Inbound::TooLarge { len } => {
@@ -588,8 +590,9 @@ impl Handler {
                         // A frame cut off by the end of the stream is answered.
                         if let Ok(Some(Inbound::Invalid { id, op, code, message })) = RequestCodec::new(bounds).decode_eof(&mut inbuf) {
                             tracing::debug!(id, %code, reason = %message, "the stream ended inside a frame");
-                            METRICS.decided(Decision::Error, Source::None, code);
-                            encode_response(&Response::error(id, op, code, message), &mut out);
+                            let r = Response::error(id, op, code, message);
+                            count_undecoded(&r);
+                            encode_response(&r, &mut out);
                         }
                         inbuf.clear();
                     }
@@ -634,7 +637,7 @@ mod tests {
     use crate::client::Client;
     use crate::decision::Backend;
     use crate::local_store::LocalStore;
-    use crate::protocol::{CheckArgs, FailPolicy};
+    use crate::protocol::{CheckArgs, Decision, FailPolicy};
 
     fn settings() -> ServerSettings {
         ServerSettings {

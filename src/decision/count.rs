@@ -31,6 +31,13 @@ impl<'a> Charge<'a> {
     }
 }
 
+/// Counts the answer to a frame that is no request (invalid, too large,
+/// cut off by the end of the stream): the server's decode outcomes, counted
+/// here like every decided request.
+pub(crate) fn count_undecoded(r: &Response) {
+    account(r, &Charge::Nobody);
+}
+
 /// Counts one answered request: the one place (SEMANTICS S9).
 pub(super) fn account(r: &Response, charge: &Charge<'_>) {
     match charge {

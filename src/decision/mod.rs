@@ -35,6 +35,7 @@ use crate::protocol::{
     OP_CHECK_POLICY, OP_REFUND,
 };
 
+pub(crate) use count::count_undecoded;
 pub use limiter::{Backend, Limiter};
 
 use count::{account, Charge};
