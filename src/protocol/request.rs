@@ -1,6 +1,6 @@
-//! Requests: the decoder the daemon reads frames with (bytes to a validated
-//! `CheckRequest`, or a coded error that keeps the stream in sync), and the
-//! encoder clients write them with.
+//! Requests: the decoder the daemon reads frames with (bytes to one
+//! validated `Request`, or a coded error that keeps the stream in sync), and
+//! the encoder clients write them with.
 
 use std::borrow::Cow;
 use std::io;
