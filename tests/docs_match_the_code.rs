@@ -389,6 +389,77 @@ fn every_log_message_quoted_in_prose_is_one_the_daemon_logs() {
     assert!(wrong.is_empty(), "quoted as log messages, but not what the daemon logs:\n{}", wrong.join("\n"));
 }
 
+/// GitHub's anchor of a heading: lower case, punctuation dropped (but
+/// `-` and `_`), spaces as `-`.
+fn slug(heading: &str) -> String {
+    heading.trim().to_lowercase().chars().filter(|c| c.is_alphanumeric() || matches!(c, ' ' | '-' | '_')).map(|c| if c == ' ' { '-' } else { c }).collect()
+}
+
+/// The anchors of a markdown file's headings (outside fenced blocks).
+fn anchors(text: &str) -> BTreeSet<String> {
+    text.split("```").step_by(2).flat_map(|prose| prose.lines()).filter(|l| l.starts_with('#')).map(|l| slug(l.trim_start_matches('#'))).collect()
+}
+
+/// The `[text](target)` links of a markdown file, outside fenced blocks.
+fn links(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for prose in text.split("```").step_by(2) {
+        for (at, _) in prose.match_indices("](") {
+            let rest = &prose[at + 2..];
+            if let Some(end) = rest.find(')') {
+                out.push(rest[..end].to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_link_between_the_docs_resolves() {
+    let mut pages = vec!["README.md".to_string(), "scripts/README.md".to_string()];
+    let mut docs: Vec<String> = std::fs::read_dir(root().join("docs")).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "md")).map(|p| p.strip_prefix(root()).unwrap().display().to_string()).collect();
+    docs.sort();
+    pages.extend(docs);
+    let (mut broken, mut anchored) = (Vec::new(), 0);
+    for page in &pages {
+        let text = read(page);
+        let dir = Path::new(page).parent().unwrap();
+        for link in links(&text) {
+            if link.starts_with("http") || link.starts_with("mailto:") {
+                continue;
+            }
+            let (file, anchor) = link.split_once('#').unwrap_or((&link, ""));
+            let target = if file.is_empty() { PathBuf::from(page) } else { dir.join(file) };
+            let path = root().join(&target);
+            if !path.exists() {
+                broken.push(format!("{page}: ({link}): no file {}", target.display()));
+            } else if !anchor.is_empty() && path.is_file() {
+                anchored += 1;
+                if !anchors(&std::fs::read_to_string(&path).unwrap()).contains(anchor) {
+                    broken.push(format!("{page}: ({link}): no heading #{anchor} in {}", target.display()));
+                }
+            }
+        }
+    }
+    assert!(anchored > 40, "the reader finds the links to headings: {anchored}");
+    assert!(broken.is_empty(), "links that lead nowhere:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn scripts_readme_names_every_script() {
+    let readme = read("scripts/README.md");
+    let mut missing = Vec::new();
+    for e in std::fs::read_dir(root().join("scripts")).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let named = if p.is_dir() { format!("`scripts/{name}/`") } else { format!("`scripts/{name}") };
+        if name != "README.md" && !readme.contains(&named) {
+            missing.push(named);
+        }
+    }
+    assert!(missing.is_empty(), "scripts/README.md does not say what these are: {missing:?}");
+}
+
 #[test]
 fn the_readers_fail_on_drift() {
     assert_eq!(number_list("15, 19, 21-29 and 36-49").len(), 1 + 1 + 9 + 14);
@@ -403,5 +474,7 @@ fn the_readers_fail_on_drift() {
     let messages = ["the new [redis] settings cannot be used; keeping the running backend".to_string()];
     assert_eq!(misquoted("or `ERROR ... the new [redis] settings cannot be used; keeping the running link` and `redis.url`", &messages), ["the new [redis] settings cannot be used; keeping the running link"]);
     assert_eq!(misquoted("`... cannot be used; keeping the running link` or `... cannot be used; keeping the running backend`", &messages), ["cannot be used; keeping the running link"]);
+    assert_eq!(slug(" 2. `nginx/ratelimitd.conf`, line by line"), "2-nginxratelimitdconf-line-by-line");
+    assert_eq!(slug("What `shards = S` does"), "what-shards--s-does");
     assert!(within("keeping N of them", "limits: keeping {} of them") && within("keeping 5 of", "keeping {} of them") && !within("keeping N of theirs", "keeping {} of them"));
 }
