@@ -383,9 +383,25 @@ fn every_log_message_quoted_in_prose_is_one_the_daemon_logs() {
     let messages = all_messages();
     assert!(messages.iter().any(|m| m == "redis failed; the request's fail policy decides"), "the reader finds the daemon's messages");
     let mut wrong = Vec::new();
+    let mut placed = 0;
     for (path, text) in docs() {
         wrong.extend(misquoted(&text, &messages).into_iter().map(|p| format!("{path}: `{p}`")));
+        // `LEVEL ratelimitd::module: message` spans: that level, that module.
+        let prose: String = text.split("```").step_by(2).collect::<Vec<_>>().join("\n");
+        for span in prose.split('`').skip(1).step_by(2) {
+            let span = span.split_whitespace().collect::<Vec<_>>().join(" ");
+            let Some((level, rest)) = span.split_once(' ').filter(|(l, r)| ["ERROR", "WARN", "INFO", "DEBUG"].contains(l) && r.starts_with("ratelimitd::")) else { continue };
+            let Some((target, message)) = rest.split_once(": ") else { continue };
+            if message.contains("...") || message.len() < 20 {
+                continue;
+            }
+            placed += 1;
+            if let Err(why) = check_line(level, message, Some(target), &[]) {
+                wrong.push(format!("{path}: {why}"));
+            }
+        }
     }
+    assert!(placed >= 10, "the reader finds `LEVEL ratelimitd::module: message` quotes: {placed}");
     assert!(wrong.is_empty(), "quoted as log messages, but not what the daemon logs:\n{}", wrong.join("\n"));
 }
 
