@@ -1,15 +1,20 @@
 //! `ratelimitd inspect` and `ratelimitd reset`: look at or clear one key's
 //! window in Redis, with the daemon's own key derivation and connection
-//! settings (including Sentinel, AUTH and TLS).
+//! settings (including Sentinel, AUTH and TLS). A key of inline checks is
+//! named as sent; a `[[policy]]`'s key by the policy's name and the key, as
+//! `ratelimitd top` shows them: its window, algorithm and shards come from
+//! the configuration, through the same code the daemon uses (`Policies`,
+//! `shard_key`), never formatted here.
 
 use std::time::Duration;
 
 use redis::AsyncConnectionConfig;
 use serde::Serialize;
 
-use crate::config::{RedisConfig, RedisSecrets};
+use crate::config::{PolicyConfig, RedisConfig, RedisSecrets};
+use crate::policies::Policies;
 use crate::protocol::Algorithm;
-use crate::redis::{Connector, ConnectorError, LinkConnection, WindowKey};
+use crate::redis::{shard_key, Connector, ConnectorError, LinkConnection, WindowKey};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -17,19 +22,39 @@ pub enum AdminError {
     Config(#[from] ConnectorError),
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    #[error("no [[policy]] named '{name}' in the configuration ({})", if known.is_empty() { "it has none".to_string() } else { format!("its policies: {}", known.join(", ")) })]
+    UnknownPolicy { name: String, known: Vec<String> },
+}
+
+/// Which windows to look at or clear.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// A key of inline checks (CHECK, ACQUIRE): every window it has in
+    /// Redis, or the one of `window_ms`.
+    Inline { key: &'a str, window_ms: Option<u32> },
+    /// A key of the policy named `policy` (CHECK_POLICY, ACQUIRE_POLICY):
+    /// its window under the policy, every shard's for a sharded policy, or
+    /// its leases for a concurrency policy.
+    Policy { policy: &'a str, key: &'a str },
 }
 
 /// One window of a key as Redis holds it.
 #[derive(Debug, Serialize, PartialEq)]
 pub struct Inspection {
     pub redis_key: String,
-    /// The window length this key is for.
+    /// The window length this key is for (a concurrency policy: its lease).
     pub window_ms: u32,
-    /// The algorithm that counts in this key ("log": a ZSET; "ring": a string).
+    /// The algorithm that counts in this key ("log": a ZSET; "ring": a
+    /// string; "concurrency": a ZSET of leases scored by their expiry).
     pub algorithm: &'static str,
-    /// Admissions stored (members of the ZSET; the ring's non-empty slots).
+    /// Which of a sharded policy's windows (0-based), if it is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
+    /// Admissions stored (members of the ZSET; the ring's non-empty slots;
+    /// slots of leases, expired ones not yet swept included).
     pub members: u64,
-    /// Admissions within the last `window_ms`: what the next check counts.
+    /// Admissions within the last `window_ms`: what the next check counts
+    /// (leases: slots of leases not yet expired).
     pub in_window: u64,
     /// Age in ms of the oldest and newest admission, on Redis's clock.
     pub oldest_age_ms: Option<i64>,
@@ -94,23 +119,119 @@ async fn windows_of(conn: &mut LinkConnection, cfg: &RedisConfig, key: &str, win
     Ok(found)
 }
 
-/// Every window of `key` (or the one of `window_ms`), as Redis holds it.
-pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, window_ms: Option<u32>) -> Result<Vec<Inspection>, AdminError> {
+/// The key the daemon counts a policy's key under: the name's length
+/// byte, the name and the key, as a CHECK_POLICY frame carries them
+/// (`PolicyCheckRequest::scoped_key`; a unit test holds the two together).
+fn scoped_key(name: &str, key: &str) -> Vec<u8> {
+    let mut scoped = Vec::with_capacity(1 + name.len() + key.len());
+    scoped.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
+    scoped.extend_from_slice(name.as_bytes());
+    scoped.extend_from_slice(key.as_bytes());
+    scoped
+}
+
+/// What one Redis key of a target holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counter {
+    Window(Algorithm),
+    Leases,
+}
+
+/// One Redis key of a target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Found {
+    redis_key: Vec<u8>,
+    window_ms: u32,
+    counter: Counter,
+    shard: Option<u32>,
+}
+
+/// The policy named `name` in `policies`, resolved as the daemon resolves
+/// it (its window, a calendar window's code included), alone in a table.
+fn policy_named(policies: &[PolicyConfig], name: &str) -> Result<Policies, AdminError> {
+    let unknown = || AdminError::UnknownPolicy { name: name.to_string(), known: policies.iter().map(|p| p.name.clone()).collect() };
+    let one = policies.iter().find(|p| p.name == name).ok_or_else(unknown)?;
+    Ok(Policies::build(std::slice::from_ref(one), None))
+}
+
+/// The Redis keys of `key` under the policy `name`: its one window, each
+/// shard's window, or its leases.
+fn policy_windows(cfg: &RedisConfig, policies: &[PolicyConfig], name: &str, key: &str) -> Result<Vec<Found>, AdminError> {
+    let table = policy_named(policies, name)?;
+    let policy = table.get(name.as_bytes()).expect("the table was built from this policy");
+    let scoped = scoped_key(name, key);
+    let prefix = cfg.key_prefix.as_bytes();
+    if let Some(lease_ms) = policy.lease_ms {
+        let redis_key = WindowKey { prefix, key: &scoped, window_ms: 0, algorithm: Algorithm::Log }.lease_key();
+        return Ok(vec![Found { redis_key, window_ms: lease_ms, counter: Counter::Leases, shard: None }]);
+    }
+    let window = |k: &[u8], shard| Found {
+        redis_key: WindowKey { prefix, key: k, window_ms: policy.window_ms, algorithm: policy.algorithm }.to_vec(),
+        window_ms: policy.window_ms,
+        counter: Counter::Window(policy.algorithm),
+        shard,
+    };
+    if policy.shards <= 1 {
+        return Ok(vec![window(&scoped, None)]);
+    }
+    Ok((0..policy.shards).map(|i| window(&shard_key(&scoped, i, policy.shards), Some(i))).collect())
+}
+
+/// The Redis keys of `target`.
+async fn found(conn: &mut LinkConnection, cfg: &RedisConfig, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<Found>, AdminError> {
+    match target {
+        Target::Inline { key, window_ms } => Ok(windows_of(conn, cfg, key, window_ms)
+            .await?
+            .into_iter()
+            .map(|(redis_key, window_ms, a)| Found { redis_key, window_ms, counter: Counter::Window(a), shard: None })
+            .collect()),
+        Target::Policy { policy, key } => policy_windows(cfg, policies, policy, key),
+    }
+}
+
+/// Every window of `target`, as Redis holds it. A policy's windows are all
+/// listed, those not in Redis with `ttl_ms` -2.
+pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<Inspection>, AdminError> {
+    if let Target::Policy { policy, .. } = target {
+        policy_named(policies, policy)?; // before connecting: a typo is not a Redis problem
+    }
     let mut conn = connect(cfg, secrets).await?;
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
     let now_ms = secs * 1000 + micros / 1000;
+    let by_window = matches!(target, Target::Inline { window_ms: Some(_), .. });
     let mut out = Vec::new();
-    for (redis_key, w, algorithm) in windows_of(&mut conn, cfg, key, window_ms).await? {
+    for Found { redis_key, window_ms: w, counter, shard } in found(&mut conn, cfg, policies, target).await? {
+        let algorithm = match counter {
+            Counter::Window(a) => a,
+            Counter::Leases => {
+                let (members, live, ttl_ms): (u64, u64, i64) =
+                    redis::pipe().zcard(&redis_key).zcount(&redis_key, format!("({now_ms}"), "+inf").pttl(&redis_key).query_async(&mut conn).await?;
+                out.push(Inspection {
+                    redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
+                    window_ms: w,
+                    algorithm: "concurrency",
+                    shard,
+                    members,
+                    in_window: live,
+                    oldest_age_ms: None,
+                    newest_age_ms: None,
+                    ttl_ms,
+                });
+                continue;
+            }
+        };
         if algorithm != Algorithm::Log {
             let (bytes, ttl_ms): (Vec<u8>, i64) = redis::pipe().get(&redis_key).pttl(&redis_key).query_async(&mut conn).await?;
-            if ttl_ms == -2 && window_ms.is_some() {
+            if ttl_ms == -2 && by_window {
                 continue; // asked by window: the log's key always, others when they exist
             }
-            out.push(match algorithm {
+            let mut inspection = match algorithm {
                 Algorithm::Gcra => inspect_gcra(redis_key, w, &bytes, now_ms, ttl_ms),
                 Algorithm::Fixed | Algorithm::SlidingCounter => inspect_counter(redis_key, w, algorithm, &bytes, ttl_ms),
                 Algorithm::Ring | Algorithm::Log => inspect_ring(redis_key, w, &bytes, now_ms, ttl_ms),
-            });
+            };
+            inspection.shard = shard;
+            out.push(inspection);
             continue;
         }
         let mut pipe = redis::pipe();
@@ -125,6 +246,7 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, windo
             redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
             window_ms: w,
             algorithm: algorithm.as_str(),
+            shard,
             members,
             in_window,
             oldest_age_ms: oldest.first().map(|(_, t)| now_ms - t),
@@ -146,6 +268,7 @@ fn inspect_gcra(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
         redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
         window_ms,
         algorithm: Algorithm::Gcra.as_str(),
+        shard: None,
         members: busy,
         in_window: busy,
         oldest_age_ms: None,
@@ -163,6 +286,7 @@ fn inspect_counter(redis_key: Vec<u8>, window_ms: u32, algorithm: Algorithm, byt
         redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
         window_ms,
         algorithm: algorithm.as_str(),
+        shard: None,
         members: count,
         in_window: count,
         oldest_age_ms: None,
@@ -179,6 +303,7 @@ fn inspect_ring(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
         redis_key: String::from_utf8_lossy(&redis_key).into_owned(),
         window_ms,
         algorithm: Algorithm::Ring.as_str(),
+        shard: None,
         members: times.len() as u64,
         in_window: times.iter().filter(|&&t| t > now_ms - i64::from(window_ms)).count() as u64,
         oldest_age_ms: times.iter().min().map(|t| now_ms - t),
@@ -187,16 +312,35 @@ fn inspect_ring(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
     }
 }
 
-/// Deletes every window of `key` (or the one of `window_ms`): its quota is
-/// whole again. Returns the Redis keys deleted.
-pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, key: &str, window_ms: Option<u32>) -> Result<Vec<String>, AdminError> {
+/// Deletes every window of `target` (every shard's of a sharded policy,
+/// a concurrency policy's leases): its quota is whole again. Returns the
+/// Redis keys deleted.
+pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<String>, AdminError> {
+    if let Target::Policy { policy, .. } = target {
+        policy_named(policies, policy)?;
+    }
     let mut conn = connect(cfg, secrets).await?;
     let mut deleted = Vec::new();
-    for (redis_key, _, _) in windows_of(&mut conn, cfg, key, window_ms).await? {
+    for Found { redis_key, .. } in found(&mut conn, cfg, policies, target).await? {
         let removed: u64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?;
         if removed > 0 {
             deleted.push(String::from_utf8_lossy(&redis_key).into_owned());
         }
     }
     Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{encode_policy_request, parse_request, Bounds, FailPolicy, Inbound, PolicyCheckArgs};
+
+    #[test]
+    fn a_policys_key_is_the_one_the_daemon_decodes_from_a_frame() {
+        let mut frame = bytes::BytesMut::new();
+        encode_policy_request(1, &PolicyCheckArgs { policy: b"per_tenant", key: b"tenant-a", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, &mut frame);
+        let body = frame.freeze().slice(4..);
+        let Inbound::PolicyCheck(req) = parse_request(body, &Bounds::default()) else { panic!("not a CHECK_POLICY") };
+        assert_eq!(&req.scoped_key[..], &scoped_key("per_tenant", "tenant-a")[..]);
+    }
 }

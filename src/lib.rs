@@ -7,6 +7,7 @@
 //! | layer | module | concern |
 //! |---|---|---|
 //! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back |
+//! | utilities | `terminal` | client-chosen text escaped for a terminal: controls and bidi overrides shown, never obeyed |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response` |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
@@ -42,6 +43,7 @@ pub mod protocol;
 mod redis;
 mod server;
 mod socket;
+pub mod terminal;
 pub mod top;
 mod top_refused;
 pub mod top_snapshot;

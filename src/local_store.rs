@@ -176,7 +176,7 @@ impl KeyWindow {
             let keep = if sliding { 2 * w - elapsed } else { w - elapsed };
             self.until_ms = self.until_ms.max(now_ms + keep);
             let count = up(weighted + self.fixed_count as f64);
-            return Verdict { allowed: true, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: 0, reset_ms: keep as u32 };
+            return Verdict { allowed: true, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: 0, reset_ms: saturate(keep) };
         }
         let count = up(weighted + cur as f64);
         let to_end = w - elapsed;
@@ -189,7 +189,7 @@ impl KeyWindow {
             let e = (w as f64 - (limit - cost) as f64 * w as f64 / cur as f64).max(0.0);
             (to_end + up(e), to_end + w)
         };
-        Verdict { allowed: false, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: retry as u32, reset_ms: reset as u32 }
+        Verdict { allowed: false, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: saturate(retry), reset_ms: saturate(reset) }
     }
 
     /// GCRA, as src/redis/gcra.lua decides it (same rounding).
@@ -209,6 +209,15 @@ impl KeyWindow {
         let count = up((tat - now) / t);
         Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
     }
+}
+
+/// A duration in ms as the response's `u32` carries it: the sliding
+/// counter's reset (and a refusal's retry) reaches twice the window, above
+/// `u32::MAX` ms (49.7 days) for a window above 24.8 days. Saturated, as
+/// Redis's replies are (src/redis/window.rs `clamp_u32`), never wrapped: a
+/// wrapped 58 days read as 8.5 (docs/ALGORITHMS.md, "Windows above 24.8 days").
+fn saturate(ms: u64) -> u32 {
+    u32::try_from(ms).unwrap_or(u32::MAX)
 }
 
 /// Milliseconds since the Unix epoch: fixed windows and the sliding counter

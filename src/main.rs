@@ -11,6 +11,7 @@ use ratelimitd::client::Client;
 use ratelimitd::config::{preflight, Config, ConfigError, LogFormat, Overrides, Resolved};
 use ratelimitd::daemon::{Reload, SetLogLevel};
 use ratelimitd::protocol::{Algorithm, CheckArgs, FailPolicy};
+use ratelimitd::terminal::{escape, json_ascii_safe};
 
 /// jemalloc, built with a background thread that hands freed pages back to
 /// the kernel after 1 s (`.cargo/config.toml`): after a flood of keys has
@@ -57,11 +58,8 @@ enum Command {
     Inspect {
         #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
-        #[arg(long)]
-        key: String,
-        /// Only the window of this length; without it, every window of the key.
-        #[arg(long)]
-        window_ms: Option<u32>,
+        #[command(flatten)]
+        target: TargetOpts,
         #[arg(long)]
         json: bool,
     },
@@ -69,11 +67,8 @@ enum Command {
     Reset {
         #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
-        #[arg(long)]
-        key: String,
-        /// Only the window of this length; without it, every window of the key.
-        #[arg(long)]
-        window_ms: Option<u32>,
+        #[command(flatten)]
+        target: TargetOpts,
     },
     /// A live view of a running daemon (like top): decisions per second per
     /// policy and outcome, Redis latency, breaker, in-flight requests, the
@@ -127,6 +122,41 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// The windows `inspect` and `reset` address.
+#[derive(Args)]
+struct TargetOpts {
+    /// The key, as the client sends it (as `ratelimitd top` shows it).
+    #[arg(long)]
+    key: String,
+    /// The `[[policy]]` the key is checked under (as `ratelimitd top` shows
+    /// it): its window, algorithm and every shard from the configuration.
+    /// Without it, the key of inline checks.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Only the window of this length; without it, every window of the key
+    /// (inline checks only: a policy has one window).
+    #[arg(long, conflicts_with = "policy")]
+    window_ms: Option<u32>,
+}
+
+impl TargetOpts {
+    fn target(&self) -> ratelimitd::admin::Target<'_> {
+        match &self.policy {
+            Some(policy) => ratelimitd::admin::Target::Policy { policy, key: &self.key },
+            None => ratelimitd::admin::Target::Inline { key: &self.key, window_ms: self.window_ms },
+        }
+    }
+
+    /// What the target is called in messages, escaped for the terminal.
+    fn describe(&self) -> String {
+        let key = escape(&self.key);
+        match &self.policy {
+            Some(p) => format!("policy {} key {key}", escape(p)),
+            None => key.into_owned(),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -204,20 +234,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}: ok (socket {}, backend {backend}{policies})", config.display(), cfg.server.listen.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Inspect { config, key, window_ms, json } => {
+        Command::Inspect { config, target, json } => {
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let windows = runtime()?.block_on(ratelimitd::admin::inspect(redis, &resolved.redis, &key, window_ms))?;
+            let windows = runtime()?.block_on(ratelimitd::admin::inspect(redis, &resolved.redis, &cfg.policies, target.target()))?;
             if json {
-                println!("{}", serde_json::to_string(&windows)?);
+                println!("{}", json_ascii_safe(&serde_json::to_string(&windows)?));
             } else if windows.is_empty() {
-                println!("{key}: no window in redis");
+                println!("{}: no window in redis", target.describe());
             }
             for (n, i) in windows.iter().enumerate().filter(|_| !json) {
                 if n > 0 {
                     println!();
                 }
-                println!("key:          {}", i.redis_key);
+                // A policy's key starts with a control byte (the name's
+                // length), and client keys are hostile: escaped.
+                println!("key:          {}", escape(&i.redis_key));
+                if let Some(shard) = i.shard {
+                    println!("shard:        {shard}");
+                }
                 println!("window:       {} ms", i.window_ms);
                 println!("algorithm:    {}", i.algorithm);
                 println!("admissions:   {}", i.members);
@@ -229,15 +264,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Reset { config, key, window_ms } => {
+        Command::Reset { config, target } => {
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let deleted = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &key, window_ms))?;
+            let deleted = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &cfg.policies, target.target()))?;
             if deleted.is_empty() {
-                println!("{key}: no such key");
+                println!("{}: no such key", target.describe());
             }
             for redis_key in deleted {
-                println!("{redis_key}: deleted");
+                println!("{}: deleted", escape(&redis_key));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -2,6 +2,7 @@
 //! endpoint, turns two documents an interval apart into rates, and prints
 //! them as a live terminal view, plain text snapshots or JSON.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::terminal::{escape, json_ascii_safe};
 use crate::top_snapshot::{TopDoc, TopRefusedDoc, FORMAT};
 
 /// Connect, send and read deadlines of one fetch.
@@ -57,7 +59,7 @@ pub fn fetch(addr: &str) -> Result<TopDoc, TopError> {
     match status {
         "200" => {}
         "404" => return Err(bad(addr, "no /top.json here: not a ratelimitd metrics endpoint, or a daemon older than this command")),
-        s => return Err(bad(addr, format!("GET /top.json answered HTTP {s}"))),
+        s => return Err(bad(addr, format!("GET /top.json answered HTTP {}", escape(s)))),
     }
     let doc: TopDoc = serde_json::from_slice(&raw[split + 4..]).map_err(|e| bad(addr, format!("/top.json is not a document this command reads: {e}")))?;
     if doc.format != FORMAT {
@@ -215,8 +217,11 @@ impl View {
             ("local", &["fail_local_admitted", "fail_local_refused"]),
             ("error", &["error"]),
         ];
-        // As wide as the longest name (shadow marked), at least 16.
-        let label = |p: &PolicyRates| if p.shadow { format!("{} (shadow)", p.name) } else { p.name.clone() };
+        // As wide as the longest name (shadow marked), at least 16. Names
+        // and keys come from the endpoint, keys from clients: escaped
+        // (src/terminal.rs), so no control or bidi override reaches the
+        // terminal.
+        let label = |p: &PolicyRates| if p.shadow { format!("{} (shadow)", escape(&p.name)) } else { escape(&p.name).into_owned() };
         let w = self.policies.iter().map(|p| label(p).len() + 1).max().unwrap_or(0).max(16);
         let mut head = format!("{:<w$}{:>9}", "POLICY (/s)", "total");
         for (c, _) in COLS {
@@ -247,8 +252,10 @@ impl View {
         ));
         line(format!("{:>9}{:>7}  {:<16}KEY", "REFUSED", "ERROR", "POLICY"));
         for k in t.keys.iter().take(keys) {
-            let key = if k.key_truncated { format!("{}...", k.key) } else { k.key.clone() };
-            line(format!("{:>9}{:>7}  {:<16}{key}", k.refused, k.error, k.policy.as_deref().unwrap_or("(inline)")));
+            let key = escape(&k.key);
+            let key = if k.key_truncated { format!("{key}...") } else { key.into_owned() };
+            let policy = k.policy.as_deref().map_or(Cow::Borrowed("(inline)"), escape);
+            line(format!("{:>9}{:>7}  {policy:<16}{key}", k.refused, k.error));
         }
         if t.keys.is_empty() {
             line("(none)".into());
@@ -287,7 +294,7 @@ pub fn run(addr: &str, output: Output, interval: Duration, count: Option<u64>, k
         };
         let view = View::between(&old, &new);
         let written = match output {
-            Output::Json => writeln!(out, "{}", serde_json::to_string(&view).expect("plain data serializes")),
+            Output::Json => writeln!(out, "{}", json_ascii_safe(&serde_json::to_string(&view).expect("plain data serializes"))),
             Output::Plain => writeln!(out, "{}", view.render(addr, keys, usize::MAX)),
             Output::Live => {
                 let width = std::env::var("COLUMNS").ok().and_then(|c| c.parse().ok()).unwrap_or(160);
@@ -339,6 +346,30 @@ mod tests {
         assert_eq!(v.redis.p99_us, None);
         let text = v.render("127.0.0.1:9464", 20, 200);
         assert!(text.contains("\norder ") && text.contains("breaker closed") && text.contains("(none)"), "{text}");
+    }
+
+    #[test]
+    fn client_chosen_keys_never_reach_the_terminal_raw() {
+        use crate::top_snapshot::RefusedKey;
+        // A CSI (U+009B) that would clear the screen, ESC, a right-to-left
+        // override and an isolate that would show the key reversed.
+        let hostile = "t\u{9b}2J\x1b[31m\u{202e}nimda\u{2066}x\u{2069}\u{200f}";
+        let mut new = doc(2000, 1, 1, [0, 0, 0]);
+        new.policies[0].name = "ord\u{85}er".into();
+        new.top_refused.keys = vec![
+            RefusedKey { policy: Some("per\u{202e}tenant".into()), key: hostile.into(), key_truncated: true, refused: 3, error: 0 },
+            RefusedKey { policy: None, key: hostile.into(), key_truncated: false, refused: 2, error: 0 },
+        ];
+        let v = View::between(&doc(1000, 0, 0, [0, 0, 0]), &new);
+        let text = v.render("127.0.0.1:9464", 20, 500);
+        assert!(!text.chars().any(|c| crate::terminal::is_unsafe(c) && c != '\n'), "{text:?}");
+        assert!(text.contains("t\\u{009b}2J\\x1b[31m\\u{202e}nimda\\u{2066}x\\u{2069}\\u{200f}..."), "shown, escaped: {text}");
+        assert!(text.contains("per\\u{202e}tenant") && text.contains("ord\\u{0085}er"), "{text}");
+        // `--json` (what `run` prints): the same key once parsed, no raw control.
+        let line = json_ascii_safe(&serde_json::to_string(&v).unwrap()).into_owned();
+        assert!(!line.chars().any(crate::terminal::is_unsafe), "{line}");
+        let back: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(back["top_refused"]["keys"][0]["key"], hostile, "the JSON still carries the key itself");
     }
 
     #[test]

@@ -125,10 +125,25 @@ impl WindowKey<'_> {
 #[derive(Clone, Copy, Debug)]
 struct LeaseKey<'a>(WindowKey<'a>);
 
+impl LeaseKey<'_> {
+    fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
+        self.0.write_stem(w).and_then(|()| w.write_all(b":concurrency"))
+    }
+}
+
 impl ToRedisArgs for LeaseKey<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        let mut w = out.writer_for_next_arg();
-        let _ = self.0.write_stem(&mut w).and_then(|()| w.write_all(b":concurrency"));
+        let _ = self.write_into(&mut out.writer_for_next_arg());
+    }
+}
+
+impl WindowKey<'_> {
+    /// The Redis key of this key's concurrency leases (admin tools; the
+    /// window and algorithm are not part of it).
+    pub fn lease_key(self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.prefix.len() + self.key.len() + 16);
+        LeaseKey(self).write_into(&mut v).expect("writing to a Vec cannot fail");
+        v
     }
 }
 

@@ -1,0 +1,286 @@
+//! The benchmark scripts call the daemon's Redis scripts themselves
+//! (`redis-benchmark EVALSHA ...` as a baseline, replays in Python, the
+//! direct path in Lua). When the daemon changes the scripts' arguments,
+//! a script left behind measures error replies instead (scripts/bench-hop
+//! did, after coalescing changed the order). These tests hold every
+//! EVALSHA in scripts/ to one order, the one `src/redis/window.rs` sends and
+//! the `.lua` headers document, and run the literal ones on a real Redis.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::RedisServer;
+
+/// The window scripts' arguments after KEYS[1], in order.
+const ORDER: [Role; 5] = [Role::Window, Role::Now, Role::Member, Role::Limit, Role::Cost];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Window,
+    Now,
+    Member,
+    Limit,
+    Cost,
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+fn is_int(t: &str) -> bool {
+    !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Whether an argument as a script writes it (a literal, a variable, an
+/// expression) can be `role`. Variables and expressions are read by name;
+/// literals by kind (a member is never a bare number, `now` is 0 or a time).
+fn fits(role: Role, token: &str) -> bool {
+    let t = token.trim_matches(|c| c == '"' || c == '\'');
+    let lower = t.to_ascii_lowercase();
+    let named = |names: &[&str]| names.iter().any(|n| lower.contains(n));
+    match role {
+        Role::Window => is_int(t) && t != "0" || named(&["window"]),
+        Role::Now => t == "0" || named(&["now", "t0", "10**12", "time"]),
+        Role::Member => !t.contains('$') && !is_int(t) && !named(&["window", "limit", "cost"]) || named(&["member", "%d", "seq"]),
+        Role::Limit => is_int(t) && t != "0" || named(&["limit"]),
+        // A call may ask for cost = limit to read the count (bench-algorithms-redis).
+        Role::Cost => is_int(t) && t != "0" || named(&["cost", "limit"]),
+    }
+}
+
+/// One EVALSHA of a window script found in a script file.
+#[derive(Debug)]
+struct Call {
+    at: String,
+    /// A shell command line (its literals can be run as they are).
+    shell: bool,
+    /// Everything after `EVALSHA`: the SHA, numkeys, the key, the ARGV.
+    args: Vec<String>,
+}
+
+/// Shell words of `line` from `from`, quotes kept, `$(( ... ))` and
+/// `$( ... )` one word; ends at `|`, `;`, `>` or an unbalanced `)`.
+fn shell_words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut word = String::new();
+    let (mut quote, mut depth) = (None::<char>, 0usize);
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => {
+                quote = None;
+                word.push(c);
+            }
+            (Some(_), c) => word.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                word.push(c);
+            }
+            (None, '(') => {
+                depth += 1;
+                word.push(c);
+            }
+            (None, ')') if depth > 0 => {
+                depth -= 1;
+                word.push(c);
+            }
+            (None, c) if depth > 0 => word.push(c),
+            (None, '|' | ';' | '>' | ')') => break,
+            (None, c) if c.is_whitespace() => {
+                if !word.is_empty() {
+                    out.push(std::mem::take(&mut word));
+                }
+            }
+            (None, c) => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        out.push(word);
+    }
+    out
+}
+
+/// The arguments of a Python call or tuple after `"EVALSHA",`, split at
+/// the commas of its own level, up to its closing parenthesis.
+fn python_args(rest: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut arg = String::new();
+    let (mut depth, mut quote) = (0i32, None::<char>);
+    for c in rest.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => {
+                quote = None;
+                arg.push(c);
+            }
+            (Some(_), c) => arg.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                arg.push(c);
+            }
+            (None, '(' | '[') => {
+                depth += 1;
+                arg.push(c);
+            }
+            (None, ')' | ']') if depth == 0 => break,
+            (None, ')' | ']') => {
+                depth -= 1;
+                arg.push(c);
+            }
+            (None, ',') if depth == 0 => out.push(std::mem::take(&mut arg).trim().to_string()),
+            (None, c) => arg.push(c),
+        }
+    }
+    if !arg.trim().is_empty() {
+        out.push(arg.trim().to_string());
+    }
+    out
+}
+
+/// Every EVALSHA with one key in the shell and Python code of scripts/
+/// (comments and strings that merely name EVALSHA are not calls: a call's
+/// next word names a SHA).
+fn calls() -> Vec<Call> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&root().join("scripts"), &mut files);
+    files.sort();
+    let mut out = Vec::new();
+    for file in files {
+        let Ok(text) = std::fs::read_to_string(&file) else { continue };
+        let rel = file.strip_prefix(root()).unwrap().display().to_string();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with('#') || code.starts_with("--") {
+                continue;
+            }
+            let at = format!("{rel}:{}", n + 1);
+            if let Some(i) = line.find("\"EVALSHA\",") {
+                let args = python_args(&line[i + "\"EVALSHA\",".len()..]);
+                if args.first().is_some_and(|a| a.to_ascii_lowercase().contains("sha")) && args.get(1).map(String::as_str) == Some("1") {
+                    out.push(Call { at, shell: false, args });
+                }
+            } else if let Some(i) = line.find("EVALSHA ") {
+                let args = shell_words(&line[i + "EVALSHA ".len()..]);
+                if args.first().is_some_and(|a| a.to_ascii_lowercase().contains("sha")) && args.get(1).map(String::as_str) == Some("1") {
+                    out.push(Call { at, shell: true, args });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether `args` (after EVALSHA) send the ARGV in `ORDER`; the reason if not.
+fn check(args: &[String]) -> Result<(), String> {
+    let argv = args.get(3..).ok_or("no arguments after the key")?;
+    if argv.len() != ORDER.len() {
+        return Err(format!("{} arguments after the key, the window scripts take {} (window, now, member, limit, cost)", argv.len(), ORDER.len()));
+    }
+    for (role, arg) in ORDER.iter().zip(argv) {
+        if !fits(*role, arg) {
+            return Err(format!("`{arg}` where the script reads {role:?} (order: window, now, member, limit, cost)"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sends() {
+    // What the daemon sends: src/redis/window.rs, a single check.
+    let rust = read("src/redis/window.rs");
+    let body = &rust[rust.find("pub async fn check_at_with").expect("window.rs: fn check_at_with")..];
+    let body = &body[body.find(".arg(\"EVALSHA\")").expect("check_at_with: EVALSHA")..];
+    let body = &body[..body.find(';').unwrap()];
+    let sent: Vec<&str> = body.split(".arg(").skip(1).map(|a| a.rsplit_once(')').map_or(a, |(x, _)| x).trim()).collect();
+    assert_eq!(sent.len(), 9, "\"EVALSHA\", sha, numkeys, key, then 5: {sent:?}");
+    let rust_role = |role: Role, expr: &str| match role {
+        Role::Window => expr.contains("window_ms"),
+        Role::Now => expr.contains("now"),
+        Role::Member => expr.contains("member"),
+        Role::Limit => expr.contains("limit"),
+        Role::Cost => expr.contains("cost"),
+    };
+    for (role, expr) in ORDER.iter().zip(&sent[4..]) {
+        assert!(rust_role(*role, expr), "src/redis/window.rs check_at_with sends `{expr}` where {role:?} is expected: update ORDER, the .lua headers and every script in scripts/");
+    }
+    // What the scripts document and read.
+    for script in ["sliding_window", "ring", "gcra", "sliding_counter", "fixed_window"] {
+        let lua = read(&format!("src/redis/{script}.lua"));
+        let doc = |prefix: &str| lua.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("{script}.lua: no `{prefix}` line in its header")).to_string();
+        for (prefix, what) in [("-- ARGV[1] ", "window"), ("-- ARGV[2] ", "now"), ("-- ARGV[3] ", "member"), ("-- ARGV[4], ARGV[5] ", "limit and cost")] {
+            assert!(doc(prefix).contains(what), "{script}.lua documents `{}`, the daemon sends {what} there", doc(prefix));
+        }
+        for code in ["local window = tonumber(ARGV[1])", "local now = tonumber(ARGV[2])", "local limit = tonumber(ARGV[2 + 2 * j])", "local cost = tonumber(ARGV[3 + 2 * j])"] {
+            assert!(lua.contains(code), "{script}.lua does not read `{code}`");
+        }
+    }
+}
+
+#[test]
+fn every_evalsha_in_the_scripts_sends_the_daemons_order() {
+    let calls = calls();
+    // The known callers, so that a reader that finds nothing fails too.
+    for file in ["scripts/bench:", "scripts/bench-hop:", "scripts/bench-compare:", "scripts/bench-redis-cost:", "scripts/bench-algorithms-redis:", "scripts/bench-algorithms.d/replay.py:"] {
+        assert!(calls.iter().any(|c| c.at.starts_with(file)), "no EVALSHA found in {file} {calls:#?}");
+    }
+    let wrong: Vec<String> = calls.iter().filter_map(|c| check(&c.args).err().map(|why| format!("{}: {why}", c.at))).collect();
+    assert!(wrong.is_empty(), "scripts calling a window script with the arguments out of order:\n{}", wrong.join("\n"));
+    // The direct path builds its command in pieces: window and now, then
+    // the member, then limit and cost.
+    let lua = read("scripts/bench-compare.d/direct.lua");
+    assert!(lua.contains("args = bulk(window_ms) .. bulk(0),") && lua.contains("tail = bulk(limit) .. bulk(1),"), "scripts/bench-compare.d/direct.lua");
+    let send = &lua[lua.find("sock:send({ self.head").expect("direct.lua: the EVALSHA send")..];
+    let at = |piece: &str| send.find(piece).unwrap_or_else(|| panic!("direct.lua's send has no {piece}"));
+    assert!(at("self.head") < at("self.key_tail") && at("self.key_tail") < at("self.args") && at("self.args") < at("member, ") && at("member, ") < at("self.tail"), "direct.lua sends its pieces out of order");
+}
+
+#[test]
+fn the_reader_catches_the_order_bench_hop_used_before_coalescing() {
+    let old = shell_words(r#""$SHA" 1 "ratelimitd:{rb-hop}:1000ms" 1000000 1000 1 "rb:__rand_int__" 0 |"#);
+    let why = check(&old).unwrap_err();
+    assert!(why.contains("`1000` where the script reads Now"), "{why}");
+    assert!(check(&shell_words(r#""$SHA" 1 "k" 1000 0 "rb:__rand_int__" "$limit" 1"#)).is_ok());
+    assert_eq!(python_args(r#" shas[algorithm], 1, key, WINDOW, t0 + t, "m%d" % i, LIMIT, cost) for i"#).len(), 8);
+}
+
+#[test]
+fn the_literal_evalsha_calls_admit_on_a_real_redis_as_the_daemon_would() {
+    let redis = RedisServer::start_unix();
+    let mut conn = redis.conn();
+    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(read("src/redis/sliding_window.lua")).query(&mut conn).unwrap();
+    let mut ran = 0;
+    for call in calls().into_iter().filter(|c| c.shell) {
+        // The literal ones: no variable but the SHA (and a key's `$1`).
+        let unquote = |a: &str| a.trim_matches(|c| c == '"' || c == '\'').replace("__rand_int__", "7").replace("$1", "x");
+        let argv: Vec<String> = call.args[2..].iter().map(|a| unquote(a)).collect();
+        if argv.iter().any(|a| a.contains('$') || a.contains('(')) {
+            continue;
+        }
+        let (key, window, member) = (&argv[0], &argv[1], &argv[3]);
+        let _: () = redis::cmd("DEL").arg(key).query(&mut conn).unwrap();
+        let reply: Result<Vec<i64>, _> = redis::cmd("EVALSHA").arg(&sha).arg(1).arg(&argv).query(&mut conn);
+        let reply = reply.unwrap_or_else(|e| panic!("{}: the script answered an error: {e}", call.at));
+        assert_eq!(reply[..2], [1, 1], "{}: the first call on a fresh key admits, count 1: {reply:?}", call.at);
+        let score: Option<f64> = redis::cmd("ZSCORE").arg(key).arg(member).query(&mut conn).unwrap();
+        assert!(score.is_some(), "{}: member `{member}` recorded in `{key}`", call.at);
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query(&mut conn).unwrap();
+        let window: i64 = window.parse().unwrap();
+        assert!(ttl > 0 && ttl <= window, "{}: the key expires with its window ({window} ms): PTTL {ttl}", call.at);
+        assert!(key.ends_with(&format!(":{window}ms")), "{}: the key `{key}` names another window than {window} ms (the daemon's layout, src/redis/window.rs WindowKey)", call.at);
+        ran += 1;
+    }
+    assert!(ran >= 4, "bench-hop, bench-compare and bench-redis-cost's two: {ran} run");
+}
