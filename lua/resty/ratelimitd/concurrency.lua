@@ -1,0 +1,256 @@
+-- resty.ratelimitd.concurrency: concurrency limits (docs/ALGORITHMS.md,
+-- "Concurrency"): at most `limit` requests in flight per key across every
+-- host.
+--
+--   init_by_lua_block    { conns = assert(require("resty.ratelimitd").concurrency{ limit = 10, lease_ms = 60000 }) }
+--                        -- or of a named policy (algorithm = "concurrency"):
+--                        { uploads = assert(require("resty.ratelimitd").concurrency{ policy = "uploads" }) }
+--   access_by_lua_block  { conns:enter(ngx.var.http_x_tenant_id) }
+--   log_by_lua_block     { require("resty.ratelimitd").leave() }   -- server level
+--
+-- enter() acquires a lease named by the request's $request_id (refused:
+-- 429, as limit()); leave(), in the log phase, which runs for every
+-- request, aborted ones included, releases the request's leases from a
+-- timer (cosockets are not available in the log phase). A lease never
+-- released (nginx killed, the daemon unreachable then) stops counting
+-- lease_ms after it was taken.
+--
+-- A request keeps its leases across internal redirects (error_page,
+-- try_files, ngx.exec, named locations), which clear ngx.ctx: they are
+-- kept in a table of the worker keyed by $request_id, which nginx keeps
+-- for the whole request once the configuration indexes it (the snippet's
+-- `map $request_id $ratelimitd_request_id`; unindexed, each read makes a
+-- new id). So enter() after a redirect finds the lease the request already
+-- holds instead of taking a second slot, and leave() in whichever location
+-- the request ends in releases it.
+
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
+local fallback = require "resty.ratelimitd.fallback"
+local options = require "resty.ratelimitd.options"
+local http = require "resty.ratelimitd.http"
+local wire_key = require("resty.ratelimitd.key").wire
+local log_failure = require("resty.ratelimitd.log").failure
+
+local ngx = ngx
+local ngx_now = ngx.now
+local char = string.char
+local floor = math.floor
+local type, error, setmetatable, getmetatable, ipairs, pairs, tostring = type, error, setmetatable, getmetatable, ipairs, pairs, tostring
+local next_id, transact, decode = conn.next_id, conn.transact, wire.decode
+local OP_ACQUIRE, OP_RELEASE = wire.OP_ACQUIRE, wire.OP_RELEASE
+
+local _M = {}
+
+local Concurrency = {}
+local mt = { __index = Concurrency }
+
+-- One ACQUIRE (or RELEASE, `op`) of `lease` for `key`.
+local function exchange(self, key, cost, lease, op)
+    local id = next_id()
+    local frame
+    if self._policy then
+        frame = wire.acquire_policy(id, op == OP_RELEASE and self._release_header or self._acquire_header, cost, self._name_part, key, lease)
+    else
+        frame = wire.lease(op, id, self._before_cost, self._after_cost, cost, key, lease)
+    end
+    local head, message = transact(frame, id)
+    if not head then
+        return nil, message
+    end
+    return decode(head, message, self._limit, self._local_limit, self._policy)
+end
+
+function Concurrency._decide(self, key, cost, lease)
+    return exchange(self, key, cost, lease, OP_ACQUIRE)
+end
+
+Concurrency._fallback = fallback.one
+
+function Concurrency._label(_, key)
+    return key
+end
+
+-- The leases held by requests of this worker: request id -> list of
+-- { limiter, wire key, cost, decision }, with `expires` (s): after it the
+-- daemon has dropped every lease of the list, so an entry whose request
+-- never reached leave() (no log_by_lua where it ended) is swept.
+local held_by_request, entries, sweep_at = {}, 0, 1024
+
+-- nil until the first enter() of this worker has looked: whether
+-- $request_id is the same at each read (indexed), as the leases need.
+local stable_id
+
+local function sweep()
+    local now = ngx_now()
+    entries = 0
+    for id, held in pairs(held_by_request) do
+        if held.expires < now then
+            held_by_request[id] = nil
+        else
+            entries = entries + 1
+        end
+    end
+    sweep_at = entries * 2 > 1024 and entries * 2 or 1024
+end
+
+-- The request's identity, the same across internal redirects, and the
+-- list of leases it holds (nil for none).
+local function request_leases()
+    local id = ngx.var.request_id
+    if stable_id == nil then
+        stable_id = ngx.var.request_id == id
+        if not stable_id then
+            log_failure("request_id", "-", "$request_id is not indexed (include the snippet's map $request_id line):"
+                .. " leases are not released after internal redirects")
+        end
+    end
+    if stable_id then
+        return id, held_by_request[id]
+    end
+    -- Without a stable id: this location's ngx.ctx (lost on a redirect).
+    local ctx = ngx.ctx
+    local lease = ctx.ratelimitd_lease
+    if not lease then
+        ctx.ratelimitd_lease = id
+        return id, nil
+    end
+    return lease, ctx.ratelimitd_leases
+end
+
+local function remember(id, self, wkey, cost, res)
+    local held
+    if stable_id then
+        held = held_by_request[id]
+        if not held then
+            held = { expires = 0 }
+            held_by_request[id] = held
+            entries = entries + 1
+            if entries > sweep_at then
+                sweep()
+            end
+        end
+    else
+        local ctx = ngx.ctx
+        held = ctx.ratelimitd_leases
+        if not held then
+            held = { expires = 0 }
+            ctx.ratelimitd_leases = held
+        end
+    end
+    local expires = ngx_now() + self._lease_s
+    if expires > held.expires then
+        held.expires = expires
+    end
+    held[#held + 1] = { self, wkey, cost, res }
+end
+
+-- Sources under which the daemon holds a lease to give back.
+local LEASED = { redis = true, memory = true, ["local"] = true }
+
+local function args(self, key, cost)
+    if getmetatable(self) ~= mt then
+        error("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)", 3)
+    end
+    local wkey, err = wire_key(key)
+    if not wkey then
+        error(err, 3)
+    end
+    if cost == nil then
+        return wkey, 1
+    end
+    local max_cost = self._limit or 4294967295
+    if type(cost) ~= "number" or cost < 1 or cost > max_cost or floor(cost) ~= cost then
+        error("cost must be an integer from 1 to the limit (" .. max_cost .. ")", 3)
+    end
+    return wkey, cost
+end
+
+--- For access_by_lua*: acquires a slot of this limiter for the request, or
+-- ends it as limit() does. Returns the decision table. Called again for
+-- the same key in the same request (after an internal redirect), it
+-- returns the first decision: a request holds one slot.
+function Concurrency.enter(self, key, cost)
+    local wkey, c = args(self, key, cost)
+    local id, held = request_leases()
+    if held then
+        for _, h in ipairs(held) do
+            if h[1] == self and h[2] == wkey then
+                return h[4]
+            end
+        end
+    end
+    local res = http.enforce(self, self, wkey, c, id)
+    if res and res.allowed and LEASED[res.source] then
+        remember(id, self, wkey, c, res)
+    end
+    return res
+end
+
+local function release_all(_premature, held, lease)
+    for _, h in ipairs(held) do
+        local res, err = exchange(h[1], h[2], h[3], lease, OP_RELEASE)
+        if not res then
+            log_failure("release", h[2], tostring(err) .. " (the lease expires after lease_ms)")
+        elseif res.decision == "error" then
+            log_failure("release", h[2], res.error .. ": " .. res.message)
+        end
+    end
+end
+
+--- For log_by_lua*: releases every lease enter() took for this request,
+-- in whichever location it ended.
+function _M.leave()
+    local id, held = request_leases()
+    if not held then
+        return
+    end
+    if stable_id then
+        held_by_request[id] = nil
+        entries = entries - 1
+    else
+        ngx.ctx.ratelimitd_leases = nil
+    end
+    local ok, err = ngx.timer.at(0, release_all, held, id)
+    if not ok then
+        log_failure("release", held[1][2], "timer: " .. tostring(err) .. " (the lease expires after lease_ms)")
+    end
+end
+
+--- concurrency{ limit, lease_ms, ... } or concurrency{ policy = name, ... }:
+-- the limiter, or nil and a message.
+function _M.new(opts)
+    local kind = opts.policy ~= nil and "concurrency_policy" or "concurrency"
+    local on_error, err = options.check(kind, opts)
+    if not on_error then
+        return nil, "concurrency: " .. err
+    end
+    local lim
+    if kind == "concurrency_policy" then
+        -- A named policy (algorithm = "concurrency", docs/POLICIES.md): the
+        -- daemon holds its limit, lease, overrides and allowlist; the frame
+        -- (op 7) carries the name, the key, the cost and the lease id. With
+        -- on_error = "local", local_limit is the per-host quota and lease_ms
+        -- the window of this client's own fallback.
+        local name = opts.policy
+        lim = {
+            _policy = name,
+            _acquire_header = wire.policy_header(0, on_error, 1, opts.local_limit),
+            _release_header = wire.policy_header(wire.FLAG_RELEASE, on_error, 1, opts.local_limit),
+            _name_part = char(#name) .. name,
+            -- The policy's lease is the daemon's: the worker forgets a
+            -- request's leases after an hour at most if leave() never ran.
+            _lease_s = (opts.lease_ms or 3600000) / 1000,
+        }
+    else
+        local before, after = wire.check_parts("log", on_error, opts.limit, opts.lease_ms, opts.local_limit)
+        lim = { _limit = opts.limit, _before_cost = before, _after_cost = after, _lease_s = opts.lease_ms / 1000 }
+    end
+    lim._on_error = on_error
+    lim._local_limit = opts.local_limit
+    lim._window_ms = opts.lease_ms
+    setmetatable(lim, mt)
+    return options.copy_behaviour(lim, opts)
+end
+
+return _M

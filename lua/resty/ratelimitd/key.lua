@@ -1,0 +1,53 @@
+-- resty.ratelimitd.key: what a key from request data is sent as. Keys come
+-- from headers and addresses, which a client chooses: none of them may
+-- raise a Lua error, escape its limit, push the location into its fail
+-- policy or put control bytes into a log line.
+
+local settings = require("resty.ratelimitd.config").settings
+
+local ngx = ngx
+local md5 = ngx.md5
+local find, concat = string.find, table.concat
+local type, tostring = type, tostring
+
+local _M = {}
+
+-- An absent header (nil), a repeated one (a table, from
+-- ngx.req.get_headers()) and a number are keys too: nil is the empty key,
+-- a table its values joined as nginx joins repeated headers.
+local function as_string(key)
+    local t = type(key)
+    if t == "string" then
+        return key
+    elseif t == "nil" then
+        return ""
+    elseif t == "number" then
+        return tostring(key)
+    elseif t == "table" then
+        for i = 1, #key do
+            if type(key[i]) ~= "string" then
+                return nil
+            end
+        end
+        return concat(key, ", ")
+    end
+end
+
+--- The wire key of `key`: itself, or "md5:<hex>" of it when it is empty,
+-- longer than max_key_len or holds a control byte (the daemon refuses
+-- those). Computed once per request: the frame, the local fallback and
+-- every log line use the same value. nil and a message only for a key no
+-- request can produce (a boolean, a function): a bug in the code, which
+-- the caller raises.
+function _M.wire(key)
+    local s = as_string(key)
+    if not s then
+        return nil, "key must be a string (or nil, a number, a list of strings), not a " .. type(key)
+    end
+    if s == "" or #s > settings.max_key_len or find(s, "%c") then
+        return "md5:" .. md5(s)
+    end
+    return s
+end
+
+return _M

@@ -1,0 +1,200 @@
+-- resty.ratelimitd.multi: several named policies in one request, all or
+-- nothing, and refundable checks (docs/POLICIES.md; PROTOCOL.md 4b, 4c, 5b).
+--
+--   api = assert(ratelimitd.new{ policies = { "per_ip", "per_tenant", "global" },
+--                                on_error = "closed", refundable = true })
+--   local res = api:limit({ ngx.var.remote_addr, tenant, "all" })   -- keys in policy order
+--   ... log_by_lua: ratelimitd.refund(res.handle)
+--
+-- A one-policy limiter with refundable = true is the same object
+-- (new{ policy = "login", refundable = true }; its key may be a string).
+-- Its decision table always goes to ngx.ctx.ratelimitd (for the refund in
+-- log_by_lua).
+
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
+local fallback = require "resty.ratelimitd.fallback"
+local options = require "resty.ratelimitd.options"
+local http = require "resty.ratelimitd.http"
+local wire_key = require("resty.ratelimitd.key").wire
+local log_failure = require("resty.ratelimitd.log").failure
+
+local ngx = ngx
+local char = string.char
+local floor = math.floor
+local concat = table.concat
+local type, error, setmetatable, getmetatable, ipairs = type, error, setmetatable, getmetatable, ipairs
+local next_id, transact, decode = conn.next_id, conn.transact, wire.decode
+local policy_item, check_policy = wire.policy_item, wire.check_policy
+
+local _M = {}
+
+local Multi = {}
+local mt = { __index = Multi }
+
+-- The items of one request: keys (wire keys) and costs in policy order.
+local function items(self, keys, costs)
+    local parts = {}
+    for i = 1, self._n do
+        parts[i] = policy_item(costs[i], self._name_parts[i], keys[i])
+    end
+    return concat(parts)
+end
+
+function Multi._decide(self, keys, costs)
+    local body = items(self, keys, costs)
+    local id = next_id()
+    local head, message, ext = transact(check_policy(id, self._header, body), id)
+    if not head then
+        return nil, message
+    end
+    local res = decode(head, message, nil, self._local_limit, self._policy)
+    if ext then
+        wire.parse_extension(res, ext, self._names, self._shadow)
+        if res.handle then
+            -- The refund frame repeats the items after the handle.
+            res.handle = char(self._n) .. res.handle .. body
+        end
+    end
+    return res
+end
+
+Multi._fallback = fallback.many
+
+function Multi._label(_, keys)
+    return concat(keys, ",")
+end
+
+local KEYS_MSG = "keys must be a list of one key per policy"
+
+-- Per-request arguments: the wire keys and the costs in policy order.
+-- Raised at the caller's line only for a bug in the code (no colon, keys
+-- not a list, a bad cost); what a key holds never raises (key.lua): an
+-- absent header in the list is the empty key.
+local function args(self, keys, cost)
+    if getmetatable(self) ~= mt then
+        error("call it as lim:limit(keys, cost), with a colon, on an object from new{ policies = ... }", 3)
+    end
+    if type(keys) ~= "table" then
+        if self._n == 1 then
+            keys = { keys }
+        else
+            error(KEYS_MSG .. " (" .. self._n .. ")", 3)
+        end
+    end
+    local wire_keys, costs = {}, {}
+    for i = 1, self._n do
+        local wkey, err = wire_key(keys[i])
+        if not wkey then
+            error(err, 3)
+        end
+        wire_keys[i] = wkey
+        local c = cost
+        if type(cost) == "table" then
+            c = cost[i]
+        end
+        if c == nil then
+            c = 1
+        end
+        if type(c) ~= "number" or c < 1 or c > 4294967295 or floor(c) ~= c then
+            error("cost must be a positive integer, or a list of them", 3)
+        end
+        costs[i] = c
+    end
+    return wire_keys, costs
+end
+
+--- Asks the daemon: the decision table with items (one per policy),
+-- refused and handle; or nil and an error.
+function Multi.check(self, keys, cost)
+    local wire_keys, costs = args(self, keys, cost)
+    return Multi._decide(self, wire_keys, costs)
+end
+
+--- For access_by_lua*: as the inline limiter's limit(), all or nothing.
+function Multi.limit(self, keys, cost)
+    local wire_keys, costs = args(self, keys, cost)
+    return http.enforce(self, self, wire_keys, costs)
+end
+
+--- new{ policies = { ... } } or new{ policy = name, refundable = true }:
+-- the limiter, or nil and a message.
+function _M.new(opts)
+    local on_error, err = options.check("multi", opts)
+    if not on_error then
+        return nil, "new: " .. err
+    end
+    local names = opts.policies or { opts.policy }
+    if #names < 1 then
+        return nil, "new: policies must be a list of 1 to " .. wire.MAX_POLICY_ITEMS .. " policy names"
+    end
+    local parts = {}
+    for i, name in ipairs(names) do
+        parts[i] = char(#name) .. name
+    end
+    local lim = setmetatable({
+        _names = names,
+        _n = #names,
+        _policy = names[1],
+        _on_error = on_error,
+        _local_limit = opts.local_limit,
+        _window_ms = opts.window_ms,
+        _header = wire.policy_header(opts.refundable and wire.FLAG_REFUNDABLE or 0, on_error, #names, opts.local_limit),
+        _name_parts = parts,
+        _shadow = options.name_set(opts.shadow),
+        _set_ctx = true,
+    }, mt)
+    return options.copy_behaviour(lim, opts)
+end
+
+-- Sends a REFUND frame: true and the number of admission units taken back,
+-- or nil and an error.
+local function send_refund(handle)
+    local id = next_id()
+    local head, message = transact(wire.refund(id, handle), id)
+    if not head then
+        return nil, message
+    end
+    local res = decode(head, message)
+    if res.decision ~= "allowed" then
+        return nil, res.error .. ": " .. res.message
+    end
+    return true, res.count
+end
+
+local function refund_timer(premature, handle)
+    if premature then
+        return
+    end
+    local ok, err = send_refund(handle)
+    if not ok then
+        log_failure("refund_failed", "-", err)
+    end
+end
+
+-- Phases where cosockets are not available: the refund runs in a timer.
+local NO_COSOCKET = { log = true, header_filter = true, body_filter = true, set = true, init_worker = true }
+
+--- Takes back the admissions of a refundable check (res.handle): exact and
+-- idempotent in Redis, harmless once they have left their windows. From
+-- log_by_lua* (where cosockets are unavailable) it runs in a 0-delay timer
+-- and returns true at once; elsewhere it returns true, units taken back; or
+-- nil and an error. A false/nil handle (nothing was recorded) is a no-op.
+function _M.refund(handle)
+    if not handle then
+        return true, 0
+    end
+    if type(handle) ~= "string" or #handle < 17 + 7 then
+        error("refund: expects the handle of a refundable check (res.handle)", 2)
+    end
+    if NO_COSOCKET[ngx.get_phase()] then
+        local ok, err = ngx.timer.at(0, refund_timer, handle)
+        if not ok then
+            return nil, "refund: timer: " .. err
+        end
+        return true
+    end
+    return send_refund(handle)
+end
+
+return _M
