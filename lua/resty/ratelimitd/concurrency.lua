@@ -26,24 +26,22 @@
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
-local fallback = require "resty.ratelimitd.fallback"
-local options = require "resty.ratelimitd.options"
+local kind = require "resty.ratelimitd.kind"
 local http = require "resty.ratelimitd.http"
-local wire_key = require("resty.ratelimitd.key").wire
 local log_failure = require("resty.ratelimitd.log").failure
 
 local ngx = ngx
 local ngx_now = ngx.now
 local char = string.char
-local floor = math.floor
-local type, error, setmetatable, getmetatable, ipairs, pairs, tostring = type, error, setmetatable, getmetatable, ipairs, pairs, tostring
-local next_id, transact, decode = conn.next_id, conn.transact, wire.decode
+local ipairs, pairs, tostring = ipairs, pairs, tostring
+local next_id, ask = conn.next_id, conn.ask
 local OP_ACQUIRE, OP_RELEASE = wire.OP_ACQUIRE, wire.OP_RELEASE
 
 local _M = {}
 
-local Concurrency = {}
-local mt = { __index = Concurrency }
+-- No check() or limit(): a lease taken without enter() would never be
+-- released.
+local Concurrency, mt, checked = kind.class("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)")
 
 -- One ACQUIRE (or RELEASE, `op`) of `lease` for `key`.
 local function exchange(self, key, cost, lease, op)
@@ -54,21 +52,11 @@ local function exchange(self, key, cost, lease, op)
     else
         frame = wire.lease(op, id, self._before_cost, self._after_cost, cost, key, lease)
     end
-    local head, message = transact(frame, id)
-    if not head then
-        return nil, message
-    end
-    return decode(head, message, self._limit, self._local_limit, self._policy)
+    return ask(self, frame, id)
 end
 
 function Concurrency._decide(self, key, cost, lease)
     return exchange(self, key, cost, lease, OP_ACQUIRE)
-end
-
-Concurrency._fallback = fallback.one
-
-function Concurrency._label(_, key)
-    return key
 end
 
 -- The leases held by requests of this worker: request id -> list of
@@ -148,30 +136,12 @@ end
 -- Sources under which the daemon holds a lease to give back.
 local LEASED = { redis = true, memory = true, ["local"] = true }
 
-local function args(self, key, cost)
-    if getmetatable(self) ~= mt then
-        error("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)", 3)
-    end
-    local wkey, err = wire_key(key)
-    if not wkey then
-        error(err, 3)
-    end
-    if cost == nil then
-        return wkey, 1
-    end
-    local max_cost = self._limit or 4294967295
-    if type(cost) ~= "number" or cost < 1 or cost > max_cost or floor(cost) ~= cost then
-        error("cost must be an integer from 1 to the limit (" .. max_cost .. ")", 3)
-    end
-    return wkey, cost
-end
-
 --- For access_by_lua*: acquires a slot of this limiter for the request, or
 -- ends it as limit() does. Returns the decision table. Called again for
 -- the same key in the same request (after an internal redirect), it
 -- returns the first decision: a request holds one slot.
 function Concurrency.enter(self, key, cost)
-    local wkey, c = args(self, key, cost)
+    local wkey, c = checked(self, key, cost)
     local id, held = request_leases()
     if held then
         for _, h in ipairs(held) do
@@ -217,40 +187,38 @@ function _M.leave()
     end
 end
 
+-- An inline concurrency limit: its limit and lease are the location's.
+local new_inline = kind.constructor(mt, "concurrency", "concurrency: ", function(opts, on_error)
+    local before, after = wire.check_parts("log", on_error, opts.limit, opts.lease_ms, opts.local_limit)
+    return { _limit = opts.limit, _window_ms = opts.lease_ms, _before_cost = before, _after_cost = after, _lease_s = opts.lease_ms / 1000 }
+end)
+
+-- A named policy (algorithm = "concurrency", docs/POLICIES.md): the daemon
+-- holds its limit, lease, overrides and allowlist; the frame (op 7) carries
+-- the name, the key, the cost and the lease id. With on_error = "local",
+-- local_limit is the per-host quota and lease_ms the window of this
+-- client's own fallback.
+local new_policy = kind.constructor(mt, "concurrency_policy", "concurrency: ", function(opts, on_error)
+    local name = opts.policy
+    return {
+        _policy = name,
+        _window_ms = opts.lease_ms,
+        _acquire_header = wire.policy_header(0, on_error, 1, opts.local_limit),
+        _release_header = wire.policy_header(wire.FLAG_RELEASE, on_error, 1, opts.local_limit),
+        _name_part = char(#name) .. name,
+        -- The policy's lease is the daemon's: the worker forgets a
+        -- request's leases after an hour at most if leave() never ran.
+        _lease_s = (opts.lease_ms or 3600000) / 1000,
+    }
+end)
+
 --- concurrency{ limit, lease_ms, ... } or concurrency{ policy = name, ... }:
 -- the limiter, or nil and a message.
 function _M.new(opts)
-    local kind = opts.policy ~= nil and "concurrency_policy" or "concurrency"
-    local on_error, err = options.check(kind, opts)
-    if not on_error then
-        return nil, "concurrency: " .. err
+    if opts.policy ~= nil then
+        return new_policy(opts)
     end
-    local lim
-    if kind == "concurrency_policy" then
-        -- A named policy (algorithm = "concurrency", docs/POLICIES.md): the
-        -- daemon holds its limit, lease, overrides and allowlist; the frame
-        -- (op 7) carries the name, the key, the cost and the lease id. With
-        -- on_error = "local", local_limit is the per-host quota and lease_ms
-        -- the window of this client's own fallback.
-        local name = opts.policy
-        lim = {
-            _policy = name,
-            _acquire_header = wire.policy_header(0, on_error, 1, opts.local_limit),
-            _release_header = wire.policy_header(wire.FLAG_RELEASE, on_error, 1, opts.local_limit),
-            _name_part = char(#name) .. name,
-            -- The policy's lease is the daemon's: the worker forgets a
-            -- request's leases after an hour at most if leave() never ran.
-            _lease_s = (opts.lease_ms or 3600000) / 1000,
-        }
-    else
-        local before, after = wire.check_parts("log", on_error, opts.limit, opts.lease_ms, opts.local_limit)
-        lim = { _limit = opts.limit, _before_cost = before, _after_cost = after, _lease_s = opts.lease_ms / 1000 }
-    end
-    lim._on_error = on_error
-    lim._local_limit = opts.local_limit
-    lim._window_ms = opts.lease_ms
-    setmetatable(lim, mt)
-    return options.copy_behaviour(lim, opts)
+    return new_inline(opts)
 end
 
 return _M

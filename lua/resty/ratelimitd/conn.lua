@@ -12,7 +12,7 @@ local ngx_now = ngx.now
 local sub = string.sub
 local max, min = math.max, math.min
 local tostring = tostring
-local check_head, message_len, error_code = wire.check_head, wire.message_len, wire.error_code
+local check_head, message_len, error_code, decode = wire.check_head, wire.message_len, wire.error_code, wire.decode
 local RESPONSE_HEAD_LEN, RESPONSE_FIXED_LEN = wire.RESPONSE_HEAD_LEN, wire.RESPONSE_FIXED_LEN
 
 local _M = {}
@@ -142,6 +142,20 @@ function _M.transact(frame, id)
         sock:setkeepalive(settings.keepalive_timeout, settings.pool_size)
     end
     return head, message, ext
+end
+
+local NO_LIMITER = {}
+
+--- One request of limiter `lim` (nil: none): the decision table (with
+-- lim's limit, local limit and policy name, wire.decode) and the
+-- response's extension (or nil); or nil and an error.
+function _M.ask(lim, frame, id)
+    local head, message, ext = _M.transact(frame, id)
+    if not head then
+        return nil, message
+    end
+    lim = lim or NO_LIMITER
+    return decode(head, message, lim._limit, lim._local_limit, lim._policy), ext
 end
 
 return _M

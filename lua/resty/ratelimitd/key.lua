@@ -9,6 +9,7 @@ local ngx = ngx
 local md5 = ngx.md5
 local find, concat = string.find, table.concat
 local type, tostring = type, tostring
+local floor = math.floor
 
 local _M = {}
 
@@ -48,6 +49,28 @@ function _M.wire(key)
         return "md5:" .. md5(s)
     end
     return s
+end
+
+--- The per-request arguments of a limiter's methods: the wire key and the
+-- cost (1 by default, at most `limit` when the limiter knows its limit;
+-- a policy's is the daemon's, which refuses a cost above it as
+-- INVALID_COST); or nil and what is wrong (a bug in the code: the caller
+-- raises it).
+function _M.args(key, cost, limit)
+    local wkey, err = _M.wire(key)
+    if not wkey then
+        return nil, err
+    end
+    if cost == nil then
+        return wkey, 1
+    end
+    if type(cost) ~= "number" or cost < 1 or cost > (limit or 4294967295) or floor(cost) ~= cost then
+        -- Above the limit a request can never be admitted; the daemon would
+        -- refuse it (INVALID_COST) and the fail policy would decide, which
+        -- for "open" lets it through.
+        return nil, limit and "cost must be an integer from 1 to the limit (" .. limit .. ")" or "cost must be a positive integer"
+    end
+    return wkey, cost
 end
 
 return _M

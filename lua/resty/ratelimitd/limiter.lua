@@ -7,7 +7,7 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local cache = require "resty.ratelimitd.cache"
-local fallback = require "resty.ratelimitd.fallback"
+local kind = require "resty.ratelimitd.kind"
 local options = require "resty.ratelimitd.options"
 local http = require "resty.ratelimitd.http"
 local wire_key = require("resty.ratelimitd.key").wire
@@ -15,14 +15,12 @@ local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
 local ngx_shared = ngx.shared
-local floor = math.floor
-local type, error, setmetatable, getmetatable = type, error, setmetatable, getmetatable
-local next_id, transact, decode, encode_check = conn.next_id, conn.transact, wire.decode, wire.check
+local type, error, setmetatable = type, error, setmetatable
+local next_id, ask_daemon, encode_check = conn.next_id, conn.ask, wire.check
 
 local _M = {}
 
-local Limiter = {}
-local mt = { __index = Limiter }
+local Limiter, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
 
 -- A limiter from values already validated (by new() or by the table form),
 -- without the behaviour options (all nil: configure()'s values).
@@ -49,11 +47,7 @@ end
 -- One exchange with the daemon: the decision table, or nil and an error.
 local function ask(self, key, cost)
     local id = next_id()
-    local head, message = transact(encode_check(id, self._before_cost, self._after_cost, self._cost_one, cost, key), id)
-    if not head then
-        return nil, message
-    end
-    return decode(head, message, self._limit, self._local_limit, nil)
+    return ask_daemon(self, encode_check(id, self._before_cost, self._after_cost, self._cost_one, cost, key), id)
 end
 
 -- One decision: from the denial cache, else from the daemon. `key` is the
@@ -81,64 +75,15 @@ function Limiter._decide(self, key, cost)
     return res, err
 end
 
-Limiter._fallback = fallback.one
-
-function Limiter._label(_, key)
-    return key
-end
-
--- Per-request arguments: the wire key, and the cost checked. A bad cost or
--- a call without the colon is a bug in the code, raised at the line that
--- called lim:limit or lim:check (level 3). Cheap: a few comparisons.
-local function args(self, key, cost)
-    if getmetatable(self) ~= mt then
-        error("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()", 3)
-    end
-    local wkey, err = wire_key(key)
-    if not wkey then
-        error(err, 3)
-    end
-    if cost == nil then
-        return wkey, 1
-    end
-    -- Above the limit a request can never be admitted; the daemon would
-    -- refuse it (INVALID_COST) and the fail policy would decide, which for
-    -- "open" lets it through. A bug in how the cost is computed, so raised.
-    if type(cost) ~= "number" or cost < 1 or cost > self._limit or floor(cost) ~= cost then
-        error("cost must be an integer from 1 to the limit (" .. self._limit .. ")", 3)
-    end
-    return wkey, cost
-end
-
---- Asks the daemon for `key` (cost 1 by default). Returns a table { allowed,
--- decision, source, count, remaining, retry_after_ms, reset_ms, limit,
--- error_code, error, message }, or nil and a string when the daemon could not
--- be reached or answered badly.
-function Limiter.check(self, key, cost)
-    local wkey, c = args(self, key, cost)
-    return Limiter._decide(self, wkey, c)
-end
-
---- For access_by_lua*: lets the request through, or ends it with the
--- limiter's `status` (429 by default; 503 when the policy is closed and
--- nothing could decide). Returns the decision table (after a pass, or in dry
--- run).
-function Limiter.limit(self, key, cost)
-    local wkey, c = args(self, key, cost)
-    return http.enforce(self, self, wkey, c)
-end
+kind.rate_methods(Limiter, checked)
 
 --- new{ limit, window_ms, ... }: the limiter, or nil and a message.
-function _M.new(opts)
-    local on_error, err = options.check("inline", opts)
-    if not on_error then
-        return nil, "new: " .. err
-    end
+_M.new = kind.constructor(mt, "inline", "new: ", function(opts, on_error)
     local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit, opts.algorithm or "log")
     -- nil: configure()'s denial_cache decides at each request.
     lim._denial_cache = opts.denial_cache
-    return options.copy_behaviour(lim, opts)
-end
+    return lim
+end)
 
 -- The table form does not build a limiter per call (measured: that alone
 -- costs more than the whole call did before the object form): the limiters

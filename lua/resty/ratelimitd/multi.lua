@@ -13,9 +13,9 @@
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
+local kind = require "resty.ratelimitd.kind"
 local fallback = require "resty.ratelimitd.fallback"
 local options = require "resty.ratelimitd.options"
-local http = require "resty.ratelimitd.http"
 local wire_key = require("resty.ratelimitd.key").wire
 local log_failure = require("resty.ratelimitd.log").failure
 
@@ -23,14 +23,11 @@ local ngx = ngx
 local char = string.char
 local floor = math.floor
 local concat = table.concat
-local type, error, setmetatable, getmetatable, ipairs = type, error, setmetatable, getmetatable, ipairs
-local next_id, transact, decode = conn.next_id, conn.transact, wire.decode
+local type, ipairs = type, ipairs
+local next_id, ask = conn.next_id, conn.ask
 local policy_item, check_policy = wire.policy_item, wire.check_policy
 
 local _M = {}
-
-local Multi = {}
-local mt = { __index = Multi }
 
 -- The items of one request: keys (wire keys) and costs in policy order.
 local function items(self, keys, costs)
@@ -41,14 +38,51 @@ local function items(self, keys, costs)
     return concat(parts)
 end
 
+local KEYS_MSG = "keys must be a list of one key per policy"
+
+-- The arguments of a request: the wire keys and the costs in policy order,
+-- or nil and what is wrong (raised at the caller's line: keys not a list, a
+-- bad cost). What a key holds never raises (key.lua): an absent header in
+-- the list is the empty key.
+local function args(keys, cost, _, self)
+    local n = self._n
+    if type(keys) ~= "table" then
+        if n ~= 1 then
+            return nil, KEYS_MSG .. " (" .. n .. ")"
+        end
+        keys = { keys }
+    end
+    local wire_keys, costs = {}, {}
+    for i = 1, n do
+        local wkey, err = wire_key(keys[i])
+        if not wkey then
+            return nil, err
+        end
+        wire_keys[i] = wkey
+        local c = cost
+        if type(cost) == "table" then
+            c = cost[i]
+        end
+        if c == nil then
+            c = 1
+        end
+        if type(c) ~= "number" or c < 1 or c > 4294967295 or floor(c) ~= c then
+            return nil, "cost must be a positive integer, or a list of them"
+        end
+        costs[i] = c
+    end
+    return wire_keys, costs
+end
+
+local Multi, mt, checked = kind.class("call it as lim:limit(keys, cost), with a colon, on an object from new{ policies = ... }", args)
+
 function Multi._decide(self, keys, costs)
     local body = items(self, keys, costs)
     local id = next_id()
-    local head, message, ext = transact(check_policy(id, self._header, body), id)
-    if not head then
-        return nil, message
+    local res, ext = ask(self, check_policy(id, self._header, body), id)
+    if not res then
+        return nil, ext
     end
-    local res = decode(head, message, nil, self._local_limit, self._policy)
     if ext then
         wire.parse_extension(res, ext, self._names, self._shadow)
         if res.handle then
@@ -65,97 +99,36 @@ function Multi._label(_, keys)
     return concat(keys, ",")
 end
 
-local KEYS_MSG = "keys must be a list of one key per policy"
-
--- Per-request arguments: the wire keys and the costs in policy order.
--- Raised at the caller's line only for a bug in the code (no colon, keys
--- not a list, a bad cost); what a key holds never raises (key.lua): an
--- absent header in the list is the empty key.
-local function args(self, keys, cost)
-    if getmetatable(self) ~= mt then
-        error("call it as lim:limit(keys, cost), with a colon, on an object from new{ policies = ... }", 3)
-    end
-    if type(keys) ~= "table" then
-        if self._n == 1 then
-            keys = { keys }
-        else
-            error(KEYS_MSG .. " (" .. self._n .. ")", 3)
-        end
-    end
-    local wire_keys, costs = {}, {}
-    for i = 1, self._n do
-        local wkey, err = wire_key(keys[i])
-        if not wkey then
-            error(err, 3)
-        end
-        wire_keys[i] = wkey
-        local c = cost
-        if type(cost) == "table" then
-            c = cost[i]
-        end
-        if c == nil then
-            c = 1
-        end
-        if type(c) ~= "number" or c < 1 or c > 4294967295 or floor(c) ~= c then
-            error("cost must be a positive integer, or a list of them", 3)
-        end
-        costs[i] = c
-    end
-    return wire_keys, costs
-end
-
---- Asks the daemon: the decision table with items (one per policy),
--- refused and handle; or nil and an error.
-function Multi.check(self, keys, cost)
-    local wire_keys, costs = args(self, keys, cost)
-    return Multi._decide(self, wire_keys, costs)
-end
-
---- For access_by_lua*: as the inline limiter's limit(), all or nothing.
-function Multi.limit(self, keys, cost)
-    local wire_keys, costs = args(self, keys, cost)
-    return http.enforce(self, self, wire_keys, costs)
-end
+kind.rate_methods(Multi, checked)
 
 --- new{ policies = { ... } } or new{ policy = name, refundable = true }:
 -- the limiter, or nil and a message.
-function _M.new(opts)
-    local on_error, err = options.check("multi", opts)
-    if not on_error then
-        return nil, "new: " .. err
-    end
+_M.new = kind.constructor(mt, "multi", "new: ", function(opts, on_error)
     local names = opts.policies or { opts.policy }
-    if #names < 1 then
-        return nil, "new: policies must be a list of 1 to " .. wire.MAX_POLICY_ITEMS .. " policy names"
-    end
     local parts = {}
     for i, name in ipairs(names) do
         parts[i] = char(#name) .. name
     end
-    local lim = setmetatable({
+    return {
         _names = names,
         _n = #names,
         _policy = names[1],
-        _on_error = on_error,
-        _local_limit = opts.local_limit,
         _window_ms = opts.window_ms,
         _header = wire.policy_header(opts.refundable and wire.FLAG_REFUNDABLE or 0, on_error, #names, opts.local_limit),
         _name_parts = parts,
         _shadow = options.name_set(opts.shadow),
         _set_ctx = true,
-    }, mt)
-    return options.copy_behaviour(lim, opts)
-end
+    }
+end)
 
 -- Sends a REFUND frame: true and the number of admission units taken back,
 -- or nil and an error.
 local function send_refund(handle)
     local id = next_id()
-    local head, message = transact(wire.refund(id, handle), id)
-    if not head then
-        return nil, message
+    local res, err = ask(nil, wire.refund(id, handle), id)
+    if not res then
+        return nil, err
     end
-    local res = decode(head, message)
     if res.decision ~= "allowed" then
         return nil, res.error .. ": " .. res.message
     end
