@@ -35,9 +35,12 @@
 --   log          rate-limited failure lines
 --   headers      the quota headers per style, the problem body
 --   http         enforce(): the one HTTP decision of every limiter kind
---   limiter      inline limits (new{ limit, window_ms }, the table form)
+--   kind         what every limiter kind shares: class, arguments, constructor
+--   limiter      inline limits (new{ limit, window_ms })
+--   form         the table forms limit{} and check{}
 --   policy       one named policy
---   multi        several named policies, refundable checks, refund()
+--   multi        several named policies, refundable checks
+--   refund       refund() of a refundable check
 --   concurrency  concurrency limits: enter() and leave()
 
 local config = require "resty.ratelimitd.config"
@@ -46,6 +49,8 @@ local limiter = require "resty.ratelimitd.limiter"
 local policy = require "resty.ratelimitd.policy"
 local multi = require "resty.ratelimitd.multi"
 local concurrency = require "resty.ratelimitd.concurrency"
+local form = require "resty.ratelimitd.form"
+local refund = require "resty.ratelimitd.refund"
 
 local type, error = type, error
 
@@ -89,12 +94,12 @@ function _M.concurrency(opts)
     return concurrency.new(opts)
 end
 
---- Table forms of limit and check (resty/ratelimitd/limiter.lua).
-_M.limit = limiter.limit
-_M.check = limiter.check
+--- Table forms of limit and check (resty/ratelimitd/form.lua).
+_M.limit = form.limit
+_M.check = form.check
 
---- Takes back a refundable check's admissions (resty/ratelimitd/multi.lua).
-_M.refund = multi.refund
+--- Takes back a refundable check's admissions (resty/ratelimitd/refund.lua).
+_M.refund = refund.refund
 
 --- For log_by_lua*: releases the request's concurrency leases.
 _M.leave = concurrency.leave

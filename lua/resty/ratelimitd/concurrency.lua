@@ -16,24 +16,21 @@
 -- lease_ms after it was taken.
 --
 -- A request keeps its leases across internal redirects (error_page,
--- try_files, ngx.exec, named locations), which clear ngx.ctx: they are
--- kept in a table of the worker keyed by $request_id, which nginx keeps
--- for the whole request once the configuration indexes it (the snippet's
--- `map $request_id $ratelimitd_request_id`; unindexed, each read makes a
--- new id). So enter() after a redirect finds the lease the request already
--- holds instead of taking a second slot, and leave() in whichever location
--- the request ends in releases it.
+-- try_files, ngx.exec, named locations), which clear ngx.ctx (leases.lua):
+-- enter() after a redirect finds the lease the request already holds
+-- instead of taking a second slot, and leave() in whichever location the
+-- request ends in releases it.
 
-local wire = require "resty.ratelimitd.wire"
-local conn = require "resty.ratelimitd.conn"
+local leases = require "resty.ratelimitd.leases"
 local kind = require "resty.ratelimitd.kind"
 local http = require "resty.ratelimitd.http"
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
 local log_failure = require("resty.ratelimitd.log").failure
 
 local ngx = ngx
-local ngx_now = ngx.now
 local char = string.char
-local ipairs, pairs, tostring = ipairs, pairs, tostring
+local ipairs, tostring = ipairs, tostring
 local next_id, ask = conn.next_id, conn.ask
 local OP_ACQUIRE, OP_RELEASE = wire.OP_ACQUIRE, wire.OP_RELEASE
 
@@ -59,80 +56,6 @@ function Concurrency._decide(self, key, cost, lease)
     return exchange(self, key, cost, lease, OP_ACQUIRE)
 end
 
--- The leases held by requests of this worker: request id -> list of
--- { limiter, wire key, cost, decision }, with `expires` (s): after it the
--- daemon has dropped every lease of the list, so an entry whose request
--- never reached leave() (no log_by_lua where it ended) is swept.
-local held_by_request, entries, sweep_at = {}, 0, 1024
-
--- nil until the first enter() of this worker has looked: whether
--- $request_id is the same at each read (indexed), as the leases need.
-local stable_id
-
-local function sweep()
-    local now = ngx_now()
-    entries = 0
-    for id, held in pairs(held_by_request) do
-        if held.expires < now then
-            held_by_request[id] = nil
-        else
-            entries = entries + 1
-        end
-    end
-    sweep_at = entries * 2 > 1024 and entries * 2 or 1024
-end
-
--- The request's identity, the same across internal redirects, and the
--- list of leases it holds (nil for none).
-local function request_leases()
-    local id = ngx.var.request_id
-    if stable_id == nil then
-        stable_id = ngx.var.request_id == id
-        if not stable_id then
-            log_failure("request_id", "-", "$request_id is not indexed (include the snippet's map $request_id line):"
-                .. " leases are not released after internal redirects")
-        end
-    end
-    if stable_id then
-        return id, held_by_request[id]
-    end
-    -- Without a stable id: this location's ngx.ctx (lost on a redirect).
-    local ctx = ngx.ctx
-    local lease = ctx.ratelimitd_lease
-    if not lease then
-        ctx.ratelimitd_lease = id
-        return id, nil
-    end
-    return lease, ctx.ratelimitd_leases
-end
-
-local function remember(id, self, wkey, cost, res)
-    local held
-    if stable_id then
-        held = held_by_request[id]
-        if not held then
-            held = { expires = 0 }
-            held_by_request[id] = held
-            entries = entries + 1
-            if entries > sweep_at then
-                sweep()
-            end
-        end
-    else
-        local ctx = ngx.ctx
-        held = ctx.ratelimitd_leases
-        if not held then
-            held = { expires = 0 }
-            ctx.ratelimitd_leases = held
-        end
-    end
-    local expires = ngx_now() + self._lease_s
-    if expires > held.expires then
-        held.expires = expires
-    end
-    held[#held + 1] = { self, wkey, cost, res }
-end
-
 -- Sources under which the daemon holds a lease to give back.
 local LEASED = { redis = true, memory = true, ["local"] = true }
 
@@ -142,7 +65,7 @@ local LEASED = { redis = true, memory = true, ["local"] = true }
 -- returns the first decision: a request holds one slot.
 function Concurrency.enter(self, key, cost)
     local wkey, c = checked(self, key, cost)
-    local id, held = request_leases()
+    local id, held = leases.of_request()
     if held then
         for _, h in ipairs(held) do
             if h[1] == self and h[2] == wkey then
@@ -152,7 +75,7 @@ function Concurrency.enter(self, key, cost)
     end
     local res = http.enforce(self, self, wkey, c, id)
     if res and res.allowed and LEASED[res.source] then
-        remember(id, self, wkey, c, res)
+        leases.remember(id, { self, wkey, c, res }, self._lease_s)
     end
     return res
 end
@@ -171,15 +94,9 @@ end
 --- For log_by_lua*: releases every lease enter() took for this request,
 -- in whichever location it ended.
 function _M.leave()
-    local id, held = request_leases()
+    local id, held = leases.take()
     if not held then
         return
-    end
-    if stable_id then
-        held_by_request[id] = nil
-        entries = entries - 1
-    else
-        ngx.ctx.ratelimitd_leases = nil
     end
     local ok, err = ngx.timer.at(0, release_all, held, id)
     if not ok then

@@ -74,6 +74,8 @@ function _M.constructor(mt, spec, prefix, build)
         local lim = build(opts, on_error)
         lim._on_error = on_error
         lim._local_limit = opts.local_limit
+        -- Policies in shadow mode: never in the headers (headers.lua).
+        lim._shadow = options.name_set(opts.shadow)
         return options.copy_behaviour(setmetatable(lim, mt), opts)
     end
 end

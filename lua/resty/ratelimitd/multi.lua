@@ -9,17 +9,14 @@
 -- A one-policy limiter with refundable = true is the same object
 -- (new{ policy = "login", refundable = true }; its key may be a string).
 -- Its decision table always goes to ngx.ctx.ratelimitd (for the refund in
--- log_by_lua).
+-- log_by_lua, refund.lua).
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
 local fallback = require "resty.ratelimitd.fallback"
-local options = require "resty.ratelimitd.options"
 local wire_key = require("resty.ratelimitd.key").wire
-local log_failure = require("resty.ratelimitd.log").failure
 
-local ngx = ngx
 local char = string.char
 local floor = math.floor
 local concat = table.concat
@@ -116,58 +113,8 @@ _M.new = kind.constructor(mt, "multi", "new: ", function(opts, on_error)
         _window_ms = opts.window_ms,
         _header = wire.policy_header(opts.refundable and wire.FLAG_REFUNDABLE or 0, on_error, #names, opts.local_limit),
         _name_parts = parts,
-        _shadow = options.name_set(opts.shadow),
         _set_ctx = true,
     }
 end)
-
--- Sends a REFUND frame: true and the number of admission units taken back,
--- or nil and an error.
-local function send_refund(handle)
-    local id = next_id()
-    local res, err = ask(nil, wire.refund(id, handle), id)
-    if not res then
-        return nil, err
-    end
-    if res.decision ~= "allowed" then
-        return nil, res.error .. ": " .. res.message
-    end
-    return true, res.count
-end
-
-local function refund_timer(premature, handle)
-    if premature then
-        return
-    end
-    local ok, err = send_refund(handle)
-    if not ok then
-        log_failure("refund_failed", "-", err)
-    end
-end
-
--- Phases where cosockets are not available: the refund runs in a timer.
-local NO_COSOCKET = { log = true, header_filter = true, body_filter = true, set = true, init_worker = true }
-
---- Takes back the admissions of a refundable check (res.handle): exact and
--- idempotent in Redis, harmless once they have left their windows. From
--- log_by_lua* (where cosockets are unavailable) it runs in a 0-delay timer
--- and returns true at once; elsewhere it returns true, units taken back; or
--- nil and an error. A false/nil handle (nothing was recorded) is a no-op.
-function _M.refund(handle)
-    if not handle then
-        return true, 0
-    end
-    if type(handle) ~= "string" or #handle < 17 + 7 then
-        error("refund: expects the handle of a refundable check (res.handle)", 2)
-    end
-    if NO_COSOCKET[ngx.get_phase()] then
-        local ok, err = ngx.timer.at(0, refund_timer, handle)
-        if not ok then
-            return nil, "refund: timer: " .. err
-        end
-        return true
-    end
-    return send_refund(handle)
-end
 
 return _M

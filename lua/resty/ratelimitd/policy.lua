@@ -11,7 +11,6 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
-local options = require "resty.ratelimitd.options"
 
 local char = string.char
 local next_id, ask = conn.next_id, conn.ask
@@ -37,7 +36,6 @@ _M.new = kind.constructor(mt, "policy", "new: ", function(opts, on_error)
         _header = wire.policy_header(0, on_error, 1, opts.local_limit),
         -- After the key length: the name's length and the name.
         _name_part = char(#name) .. name,
-        _shadow = options.name_set(opts.shadow),
     }
 end)
 
