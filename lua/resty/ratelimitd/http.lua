@@ -48,18 +48,12 @@ local function log_outcome(lim, res, outcome)
     end
 end
 
--- A shadow policy's refusal in this decision (one item's, or the
--- decision's own): reported as PASSED_SHADOW, never enforced.
-local function shadow_refused(res)
-    if res.decision == "shadow_denied" then
-        return true
-    end
-    local items = res.items
-    if items then
-        for i = 1, #items do
-            if items[i].decision == "shadow_denied" then
-                return true
-            end
+-- A shadow policy's refusal among a multi-item decision's items: reported
+-- as PASSED_SHADOW, never enforced.
+local function shadow_item_refused(items)
+    for i = 1, #items do
+        if items[i].decision == "shadow_denied" then
+            return true
         end
     end
     return false
@@ -71,10 +65,10 @@ end
 -- daemon's). Paced unless nodelay; the first `delay` of a burst at once:
 -- one emission interval T each, the limiter's window / limit, or for a
 -- policy what the response carries (reset_ms - retry_after_ms is the cost's
--- T, to the ms). Returns true when it slept.
-local function pace(lim, beh, res, cost)
-    local wait = res.retry_after_ms
-    if not wait or wait <= 0 or res.decision ~= "allowed" or beh.nodelay or beh.dry_run then
+-- T, to the ms). Called for an admitted request with a delay (`wait` ms);
+-- returns true when it slept.
+local function pace(lim, beh, res, cost, wait)
+    if beh.nodelay or beh.dry_run then
         return false
     end
     local delay = beh.delay
@@ -137,8 +131,8 @@ function _M.enforce(lim, beh, key, cost, lease)
     if show == nil then
         show = settings.headers
     end
-    local shadow = shadow_refused(res)
-    if res.decision == "shadow_denied" and not res.items then
+    local items = res.items
+    if res.decision == "shadow_denied" and not items then
         -- A one-policy limiter of a shadow policy: nothing the client
         -- should see, no headers, no refusal.
         ngx_log(INFO, "ratelimitd: shadow policy '", lim._policy, "' would deny key=", key, " source=", res.source)
@@ -150,12 +144,14 @@ function _M.enforce(lim, beh, key, cost, lease)
     end
     if res.allowed then
         local outcome = "PASSED"
+        -- Only an admission with a delay (GCRA's) has a retry-after.
+        local wait = res.retry_after_ms
         if FAIL_OPEN[res.source] then
             outcome = "FAIL_OPEN"
-        elseif pace(lim, beh, res, cost) then
+        elseif wait and wait > 0 and res.decision == "allowed" and pace(lim, beh, res, cost, wait) then
             -- DELAYED as limit_req's $limit_req_status says of a paced request.
             outcome = "DELAYED"
-        elseif shadow then
+        elseif res.decision == "shadow_denied" or items and shadow_item_refused(items) then
             outcome = "PASSED_SHADOW"
         end
         log_outcome(lim, res, outcome)
