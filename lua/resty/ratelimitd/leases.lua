@@ -64,26 +64,28 @@ end
 --- Records `lease` ({ limiter, wire key, cost, decision }) as held by the
 -- request `id` (from of_request) for at most `lease_s` seconds.
 function _M.remember(id, lease, lease_s)
+    local expires = ngx_now() + lease_s
     local held
     if stable_id then
         held = held_by_request[id]
         if not held then
-            held = { expires = 0 }
-            held_by_request[id] = held
-            entries = entries + 1
-            if entries > sweep_at then
+            -- The sweep first: it must not see this request's list before
+            -- its expiry is set.
+            if entries >= sweep_at then
                 sweep()
             end
+            held = { expires = expires }
+            held_by_request[id] = held
+            entries = entries + 1
         end
     else
         local ctx = ngx.ctx
         held = ctx.ratelimitd_leases
         if not held then
-            held = { expires = 0 }
+            held = { expires = expires }
             ctx.ratelimitd_leases = held
         end
     end
-    local expires = ngx_now() + lease_s
     if expires > held.expires then
         held.expires = expires
     end
@@ -104,6 +106,11 @@ function _M.take()
         ngx.ctx.ratelimitd_leases = nil
     end
     return id, held
+end
+
+--- How many requests of this worker hold leases now (for tests).
+function _M.requests()
+    return entries
 end
 
 return _M
