@@ -13,6 +13,7 @@ mod common;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use common::http::{agent, get};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
@@ -29,32 +30,6 @@ fn nginx(d: &Daemon, body: &str) -> Nginx {
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
     let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     Nginx::start(&format!("{snippet}\n{body}"))
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into()
-}
-
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
-    }
-}
-
-fn get(a: &ureq::Agent, url: &str, headers: &[(&str, &str)]) -> Reply {
-    let mut req = a.get(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let mut r = req.call().unwrap();
-    let body = r.body_mut().read_to_string().unwrap_or_default();
-    Reply { status: r.status().as_u16(), headers: r.headers().clone(), body }
 }
 
 fn error_lines(nginx: &Nginx) -> Vec<String> {
@@ -225,11 +200,17 @@ server {
 
 const ENFORCED_POLICY: &str = r#""per_ip";q=10;w=60, "per_tenant";q=5;w=60"#;
 
-#[test]
-fn a_shadow_refusal_never_shows_in_the_draft_fields() {
+/// nginx with `limiters` and the shadow site, its daemon with the shadow
+/// policies, their Redis (stopped in that order).
+fn shadow_setup(limiters: &str) -> (Nginx, Daemon, RedisServer) {
     let redis = RedisServer::start_unix();
     let d = daemon(&redis, SHADOW_POLICIES);
-    let n = nginx(&d, &format!("{UNDECLARED_SHADOW}{SHADOW_SITE}"));
+    (nginx(&d, &format!("{limiters}{SHADOW_SITE}")), d, redis)
+}
+
+#[test]
+fn a_shadow_refusal_never_shows_in_the_draft_fields() {
+    let (n, _d, _redis) = shadow_setup(UNDECLARED_SHADOW);
     let a = agent();
     // The shadow policy refuses from request 2 on: it is not listed.
     assert_eq!(get(&a, &n.url("/plain?k=1"), &[]).status, 200, "{}", n.error_log());
@@ -244,9 +225,7 @@ fn a_shadow_refusal_never_shows_in_the_draft_fields() {
 
 #[test]
 fn a_declared_shadow_policy_never_shows_in_any_header_style() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis, SHADOW_POLICIES);
-    let n = nginx(&d, &format!("{DECLARED_SHADOW}{SHADOW_SITE}"));
+    let (n, _d, _redis) = shadow_setup(DECLARED_SHADOW);
     let a = agent();
     let enforced_policy = ENFORCED_POLICY;
     // Declared: not even the first response (the shadow policy had room:

@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::time::Duration;
 
+use common::http::{agent, get, Reply};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
@@ -171,20 +172,6 @@ fn site(cases: &[Case]) -> String {
     s
 }
 
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-    fn num(&self, name: &str) -> Option<u64> {
-        self.header(name).map(|v| v.parse().unwrap_or_else(|_| panic!("{name}: {v}")))
-    }
-}
-
 /// What case `c`'s request `i` (0-based) must get: status, outcome, the
 /// quota fields (limit, remaining, reset range) of the style's headers,
 /// the draft's policy names.
@@ -203,7 +190,7 @@ fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
         (true, true) => "PASSED_SHADOW",
         (true, false) => "PASSED",
     };
-    if r.header("X-Ratelimitd-Status") != Some(outcome) {
+    if r.header("X-Ratelimitd-Status") != outcome {
         fail(format!("$ratelimitd_status {:?} (want {outcome})", r.header("X-Ratelimitd-Status")));
     }
     // The quota shown: the limited policy (per_key, limit 2) of a
@@ -241,8 +228,8 @@ fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
     };
     match c.style {
         "draft" => {
-            let policy = r.header("RateLimit-Policy").unwrap_or("");
-            let state = r.header("RateLimit").unwrap_or("");
+            let policy = r.header("RateLimit-Policy");
+            let state = r.header("RateLimit");
             if (policy.contains("\"next\"") || state.contains("\"next\"")) != undeclared_shadow_with_room {
                 fail("the shadow policy listed or not".into());
             }
@@ -289,14 +276,12 @@ fn every_limiter_kind_algorithm_header_style_and_redirect_through_nginx() {
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let cases = cases();
     let nginx = Nginx::start(&format!("{snippet}\n{}", site(&cases)));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = agent();
     let zcard = |key: &[u8]| -> u64 { redis::cmd("ZCARD").arg(key).query(&mut redis.conn()).unwrap() };
     let mut failures = Vec::new();
     for c in &cases {
         for i in 0..=LIMIT {
-            let mut resp = agent.get(&nginx.url(&format!("/c/{}", c.id))).call().unwrap();
-            let _ = resp.body_mut().read_to_string();
-            let reply = Reply { status: resp.status().as_u16(), headers: resp.headers().clone() };
+            let reply = get(&agent, &nginx.url(&format!("/c/{}", c.id)), &[]);
             check(c, i, &reply, &mut failures);
             if c.concurrency() {
                 // Released from a timer after the log phase: just after

@@ -9,37 +9,12 @@ mod common;
 
 use std::time::Duration;
 
+use common::http::{agent, get, Reply};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE_TOML: &str = include_str!("../examples/tenant-api/ratelimitd.toml");
 const EXAMPLE_NGINX: &str = include_str!("../examples/tenant-api/nginx.conf");
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
-    }
-}
-
-fn get(a: &ureq::Agent, url: &str, headers: &[(&str, &str)]) -> Reply {
-    let mut req = a.get(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let mut r = req.call().unwrap();
-    let body = r.body_mut().read_to_string().unwrap_or_default();
-    Reply { status: r.status().as_u16(), headers: r.headers().clone(), body }
-}
 
 fn zcard(redis: &RedisServer, policy: &str, key: &str, window_ms: u32) -> u64 {
     let k = format!("ratelimitd:{{{}{policy}{key}}}:{window_ms}ms", policy.len() as u8 as char);
