@@ -21,6 +21,8 @@ describe("keys", function()
         assert.equals("md5:h(a\tb)", key.wire("a\tb"))
         assert.equals("md5:h(a\0b)", key.wire("a\0b"))
         assert.equals("md5:h(a\31b)", key.wire("a\31b"), "0x1F: the daemon's shard separator (SEMANTICS S2)")
+        assert.equals("md5:h(a\127b)", key.wire("a\127b"))
+        assert.equals("a\32b\128\255", key.wire("a\32b\128\255"), "space and bytes above 0x7f are not control bytes")
     end)
 
     it("hashes a key longer than max_key_len", function()

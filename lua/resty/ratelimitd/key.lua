@@ -7,11 +7,23 @@ local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
 local md5 = ngx.md5
-local find, concat = string.find, table.concat
+local byte, concat = string.byte, table.concat
 local type, tostring = type, tostring
 local floor = math.floor
 
 local _M = {}
+
+-- Whether `s` holds a control byte (0x00-0x1f, 0x7f): a loop of byte
+-- compares, which LuaJIT compiles (string.find with a pattern it does not).
+local function has_control(s)
+    for i = 1, #s do
+        local b = byte(s, i)
+        if b < 32 or b == 127 then
+            return true
+        end
+    end
+    return false
+end
 
 -- An absent header (nil), a repeated one (a table, from
 -- ngx.req.get_headers()) and a number are keys too: nil is the empty key,
@@ -45,7 +57,7 @@ function _M.wire(key)
     if not s then
         return nil, "key must be a string (or nil, a number, a list of strings), not a " .. type(key)
     end
-    if s == "" or #s > settings.max_key_len or find(s, "%c") then
+    if s == "" or #s > settings.max_key_len or has_control(s) then
         return "md5:" .. md5(s)
     end
     return s
