@@ -95,6 +95,10 @@ start_daemon() {
 
 # The packages of the whole chain: Redis, nginx with the Lua module, curl.
 NGINX_PACKAGES=(nginx:nginx /usr/lib/nginx/modules/ngx_http_lua_module.so:libnginx-mod-http-lua curl:curl)
+# The Lua client's unit tests and lint: LuaJIT (Debian's luajit2, OpenResty's
+# branch; the package luajit conflicts with libnginx-mod-http-lua), busted,
+# luacheck.
+LUA_TEST_PACKAGES=(luajit:luajit2 busted:lua-busted luacheck:lua-check)
 REDIS_PACKAGES=(redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools)
 
 # start_nginx ORDER_WINDOW_MS [EXTRA] [LIMITERS]: runs the shipped
@@ -108,7 +112,8 @@ start_nginx() {
   NGINX_PORT=$(free_port)
   app_port=$(free_port)
   mkdir -p "$prefix/logs" "$prefix/lua/resty"
-  cp "$ROOT/lua/resty/ratelimitd.lua" "$prefix/lua/resty/"
+  # The client: resty/ratelimitd.lua and its modules in resty/ratelimitd/.
+  cp -r "$ROOT/lua/resty/." "$prefix/lua/resty/"
   chmod -R a+rX "$WORK"
   local user=""
   [ "$(id -u)" -eq 0 ] && user="user www-data;"

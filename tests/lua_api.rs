@@ -107,9 +107,14 @@ const LOCATIONS: &str = r#"
             for _, cost in ipairs({ 0, -1, 1.5, 6, "2", 0 / 0, math.huge }) do
                 try(function() local res = lim:check("check-obj:call-errors", cost); return res end)
             end
+            -- Keys come from request data: an empty one, a number, an
+            -- absent header (nil) never raise (sent hashed, limited);
+            -- only a key no request can make does.
             for _, key in ipairs({ "", 42 }) do
-                try(function() local res = lim:limit(key); return res end)
+                try(function() local res = lim:check(key); return res end)
             end
+            try(function() local res = lim:check(nil); return res end)
+            try(function() local res = lim:check(true); return res end)
             try(function() local res = lim.check("check-obj:call-errors"); return res end)
         }
     }
@@ -358,13 +363,14 @@ fn per_call_cost_is_checked_against_the_limit() {
     let r = get(&a, &nginx.url("/call-errors"));
     let lines: Vec<&str> = r.body.lines().collect();
     let cost_msg = "cost must be an integer from 1 to the limit (5)";
-    assert_eq!(lines.len(), 10, "{}", r.body);
+    assert_eq!(lines.len(), 12, "{}", r.body);
     for l in &lines[..7] {
         assert!(l.starts_with("content_by_lua(nginx.conf:") && l.ends_with(cost_msg), "{l}");
     }
-    assert!(lines[7].ends_with("key must be a non-empty string") && lines[8].ends_with("key must be a non-empty string"), "{}", r.body);
-    assert!(lines[9].ends_with("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()"), "{}", r.body);
-    // None of them reached the daemon: the window is untouched.
+    assert_eq!(lines[7..10], ["no error", "no error", "no error"], "{}", r.body);
+    assert!(lines[10].starts_with("content_by_lua(nginx.conf:") && lines[10].ends_with("key must be a string (or nil, a number, a list of strings), not a boolean"), "{}", r.body);
+    assert!(lines[11].ends_with("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()"), "{}", r.body);
+    // None of the raised ones reached the daemon: the window is untouched.
     let c = get(&a, &nginx.url("/check?t=call-errors"));
     assert!(c.body.starts_with("allowed=true count=1 "), "{}", c.body);
 

@@ -9,37 +9,12 @@ mod common;
 
 use std::time::Duration;
 
+use common::http::{agent, get, Reply};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE_TOML: &str = include_str!("../examples/tenant-api/ratelimitd.toml");
 const EXAMPLE_NGINX: &str = include_str!("../examples/tenant-api/nginx.conf");
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
-    }
-}
-
-fn get(a: &ureq::Agent, url: &str, headers: &[(&str, &str)]) -> Reply {
-    let mut req = a.get(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let mut r = req.call().unwrap();
-    let body = r.body_mut().read_to_string().unwrap_or_default();
-    Reply { status: r.status().as_u16(), headers: r.headers().clone(), body }
-}
 
 fn zcard(redis: &RedisServer, policy: &str, key: &str, window_ms: u32) -> u64 {
     let k = format!("ratelimitd:{{{}{policy}{key}}}:{window_ms}ms", policy.len() as u8 as char);
@@ -68,11 +43,14 @@ fn tenant_api_example_through_nginx() {
     // the last 50 and refuses nothing.
     let first = get(&a, &nginx.url("/api/orders"), &t1);
     assert_eq!(first.status, 200);
-    // The draft's fields, one list member per policy, w in whole seconds.
-    assert_eq!(first.header("RateLimit-Policy"), r#""per_ip";q=300;w=60, "per_tenant";q=100;w=60, "global";q=10000;w=60, "per_tenant_next";q=50;w=60"#);
-    assert_eq!(first.header("RateLimit"), r#""per_ip";r=299;t=60, "per_tenant";r=99;t=60, "global";r=9999;t=60, "per_tenant_next";r=49;t=60"#);
+    // The draft's fields, one list member per enforced policy, w in whole
+    // seconds; the shadow policy never shows (SEMANTICS S3).
+    let enforced = r#""per_ip";q=300;w=60, "per_tenant";q=100;w=60, "global";q=10000;w=60"#;
+    assert_eq!(first.header("RateLimit-Policy"), enforced);
+    assert_eq!(first.header("RateLimit"), r#""per_ip";r=299;t=60, "per_tenant";r=99;t=60, "global";r=9999;t=60"#);
     for i in 1..100 {
-        assert_eq!(get(&a, &nginx.url("/api/orders"), &t1).status, 200, "request {}", i + 1);
+        let r = get(&a, &nginx.url("/api/orders"), &t1);
+        assert_eq!((r.status, r.header("RateLimit-Policy")), (200, enforced), "request {}: the shadow policy refuses from 51 on", i + 1);
     }
     // The 101st: per_tenant (the second policy) refuses; nothing is charged
     // to per_ip, global or the shadow policy.
@@ -125,7 +103,8 @@ fn tenant_api_example_through_nginx() {
     wait_until("the access log written", Duration::from_secs(5), || std::fs::read_to_string(&log_path).is_ok_and(|l| l.lines().count() >= 261));
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(log.contains("\"GET /api/orders HTTP/1.1\" 429 tenant=t1 ratelimit=REJECTED"), "{log}");
-    assert!(log.contains("\"GET /api/orders HTTP/1.1\" 200 tenant=t1 ratelimit=PASSED"), "{log}");
+    assert!(log.contains("\"GET /api/orders HTTP/1.1\" 200 tenant=t1 ratelimit=PASSED\n"), "{log}");
+    assert!(log.contains("\"GET /api/orders HTTP/1.1\" 200 tenant=t1 ratelimit=PASSED_SHADOW"), "the shadow policy's refusals, reported: {log}");
     let elog = nginx.error_log();
     let errors: Vec<&str> = elog.lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")).collect();
     assert!(errors.is_empty(), "nginx errors: {errors:?}");

@@ -22,7 +22,7 @@ fn daemon_table<T: Copy>(all: &[T], wire: impl Fn(T) -> u16, name: impl Fn(T) ->
 /// The entries of `local NAME = { ... }` in the Lua module: `[N] = "name"`,
 /// `name = N` or `["name"] = N`.
 fn lua_table(lua: &str, table: &str) -> Table {
-    let start = lua.find(&format!("local {table} = {{")).unwrap_or_else(|| panic!("lua/resty/ratelimitd.lua has no `local {table} = {{`"));
+    let start = lua.find(&format!("local {table} = {{")).unwrap_or_else(|| panic!("lua/resty/ratelimitd/wire.lua has no `local {table} = {{`"));
     let body = &lua[start..];
     let body = &body[body.find('{').unwrap() + 1..body.find('}').unwrap()];
     let mut out = Table::new();
@@ -54,7 +54,7 @@ fn doc_table(doc: &str, heading: &str) -> Table {
 
 #[test]
 fn the_lua_client_speaks_the_daemons_vocabulary() {
-    let lua = read("lua/resty/ratelimitd.lua");
+    let lua = read("lua/resty/ratelimitd/wire.lua");
     assert_eq!(lua_table(&lua, "POLICY"), daemon_table(FailPolicy::ALL, |v| v.to_wire().into(), FailPolicy::as_str), "POLICY");
     assert_eq!(lua_table(&lua, "DECISION"), daemon_table(Decision::ALL, |v| v.to_wire().into(), Decision::as_str), "DECISION");
     assert_eq!(lua_table(&lua, "SOURCE"), daemon_table(Source::ALL, |v| v.to_wire().into(), Source::as_str), "SOURCE");

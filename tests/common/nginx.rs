@@ -45,8 +45,7 @@ impl Nginx {
         std::fs::set_permissions(prefix.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         // A copy the workers can read wherever the checkout lives.
         let lua_dir = prefix.path().join("lua");
-        std::fs::create_dir_all(lua_dir.join("resty")).unwrap();
-        std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/resty/ratelimitd.lua"), lua_dir.join("resty/ratelimitd.lua")).unwrap();
+        copy_lua_tree(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/resty")), &lua_dir.join("resty"));
         std::fs::create_dir_all(prefix.path().join("logs")).unwrap();
         let mut body = http_body.replace("{PORT}", &port.to_string()).replace("{LUA}", &lua_dir.display().to_string());
         for (name, p) in &named_ports {
@@ -92,6 +91,20 @@ impl Nginx {
 
     pub fn error_log(&self) -> String {
         self.child.log()
+    }
+}
+
+/// The shipped Lua client: `resty/ratelimitd.lua` and its modules under
+/// `resty/ratelimitd/` (the unit tests beside them are not shipped).
+fn copy_lua_tree(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            copy_lua_tree(&path, &to.join(path.file_name().unwrap()));
+        } else if path.extension().is_some_and(|e| e == "lua") {
+            std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+        }
     }
 }
 

@@ -1,0 +1,182 @@
+-- resty.ratelimitd.http: the HTTP side of a decision, for every limiter
+-- kind: the fail policy when the daemon gave none, the status of a refusal,
+-- the quota headers per style, GCRA pacing, Retry-After, the problem body,
+-- $ratelimitd_status and ngx.ctx.ratelimitd. The only module that ends a
+-- request (ngx.exit); the limiters below it return nil, err.
+--
+-- A limiter kind gives enforce():
+--   lim:_decide(key, cost, lease)   the decision table, or nil and an error
+--   lim:_fallback(key, cost, reason) the location's policy's decision
+--   lim:_label(key)                 the key(s) as logged
+-- and the fields _policy, _limit, _window_ms, _shadow (a set of names),
+-- _set_ctx; `beh` holds status, fail_closed_status, invalid_status,
+-- headers, header_style, dry_run, nodelay, delay: the limiter itself, or
+-- the table form's own options table.
+
+local settings = require("resty.ratelimitd.config").settings
+local headers = require "resty.ratelimitd.headers"
+local log_failure = require("resty.ratelimitd.log").failure
+local UNKNOWN_POLICY = require("resty.ratelimitd.wire").UNKNOWN_POLICY
+
+local ngx = ngx
+local ngx_log, INFO = ngx.log, ngx.INFO
+local ngx_exit, ngx_sleep, ngx_header = ngx.exit, ngx.sleep, ngx.header
+local ceil, max = math.ceil, math.max
+local tostring = tostring
+
+local _M = {}
+
+-- Sources after which Redis failed behind the daemon, which applied the
+-- location's policy.
+local DAEMON_FAIL = { fail_open = "daemon_fail_open", fail_closed = "daemon_fail_closed", ["local"] = "daemon_local" }
+local FAIL_OPEN = { fail_open = true, lua_fail_open = true }
+local FAIL_CLOSED = { fail_closed = true, lua_fail_closed = true }
+
+-- The outcome for access logs and later phases: ngx.ctx.ratelimitd (the
+-- decision table) from multi-policy and refundable limiters, or from every
+-- limiter with configure{ set_ctx = true } (ngx.ctx makes a table per
+-- request: not done unless asked); with configure{ log_var = "name" },
+-- $name set to PASSED, DELAYED, REJECTED, REJECTED_DRY_RUN, PASSED_SHADOW,
+-- FAIL_OPEN or ERROR (like $limit_req_status).
+local function log_outcome(lim, res, outcome)
+    if lim._set_ctx or settings.set_ctx then
+        ngx.ctx.ratelimitd = res
+    end
+    local var = settings.log_var
+    if var ~= "" then
+        ngx.var[var] = outcome
+    end
+end
+
+-- A shadow policy's refusal among a multi-item decision's items: reported
+-- as PASSED_SHADOW, never enforced.
+local function shadow_item_refused(items)
+    for i = 1, #items do
+        if items[i].decision == "shadow_denied" then
+            return true
+        end
+    end
+    return false
+end
+
+-- GCRA pacing (docs/ALGORITHMS.md): the daemon admits a request ahead of
+-- its place at the rate with retry_after_ms its delay; only GCRA admits
+-- with a delay, so no algorithm need be known (a named policy's is the
+-- daemon's). Paced unless nodelay; the first `delay` of a burst at once:
+-- one emission interval T each, the limiter's window / limit, or for a
+-- policy what the response carries (reset_ms - retry_after_ms is the cost's
+-- T, to the ms). Called for an admitted request with a delay (`wait` ms);
+-- returns true when it slept.
+local function pace(lim, beh, res, cost, wait)
+    if beh.nodelay or beh.dry_run then
+        return false
+    end
+    local delay = beh.delay
+    if delay and delay > 0 then
+        local t
+        if lim._limit and lim._window_ms then
+            t = lim._window_ms / lim._limit
+        else
+            t = (res.reset_ms - res.retry_after_ms) / cost
+        end
+        wait = wait - delay * t
+    end
+    if wait <= 0 then
+        return false
+    end
+    ngx_sleep(wait / 1000)
+    return true
+end
+
+--- For access_by_lua*: decides `key` (the wire key(s), from the caller's
+-- argument checks) of `cost` with `lim`; lets the request through (the
+-- decision table is returned) or ends it with its status.
+function _M.enforce(lim, beh, key, cost, lease)
+    local res, err = lim:_decide(key, cost, lease)
+    if not res then
+        res = lim:_fallback(key, cost, err)
+    elseif res.error_code == UNKNOWN_POLICY then
+        -- The daemon's configuration has no policy of this name (a typo, or
+        -- a reload that removed it): a configuration error, logged as such
+        -- at error level; until it is fixed the location's on_error decides.
+        log_failure("unknown_policy", lim:_label(key), "policy '" .. tostring(lim._policy) .. "': " .. res.message)
+        res = lim:_fallback(key, cost, "UNKNOWN_POLICY")
+    elseif res.decision == "error" and res.error_code < 30 then
+        -- The daemon refused the request as invalid (codes 1-29: a limit,
+        -- window or cost outside its bounds, a combination it cannot
+        -- honour): this location is misconfigured. That is not an outage,
+        -- so on_error does not decide (with "open" it would pass every
+        -- request unlimited): the request gets its own status, 500 by
+        -- default, and the error is logged as such.
+        log_failure("invalid_request", lim:_label(key), res.error .. ": " .. res.message)
+        log_outcome(lim, res, "ERROR")
+        if beh.dry_run then
+            return res
+        end
+        return ngx_exit(beh.invalid_status or settings.invalid_status)
+    elseif res.decision == "error" then
+        -- No decision for a reason of the daemon's own (its in-memory
+        -- windows are full: LOCAL_CAPACITY): decided by the policy.
+        res = lim:_fallback(key, cost, res.error .. ": " .. res.message)
+    elseif DAEMON_FAIL[res.source] then
+        log_failure(DAEMON_FAIL[res.source], lim:_label(key), res.error .. ": " .. res.message)
+    end
+    -- A policy's window is the daemon's (in the items of a multi-item
+    -- answer); window_ms of a policy limiter is its own fallback's, for its
+    -- own fallback only.
+    if not lim._policy or res.source == "lua_local" then
+        res.window_ms = lim._window_ms
+    end
+    local show = beh.headers
+    if show == nil then
+        show = settings.headers
+    end
+    local items = res.items
+    if res.decision == "shadow_denied" and not items then
+        -- A one-policy limiter of a shadow policy: nothing the client
+        -- should see, no headers, no refusal.
+        ngx_log(INFO, "ratelimitd: shadow policy '", lim._policy, "' would deny key=", key, " source=", res.source)
+        log_outcome(lim, res, "PASSED_SHADOW")
+        return res
+    end
+    if show then
+        headers.set(ngx_header, res, beh.header_style or settings.header_style, lim._shadow)
+    end
+    if res.allowed then
+        local outcome = "PASSED"
+        -- Only an admission with a delay (GCRA's) has a retry-after.
+        local wait = res.retry_after_ms
+        if FAIL_OPEN[res.source] then
+            outcome = "FAIL_OPEN"
+        elseif wait and wait > 0 and res.decision == "allowed" and pace(lim, beh, res, cost, wait) then
+            -- DELAYED as limit_req's $limit_req_status says of a paced request.
+            outcome = "DELAYED"
+        elseif res.decision == "shadow_denied" or items and shadow_item_refused(items) then
+            outcome = "PASSED_SHADOW"
+        end
+        log_outcome(lim, res, outcome)
+        return res
+    end
+    if beh.dry_run then
+        ngx_log(INFO, "ratelimitd: dry_run would deny key=", lim:_label(key), " source=", res.source)
+        log_outcome(lim, res, "REJECTED_DRY_RUN")
+        return res
+    end
+    log_outcome(lim, res, "REJECTED")
+    local closed = FAIL_CLOSED[res.source]
+    if show or closed then
+        ngx_header["Retry-After"] = max(1, ceil((res.retry_after_ms or 1000) / 1000))
+    end
+    if closed then
+        return ngx_exit(beh.fail_closed_status or settings.fail_closed_status)
+    end
+    local status = beh.status or settings.status
+    if settings.problem_body then
+        ngx.status = status
+        ngx_header["Content-Type"] = "application/problem+json"
+        ngx.print(headers.problem_body(res, status))
+    end
+    return ngx_exit(status)
+end
+
+return _M

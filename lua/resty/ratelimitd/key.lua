@@ -1,0 +1,88 @@
+-- resty.ratelimitd.key: what a key from request data is sent as. Keys come
+-- from headers and addresses, which a client chooses: none of them may
+-- raise a Lua error, escape its limit, push the location into its fail
+-- policy or put control bytes into a log line.
+
+local settings = require("resty.ratelimitd.config").settings
+
+local ngx = ngx
+local md5 = ngx.md5
+local byte, concat = string.byte, table.concat
+local type, tostring = type, tostring
+local floor = math.floor
+
+local _M = {}
+
+-- Whether `s` holds a control byte (0x00-0x1f, 0x7f): a loop of byte
+-- compares, which LuaJIT compiles (string.find with a pattern it does not).
+local function has_control(s)
+    for i = 1, #s do
+        local b = byte(s, i)
+        if b < 32 or b == 127 then
+            return true
+        end
+    end
+    return false
+end
+
+-- An absent header (nil), a repeated one (a table, from
+-- ngx.req.get_headers()) and a number are keys too: nil is the empty key,
+-- a table its values joined as nginx joins repeated headers.
+local function as_string(key)
+    local t = type(key)
+    if t == "string" then
+        return key
+    elseif t == "nil" then
+        return ""
+    elseif t == "number" then
+        return tostring(key)
+    elseif t == "table" then
+        for i = 1, #key do
+            if type(key[i]) ~= "string" then
+                return nil
+            end
+        end
+        return concat(key, ", ")
+    end
+end
+
+--- The wire key of `key`: itself, or "md5:<hex>" of it when it is empty,
+-- longer than max_key_len or holds a control byte (the daemon refuses
+-- those). Computed once per request: the frame, the local fallback and
+-- every log line use the same value. nil and a message only for a key no
+-- request can produce (a boolean, a function): a bug in the code, which
+-- the caller raises.
+function _M.wire(key)
+    local s = as_string(key)
+    if not s then
+        return nil, "key must be a string (or nil, a number, a list of strings), not a " .. type(key)
+    end
+    if s == "" or #s > settings.max_key_len or has_control(s) then
+        return "md5:" .. md5(s)
+    end
+    return s
+end
+
+--- The per-request arguments of a limiter's methods: the wire key and the
+-- cost (1 by default, at most `limit` when the limiter knows its limit;
+-- a policy's is the daemon's, which refuses a cost above it as
+-- INVALID_COST); or nil and what is wrong (a bug in the code: the caller
+-- raises it).
+function _M.args(key, cost, limit)
+    local wkey, err = _M.wire(key)
+    if not wkey then
+        return nil, err
+    end
+    if cost == nil then
+        return wkey, 1
+    end
+    if type(cost) ~= "number" or cost < 1 or cost > (limit or 4294967295) or floor(cost) ~= cost then
+        -- Above the limit a request can never be admitted; the daemon would
+        -- refuse it (INVALID_COST) and the fail policy would decide, which
+        -- for "open" lets it through.
+        return nil, limit and "cost must be an integer from 1 to the limit (" .. limit .. ")" or "cost must be a positive integer"
+    end
+    return wkey, cost
+end
+
+return _M

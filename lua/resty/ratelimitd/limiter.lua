@@ -1,0 +1,93 @@
+-- resty.ratelimitd.limiter: the inline limiter, whose limit, window and
+-- algorithm are the location's (new{ limit = ..., window_ms = ... }; the
+-- table form's limiters are these too, form.lua), with the denial cache in
+-- front of the daemon. Validated
+-- once; the constant part of its request frame is built once, and each
+-- request only encodes its id, cost and key.
+
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
+local cache = require "resty.ratelimitd.cache"
+local kind = require "resty.ratelimitd.kind"
+local settings = require("resty.ratelimitd.config").settings
+
+local ngx = ngx
+local ngx_shared = ngx.shared
+local setmetatable = setmetatable
+local next_id, ask_daemon, encode_check = conn.next_id, conn.ask, wire.check
+
+local _M = {}
+
+local Limiter, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
+
+-- A limiter from values already validated (by new() or by the table form),
+-- without the behaviour options (all nil: configure()'s values).
+local function build(limit, window_ms, on_error, local_limit, algorithm)
+    local before, after, one = wire.check_parts(algorithm, on_error, limit, window_ms, local_limit)
+    return setmetatable({
+        _limit = limit,
+        _window_ms = window_ms,
+        _algorithm = algorithm,
+        _on_error = on_error,
+        _local_limit = local_limit,
+        _before_cost = before,
+        _after_cost = after,
+        -- The whole constant part for the usual cost of 1: one piece fewer.
+        _cost_one = one,
+        -- The denial cache's keys: "\1<limit>|<window_ms>|<wire key>"
+        -- (the log), "\1<algorithm>|<limit>|..." (the others: each has
+        -- windows of its own). A wire key holds no control byte, so no
+        -- local fallback key (which starts with the wire key) can be one.
+        _deny_prefix = "\1" .. (algorithm == "log" and "" or algorithm .. "|") .. limit .. "|" .. window_ms .. "|",
+    }, mt)
+end
+
+-- One exchange with the daemon: the decision table, or nil and an error.
+local function ask(self, key, cost)
+    local id = next_id()
+    return ask_daemon(self, encode_check(id, self._before_cost, self._after_cost, self._cost_one, cost, key), id)
+end
+
+-- One decision: from the denial cache, else from the daemon. `key` is the
+-- wire key, `cost` already checked.
+function Limiter._decide(self, key, cost)
+    local on = self._denial_cache
+    if on == nil then
+        on = settings.denial_cache
+    end
+    local mono_us = cache.mono_us
+    local dict = on and mono_us and ngx_shared[settings.shared_dict]
+    if not dict then
+        return ask(self, key, cost)
+    end
+    local ckey = self._deny_prefix .. key
+    local sent = mono_us()
+    local hit = cache.refusal(dict, ckey, cost, sent, self._limit)
+    if hit then
+        return hit
+    end
+    local res, err = ask(self, key, cost)
+    if res and res.decision == "denied" and (res.source == "redis" or res.source == "denial_cache") then
+        cache.remember(dict, ckey, cost, res, sent, settings.denial_cache_max_ms)
+    end
+    return res, err
+end
+
+kind.rate_methods(Limiter, checked)
+
+--- new{ limit, window_ms, ... }: the limiter, or nil and a message.
+_M.new = kind.constructor(mt, "inline", "new: ", function(opts, on_error)
+    local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit, opts.algorithm or "log")
+    -- nil: configure()'s denial_cache decides at each request.
+    lim._denial_cache = opts.denial_cache
+    return lim
+end)
+
+--- A limiter of these values, already validated (the table form's).
+_M.build = build
+
+--- One decision of `lim` for `key` (a wire key) of `cost` (checked):
+-- from the denial cache, else from the daemon.
+_M.decide = Limiter._decide
+
+return _M

@@ -1,0 +1,42 @@
+-- resty.ratelimitd.policy: a limiter of one named policy (CHECK_POLICY of
+-- one item): the daemon holds its limit, window, algorithm, overrides and
+-- allowlist (docs/POLICIES.md); the frame carries the name, the key and
+-- the cost. The location's on_error decides when the daemon gives no
+-- decision, and when the name is unknown to it. With on_error = "local",
+-- local_limit is the per-host quota and window_ms the window of this
+-- client's own fallback (the daemon's fallback uses the policy's window).
+-- No denial cache here: it is keyed by limit and window, which the daemon
+-- holds and a reload may change; the daemon's own cache applies.
+
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
+local kind = require "resty.ratelimitd.kind"
+
+local char = string.char
+local next_id, ask = conn.next_id, conn.ask
+local check_policy, policy_item = wire.check_policy, wire.policy_item
+
+local _M = {}
+
+local Policy, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
+
+function Policy._decide(self, key, cost)
+    local id = next_id()
+    return ask(self, check_policy(id, self._header, policy_item(cost, self._name_part, key)), id)
+end
+
+kind.rate_methods(Policy, checked)
+
+--- new{ policy = name, ... }: the limiter, or nil and a message.
+_M.new = kind.constructor(mt, "policy", "new: ", function(opts, on_error)
+    local name = opts.policy
+    return {
+        _policy = name,
+        _window_ms = opts.window_ms,
+        _header = wire.policy_header(0, on_error, 1, opts.local_limit),
+        -- After the key length: the name's length and the name.
+        _name_part = char(#name) .. name,
+    }
+end)
+
+return _M

@@ -1,0 +1,269 @@
+-- resty.ratelimitd.wire: the daemon's binary protocol (docs/PROTOCOL.md):
+-- the codes tables, frame encoding, response decoding. Pure Lua (LuaJIT's
+-- bit library only): no ngx, no I/O, so the Lua unit tests run it as is.
+
+local bit = require "bit"
+
+local band, rshift = bit.band, bit.rshift
+local byte, char, sub = string.byte, string.char, string.sub
+local floor = math.floor
+local tostring, ipairs = tostring, ipairs
+
+local _M = {}
+
+local VERSION = 1
+_M.VERSION = VERSION
+_M.OP_CHECK, _M.OP_CHECK_POLICY, _M.OP_REFUND = 1, 2, 3
+_M.OP_ACQUIRE, _M.OP_RELEASE = 5, 6
+-- ACQUIRE_POLICY (section 4e): a lease of a named concurrency policy; with
+-- the flag 0x0001, its release.
+_M.OP_ACQUIRE_POLICY, _M.FLAG_RELEASE = 7, 1
+_M.FLAG_REFUNDABLE = 1
+_M.MAX_POLICY_ITEMS = 8
+_M.MAX_POLICY_NAME_LEN = 31
+_M.UNKNOWN_POLICY = 12
+local RESPONSE_FIXED_LEN = 28
+_M.RESPONSE_FIXED_LEN = RESPONSE_FIXED_LEN
+-- The message, then (multi-item or refundable checks, PROTOCOL.md 5b) the
+-- extension: 3 bytes, a 16-byte handle and 26 bytes per item.
+_M.MAX_RESPONSE_LEN = RESPONSE_FIXED_LEN + 512 + 3 + 16 + _M.MAX_POLICY_ITEMS * 26
+-- The length prefix and the fixed fields: read in one receive (a message
+-- follows only with an error code, and is read by a second one).
+_M.RESPONSE_HEAD_LEN = 4 + RESPONSE_FIXED_LEN
+
+-- The vocabulary (tests/vocabulary.rs holds these tables to the daemon's).
+local POLICY = { open = 0, closed = 1, ["local"] = 2 }
+-- How a limit counts (docs/ALGORITHMS.md); sent in the CHECK flags' bits
+-- 0x0F00 (the first flags byte), 0 (the log) when not chosen.
+local ALGORITHM = { log = 0, ring = 1, gcra = 2, sliding_counter = 3, fixed = 4 }
+local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
+local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
+local ERROR_NAME = {
+    [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
+    [4] = "UNSUPPORTED_FLAGS", [5] = "UNSUPPORTED_LIMIT_COUNT", [6] = "INVALID_KEY",
+    [7] = "INVALID_LIMIT", [8] = "INVALID_WINDOW", [9] = "INVALID_COST", [10] = "INVALID_POLICY",
+    [11] = "INVALID_LOCAL_LIMIT", [12] = "UNKNOWN_POLICY", [13] = "DUPLICATE_ITEM",
+    [14] = "REFUND_UNSUPPORTED", [16] = "UNKNOWN_ALGORITHM", [17] = "INVALID_LEASE",
+    [18] = "WRONG_POLICY_KIND", [19] = "UNSUPPORTED_COMBINATION",
+    [20] = "FRAME_TOO_LARGE", [30] = "REDIS_TIMEOUT",
+    [31] = "REDIS_UNAVAILABLE", [32] = "REDIS_ERROR", [33] = "CIRCUIT_OPEN", [34] = "LOCAL_CAPACITY",
+    [35] = "OVERLOADED",
+}
+_M.POLICY, _M.ALGORITHM, _M.DECISION, _M.SOURCE, _M.ERROR_NAME = POLICY, ALGORITHM, DECISION, SOURCE, ERROR_NAME
+
+-- Sources whose numbers the daemon counted: a policy's limit for the key
+-- (its override included) is count + remaining.
+local DAEMON_COUNTED = { redis = true, memory = true, denial_cache = true, ["local"] = true }
+
+local function u32(n)
+    return char(band(rshift(n, 24), 255), band(rshift(n, 16), 255), band(rshift(n, 8), 255), band(n, 255))
+end
+
+local function be32(s, at)
+    local a, b, c, d = byte(s, at, at + 3)
+    return ((a * 256 + b) * 256 + c) * 256 + d
+end
+
+local function be16(s, at)
+    local a, b = byte(s, at, at + 1)
+    return a * 256 + b
+end
+
+-- 56-bit big-endian integers (µs of the monotonic clock; exact below 2^53).
+local function u56(n)
+    local hi = floor(n / 4294967296)
+    return char(band(rshift(hi, 16), 255), band(rshift(hi, 8), 255), band(hi, 255)) .. u32(n - hi * 4294967296)
+end
+
+local function be56(s, at)
+    local a, b, c = byte(s, at, at + 2)
+    return ((a * 256 + b) * 256 + c) * 4294967296 + be32(s, at + 3)
+end
+
+_M.u32, _M.be32, _M.be16, _M.u56, _M.be56 = u32, be32, be16, u56, be56
+
+-- Length, version, op and id: the first 10 bytes of every frame, in one
+-- string.
+local function head(len, op, id)
+    return char(band(rshift(len, 24), 255), band(rshift(len, 16), 255), band(rshift(len, 8), 255), band(len, 255),
+                VERSION, op,
+                band(rshift(id, 24), 255), band(rshift(id, 16), 255), band(rshift(id, 8), 255), band(id, 255))
+end
+
+local function key_len(n)
+    return char(band(rshift(n, 8), 255), band(n, 255))
+end
+
+local COST_ONE = u32(1)
+
+-- The constant parts of a CHECK (section 4) around its cost: flags (the
+-- algorithm), policy, n_limits (1), limit, window_ms | cost | local_limit.
+-- Built once per limiter; `one` is the whole of them for a cost of 1.
+function _M.check_parts(algorithm, on_error, limit, window_ms, local_limit)
+    local before = char(ALGORITHM[algorithm], 0, POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
+    local after = u32(local_limit or 0)
+    return before, after, before .. COST_ONE .. after
+end
+
+-- CHECK of `key` (a wire key); `parts` from check_parts. Per request only
+-- the length, the id, the cost and the key are encoded, in one
+-- concatenation: for four short pieces sock:send(table) walks the table
+-- three times through the C API, which measured no cheaper (docs/NGINX.md).
+function _M.check(id, before, after, one, cost, key)
+    local n = #key
+    if cost == 1 then
+        return head(28 + n, 1, id) .. one .. key_len(n) .. key
+    end
+    return head(28 + n, 1, id) .. before .. u32(cost) .. after .. key_len(n) .. key
+end
+
+-- ACQUIRE / RELEASE (section 4d): CHECK's fields (the lease length as
+-- window_ms), then the lease id's length, the key and the lease id.
+function _M.lease(op, id, before, after, cost, key, lease)
+    local n = #key
+    return head(29 + n + #lease, op, id) .. before .. u32(cost) .. after .. key_len(n) .. char(#lease) .. key .. lease
+end
+
+-- The constant header of a CHECK_POLICY (section 4b) after the id: flags,
+-- fail policy, n_items, local_limit.
+function _M.policy_header(flags, on_error, n_items, local_limit)
+    return char(0, flags, POLICY[on_error], n_items) .. u32(local_limit or 0)
+end
+
+-- One item of a CHECK_POLICY: cost, key_len, name_len, name, key.
+-- `name_part` is the name's length byte and the name.
+function _M.policy_item(cost, name_part, key)
+    local n = #key
+    return u32(cost) .. key_len(n) .. name_part .. key
+end
+
+-- CHECK_POLICY of `items` (their concatenation, n_items in `header`).
+function _M.check_policy(id, header, items)
+    return head(14 + #items, 2, id) .. header .. items
+end
+
+-- ACQUIRE_POLICY (section 4e): CHECK_POLICY's header (the release flag in
+-- it), the lease id's length, the item, then the lease id.
+function _M.acquire_policy(id, header, cost, name_part, key, lease)
+    local item = _M.policy_item(cost, name_part, key)
+    return head(15 + #item + #lease, 7, id) .. header .. char(#lease) .. item .. lease
+end
+
+-- REFUND (section 4c): version, op, id, flags (0), a reserved byte, then
+-- the handle (item count, the 16 bytes of the daemon's handle, the items).
+function _M.refund(id, handle)
+    local body = char(VERSION, 3) .. u32(id) .. char(0, 0, 0) .. handle
+    return u32(#body) .. body
+end
+
+-- Checks the length prefix and the fixed fields of a response (`h`, 32
+-- bytes) to request `id`: the frame's length after the prefix, or nil and
+-- why it cannot be read.
+function _M.check_head(h, id)
+    local len = be32(h, 1)
+    if len < RESPONSE_FIXED_LEN or len > _M.MAX_RESPONSE_LEN then
+        return nil, "bad response length " .. len
+    end
+    if byte(h, 5) ~= VERSION or be32(h, 7) ~= id then
+        return nil, "response out of sync"
+    end
+    if RESPONSE_FIXED_LEN + be16(h, 31) > len or not DECISION[byte(h, 11)] or not SOURCE[byte(h, 12)] then
+        return nil, "malformed response"
+    end
+    return len
+end
+
+function _M.message_len(h)
+    return be16(h, 31)
+end
+
+function _M.error_code(h)
+    return be16(h, 29)
+end
+
+-- The decision table of a response: `h` its prefix and fixed fields, as
+-- check_head accepted them. `limit` is the limiter's own (nil for a
+-- policy's), `local_limit` its fallback quota, `policy` its policy's name.
+-- Made with every field it will hold, so it is never resized.
+function _M.decode(h, message, limit, local_limit, policy)
+    -- Offsets in `h` are the body's plus the 4 bytes of length prefix.
+    local code = be16(h, 29)
+    local source = SOURCE[byte(h, 12)]
+    local decision = DECISION[byte(h, 11)]
+    local count, remaining = be32(h, 13), be32(h, 17)
+    if source == "local" then
+        -- The daemon's local fallback counts against the local quota.
+        limit = local_limit
+    end
+    if policy then
+        -- The policy's limit for this key (its override included) is the
+        -- daemon's: count plus remaining, whenever something was counted.
+        limit = DAEMON_COUNTED[source] and count + remaining or nil
+    end
+    return {
+        -- A shadow policy's refusal is reported, never enforced.
+        allowed = decision == "allowed" or decision == "shadow_denied",
+        decision = decision,
+        source = source,
+        count = count,
+        remaining = remaining,
+        retry_after_ms = be32(h, 21),
+        reset_ms = be32(h, 25),
+        error_code = code,
+        error = ERROR_NAME[code] or tostring(code),
+        message = message,
+        limit = limit,
+        policy = policy,
+    }
+end
+
+-- The item the legacy fields (and res.limit, res.window_ms) show: the first
+-- refusing item, else the most constrained one that counted. `hidden`
+-- (names of shadow policies) and shadow refusals are never shown.
+function _M.main_item(items, hidden)
+    local main
+    for _, it in ipairs(items) do
+        if not (hidden and hidden[it.policy]) then
+            if it.decision == "denied" and it.source ~= "none" then
+                return it
+            end
+            if it.decision == "allowed" and it.source ~= "exempt" and (not main or it.remaining < main.remaining) then
+                main = it
+            end
+        end
+    end
+    return main
+end
+
+-- Fills res.items (one table per policy: policy, decision, source, count,
+-- remaining, retry_after_ms, reset_ms, limit, window_ms), res.refused (the
+-- name of the policy that refused) and res.handle (16 bytes, or false) from
+-- the extension of section 5b. `names`: the policies in request order.
+function _M.parse_extension(res, ext, names, hidden)
+    local n, refused, handle_len = byte(ext, 1, 3)
+    local items = {}
+    local at = 4 + handle_len
+    for i = 1, n do
+        items[i] = {
+            policy = names[i],
+            decision = DECISION[byte(ext, at)] or "error",
+            source = SOURCE[byte(ext, at + 1)] or "none",
+            count = be32(ext, at + 2),
+            remaining = be32(ext, at + 6),
+            retry_after_ms = be32(ext, at + 10),
+            reset_ms = be32(ext, at + 14),
+            limit = be32(ext, at + 18),
+            window_ms = be32(ext, at + 22),
+        }
+        at = at + 26
+    end
+    res.items = items
+    res.refused = refused > 0 and names[refused] or false
+    res.handle = handle_len > 0 and sub(ext, 4, 3 + handle_len) or false
+    res.policy = res.refused or names[1]
+    local main = _M.main_item(items, hidden)
+    res.limit = main and main.limit > 0 and main.limit or nil
+    res.window_ms = main and main.window_ms or nil
+end
+
+return _M

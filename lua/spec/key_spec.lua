@@ -1,0 +1,43 @@
+-- What a key from request data is sent as: nothing a client sends raises,
+-- and nothing it sends reaches the daemon or a log line raw when it is
+-- empty, too long or holds control bytes.
+
+-- key.lua reads ngx.md5 when loaded: a stand-in that names its input.
+rawset(_G, "ngx", rawget(_G, "ngx") or {})
+rawset(ngx, "md5", function(s) return "h(" .. s .. ")" end)
+
+local key = require "resty.ratelimitd.key"
+local settings = require("resty.ratelimitd.config").settings
+
+describe("keys", function()
+    it("sends a plain key as it is", function()
+        assert.equals("tenant-a", key.wire("tenant-a"))
+        assert.equals("utf8-ключ", key.wire("utf8-ключ"))
+    end)
+
+    it("hashes an empty key, an absent header's nil, and a key with control bytes", function()
+        assert.equals("md5:h()", key.wire(""))
+        assert.equals("md5:h()", key.wire(nil))
+        assert.equals("md5:h(a\tb)", key.wire("a\tb"))
+        assert.equals("md5:h(a\0b)", key.wire("a\0b"))
+        assert.equals("md5:h(a\31b)", key.wire("a\31b"), "0x1F: the daemon's shard separator (SEMANTICS S2)")
+        assert.equals("md5:h(a\127b)", key.wire("a\127b"))
+        assert.equals("a\32b\128\255", key.wire("a\32b\128\255"), "space and bytes above 0x7f are not control bytes")
+    end)
+
+    it("hashes a key longer than max_key_len", function()
+        local long = string.rep("x", settings.max_key_len + 1)
+        assert.equals("md5:h(" .. long .. ")", key.wire(long))
+        assert.equals(string.rep("x", settings.max_key_len), key.wire(string.rep("x", settings.max_key_len)))
+    end)
+
+    it("takes a number and a repeated header's list of values", function()
+        assert.equals("42", key.wire(42))
+        assert.equals("a, b", key.wire({ "a", "b" }))
+    end)
+
+    it("gives nil and a message for a key no request can make", function()
+        assert.same({ nil, "key must be a string (or nil, a number, a list of strings), not a boolean" }, { key.wire(true) })
+        assert.is_nil(key.wire({ {} }))
+    end)
+end)

@@ -1,0 +1,83 @@
+-- A request's leases across internal redirects, with a stand-in for the
+-- parts of ngx the module reads: $request_id (indexed: the same at every
+-- read of one request), the clock, ngx.ctx.
+
+local now, current = 1000, "req-1"
+local logged = {}
+rawset(_G, "ngx", {
+    ERR = 4,
+    now = function() return now end,
+    log = function(_, ...) logged[#logged + 1] = table.concat({ ... }) end,
+    var = setmetatable({}, { __index = function(_, k) if k == "request_id" then return current end end }),
+    ctx = {},
+})
+
+local leases = require "resty.ratelimitd.leases"
+
+local function lease(name)
+    return { "limiter", name, 1, { allowed = true } }
+end
+
+describe("leases", function()
+    it("keeps a request's leases under its $request_id, across redirects, until taken", function()
+        local id, held = leases.of_request()
+        assert.equals("req-1", id)
+        assert.is_nil(held)
+        leases.remember(id, lease("a"), 30)
+        -- After an internal redirect ngx.ctx is new; the id is the same.
+        ngx.ctx = {}
+        id, held = leases.of_request()
+        assert.equals("req-1", id)
+        assert.equals("a", held[1][2])
+        leases.remember(id, lease("b"), 30)
+        assert.equals(1, leases.requests())
+        current = "req-2"
+        assert.is_nil(select(2, leases.of_request()), "another request holds nothing")
+        current = "req-1"
+        local taken_id, taken = leases.take()
+        assert.equals("req-1", taken_id)
+        assert.same({ "a", "b" }, { taken[1][2], taken[2][2] })
+        assert.is_nil(select(2, leases.take()), "taken once")
+        assert.equals(0, leases.requests())
+        assert.same({}, logged)
+    end)
+
+    it("forgets, once past their lease, the leases of requests that never reached leave()", function()
+        for i = 1, 1024 do
+            current = "old-" .. i
+            leases.remember(current, lease("k"), 30)
+        end
+        assert.equals(1024, leases.requests())
+        now = now + 31
+        current = "new"
+        -- The 1025th request sweeps: only its own entry is left.
+        leases.remember(current, lease("k"), 30)
+        assert.equals(1, leases.requests())
+        current = "old-1"
+        assert.is_nil(select(2, leases.of_request()))
+    end)
+end)
+
+describe("leases without an indexed $request_id", function()
+    it("says so once, and keeps a request's leases in ngx.ctx (lost on a redirect)", function()
+        package.loaded["resty.ratelimitd.leases"] = nil
+        local n = 0
+        -- Unindexed, every read of $request_id makes a new one.
+        ngx.var = setmetatable({}, { __index = function() n = n + 1; return "fresh-" .. n end })
+        ngx.ctx = {}
+        logged = {}
+        local fresh = require "resty.ratelimitd.leases"
+        local id, held = fresh.of_request()
+        assert.is_nil(held)
+        assert.equals(1, #logged)
+        assert.matches("request_id is not indexed", logged[1])
+        fresh.remember(id, lease("a"), 30)
+        local same_id, same = fresh.of_request()
+        assert.equals(id, same_id, "the lease id is read once per ngx.ctx")
+        assert.equals("a", same[1][2])
+        assert.equals(1, #logged)
+        local _, taken = fresh.take()
+        assert.equals("a", taken[1][2])
+        assert.is_nil(ngx.ctx.ratelimitd_leases)
+    end)
+end)
