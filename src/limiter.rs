@@ -769,8 +769,10 @@ impl Limiter {
             Backend::Redis(redis) => {
                 let items: Vec<RefundItem<'_>> =
                     req.items.iter().zip(&resolved).enumerate().map(|(i, (item, r))| RefundItem { key: &item.scoped_key, window_ms: r.policy.window_ms, cost: item.cost, number: (i + 1) as u8 }).collect();
-                match redis.refund(&req.handle, &items).await {
-                    Ok(removed) => {
+                let outcome = redis.refund_outcome(&req.handle, &items).await;
+                match outcome.failure {
+                    None => {
+                        let removed = outcome.removed;
                         METRICS.refunded(removed);
                         if let Some(d) = self.denials.as_deref() {
                             for (item, r) in req.items.iter().zip(&resolved) {
@@ -781,7 +783,8 @@ impl Limiter {
                         }
                         Response { decision: Decision::Allowed, source: Source::Redis, count: removed.min(u64::from(u32::MAX)) as u32, ..Response::error(req.id, OP_REFUND, ErrorCode::None, Cow::Borrowed("")) }
                     }
-                    Err(e) => Response { source: Source::Redis, ..Response::error(req.id, OP_REFUND, error_code(&e), Cow::Owned(e.to_string())) },
+                    // The slots that answered were refunded: `count` says how much (PROTOCOL.md 4c).
+                    Some(e) => Response { source: Source::Redis, count: outcome.removed.min(u64::from(u32::MAX)) as u32, ..Response::error(req.id, OP_REFUND, error_code(&e), Cow::Owned(e.to_string())) },
                 }
             }
         };

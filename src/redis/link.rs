@@ -247,6 +247,13 @@ impl RedisLink {
     /// connection died, it is counted twice: the error is on the side of
     /// refusing, never of admitting too much.
     pub async fn eval<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        self.eval_by(cmd, Instant::now() + self.settings.timeout).await
+    }
+
+    /// `eval` with a deadline of the caller's: the calls of one decision
+    /// over several Cluster slots share one (`multi`), whatever their
+    /// number.
+    pub async fn eval_by<T: FromRedisValue>(&self, cmd: &Cmd, deadline: Instant) -> Result<T, StoreError> {
         let started = Instant::now();
         let mut conn = self.connection()?;
         let conn_is_cluster = conn.is_cluster();
@@ -255,7 +262,11 @@ impl RedisLink {
         };
         let attempt = async {
             let seen = self.generation();
-            match cmd.query_async::<T>(&mut conn).await {
+            let first = match cmd.query_async::<T>(&mut conn).await {
+                Err(e) if is_ask(&e) => follow_ask(cmd, e, &mut conn).await,
+                other => other,
+            };
+            match first {
                 Err(e) if is_noscript(&e) && conn.is_cluster() => {
                     // One node of the cluster lost its script cache (a
                     // promoted replica, SCRIPT FLUSH, a restart): EVAL the
@@ -264,7 +275,11 @@ impl RedisLink {
                     // none being down matters (`SCRIPT LOAD` on a cluster
                     // goes to every node and fails if any one is down).
                     METRICS.noscript_reload();
-                    eval_source(cmd, self.source_of(cmd)).query_async::<T>(&mut conn).await
+                    let eval = eval_source(cmd, self.source_of(cmd));
+                    match eval.query_async::<T>(&mut conn).await {
+                        Err(e) if is_ask(&e) => follow_ask(&eval, e, &mut conn).await,
+                        other => other,
+                    }
                 }
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                     METRICS.noscript_reload();
@@ -288,7 +303,7 @@ impl RedisLink {
                 other => other,
             }
         };
-        let outcome = tokio::time::timeout(self.settings.timeout, attempt).await;
+        let outcome = tokio::time::timeout_at(deadline.into(), attempt).await;
         let took = started.elapsed();
         let now = started + took;
         METRICS.redis_call(took);
@@ -620,6 +635,45 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
+}
+
+fn is_ask(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask)
+}
+
+/// Redirects followed here, one after the other, before the error stands.
+const ASK_HOPS: usize = 3;
+
+/// Follows an `ASK` redirect that redis-rs gave up on, as one pipeline
+/// `ASKING` + `cmd` to the node it names. redis-rs (cluster-async, 1.8)
+/// sends `ASKING` and the command as two requests on the node's shared
+/// multiplexed connection, awaiting the first before sending the second:
+/// any other request of ours for that node sent in between consumes the
+/// one-shot ASKING flag, the command then meets the importing node without
+/// it and is sent back (`MOVED` to the old node, which answers `ASK`
+/// again), and after its retries the caller gets the `ASK` error. A
+/// pipeline is written in one piece, so nothing comes between the two.
+async fn follow_ask<T: FromRedisValue>(cmd: &Cmd, first: RedisError, conn: &mut LinkConnection) -> Result<T, RedisError> {
+    let LinkConnection::Cluster(cluster) = conn else { return Err(first) };
+    let mut err = first;
+    for _ in 0..ASK_HOPS {
+        let Some((host, port)) = err.redirect_node().and_then(|(node, _slot)| node.rsplit_once(':')).and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?))) else {
+            return Err(err);
+        };
+        let mut pipe = redis::pipe();
+        pipe.cmd("ASKING").add_command(cmd.clone());
+        let route = redis::cluster_routing::SingleNodeRoutingInfo::ByAddress { host, port };
+        let mut values = cluster.route_pipeline(pipe, 1, 1, route).await?;
+        let Some(value) = values.pop() else {
+            return Err(RedisError::from(std::io::Error::other("ASKING pipeline: no reply")));
+        };
+        match value.extract_error() {
+            Err(e) if is_ask(&e) => err = e,
+            Err(e) => return Err(e),
+            Ok(v) => return T::from_redis_value(v).map_err(RedisError::from),
+        }
+    }
+    Err(err)
 }
 
 fn is_noscript(e: &RedisError) -> bool {

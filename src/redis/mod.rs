@@ -16,10 +16,12 @@
 mod coalesce;
 mod connector;
 mod link;
+mod multi;
 mod sentinel;
 mod shard;
 mod window;
 
 pub use connector::{Connector, ConnectorError, LinkConnection};
 pub use shard::shard_key;
-pub use window::{BatchAsk, MultiAsk, RedisWindow, RefundItem, StartError, WindowKey};
+pub use multi::{MultiAsk, RefundItem, RESERVATION_LIFE};
+pub use window::{BatchAsk, RedisWindow, StartError, WindowKey};
