@@ -326,9 +326,11 @@ async fn one_deadline_for_a_check_over_eight_slots() {
 }
 
 /// Case 5: plain checks during manual slot moves (IMPORTING, MIGRATING,
-/// MIGRATE, then SETSLOT NODE), with other clients busy on the destination
+/// MIGRATE, then SETSLOT NODE) of a slot where 16 clients each check a key
+/// of their own (one hash tag), with other clients busy on the destination
 /// primary: every request is decided by Redis (ASK followed), none gets
-/// an error.
+/// an error. Many calls redirected at once to one node are what redis-rs's
+/// own ASK handling loses (see `follow_ask` in src/redis/link.rs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     let cluster = RedisCluster::start();
@@ -338,12 +340,13 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     let ranges = cluster.slot_ranges(dst);
     let on_dst: Vec<String> = (0..).map(|i| format!("busy{i}")).filter(|k| ranges.iter().any(|&(a, b)| (a..=b).contains(&key_slot(format!("ratelimitd:{{{k}}}:60000ms").as_bytes())))).take(8).collect();
     let src_ranges = cluster.slot_ranges(src);
-    let moving: Vec<String> = (0..).map(|i| format!("mv{i}")).filter(|k| src_ranges.iter().any(|&(a, b)| (a..=b).contains(&key_slot(format!("ratelimitd:{{{k}}}:60000ms").as_bytes())))).take(2).collect();
+    let tags: Vec<String> = (0..).map(|i| format!("mv{i}")).filter(|t| src_ranges.iter().any(|&(a, b)| (a..=b).contains(&key_slot(t.as_bytes())))).take(2).collect();
     let stop = Arc::new(AtomicBool::new(false));
     let errors = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let count = Arc::new(AtomicU32::new(0));
     let mut tasks = Vec::new();
-    for (i, k) in moving.iter().cycle().take(8).chain(on_dst.iter()).enumerate() {
+    let moving: Vec<String> = tags.iter().flat_map(|t| (0..16).map(move |i| format!("{{{t}}}c{i}"))).collect();
+    for (i, k) in moving.iter().chain(on_dst.iter()).enumerate() {
         let mut c = d.client().await;
         let (k, stop, errors, count) = (k.clone(), stop.clone(), errors.clone(), count.clone());
         tasks.push(tokio::spawn(async move {
@@ -360,9 +363,8 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     let ok = |out: String| assert_eq!(out.trim(), "OK", "{out}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut moves = 0;
-    for (k, (from, to)) in moving.iter().zip([(src, dst), (src, dst)]) {
-        let rk = format!("ratelimitd:{{{k}}}:60000ms");
-        let slot = key_slot(rk.as_bytes()).to_string();
+    for (tag, (from, to)) in tags.iter().zip([(src, dst), (src, dst)]) {
+        let slot = key_slot(tag.as_bytes()).to_string();
         let (from_id, to_id) = (id(from), id(to));
         ok(cluster.cli(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]));
         ok(cluster.cli(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]));
@@ -421,9 +423,12 @@ async fn a_refund_that_fails_on_one_slot_says_what_it_took_back() {
     let a = lone(&mut c, "a", &key_a).await;
     assert_eq!((a.decision, a.source), (Decision::Allowed, Source::Redis), "the denial cache was told of the refund: {a:?}");
     tokio::time::sleep(Duration::from_millis(1000)).await;
+    // B's call, cut by its deadline, waited in the paused primary and ran
+    // when it woke: a slot that did not answer may still have refunded.
     let retry = c.refund(&handle, &items).await.unwrap();
-    assert_eq!((retry.error, retry.count), (ErrorCode::None, 1), "the retry takes back B's unit: {retry:?}");
-    assert_eq!(zcard(&cluster, "b", &key_b), 0);
+    assert_eq!(retry.error, ErrorCode::None, "{retry:?}");
+    assert!(retry.count <= 1, "the retry takes back at most B's unit: {retry:?}");
+    assert_eq!(zcard(&cluster, "b", &key_b), 0, "all of it is taken back");
 }
 
 /// Case 7: the per-item numbers of a refused multi-item check are the same

@@ -263,7 +263,7 @@ impl RedisLink {
         let attempt = async {
             let seen = self.generation();
             let first = match cmd.query_async::<T>(&mut conn).await {
-                Err(e) if is_ask(&e) => follow_ask(cmd, e, &mut conn).await,
+                Err(e) if is_redirect(&e) => follow_redirect(cmd, e, &mut conn).await,
                 other => other,
             };
             match first {
@@ -277,7 +277,7 @@ impl RedisLink {
                     METRICS.noscript_reload();
                     let eval = eval_source(cmd, self.source_of(cmd));
                     match eval.query_async::<T>(&mut conn).await {
-                        Err(e) if is_ask(&e) => follow_ask(&eval, e, &mut conn).await,
+                        Err(e) if is_redirect(&e) => follow_redirect(&eval, e, &mut conn).await,
                         other => other,
                     }
                 }
@@ -637,38 +637,43 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
     }
 }
 
-fn is_ask(e: &RedisError) -> bool {
-    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask)
+/// A redirect redis-rs gave up on (see `follow_redirect`).
+fn is_redirect(e: &RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::Ask | redis::ServerErrorKind::Moved))
 }
 
 /// Redirects followed here, one after the other, before the error stands.
-const ASK_HOPS: usize = 3;
+const REDIRECT_HOPS: usize = 4;
 
-/// Follows an `ASK` redirect that redis-rs gave up on, as one pipeline
-/// `ASKING` + `cmd` to the node it names. redis-rs (cluster-async, 1.8)
-/// sends `ASKING` and the command as two requests on the node's shared
-/// multiplexed connection, awaiting the first before sending the second:
-/// any other request of ours for that node sent in between consumes the
-/// one-shot ASKING flag, the command then meets the importing node without
-/// it and is sent back (`MOVED` to the old node, which answers `ASK`
-/// again), and after its retries the caller gets the `ASK` error. A
-/// pipeline is written in one piece, so nothing comes between the two.
-async fn follow_ask<T: FromRedisValue>(cmd: &Cmd, first: RedisError, conn: &mut LinkConnection) -> Result<T, RedisError> {
+/// Follows a redirect that redis-rs gave up on. During a slot migration
+/// redis-rs (cluster-async 1.8) follows `ASK` by sending `ASKING` and then
+/// the command as two requests on the importing node's shared multiplexed
+/// connection, awaiting the first before writing the second. Many calls
+/// redirected at once (a busy slot) write their `ASKING`s back to back,
+/// and the first command to follow consumes the node's one-shot flag: the
+/// others meet the importing node without it, are sent back (`MOVED` to
+/// the old node, which answers `ASK` again), one more gets through per
+/// round, and after its 16 retries the caller gets the `MOVED` or `ASK`
+/// error. Here `ASK` is followed with one pipeline `ASKING` + command to
+/// the node named (a pipeline is written in one piece: nothing comes
+/// between), and `MOVED` with the command to the node named.
+async fn follow_redirect<T: FromRedisValue>(cmd: &Cmd, first: RedisError, conn: &mut LinkConnection) -> Result<T, RedisError> {
     let LinkConnection::Cluster(cluster) = conn else { return Err(first) };
     let mut err = first;
-    for _ in 0..ASK_HOPS {
+    for _ in 0..REDIRECT_HOPS {
+        let ask = err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask);
         let Some((host, port)) = err.redirect_node().and_then(|(node, _slot)| node.rsplit_once(':')).and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?))) else {
             return Err(err);
         };
         let mut pipe = redis::pipe();
-        pipe.cmd("ASKING").add_command(cmd.clone());
+        if ask {
+            pipe.cmd("ASKING");
+        }
+        pipe.add_command(cmd.clone());
         let route = redis::cluster_routing::SingleNodeRoutingInfo::ByAddress { host, port };
-        let mut values = cluster.route_pipeline(pipe, 1, 1, route).await?;
-        let Some(value) = values.pop() else {
-            return Err(RedisError::from(std::io::Error::other("ASKING pipeline: no reply")));
-        };
-        match value.extract_error() {
-            Err(e) if is_ask(&e) => err = e,
+        let reply = cluster.route_pipeline(pipe, usize::from(ask), 1, route).await.and_then(|mut values| values.pop().ok_or_else(|| RedisError::from(std::io::Error::other("redirected call: no reply"))));
+        match reply.and_then(|v| v.extract_error()) {
+            Err(e) if is_redirect(&e) => err = e,
             Err(e) => return Err(e),
             Ok(v) => return T::from_redis_value(v).map_err(RedisError::from),
         }
