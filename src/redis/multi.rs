@@ -43,7 +43,7 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 use super::link::RedisLink;
-use super::window::{key_slot, WindowKey};
+use super::keys::{key_slot, verdict, WindowKey};
 use crate::denial_cache::DenialCache;
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
@@ -381,7 +381,7 @@ impl Reservations {
         if flat.len() != 2 + 5 * items.len() {
             return Err(StoreError::Redis(format!("the script answered {} values for {} items", flat.len(), items.len())));
         }
-        Ok(GroupAnswer { committed: flat[0] == 1, now_ms: flat[1], verdicts: flat[2..].chunks_exact(5).map(|v| super::window::verdict(v[0], v[1], v[2], v[3], v[4])).collect() })
+        Ok(GroupAnswer { committed: flat[0] == 1, now_ms: flat[1], verdicts: flat[2..].chunks_exact(5).map(|v| verdict(v[0], v[1], v[2], v[3], v[4])).collect() })
     }
 
     /// One "c" call: the slot's reserved members become admissions at `now_ms`.
