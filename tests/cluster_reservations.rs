@@ -34,7 +34,12 @@ fn policies(list: &[(&str, u32)]) -> String {
 
 /// The window key of `key` under policy `name` (docs/POLICIES.md).
 fn policy_key(name: &str, key: &str) -> String {
-    format!("ratelimitd:{{{}{name}{key}}}:60000ms", name.len() as u8 as char)
+    let scoped = format!("{}{name}{key}", name.len() as u8 as char);
+    if key.contains('{') {
+        format!("ratelimitd:~{scoped}:60000ms")
+    } else {
+        format!("ratelimitd:{{{scoped}}}:60000ms")
+    }
 }
 
 fn slot_of(name: &str, key: &str) -> u16 {
@@ -153,13 +158,12 @@ async fn opposite_item_orders_never_cross() {
 }
 
 /// Case 2: a check dropped half-way (its client gone while a slot's primary
-/// is slow, and the connection handler dropping the decision) and a check
-/// cut by SIGTERM after `shutdown_grace_ms`: neither leaves its reservation
-/// in the first slot.
+/// is slow, and the connection handler dropping the decision) leaves no
+/// reservation in the first slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_dropped_half_way_leaves_nothing_behind() {
     let cluster = RedisCluster::start();
-    let mut d = cluster_daemon(&cluster, "timeout_ms = 2500", &policies(&[("a", 5), ("b", 1), ("c", 100)]));
+    let d = cluster_daemon(&cluster, "timeout_ms = 2500", &policies(&[("a", 5), ("b", 1), ("c", 100)]));
     let prim = cluster.primaries();
     let key_b = key_on(&cluster, "b", "kb", prim[1], |s| s > 8000);
     let sb = slot_of("b", &key_b);
@@ -183,22 +187,27 @@ async fn a_check_dropped_half_way_leaves_nothing_behind() {
     // Past B's pause, and past a reservation's own short life.
     tokio::time::sleep(Duration::from_millis(3500)).await;
     assert_eq!(zcard(&cluster, "a", &key_a), 0, "the dropped check's reservation of A is gone\n{}", d.log());
+}
 
-    // SIGTERM while a check waits for B's primary (paused longer than the
-    // grace period of 2 s).
+/// Case 2, shutdown: a check cut by SIGTERM (it waits for a paused primary
+/// longer than `shutdown_grace_ms`, 2 s) leaves nothing in the first slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_cut_by_shutdown_leaves_nothing_behind() {
+    let cluster = RedisCluster::start();
+    let mut d = cluster_daemon(&cluster, "timeout_ms = 2500", &policies(&[("a", 5), ("b", 1)]));
+    let prim = cluster.primaries();
+    let key_b = key_on(&cluster, "b", "kb", prim[1], |s| s > 8000);
+    let sb = slot_of("b", &key_b);
+    let key_a = key_on(&cluster, "a", "ka", prim[0], |s| s < sb);
+    let mut c = d.client().await;
+    assert_eq!(lone(&mut c, "b", &key_b).await.decision, Decision::Allowed, "B is full now");
     pause(&cluster, prim[1], 3000);
     let mut c1 = d.client().await;
     let (ka, kb) = (key_a.clone(), key_b.clone());
     let multi = tokio::spawn(async move { c1.check_multi(FailPolicy::Closed, 0, false, &[item("a", &ka, 1), item("b", &kb, 1)]).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
-    let status = tokio::task::spawn_blocking(move || {
-        let s = d.terminate();
-        (s, d)
-    })
-    .await
-    .unwrap();
-    let (_, d) = status;
+    let (_, d) = tokio::task::spawn_blocking(move || (d.terminate(), d)).await.unwrap();
     eprintln!("daemon stopped {:?} after SIGTERM; the check: {:?}", started.elapsed(), multi.await.unwrap());
     tokio::time::sleep(Duration::from_millis(3000).saturating_sub(started.elapsed())).await;
     assert_eq!(zcard(&cluster, "a", &key_a), 0, "the check cut by the shutdown left nothing in A\n{}", d.log());
@@ -334,7 +343,7 @@ async fn one_deadline_for_a_check_over_eight_slots() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     let cluster = RedisCluster::start();
-    let d = cluster_daemon(&cluster, "timeout_ms = 500", "");
+    let d = cluster_daemon(&cluster, "timeout_ms = 500", &policies(&[("a", 1_000_000), ("b", 1_000_000)]));
     let prim = cluster.primaries();
     let (src, dst) = (prim[0], prim[1]);
     let ranges = cluster.slot_ranges(dst);
@@ -355,6 +364,27 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
                 count.fetch_add(1, Ordering::Relaxed);
                 if r.error != ErrorCode::None || r.source != Source::Redis {
                     errors.lock().unwrap().push(format!("client {i} key {k}: {:?} {:?} {}", r.error, r.source, r.message));
+                }
+            }
+        }));
+    }
+    // And multi-item checks, both orders, over the first moving slot and
+    // a slot of the third primary: no member left behind by the moves.
+    let key_a = format!("{{{}}}multi", tags[0]);
+    let key_b = key_on(&cluster, "b", "kb", prim[2], |_| true);
+    let multi_admitted = Arc::new(AtomicU32::new(0));
+    for n in 0..4 {
+        let mut c = d.client().await;
+        let (ka, kb, stop, errors, admitted) = (key_a.clone(), key_b.clone(), stop.clone(), errors.clone(), multi_admitted.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let items = if n % 2 == 0 { [item("a", &ka, 1), item("b", &kb, 1)] } else { [item("b", &kb, 1), item("a", &ka, 1)] };
+                let r = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
+                match (r.decision, r.error) {
+                    (Decision::Allowed, ErrorCode::None) => {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => errors.lock().unwrap().push(format!("multi {n}: {:?} {:?} {}", r.decision, r.error, r.message)),
                 }
             }
         }));
@@ -387,9 +417,12 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     for t in tasks {
         t.await.unwrap();
     }
-    let errors = errors.lock().unwrap();
-    eprintln!("{moves} slot moves, {} checks, {} not decided by Redis", count.load(Ordering::Relaxed), errors.len());
+    let errors = errors.lock().unwrap().clone();
+    let admitted = u64::from(multi_admitted.load(Ordering::Relaxed));
+    eprintln!("{moves} slot moves, {} checks and {admitted} multi-item checks, {} not decided by Redis", count.load(Ordering::Relaxed), errors.len());
     assert!(errors.is_empty(), "{} checks got an error during the moves, e.g. {:?}", errors.len(), &errors[..errors.len().min(5)]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!((zcard(&cluster, "a", &key_a), zcard(&cluster, "b", &key_b)), (admitted, admitted), "the windows hold exactly the admitted multi-item checks");
 }
 
 /// Case 6: a REFUND of a 3-slot handle (costs 2, 1, 3) with the second
