@@ -268,13 +268,14 @@ async fn a_killed_primary_leaves_no_orphans_on_healthy_primaries() {
 }
 
 /// Case 4: one deadline per decision, whatever the number of slots: with
-/// every primary answering late (paused for 15 ms at a time), a check over
-/// 8 slots answers within `timeout_ms` plus scheduling, and never reports a
-/// failure for a decision it recorded: after the run, each window holds
-/// exactly the admitted checks.
+/// one primary at a time paused for 20 ms (in turn, so every check over 8
+/// slots on 3 primaries meets a slow one), a check over 8 slots answers
+/// within `timeout_ms` plus scheduling, and never reports a failure for a
+/// decision it recorded: once the reservations' life is over, each window
+/// holds exactly the admitted checks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_deadline_for_a_check_over_eight_slots() {
-    const TIMEOUT_MS: u64 = 50;
+    const TIMEOUT_MS: u64 = 30;
     let cluster = RedisCluster::start();
     let names = ["p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8"];
     let list: Vec<(&str, u32)> = names.iter().map(|n| (*n, 1_000_000)).collect();
@@ -292,25 +293,27 @@ async fn one_deadline_for_a_check_over_eight_slots() {
         .collect();
     let items: Vec<ItemArgs<'_>> = names.iter().zip(&keys).map(|(n, k)| item(n, k, 1)).collect();
     let mut c = d.client().await;
-    assert_eq!(c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap().decision, Decision::Allowed);
+    let started = Instant::now();
+    let first = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
+    eprintln!("8 slots, no pause: {:?}", started.elapsed());
+    assert_eq!(first.decision, Decision::Allowed, "{first:?}");
 
     let stop = Arc::new(AtomicBool::new(false));
-    let pausers: Vec<_> = prim
-        .iter()
-        .map(|&p| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let client = redis::Client::open(format!("redis://127.0.0.1:{p}")).unwrap();
-                let mut conn = client.get_connection().unwrap();
-                while !stop.load(Ordering::Relaxed) {
-                    let _: redis::RedisResult<()> = redis::cmd("CLIENT").arg("PAUSE").arg(15).arg("ALL").query(&mut conn);
-                    std::thread::sleep(Duration::from_millis(5));
+    let pauser = {
+        let (stop, prim) = (stop.clone(), prim.clone());
+        std::thread::spawn(move || {
+            let mut conns: Vec<redis::Connection> = prim.iter().map(|p| redis::Client::open(format!("redis://127.0.0.1:{p}")).unwrap().get_connection().unwrap()).collect();
+            for i in (0..conns.len()).cycle() {
+                if stop.load(Ordering::Relaxed) {
+                    return;
                 }
-            })
+                let _: redis::RedisResult<()> = redis::cmd("CLIENT").arg("PAUSE").arg(20).arg("ALL").query(&mut conns[i]);
+                std::thread::sleep(Duration::from_millis(20));
+            }
         })
-        .collect();
+    };
     let mut took = Vec::new();
-    let (mut admitted, mut failed) = (0u64, 0u64);
+    let (mut admitted, mut failed) = (0u64, HashMap::<String, u32>::new());
     for _ in 0..60 {
         let started = Instant::now();
         let r = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
@@ -318,19 +321,21 @@ async fn one_deadline_for_a_check_over_eight_slots() {
         match (r.decision, r.error) {
             (Decision::Allowed, ErrorCode::None) => admitted += 1,
             (_, ErrorCode::None) => panic!("refused under a limit of a million: {r:?}"),
-            _ => failed += 1,
+            (_, e) => *failed.entry(format!("{e:?}")).or_default() += 1,
         }
+        tokio::time::sleep(Duration::from_millis(7)).await;
     }
     stop.store(true, Ordering::Relaxed);
-    pausers.into_iter().for_each(|t| t.join().unwrap());
+    pauser.join().unwrap();
     took.sort();
     let (p50, p99, max) = (took[took.len() / 2], took[took.len() * 99 / 100], took[took.len() - 1]);
-    eprintln!("8 slots, timeout {TIMEOUT_MS} ms, primaries paused 15 ms at a time: p50 {p50:?} p99 {p99:?} max {max:?}; admitted {admitted}, failed {failed}");
+    eprintln!("8 slots, timeout {TIMEOUT_MS} ms, a primary paused 20 ms in turn: p50 {p50:?} p99 {p99:?} max {max:?}; admitted {admitted}, failed {failed:?}");
     assert!(max <= Duration::from_millis(TIMEOUT_MS + 40), "an 8-slot check took {max:?} against a deadline of {TIMEOUT_MS} ms");
+    assert!(admitted >= 30, "most checks are admitted within the deadline: {admitted}, failed {failed:?}");
     // Past any reservation's own life: what stays was admitted.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     for (n, k) in names.iter().zip(&keys) {
-        assert_eq!(zcard(&cluster, n, k), admitted + 1, "policy {n}: the window holds exactly the admitted checks (failed: {failed})");
+        assert_eq!(zcard(&cluster, n, k), admitted + 1, "policy {n}: the window holds exactly the admitted checks (failed: {failed:?})");
     }
 }
 

@@ -8,19 +8,23 @@
 //! members are written with a score that makes them leave the window
 //! `RESERVATION_LIFE` after the call (unless the window is shorter), so a
 //! reservation nobody confirms or takes back goes by itself, whatever
-//! happened to the daemon. The groups are taken in one global order: the
-//! lowest slot alone first (two requests over the same slots never cross on
-//! it), then every other group at once, all within one deadline. When every
-//! group admitted, the request is answered admitted and the reservations
-//! are confirmed (their members re-scored to the call's time: a normal
-//! admission from then on); when a group refused, the reservations are taken
-//! back (ZREM) before the answer; when a call failed, after it. The work
-//! runs in a task of its own that the request only awaits: a request
-//! dropped half-way (a client gone, a connection closed by the daemon) does
-//! not stop it, and the daemon waits for these tasks before it exits
-//! (`settle`). Confirmations and take-backs that fail are tried again until
-//! the reservation's life is over (then there is nothing left to do: it is
-//! gone, or, for a confirmation, the admission counted for that life only).
+//! happened to the daemon. Every group is called at once, within one
+//! deadline. When every group reserved, the request is answered admitted
+//! and the reservations are confirmed (their members re-scored to the
+//! call's time: a normal admission from then on). When a group refused
+//! and none of ours held anything, the request is refused; when some
+//! reserved, they are taken back (ZREM) and, two requests over the same
+//! slots having maybe refused each other, the groups are tried once more in
+//! one global order: the lowest slot alone, then the others at once (of two
+//! requests only one gets past the lowest slot). When a call failed, the
+//! request gets the error and the groups that reserved, or may have, are
+//! taken back. The work runs in a task of its own that the request only
+//! awaits: a request dropped half-way (a client gone, a connection closed
+//! by the daemon) does not stop it, and the daemon waits for these tasks
+//! before it exits (`settle`). Confirmations and take-backs that fail are
+//! tried again until the reservation's life is over (then there is nothing
+//! left to do: it is gone, or, for a confirmation, the admission counted
+//! for that life only).
 //!
 //! Whatever removes members (a take-back, a refund) bumps the generation of
 //! the windows it touched in the denial cache, before and after, so no
@@ -123,8 +127,6 @@ enum Hold {
     Commit,
     /// Reserve them for `RESERVATION_LIFE` (one slot of several).
     Reserve,
-    /// Record nothing: the numbers only (another slot refused first).
-    Peek,
 }
 
 /// An item, owned by the task that decides across slots.
@@ -139,6 +141,30 @@ struct Item {
     cost: u32,
     shadow: bool,
     number: u8,
+}
+
+/// What a request waiting on a decision across slots gets.
+type Answer = Result<(bool, Vec<Option<Verdict>>), StoreError>;
+
+/// The outcome of reserving some slot groups at once.
+#[derive(Default)]
+struct Round<'g> {
+    /// Reserved, with the slot's time of the call.
+    held: Vec<(&'g Vec<usize>, i64)>,
+    /// The call failed: reserved or not.
+    unsure: Vec<&'g Vec<usize>>,
+    refused: bool,
+    failure: Option<StoreError>,
+}
+
+impl<'g> Round<'g> {
+    fn complete(&self) -> bool {
+        !self.refused && self.failure.is_none()
+    }
+
+    fn to_take_back(&self) -> Vec<&'g Vec<usize>> {
+        self.held.iter().map(|(g, _)| *g).chain(self.unsure.iter().copied()).collect()
+    }
 }
 
 /// One slot group's answer.
@@ -200,91 +226,90 @@ impl Reservations {
         }
     }
 
-    /// Reserves the slot groups (the first alone, then the others at once),
-    /// answers on `tx`, then confirms or takes back.
-    async fn decide_across_slots(
-        self: Arc<Self>,
-        items: Vec<Item>,
-        groups: Vec<Vec<usize>>,
-        base: Base,
-        now_ms: u64,
-        deadline: Instant,
-        tx: oneshot::Sender<Result<(bool, Vec<Option<Verdict>>), StoreError>>,
-    ) {
+    /// Reserves every slot group at once; when some reserved and another
+    /// refused, takes them back and tries once more in the global order
+    /// (the lowest slot alone, then the others at once). Answers on `tx`,
+    /// then confirms or takes back.
+    async fn decide_across_slots(self: Arc<Self>, items: Vec<Item>, groups: Vec<Vec<usize>>, base: Base, now_ms: u64, deadline: Instant, tx: oneshot::Sender<Answer>) {
         let started = Instant::now();
-        let members = |g: &[usize]| -> Vec<&Item> { g.iter().map(|&i| &items[i]).collect() };
         let mut verdicts: Vec<Option<Verdict>> = vec![None; items.len()];
-        let fill = |verdicts: &mut Vec<Option<Verdict>>, g: &[usize], a: &GroupAnswer| {
-            for (&i, v) in g.iter().zip(&a.verdicts) {
-                verdicts[i] = Some(*v);
-            }
-        };
-        // The lowest slot first, alone.
-        let first = match self.multi_call(&members(&groups[0]), base, now_ms, Hold::Reserve, deadline).await {
-            Ok(a) => a,
-            Err(e) => {
-                let _ = tx.send(Err(e));
-                // It may have been written before the deadline cut it.
-                self.take_back(&items, &[&groups[0]], base, started, None).await;
-                return;
-            }
-        };
-        fill(&mut verdicts, &groups[0], &first);
-        if !first.committed {
-            // Nothing is held: the other slots only give their numbers.
-            let peeks = join_all(groups[1..].iter().map(|g| self.multi_call_unless_late(members(g), base, now_ms, Hold::Peek, deadline))).await;
-            for (g, p) in groups[1..].iter().zip(peeks) {
-                if let Ok(a) = p {
-                    fill(&mut verdicts, g, &a);
-                }
-            }
-            let _ = tx.send(Ok((false, verdicts)));
-            return;
+        let all: Vec<&Vec<usize>> = groups.iter().collect();
+        let round = self.reserve(&items, &all, base, now_ms, deadline, &mut verdicts).await;
+        if round.complete() {
+            return self.admit(&items, round, verdicts, base, started, tx).await;
         }
-        let rest = join_all(groups[1..].iter().map(|g| self.multi_call_unless_late(members(g), base, now_ms, Hold::Reserve, deadline))).await;
-        let mut held: Vec<(&Vec<usize>, i64)> = vec![(&groups[0], first.now_ms)];
-        let mut unsure: Vec<&Vec<usize>> = Vec::new();
-        let (mut refused, mut failure) = (false, None);
-        for (g, r) in groups[1..].iter().zip(rest) {
+        if !round.refused {
+            let back = round.to_take_back();
+            let _ = tx.send(Err(round.failure.expect("a failure")));
+            let pending = self.take_back_once(&items, &back, base).await;
+            return self.take_back_rest(&items, pending, base, started).await;
+        }
+        let held = !round.held.is_empty();
+        let pending = self.take_back_once(&items, &round.to_take_back(), base).await;
+        if !held || !pending.is_empty() || Instant::now() >= deadline {
+            // Nothing of ours stood in another request's way (or it still
+            // may): the refusal stands.
+            let _ = tx.send(Ok((false, verdicts)));
+            return self.take_back_rest(&items, pending, base, started).await;
+        }
+        // Some slots reserved and another refused: two requests may have
+        // refused each other. Once more, the lowest slot first: of two
+        // requests over the same slots only one gets past it.
+        let first = self.reserve(&items, &all[..1], base, now_ms, deadline, &mut verdicts).await;
+        if !first.complete() {
+            let pending = self.take_back_once(&items, &first.to_take_back(), base).await;
+            let _ = tx.send(Ok((false, verdicts)));
+            return self.take_back_rest(&items, pending, base, started).await;
+        }
+        let mut rest = self.reserve(&items, &all[1..], base, now_ms, deadline, &mut verdicts).await;
+        rest.held.extend(first.held);
+        if rest.complete() {
+            return self.admit(&items, rest, verdicts, base, started, tx).await;
+        }
+        let pending = self.take_back_once(&items, &rest.to_take_back(), base).await;
+        let _ = tx.send(Ok((false, verdicts)));
+        self.take_back_rest(&items, pending, base, started).await
+    }
+
+    /// One round: reserves `groups` at once within `deadline`, filling
+    /// `verdicts` with their numbers.
+    async fn reserve<'g>(&self, items: &[Item], groups: &[&'g Vec<usize>], base: Base, now_ms: u64, deadline: Instant, verdicts: &mut [Option<Verdict>]) -> Round<'g> {
+        let calls = groups.iter().map(|g| self.multi_call_unless_late(g.iter().map(|&i| &items[i]).collect(), base, now_ms, Hold::Reserve, deadline));
+        let mut round = Round::default();
+        for (g, r) in groups.iter().zip(join_all(calls).await) {
             match r {
                 Ok(a) => {
-                    fill(&mut verdicts, g, &a);
+                    for (&i, v) in g.iter().zip(&a.verdicts) {
+                        verdicts[i] = Some(*v);
+                    }
                     if a.committed {
-                        held.push((g, a.now_ms));
+                        round.held.push((g, a.now_ms));
                     } else {
-                        refused = true;
+                        round.refused = true;
                     }
                 }
                 Err(e) => {
-                    unsure.push(g);
-                    failure.get_or_insert(e);
+                    round.unsure.push(g);
+                    round.failure.get_or_insert(e);
                 }
             }
         }
-        if !refused && failure.is_none() {
-            // Every slot reserved: admitted, and reported as recorded.
-            for (v, it) in verdicts.iter_mut().zip(&items) {
-                if let Some(v) = v.as_mut().filter(|v| v.allowed) {
-                    v.count = v.count.saturating_add(it.cost);
-                    v.remaining = it.limit.saturating_sub(v.count);
-                    v.retry_after_ms = 0;
-                    v.reset_ms = it.window_ms;
-                }
+        round
+    }
+
+    /// Every slot reserved: answers admitted (each fitting item reported
+    /// as recorded), then confirms.
+    async fn admit(&self, items: &[Item], round: Round<'_>, mut verdicts: Vec<Option<Verdict>>, base: Base, started: Instant, tx: oneshot::Sender<Answer>) {
+        for (v, it) in verdicts.iter_mut().zip(items) {
+            if let Some(v) = v.as_mut().filter(|v| v.allowed) {
+                v.count = v.count.saturating_add(it.cost);
+                v.remaining = it.limit.saturating_sub(v.count);
+                v.retry_after_ms = 0;
+                v.reset_ms = it.window_ms;
             }
-            let _ = tx.send(Ok((true, verdicts)));
-            self.confirm(&items, &held, base, started).await;
-            return;
         }
-        let back: Vec<&Vec<usize>> = held.iter().map(|(g, _)| *g).chain(unsure).collect();
-        if refused {
-            // Taken back before the answer: the client's next check finds
-            // the windows as they were.
-            let answer = Ok((false, verdicts));
-            self.take_back(&items, &back, base, started, Some((tx, answer))).await;
-        } else {
-            let _ = tx.send(Err(failure.expect("a failure")));
-            self.take_back(&items, &back, base, started, None).await;
-        }
+        let _ = tx.send(Ok((true, verdicts)));
+        self.confirm(items, &round.held, base, started).await;
     }
 
     /// Confirms the reserved groups (`held`: each with its slot's time),
@@ -310,47 +335,40 @@ impl Reservations {
         }
     }
 
-    /// Takes back the reservations of `groups`, trying again until their
-    /// life is over; `answer` is sent after the first try.
-    async fn take_back(
-        &self,
-        items: &[Item],
-        groups: &[&Vec<usize>],
-        base: Base,
-        started: Instant,
-        mut answer: Option<(oneshot::Sender<Result<(bool, Vec<Option<Verdict>>), StoreError>>, Result<(bool, Vec<Option<Verdict>>), StoreError>)>,
-    ) {
-        let forget = |groups: &[&Vec<usize>]| {
-            if let Some(d) = self.denials.get() {
-                for g in groups {
-                    for &i in g.iter() {
-                        d.forget_window(&items[i].key, items[i].window_ms);
-                    }
-                }
-            }
-        };
-        forget(groups);
-        let mut pending: Vec<&Vec<usize>> = groups.to_vec();
-        loop {
-            let deadline = Instant::now() + self.link.timeout();
-            let results = join_all(pending.iter().map(|g| self.refund_call(g.iter().map(|&i| &items[i]).collect(), base, deadline))).await;
-            let mut last = None;
-            pending = pending.into_iter().zip(results).filter_map(|(g, r)| r.map_err(|e| last = Some(e)).err().map(|()| g)).collect();
-            forget(groups);
-            if let Some((tx, a)) = answer.take() {
-                let _ = tx.send(a);
-            }
-            if pending.is_empty() {
-                return;
-            }
+    /// Takes back the reservations of `groups` (one try each, at once),
+    /// telling the denial cache before and after; returns the groups whose
+    /// call failed.
+    async fn take_back_once<'g>(&self, items: &[Item], groups: &[&'g Vec<usize>], base: Base) -> Vec<&'g Vec<usize>> {
+        self.forget(items, groups);
+        let deadline = Instant::now() + self.link.timeout();
+        let results = join_all(groups.iter().map(|g| self.refund_call(g.iter().map(|&i| &items[i]).collect(), base, deadline))).await;
+        self.forget(items, groups);
+        groups.iter().zip(results).filter(|(_, r)| r.is_err()).map(|(g, _)| *g).collect()
+    }
+
+    /// Tries the take-back of `pending` again until the reservations' life
+    /// is over (then they are gone by themselves).
+    async fn take_back_rest(&self, items: &[Item], mut pending: Vec<&Vec<usize>>, base: Base, started: Instant) {
+        while !pending.is_empty() {
             if started.elapsed() + RETRY_PAUSE >= RESERVATION_LIFE {
                 if let Some(suppressed) = self.failed_log.permit() {
-                    let error = last.map(|e| e.to_string()).unwrap_or_default();
-                    tracing::warn!(%error, slots = pending.len(), suppressed, "could not take back a refused or failed multi-item check's reservations: they leave their windows by themselves, at most 2 s after the check");
+                    tracing::warn!(slots = pending.len(), suppressed, "could not take back a refused or failed multi-item check's reservations: they leave their windows by themselves, at most 2 s after the check");
                 }
                 return;
             }
             tokio::time::sleep(RETRY_PAUSE).await;
+            pending = self.take_back_once(items, &pending, base).await;
+        }
+    }
+
+    /// Forgets the windows of `groups` in the denial cache.
+    fn forget(&self, items: &[Item], groups: &[&Vec<usize>]) {
+        if let Some(d) = self.denials.get() {
+            for g in groups {
+                for &i in g.iter() {
+                    d.forget_window(&items[i].key, items[i].window_ms);
+                }
+            }
         }
     }
 
@@ -372,7 +390,6 @@ impl Reservations {
         match hold {
             Hold::Commit => cmd.arg(0),
             Hold::Reserve => cmd.arg(RESERVATION_LIFE.as_millis() as u64),
-            Hold::Peek => cmd.arg("p"),
         };
         for a in items {
             cmd.arg(a.window_ms).arg(a.limit).arg(a.cost).arg(u8::from(a.shadow)).arg(a.number);

@@ -32,8 +32,8 @@
 -- refundable item; docs/PROTOCOL.md section 4b). KEYS[i] is item i's
 -- window key (on a Cluster all in one slot: the daemon groups them).
 --   ARGV[1] 'm', ARGV[2] now (0: Redis TIME), ARGV[3] member base,
---   ARGV[4] hold: '0' record, 'p' record nothing (the numbers only), or
---   R > 0: reserve for R ms (one Cluster slot of several),
+--   ARGV[4] 0: record, or R > 0: reserve for R ms (one Cluster slot of
+--   several),
 --   then per key: window, limit, cost, shadow (1|0), item number j.
 -- Every key is cleaned and counted first; item i fits if count + cost <=
 -- limit. If every non-shadow item fits, each fitting item is recorded as
@@ -41,7 +41,7 @@
 -- A reservation is recorded with the score now - window + R (when R <
 -- window): it leaves the window R ms from now by itself unless confirmed.
 -- Returns {committed (1|0), now} then per key {fits, count, remaining,
--- retry_after_ms, reset_ms}: with hold '0' and committed, count after this
+-- retry_after_ms, reset_ms}: with ARGV[4] 0 and committed, count after this
 -- request; otherwise the window as it stands without this request (a
 -- reservation's numbers too: the daemon adds the cost once every slot
 -- reserved).
@@ -97,11 +97,7 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
     now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   local base = ARGV[3]
-  local peek = ARGV[4] == 'p'
-  local reserve = 0
-  if not peek then
-    reserve = tonumber(ARGV[4])
-  end
+  local reserve = tonumber(ARGV[4])
   local n = #KEYS
   local counts, fits = {}, {}
   local committed = true
@@ -121,7 +117,7 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
     local key = KEYS[i]
     local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     local count = counts[i]
-    local write = fits[i] and committed and not peek
+    local write = fits[i] and committed
     if not write or reserve > 0 then
       -- The window as it stands without this request.
       local retry_after, reset = 0, window
