@@ -219,23 +219,31 @@ impl DenialCache {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    fn fingerprint(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> [u64; 2] {
-        self.hashers.each_ref().map(|s| {
-            let mut h = s.build_hasher();
+    /// The 128-bit fingerprint of (key, window, limit, algorithm), and the
+    /// index of the key's window's generation: the first hasher's state
+    /// after key and window, so the key is hashed twice, not three times.
+    fn fingerprint(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> ([u64; 2], usize) {
+        let mut window = 0;
+        let fingerprint = std::array::from_fn(|i| {
+            let mut h = self.hashers[i].build_hasher();
             h.write(spec.key);
             h.write_u32(spec.window_ms);
+            if i == 0 {
+                window = h.clone().finish() as usize & (GENERATIONS - 1);
+            }
             h.write_u32(spec.limit);
             h.write_u8(algorithm.to_wire());
             h.finish()
-        })
+        });
+        (fingerprint, window)
     }
 
-    /// The index of the generation of `key`'s window of `window_ms`.
+    /// The index of the generation of `key`'s window of `window_ms` (as
+    /// `fingerprint` finds it).
     fn window(&self, key: &[u8], window_ms: u32) -> usize {
-        let mut h = self.hashers[1].build_hasher();
+        let mut h = self.hashers[0].build_hasher();
         h.write(key);
         h.write_u32(window_ms);
-        h.write_u8(0xff);
         h.finish() as usize & (GENERATIONS - 1)
     }
 
@@ -251,9 +259,8 @@ impl DenialCache {
     /// Each algorithm has entries of its own (its own Redis key); the
     /// caller asks only for algorithms `is_exact_for` accepts.
     pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Lookup {
-        let fingerprint = self.fingerprint(spec, algorithm);
+        let (fingerprint, window) = self.fingerprint(spec, algorithm);
         let now = self.now_ns();
-        let window = self.window(spec.key, spec.window_ms);
         let generation = self.generation(window);
         if let Some(e) = self.slot(fingerprint).read() {
             if let Some(v) = refusal(&e, fingerprint, spec.cost, now).filter(|_| e.generation == generation) {
@@ -489,7 +496,7 @@ mod tests {
                 let cost = cost.min(limit);
                 let k = [key];
                 let s = spec(&k, limit, window, cost);
-                let fp = c.fingerprint(&s, Algorithm::Log);
+                let (fp, _) = c.fingerprint(&s, Algorithm::Log);
                 match c.slot(fp).read().and_then(|e| refusal(&e, fp, cost, now_ns)) {
                     Some(v) => {
                         // Decided now, as Redis would with no lag at all.

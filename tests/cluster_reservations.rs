@@ -277,15 +277,15 @@ async fn a_killed_primary_leaves_no_orphans_on_healthy_primaries() {
 }
 
 /// Case 4: one deadline per decision, whatever the number of slots: with
-/// one primary at a time paused for 20 ms (in turn, so every check over 8
-/// slots on 3 primaries meets a slow one), a check over 8 slots answers
+/// one primary at a time busy for 15 ms (`DEBUG SLEEP`, in turn, so every
+/// check over 8 slots on 3 primaries meets a slow one), a check over 8 slots answers
 /// within `timeout_ms` plus scheduling, and never reports a failure for a
 /// decision it recorded: once the reservations' life is over, each window
 /// holds exactly the admitted checks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_deadline_for_a_check_over_eight_slots() {
     const TIMEOUT_MS: u64 = 30;
-    let cluster = RedisCluster::start();
+    let cluster = RedisCluster::start_with_args(&["--enable-debug-command", "yes"]);
     let names = ["p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8"];
     let list: Vec<(&str, u32)> = names.iter().map(|n| (*n, 1_000_000)).collect();
     let d = cluster_daemon(&cluster, &format!("timeout_ms = {TIMEOUT_MS}"), &policies(&list));
@@ -316,8 +316,7 @@ async fn one_deadline_for_a_check_over_eight_slots() {
                 if stop.load(Ordering::Relaxed) {
                     return;
                 }
-                let _: redis::RedisResult<()> = redis::cmd("CLIENT").arg("PAUSE").arg(20).arg("ALL").query(&mut conns[i]);
-                std::thread::sleep(Duration::from_millis(20));
+                let _: redis::RedisResult<()> = redis::cmd("DEBUG").arg("SLEEP").arg(0.015).query(&mut conns[i]);
             }
         })
     };
@@ -338,7 +337,7 @@ async fn one_deadline_for_a_check_over_eight_slots() {
     pauser.join().unwrap();
     took.sort();
     let (p50, p99, max) = (took[took.len() / 2], took[took.len() * 99 / 100], took[took.len() - 1]);
-    eprintln!("8 slots, timeout {TIMEOUT_MS} ms, a primary paused 20 ms in turn: p50 {p50:?} p99 {p99:?} max {max:?}; admitted {admitted}, failed {failed:?}");
+    eprintln!("8 slots, timeout {TIMEOUT_MS} ms, a primary busy 15 ms in turn: p50 {p50:?} p99 {p99:?} max {max:?}; admitted {admitted}, failed {failed:?}");
     assert!(max <= Duration::from_millis(TIMEOUT_MS + 40), "an 8-slot check took {max:?} against a deadline of {TIMEOUT_MS} ms");
     assert!(admitted >= 30, "most checks are admitted within the deadline: {admitted}, failed {failed:?}");
     // Past any reservation's own life: what stays was admitted.
