@@ -16,7 +16,8 @@
 //! reserved, they are taken back (ZREM) and, two requests over the same
 //! slots having maybe refused each other, the groups are tried once more in
 //! one global order: the lowest slot alone, then the others at once (of two
-//! requests only one gets past the lowest slot). When a call failed, the
+//! requests only one gets past the lowest slot; the other's take-back of a
+//! later slot may still be on its way, the one race left). When a call failed, the
 //! request gets the error and the groups that reserved, or may have, are
 //! taken back. The work runs in a task of its own that the request only
 //! awaits: a request dropped half-way (a client gone, a connection closed
