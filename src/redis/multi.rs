@@ -16,8 +16,9 @@
 //! reserved, they are taken back (ZREM) and, two requests over the same
 //! slots having maybe refused each other, the groups are tried once more in
 //! one global order: the lowest slot alone, then the others at once (of two
-//! requests only one gets past the lowest slot; the other's take-back of a
-//! later slot may still be on its way, the one race left). When a call failed, the
+//! requests only one gets past the lowest slot; a later slot that refuses
+//! it then, maybe for the loser's reservation whose take-back is on its
+//! way, is asked again twice, 2 ms apart). When a call failed, the
 //! request gets the error and the groups that reserved, or may have, are
 //! taken back. The work runs in a task of its own that the request only
 //! awaits: a request dropped half-way (a client gone, a connection closed
@@ -62,6 +63,11 @@ pub const RESERVATION_LIFE: Duration = Duration::from_secs(2);
 
 /// Pause between tries of a confirmation or take-back that failed.
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// In the ordered second try, with the lowest slot held: how many more
+/// times a later slot that refused is asked again, and the pause before.
+const LATER_SLOT_RETRIES: usize = 2;
+const LATER_SLOT_PAUSE: Duration = Duration::from_millis(2);
 
 /// One item of an all-or-nothing call (`check_multi`).
 #[derive(Clone, Copy, Debug, Default)]
@@ -154,13 +160,13 @@ struct Round<'g> {
     held: Vec<(&'g Vec<usize>, i64)>,
     /// The call failed: reserved or not.
     unsure: Vec<&'g Vec<usize>>,
-    refused: bool,
+    refused: Vec<&'g Vec<usize>>,
     failure: Option<StoreError>,
 }
 
 impl<'g> Round<'g> {
     fn complete(&self) -> bool {
-        !self.refused && self.failure.is_none()
+        self.refused.is_empty() && self.failure.is_none()
     }
 
     fn to_take_back(&self) -> Vec<&'g Vec<usize>> {
@@ -237,9 +243,9 @@ impl Reservations {
         let all: Vec<&Vec<usize>> = groups.iter().collect();
         let round = self.reserve(&items, &all, base, now_ms, deadline, &mut verdicts).await;
         if round.complete() {
-            return self.admit(&items, round, verdicts, base, started, tx).await;
+            return self.admit(&items, &round.held, verdicts, base, started, tx).await;
         }
-        if !round.refused {
+        if round.refused.is_empty() {
             let back = round.to_take_back();
             let _ = tx.send(Err(round.failure.expect("a failure")));
             let pending = self.take_back_once(&items, &back, base).await;
@@ -262,14 +268,29 @@ impl Reservations {
             let _ = tx.send(Ok((false, verdicts)));
             return self.take_back_rest(&items, pending, base, started).await;
         }
-        let mut rest = self.reserve(&items, &all[1..], base, now_ms, deadline, &mut verdicts).await;
-        rest.held.extend(first.held);
-        if rest.complete() {
-            return self.admit(&items, rest, verdicts, base, started, tx).await;
+        // Past the lowest slot, nobody over the same slots can get in our
+        // way for long: a later slot refused may be the loser's
+        // reservation, its take-back on the way. Those slots are tried
+        // again a few times, what is held kept.
+        let mut held = first.held;
+        let mut todo: Vec<&Vec<usize>> = all[1..].to_vec();
+        let mut attempt = 0;
+        loop {
+            let round = self.reserve(&items, &todo, base, now_ms, deadline, &mut verdicts).await;
+            held.extend(round.held.iter().copied());
+            if round.complete() {
+                return self.admit(&items, &held, verdicts, base, started, tx).await;
+            }
+            if round.failure.is_some() || attempt == LATER_SLOT_RETRIES || Instant::now() + LATER_SLOT_PAUSE >= deadline {
+                let back: Vec<&Vec<usize>> = held.iter().map(|(g, _)| *g).chain(round.unsure.iter().copied()).collect();
+                let pending = self.take_back_once(&items, &back, base).await;
+                let _ = tx.send(Ok((false, verdicts)));
+                return self.take_back_rest(&items, pending, base, started).await;
+            }
+            todo = round.refused;
+            attempt += 1;
+            tokio::time::sleep(LATER_SLOT_PAUSE).await;
         }
-        let pending = self.take_back_once(&items, &rest.to_take_back(), base).await;
-        let _ = tx.send(Ok((false, verdicts)));
-        self.take_back_rest(&items, pending, base, started).await
     }
 
     /// One round: reserves `groups` at once within `deadline`, filling
@@ -286,7 +307,7 @@ impl Reservations {
                     if a.committed {
                         round.held.push((g, a.now_ms));
                     } else {
-                        round.refused = true;
+                        round.refused.push(g);
                     }
                 }
                 Err(e) => {
@@ -300,7 +321,7 @@ impl Reservations {
 
     /// Every slot reserved: answers admitted (each fitting item reported
     /// as recorded), then confirms.
-    async fn admit(&self, items: &[Item], round: Round<'_>, mut verdicts: Vec<Option<Verdict>>, base: Base, started: Instant, tx: oneshot::Sender<Answer>) {
+    async fn admit(&self, items: &[Item], held: &[(&Vec<usize>, i64)], mut verdicts: Vec<Option<Verdict>>, base: Base, started: Instant, tx: oneshot::Sender<Answer>) {
         for (v, it) in verdicts.iter_mut().zip(items) {
             if let Some(v) = v.as_mut().filter(|v| v.allowed) {
                 v.count = v.count.saturating_add(it.cost);
@@ -310,7 +331,7 @@ impl Reservations {
             }
         }
         let _ = tx.send(Ok((true, verdicts)));
-        self.confirm(items, &round.held, base, started).await;
+        self.confirm(items, held, base, started).await;
     }
 
     /// Confirms the reserved groups (`held`: each with its slot's time),
