@@ -476,6 +476,10 @@ async fn a_refund_that_fails_on_one_slot_says_what_it_took_back() {
     let r = c.check_multi(FailPolicy::Closed, 0, true, &items).await.unwrap();
     assert_eq!(r.decision, Decision::Allowed, "{r:?}");
     let handle = ext(&r).handle.expect("a handle");
+    // Past the reservations' own life: confirmed, every unit counts.
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    let counted = [zcard(&cluster, "a", &key_a), zcard(&cluster, "b", &key_b), zcard(&cluster, "c", &key_c)];
+    assert_eq!(counted, [2, 1, 3], "the admission was confirmed in every slot");
     let refused = lone(&mut c, "a", &key_a).await;
     assert_eq!(refused.decision, Decision::Denied, "A is full: {refused:?}");
     assert_eq!(lone(&mut c, "a", &key_a).await.source, Source::DenialCache, "the refusal is cached");

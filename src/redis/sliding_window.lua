@@ -67,13 +67,18 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
     for i = 1, #KEYS do
       local cost = tonumber(ARGV[1 + o + 2 * i])
       local member = base .. '.' .. ARGV[2 + o + 2 * i]
-      if confirm then
+      if confirm and cost == 1 then
+        done = done + redis.call('ZADD', KEYS[i], 'XX', 'CH', score, member)
+      elseif confirm then
+        local args, m = { 'XX', 'CH' }, 2
         for u = 1, cost do
-          local m = member
-          if cost > 1 then
-            m = member .. ':' .. u
+          args[m + 1] = score
+          args[m + 2] = member .. ':' .. u
+          m = m + 2
+          if m >= 1000 or u == cost then
+            done = done + redis.call('ZADD', KEYS[i], unpack(args, 1, m))
+            m = 2
           end
-          done = done + redis.call('ZADD', KEYS[i], 'XX', 'CH', score, m)
         end
       elseif cost == 1 then
         done = done + redis.call('ZREM', KEYS[i], member)
