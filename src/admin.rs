@@ -333,14 +333,14 @@ pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Policy
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{encode_policy_request, parse_request, Bounds, FailPolicy, Inbound, PolicyCheckArgs};
+    use crate::protocol::{encode_policy_request, parse_request, Bounds, FailPolicy, Inbound, PolicyCheckArgs, Request};
 
     #[test]
     fn a_policys_key_is_the_one_the_daemon_decodes_from_a_frame() {
         let mut frame = bytes::BytesMut::new();
         encode_policy_request(1, &PolicyCheckArgs { policy: b"per_tenant", key: b"tenant-a", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, &mut frame);
         let body = frame.freeze().slice(4..);
-        let Inbound::PolicyCheck(req) = parse_request(body, &Bounds::default()) else { panic!("not a CHECK_POLICY") };
+        let Inbound::Request(Request::PolicyCheck(req)) = parse_request(body, &Bounds::default()) else { panic!("not a CHECK_POLICY") };
         assert_eq!(&req.scoped_key[..], &scoped_key("per_tenant", "tenant-a")[..]);
     }
 }

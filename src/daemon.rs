@@ -73,6 +73,10 @@ pub struct Reload {
 /// How long start-up and reload wait for a new Redis link before going on.
 const READY_WAIT: Duration = Duration::from_secs(2);
 
+/// How long the exit waits for multi-item checks to settle across Cluster
+/// slots: a reservation's life, after which nothing is left to do.
+const SETTLE_LIMIT: Duration = crate::redis::RESERVATION_LIFE;
+
 /// A backend and the token that stops its background tasks.
 struct ActiveBackend {
     backend: Backend,
@@ -104,6 +108,10 @@ impl ActiveBackend {
             Backend::Redis(_) => DenialCache::from_config(&cfg.denial_cache).map(Arc::new),
             Backend::Local => None,
         };
+        // Refunds and reservations taken back forget what they free.
+        if let (Backend::Redis(r), Some(d)) = (&backend, &denials) {
+            r.set_denial_cache(d.clone());
+        }
         Ok(Self { backend, denials, token })
     }
 
@@ -217,6 +225,13 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         notify_systemd(&[sd_notify::NotifyState::Stopping]);
     })
     .await;
+    // Multi-item checks cut by the shutdown still finish across their
+    // slots (docs/PROTOCOL.md 4b): wait for them, bounded.
+    if let Backend::Redis(r) = &active.backend {
+        if !r.settle(SETTLE_LIMIT).await {
+            tracing::warn!(limit_ms = SETTLE_LIMIT.as_millis() as u64, "multi-item checks still unsettled at exit: their reservations leave the windows by themselves");
+        }
+    }
     active.token.cancel();
     background.cancel();
     drop(socket_file);

@@ -25,6 +25,17 @@
 //! limit, window) from two hashers with per-process random keys, so another
 //! client cannot craft a collision; an entry answers only a request whose
 //! fingerprint equals it in all 128 bits.
+//!
+//! What can make a refusal false before its retry-after is something that
+//! removes members: a refund, or the cancellation of a multi-item check's
+//! reservation in one Cluster slot (docs/PROTOCOL.md 4b). Each of them bumps
+//! the generation of the key's window (`forget_window`; a table of
+//! generations indexed by a hash of key and window, so every limit and
+//! algorithm of that window at once), after the removal is done. An entry
+//! carries the generation its request was sent under and answers only while
+//! that is still the window's generation; a refusal whose request was sent
+//! before a bump is never recorded, so a lone check in flight across a
+//! cancellation cannot put back what the cancellation made false.
 
 use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -38,6 +49,10 @@ const MS: u64 = 1_000_000;
 
 /// Rates of two clocks differ by at most 1/DRIFT_DIVISOR (500 ppm).
 const DRIFT_DIVISOR: u64 = 2000;
+
+/// Generations of windows (a power of two): two windows sharing one only
+/// forget each other's entries more often (a miss, never a false refusal).
+const GENERATIONS: usize = 4096;
 
 /// One entry, as stored in a slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,6 +69,9 @@ struct Entry {
     remaining: u32,
     retry_after_ms: u32,
     reset_ms: u32,
+    /// The window's generation when the refused request was sent (low 32
+    /// bits: a window bumped 2^32 times within `max_age` is not a concern).
+    generation: u32,
 }
 
 /// One seqlock-guarded entry: 8 words, one cache line.
@@ -69,7 +87,8 @@ struct Slot {
     cost_count: AtomicU64,
     /// retry_after_ms << 32 | reset_ms
     times: AtomicU64,
-    remaining: AtomicU64,
+    /// generation << 32 | remaining
+    generation_remaining: AtomicU64,
 }
 
 impl Slot {
@@ -84,7 +103,7 @@ impl Slot {
         let expires_ns = self.expires_ns.load(Ordering::Relaxed);
         let cost_count = self.cost_count.load(Ordering::Relaxed);
         let times = self.times.load(Ordering::Relaxed);
-        let remaining = self.remaining.load(Ordering::Relaxed) as u32;
+        let generation_remaining = self.generation_remaining.load(Ordering::Relaxed);
         // Orders the loads above before the version check below: a torn
         // read shows as a changed version.
         fence(Ordering::Acquire);
@@ -97,9 +116,10 @@ impl Slot {
             expires_ns,
             cost: (cost_count >> 32) as u32,
             count: cost_count as u32,
-            remaining,
+            remaining: generation_remaining as u32,
             retry_after_ms: (times >> 32) as u32,
             reset_ms: times as u32,
+            generation: (generation_remaining >> 32) as u32,
         })
     }
 
@@ -118,7 +138,7 @@ impl Slot {
         self.expires_ns.store(e.expires_ns, Ordering::Relaxed);
         self.cost_count.store(u64::from(e.cost) << 32 | u64::from(e.count), Ordering::Relaxed);
         self.times.store(u64::from(e.retry_after_ms) << 32 | u64::from(e.reset_ms), Ordering::Relaxed);
-        self.remaining.store(e.remaining.into(), Ordering::Relaxed);
+        self.generation_remaining.store(u64::from(e.generation) << 32 | u64::from(e.remaining), Ordering::Relaxed);
         self.version.store(v + 2, Ordering::Release);
         true
     }
@@ -130,6 +150,9 @@ impl Slot {
 pub struct Ticket {
     fingerprint: [u64; 2],
     sent_ns: u64,
+    /// The window's generation when the request was sent, and its index.
+    generation: u32,
+    window: usize,
 }
 
 /// The answer of a lookup.
@@ -160,6 +183,8 @@ pub const fn is_exact_for(algorithm: Algorithm) -> bool {
 pub struct DenialCache {
     slots: Box<[Slot]>,
     mask: u64,
+    /// Per window (by a hash of key and window): bumped by `forget_window`.
+    generations: Box<[AtomicU64]>,
     hashers: [RandomState; 2],
     epoch: Instant,
     max_age_ns: u64,
@@ -183,6 +208,7 @@ impl DenialCache {
         Self {
             slots: (0..n).map(|_| Slot::default()).collect(),
             mask: n as u64 - 1,
+            generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
             hashers: [RandomState::new(), RandomState::new()],
             epoch: Instant::now(),
             max_age_ns: max_age.as_nanos().min(u64::MAX as u128) as u64,
@@ -193,15 +219,36 @@ impl DenialCache {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    fn fingerprint(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> [u64; 2] {
-        self.hashers.each_ref().map(|s| {
-            let mut h = s.build_hasher();
+    /// The 128-bit fingerprint of (key, window, limit, algorithm), and the
+    /// index of the key's window's generation: the first hasher's state
+    /// after key and window, so the key is hashed twice, not three times.
+    fn fingerprint(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> ([u64; 2], usize) {
+        let mut window = 0;
+        let fingerprint = std::array::from_fn(|i| {
+            let mut h = self.hashers[i].build_hasher();
             h.write(spec.key);
-            h.write_u32(spec.limit);
             h.write_u32(spec.window_ms);
+            if i == 0 {
+                window = h.clone().finish() as usize & (GENERATIONS - 1);
+            }
+            h.write_u32(spec.limit);
             h.write_u8(algorithm.to_wire());
             h.finish()
-        })
+        });
+        (fingerprint, window)
+    }
+
+    /// The index of the generation of `key`'s window of `window_ms` (as
+    /// `fingerprint` finds it).
+    fn window(&self, key: &[u8], window_ms: u32) -> usize {
+        let mut h = self.hashers[0].build_hasher();
+        h.write(key);
+        h.write_u32(window_ms);
+        h.finish() as usize & (GENERATIONS - 1)
+    }
+
+    fn generation(&self, window: usize) -> u32 {
+        self.generations[window].load(Ordering::Acquire) as u32
     }
 
     fn slot(&self, fingerprint: [u64; 2]) -> &Slot {
@@ -212,33 +259,37 @@ impl DenialCache {
     /// Each algorithm has entries of its own (its own Redis key); the
     /// caller asks only for algorithms `is_exact_for` accepts.
     pub fn check(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Lookup {
-        let fingerprint = self.fingerprint(spec, algorithm);
+        let (fingerprint, window) = self.fingerprint(spec, algorithm);
         let now = self.now_ns();
+        let generation = self.generation(window);
         if let Some(e) = self.slot(fingerprint).read() {
-            if let Some(v) = refusal(&e, fingerprint, spec.cost, now) {
+            if let Some(v) = refusal(&e, fingerprint, spec.cost, now).filter(|_| e.generation == generation) {
                 return Lookup::Refused(v);
             }
         }
-        Lookup::Miss(Ticket { fingerprint, sent_ns: now })
+        Lookup::Miss(Ticket { fingerprint, sent_ns: now, generation, window })
     }
 
-    /// Forgets the entry of `spec`'s key, limit and window, if it holds
-    /// one: a refund took admissions back, so Redis may admit sooner than
-    /// the entry says. (An entry written by a call that was in flight
-    /// during the refund can still outlive it, at most `max_age`.)
+    /// Forgets every entry of `spec`'s key and window (any limit): a refund
+    /// took admissions back, so Redis may admit sooner than they say.
     pub fn forget(&self, spec: &LimitSpec<'_>) {
-        // Refunds exist for the log only (several policies in one request).
-        let fingerprint = self.fingerprint(spec, Algorithm::Log);
-        let slot = self.slot(fingerprint);
-        if slot.read().is_some_and(|e| e.fingerprint == fingerprint) {
-            slot.write(&Entry { fingerprint: [0, 0], sent_ns: 0, expires_ns: 0, cost: u32::MAX, count: 0, remaining: 0, retry_after_ms: 0, reset_ms: 0 });
-        }
+        self.forget_window(spec.key, spec.window_ms);
+    }
+
+    /// Forgets every entry of `key`'s window of `window_ms`, of any limit
+    /// and algorithm, and every refusal of it still in flight (see the
+    /// module doc): called after members of that window were removed (a
+    /// refund, a reservation taken back), and before, when the removal may
+    /// already be running.
+    pub fn forget_window(&self, key: &[u8], window_ms: u32) {
+        self.generations[self.window(key, window_ms)].fetch_add(1, Ordering::AcqRel);
     }
 
     /// Remembers Redis's refusal of the request `ticket` was taken for.
-    /// Admissions are not recorded: they leave every entry true.
+    /// Admissions are not recorded: they leave every entry true. Nor is a
+    /// refusal of a request sent before its window was forgotten.
     pub fn record(&self, ticket: Ticket, cost: u32, v: &Verdict) {
-        if v.allowed {
+        if v.allowed || self.generation(ticket.window) != ticket.generation {
             return;
         }
         if let Some(e) = entry(ticket, cost, v, self.max_age_ns) {
@@ -263,6 +314,7 @@ fn entry(ticket: Ticket, cost: u32, v: &Verdict, max_age_ns: u64) -> Option<Entr
         remaining: v.remaining,
         retry_after_ms: v.retry_after_ms,
         reset_ms: v.reset_ms,
+        generation: ticket.generation,
     })
 }
 
@@ -321,8 +373,32 @@ mod tests {
     }
 
     #[test]
+    fn forgetting_a_window_drops_its_entries_of_every_limit_and_refusals_still_in_flight() {
+        let c = DenialCache::new(1024, Duration::from_secs(10));
+        let (a, b) = (spec(b"k", 5, 60_000, 1), spec(b"k", 9, 60_000, 1));
+        c.record(ticket(&c, &a), 1, &denied(30_000));
+        c.record(ticket(&c, &b), 1, &denied(30_000));
+        let other = spec(b"k", 5, 1000, 1);
+        c.record(ticket(&c, &other), 1, &denied(900));
+        // A check sent before the removal, answered after it.
+        let in_flight = ticket(&c, &spec(b"k", 7, 60_000, 1));
+        c.forget_window(b"k", 60_000);
+        assert!(matches!(c.check(&a, Algorithm::Log), Lookup::Miss(_)));
+        assert!(matches!(c.check(&b, Algorithm::Log), Lookup::Miss(_)), "every limit of the window");
+        assert!(matches!(c.check(&a, Algorithm::Ring), Lookup::Miss(_)));
+        if c.window(b"k", 1000) != c.window(b"k", 60_000) {
+            assert!(matches!(c.check(&other, Algorithm::Log), Lookup::Refused(_)), "another window keeps its entry");
+        }
+        c.record(in_flight, 1, &denied(30_000));
+        assert!(matches!(c.check(&spec(b"k", 7, 60_000, 1), Algorithm::Log), Lookup::Miss(_)), "a refusal sent before the forget is not recorded");
+        // Sent after it: recorded.
+        c.record(ticket(&c, &a), 1, &denied(30_000));
+        assert!(matches!(c.check(&a, Algorithm::Log), Lookup::Refused(_)));
+    }
+
+    #[test]
     fn entries_end_early_never_late_and_within_max_age() {
-        let t = Ticket { fingerprint: [1, 2], sent_ns: 1_000 * MS };
+        let t = Ticket { fingerprint: [1, 2], sent_ns: 1_000 * MS, generation: 0, window: 0 };
         // 1 ms for the ms floor and 0.05 % for drift, taken off the end.
         let e = entry(t, 1, &denied(1000), 10_000 * MS).unwrap();
         assert_eq!(e.expires_ns, t.sent_ns + 1000 * MS - MS - 500_000);
@@ -348,7 +424,7 @@ mod tests {
                         let fp = [u64::from(w), u64::from(i)];
                         // Every field derived from i: a torn entry would mix two.
                         let v = Verdict { allowed: false, count: i, remaining: i, retry_after_ms: 50_000 + (i & 0xfff), reset_ms: 50_000 + (i & 0xfff) };
-                        c.slot(fp).write(&entry(Ticket { fingerprint: fp, sent_ns: u64::from(i) }, i, &v, u64::MAX).unwrap());
+                        c.slot(fp).write(&entry(Ticket { fingerprint: fp, sent_ns: u64::from(i), generation: 0, window: 0 }, i, &v, u64::MAX).unwrap());
                     }
                 })
             })
@@ -420,7 +496,7 @@ mod tests {
                 let cost = cost.min(limit);
                 let k = [key];
                 let s = spec(&k, limit, window, cost);
-                let fp = c.fingerprint(&s, Algorithm::Log);
+                let (fp, _) = c.fingerprint(&s, Algorithm::Log);
                 match c.slot(fp).read().and_then(|e| refusal(&e, fp, cost, now_ns)) {
                     Some(v) => {
                         // Decided now, as Redis would with no lag at all.
@@ -435,7 +511,7 @@ mod tests {
                         let got = with.check(key, limit, window, cost, ran_ns / MS);
                         prop_assert_eq!(got, expected);
                         if !got.allowed {
-                            if let Some(e) = entry(Ticket { fingerprint: fp, sent_ns: now_ns }, cost, &got, c.max_age_ns) {
+                            if let Some(e) = entry(Ticket { fingerprint: fp, sent_ns: now_ns, generation: 0, window: 0 }, cost, &got, c.max_age_ns) {
                                 c.slot(fp).write(&e);
                             }
                         }

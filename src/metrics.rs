@@ -112,6 +112,7 @@ pub struct Metrics {
     reload_failures: AtomicU64,
     refunds: AtomicU64,
     refunded_units: AtomicU64,
+    refunds_unmatched: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -148,6 +149,7 @@ impl Metrics {
             reload_failures: ZERO,
             refunds: ZERO,
             refunded_units: ZERO,
+            refunds_unmatched: ZERO,
         }
     }
 
@@ -164,6 +166,12 @@ impl Metrics {
     pub fn refunded(&self, units: u64) {
         self.refunds.fetch_add(1, Ordering::Relaxed);
         self.refunded_units.fetch_add(units, Ordering::Relaxed);
+    }
+
+    /// A REFUND whose handle named no member in its keys: forged, replayed,
+    /// another admission's, or out of the window already (removes nothing).
+    pub fn refund_unmatched(&self) {
+        self.refunds_unmatched.fetch_add(1, Ordering::Relaxed);
     }
 
     #[inline]
@@ -278,7 +286,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 9] = [
+        let counters: [(&str, &str, &AtomicU64); 10] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -288,6 +296,7 @@ impl Metrics {
             ("ratelimitd_config_reload_failures_total", "Configuration reloads refused (SIGHUP with an invalid file).", &self.reload_failures),
             ("ratelimitd_refunds_total", "REFUND requests carried out in Redis (a repeated one included).", &self.refunds),
             ("ratelimitd_refunded_units_total", "Admission units removed from Redis by refunds.", &self.refunded_units),
+            ("ratelimitd_refunds_unmatched_total", "REFUNDs that removed nothing: a forged, replayed or foreign handle, or admissions already out of their window.", &self.refunds_unmatched),
         ];
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));

@@ -236,21 +236,20 @@ impl Limiter {
             Backend::Local => return Err(Response::error(id, op, ErrorCode::RefundUnsupported, Cow::Borrowed("the in-memory backend keeps no member ids: refunds need the Redis backend"))),
             Backend::Redis(redis) => redis,
         };
-        // Per item its windows and their limits (the limit of an exempt
-        // key is 0: nothing of it is cached).
-        let windows: Vec<(usize, bytes::Bytes, u32)> =
-            items.iter().enumerate().flat_map(|(i, item)| refund_windows(item, item.limit.unwrap_or(0)).into_iter().map(move |(k, limit)| (i, k, limit))).collect();
-        let refund: Vec<RefundItem<'_>> = windows.iter().map(|(i, k, _)| RefundItem { key: k, window_ms: items[*i].window_ms, cost: items[*i].cost, number: (*i + 1) as u8 }).collect();
-        match redis.refund(handle, &refund).await {
-            Ok(removed) => {
-                if let Some(d) = self.denials.as_deref() {
-                    for (i, k, limit) in windows.iter().filter(|w| w.2 > 0) {
-                        d.forget(&LimitSpec { key: k, limit: *limit, window_ms: items[*i].window_ms, cost: items[*i].cost });
-                    }
-                }
-                Ok(removed)
+        // Per item its windows (a sharded item: every shard's).
+        let windows: Vec<(usize, bytes::Bytes)> =
+            items.iter().enumerate().flat_map(|(i, item)| refund_windows(item, item.limit.unwrap_or(0)).into_iter().map(move |(k, _)| (i, k))).collect();
+        let refund: Vec<RefundItem<'_>> = windows.iter().map(|(i, k)| RefundItem { key: k, window_ms: items[*i].window_ms, cost: items[*i].cost, number: (*i + 1) as u8 }).collect();
+        // The store tells the denial cache of every window it touched,
+        // refunded or not (docs/PROTOCOL.md 4c).
+        let outcome = redis.refund_outcome(handle, &refund).await;
+        match outcome.failure {
+            None => Ok(outcome.removed),
+            // The slots that answered were refunded: `count` says how much (PROTOCOL.md 4c).
+            Some(e) => {
+                let count = outcome.removed.min(u64::from(u32::MAX)) as u32;
+                Err(Response { source: Source::Redis, count, ..Response::error(id, op, error_code(&e), Cow::Owned(e.to_string())) })
             }
-            Err(e) => Err(Response { source: Source::Redis, ..Response::error(id, op, error_code(&e), Cow::Owned(e.to_string())) }),
         }
     }
 }

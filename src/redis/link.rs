@@ -247,6 +247,13 @@ impl RedisLink {
     /// connection died, it is counted twice: the error is on the side of
     /// refusing, never of admitting too much.
     pub async fn eval<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        self.eval_by(cmd, Instant::now() + self.settings.timeout).await
+    }
+
+    /// `eval` with a deadline of the caller's: the calls of one decision
+    /// over several Cluster slots share one (`multi`), whatever their
+    /// number.
+    pub async fn eval_by<T: FromRedisValue>(&self, cmd: &Cmd, deadline: Instant) -> Result<T, StoreError> {
         let started = Instant::now();
         let mut conn = self.connection()?;
         let conn_is_cluster = conn.is_cluster();
@@ -255,7 +262,11 @@ impl RedisLink {
         };
         let attempt = async {
             let seen = self.generation();
-            match cmd.query_async::<T>(&mut conn).await {
+            let first = match cmd.query_async::<T>(&mut conn).await {
+                Err(e) if is_redirect(&e) => follow_redirect(cmd, e, &mut conn).await,
+                other => other,
+            };
+            match first {
                 Err(e) if is_noscript(&e) && conn.is_cluster() => {
                     // One node of the cluster lost its script cache (a
                     // promoted replica, SCRIPT FLUSH, a restart): EVAL the
@@ -264,7 +275,11 @@ impl RedisLink {
                     // none being down matters (`SCRIPT LOAD` on a cluster
                     // goes to every node and fails if any one is down).
                     METRICS.noscript_reload();
-                    eval_source(cmd, self.source_of(cmd)).query_async::<T>(&mut conn).await
+                    let eval = eval_source(cmd, self.source_of(cmd));
+                    match eval.query_async::<T>(&mut conn).await {
+                        Err(e) if is_redirect(&e) => follow_redirect(&eval, e, &mut conn).await,
+                        other => other,
+                    }
                 }
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                     METRICS.noscript_reload();
@@ -288,7 +303,7 @@ impl RedisLink {
                 other => other,
             }
         };
-        let outcome = tokio::time::timeout(self.settings.timeout, attempt).await;
+        let outcome = tokio::time::timeout_at(deadline.into(), attempt).await;
         let took = started.elapsed();
         let now = started + took;
         METRICS.redis_call(took);
@@ -620,6 +635,50 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
+}
+
+/// A redirect redis-rs gave up on (see `follow_redirect`).
+fn is_redirect(e: &RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::Ask | redis::ServerErrorKind::Moved))
+}
+
+/// Redirects followed here, one after the other, before the error stands.
+const REDIRECT_HOPS: usize = 4;
+
+/// Follows a redirect that redis-rs gave up on. During a slot migration
+/// redis-rs (cluster-async 1.8) follows `ASK` by sending `ASKING` and then
+/// the command as two requests on the importing node's shared multiplexed
+/// connection, awaiting the first before writing the second. Many calls
+/// redirected at once (a busy slot) write their `ASKING`s back to back,
+/// and the first command to follow consumes the node's one-shot flag: the
+/// others meet the importing node without it, are sent back (`MOVED` to
+/// the old node, which answers `ASK` again), one more gets through per
+/// round, and after its 16 retries the caller gets the `MOVED` or `ASK`
+/// error. Here `ASK` is followed with one pipeline `ASKING` + command to
+/// the node named (a pipeline is written in one piece: nothing comes
+/// between), and `MOVED` with the command to the node named.
+async fn follow_redirect<T: FromRedisValue>(cmd: &Cmd, first: RedisError, conn: &mut LinkConnection) -> Result<T, RedisError> {
+    let LinkConnection::Cluster(cluster) = conn else { return Err(first) };
+    let mut err = first;
+    for _ in 0..REDIRECT_HOPS {
+        let ask = err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask);
+        let Some((host, port)) = err.redirect_node().and_then(|(node, _slot)| node.rsplit_once(':')).and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?))) else {
+            return Err(err);
+        };
+        let mut pipe = redis::pipe();
+        if ask {
+            pipe.cmd("ASKING");
+        }
+        pipe.add_command(cmd.clone());
+        let route = redis::cluster_routing::SingleNodeRoutingInfo::ByAddress { host, port };
+        let reply = cluster.route_pipeline(pipe, usize::from(ask), 1, route).await.and_then(|mut values| values.pop().ok_or_else(|| RedisError::from(std::io::Error::other("redirected call: no reply"))));
+        match reply.and_then(|v| v.extract_error()) {
+            Err(e) if is_redirect(&e) => err = e,
+            Err(e) => return Err(e),
+            Ok(v) => return T::from_redis_value(v).map_err(RedisError::from),
+        }
+    }
+    Err(err)
 }
 
 fn is_noscript(e: &RedisError) -> bool {

@@ -7,19 +7,27 @@
 //!   tells its owner through a callback;
 //! - `link`: the one shared connection, its supervisor and its circuit
 //!   breaker, and `eval`, the single entry point every call goes through;
+//! - `keys`: a window's Redis key, its Cluster slot, a script's reply as
+//!   a verdict;
 //! - `window`: the scripts (one per algorithm: the log, the ring, GCRA,
-//!   the sliding counter, the fixed window), their keys and their reply;
+//!   the sliding counter, the fixed window), their arguments;
+//! - `multi`: several items all or nothing (reservations across Cluster
+//!   slots, confirmed or taken back), refunds, and the tasks they leave;
 //! - `coalesce`: the windows with a call in flight, and the requests that
 //!   queue for their next call;
 //! - `shard`: the keys of a hot key's shards, one per range of Cluster slots.
 
 mod coalesce;
 mod connector;
+mod keys;
 mod link;
+mod multi;
 mod sentinel;
 mod shard;
 mod window;
 
 pub use connector::{Connector, ConnectorError, LinkConnection};
 pub use shard::shard_key;
-pub use window::{BatchAsk, MultiAsk, RedisWindow, RefundItem, StartError, WindowKey};
+pub use multi::{MultiAsk, RefundItem, RESERVATION_LIFE};
+pub use keys::WindowKey;
+pub use window::{BatchAsk, RedisWindow, StartError};

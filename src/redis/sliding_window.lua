@@ -32,41 +32,69 @@
 -- refundable item; docs/PROTOCOL.md section 4b). KEYS[i] is item i's
 -- window key (on a Cluster all in one slot: the daemon groups them).
 --   ARGV[1] 'm', ARGV[2] now (0: Redis TIME), ARGV[3] member base,
+--   ARGV[4] 0: record, or R > 0: reserve for R ms (one Cluster slot of
+--   several),
 --   then per key: window, limit, cost, shadow (1|0), item number j.
 -- Every key is cleaned and counted first; item i fits if count + cost <=
 -- limit. If every non-shadow item fits, each fitting item is recorded as
 -- "<base>.<j>" (cost 1) or "<base>.<j>:<u>" per unit; otherwise nothing is.
--- Returns {committed (1|0)} then per key {fits, count, remaining,
--- retry_after_ms, reset_ms}, with count after this request when recorded.
+-- A reservation is recorded with the score now - window + R (when R <
+-- window): it leaves the window R ms from now by itself unless confirmed.
+-- Returns {committed (1|0), now} then per key {fits, count, remaining,
+-- retry_after_ms, reset_ms}: with ARGV[4] 0 and committed, count after this
+-- request; otherwise the window as it stands without this request (a
+-- reservation's numbers too: the daemon adds the cost once every slot
+-- reserved).
+--
+-- Confirm: ARGV[1] 'c', ARGV[2] member base, ARGV[3] score (the 'm' call's
+-- now), then per key: cost, item number j. The reserved members still there
+-- get that score: admissions from then on. Idempotent. Returns the members
+-- confirmed.
 --
 -- Refund: ARGV[1] 'r', ARGV[2] member base, then per key: cost, item
 -- number j. ZREM of exactly the members 'm' wrote: idempotent, and a no-op
 -- once they have left the window. Returns the members removed.
--- ARGV[1] = 'm' or 'r' selects the all-or-nothing check of several keys or
--- the refund (the single-key check below pays one string comparison for
--- them; no closure is made per call).
-if ARGV[1] == 'm' or ARGV[1] == 'r' then
-  if ARGV[1] == 'r' then
+-- ARGV[1] = 'm', 'c' or 'r' selects these (the single-key check below pays
+-- one string comparison for them; no closure is made per call).
+if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
+  if ARGV[1] ~= 'm' then
     local base = ARGV[2]
-    local removed = 0
+    local confirm = ARGV[1] == 'c'
+    local score = ARGV[3]
+    -- The per-key arguments start one later for 'c' (after the score).
+    local o = confirm and 1 or 0
+    local done = 0
     for i = 1, #KEYS do
-      local cost = tonumber(ARGV[1 + 2 * i])
-      local member = base .. '.' .. ARGV[2 + 2 * i]
-      if cost == 1 then
-        removed = removed + redis.call('ZREM', KEYS[i], member)
+      local cost = tonumber(ARGV[1 + o + 2 * i])
+      local member = base .. '.' .. ARGV[2 + o + 2 * i]
+      if confirm and cost == 1 then
+        done = done + redis.call('ZADD', KEYS[i], 'XX', 'CH', score, member)
+      elseif confirm then
+        local args, m = { 'XX', 'CH' }, 2
+        for u = 1, cost do
+          args[m + 1] = score
+          args[m + 2] = member .. ':' .. u
+          m = m + 2
+          if m >= 1000 or u == cost then
+            done = done + redis.call('ZADD', KEYS[i], unpack(args, 1, m))
+            m = 2
+          end
+        end
+      elseif cost == 1 then
+        done = done + redis.call('ZREM', KEYS[i], member)
       else
         local args, m = {}, 0
         for u = 1, cost do
           m = m + 1
           args[m] = member .. ':' .. u
           if m == 1000 or u == cost then
-            removed = removed + redis.call('ZREM', KEYS[i], unpack(args, 1, m))
+            done = done + redis.call('ZREM', KEYS[i], unpack(args, 1, m))
             m = 0
           end
         end
       end
     end
-    return removed
+    return done
   end
   local now = tonumber(ARGV[2])
   if now == 0 then
@@ -74,11 +102,12 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' then
     now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   local base = ARGV[3]
+  local reserve = tonumber(ARGV[4])
   local n = #KEYS
   local counts, fits = {}, {}
   local committed = true
   for i = 1, n do
-    local a = 4 + 5 * (i - 1)
+    local a = 5 + 5 * (i - 1)
     local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window)
     counts[i] = redis.call('ZCARD', KEYS[i])
@@ -87,36 +116,15 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' then
       committed = false
     end
   end
-  local out = { committed and 1 or 0 }
+  local out = { committed and 1 or 0, now }
   for i = 1, n do
-    local a = 4 + 5 * (i - 1)
+    local a = 5 + 5 * (i - 1)
     local key = KEYS[i]
     local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
     local count = counts[i]
-    if fits[i] and committed then
-      local member = base .. '.' .. ARGV[a + 4]
-      if cost == 1 then
-        redis.call('ZADD', key, now, member)
-      else
-        local args, m = {}, 0
-        for u = 1, cost do
-          args[m + 1] = now
-          args[m + 2] = member .. ':' .. u
-          m = m + 2
-          if m == 1000 or u == cost then
-            redis.call('ZADD', key, unpack(args, 1, m))
-            m = 0
-          end
-        end
-      end
-      redis.call('PEXPIRE', key, window)
-      count = count + cost
-      out[#out + 1] = 1
-      out[#out + 1] = count
-      out[#out + 1] = limit - count
-      out[#out + 1] = 0
-      out[#out + 1] = window
-    else
+    local write = fits[i] and committed
+    if not write or reserve > 0 then
+      -- The window as it stands without this request.
       local retry_after, reset = 0, window
       local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
       if newest[2] then
@@ -139,6 +147,36 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' then
       out[#out + 1] = remaining
       out[#out + 1] = retry_after
       out[#out + 1] = reset
+    end
+    if write then
+      local score = now
+      if reserve > 0 and reserve < window then
+        score = now - window + reserve
+      end
+      local member = base .. '.' .. ARGV[a + 4]
+      if cost == 1 then
+        redis.call('ZADD', key, score, member)
+      else
+        local args, m = {}, 0
+        for u = 1, cost do
+          args[m + 1] = score
+          args[m + 2] = member .. ':' .. u
+          m = m + 2
+          if m == 1000 or u == cost then
+            redis.call('ZADD', key, unpack(args, 1, m))
+            m = 0
+          end
+        end
+      end
+      redis.call('PEXPIRE', key, window)
+      if reserve == 0 then
+        count = count + cost
+        out[#out + 1] = 1
+        out[#out + 1] = count
+        out[#out + 1] = limit - count
+        out[#out + 1] = 0
+        out[#out + 1] = window
+      end
     end
   end
   return out

@@ -14,7 +14,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::coalesce::{Batch, InFlight, Join, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
+use super::keys::{verdict, WindowKey};
 use super::link::{LinkSettings, RedisLink};
+use super::multi::{MultiAnswer, MultiAsk, RefundItem, RefundOutcome, Reservations};
+use crate::denial_cache::DenialCache;
 use crate::config::{ClockSource, RedisConfig, RedisSecrets};
 use crate::protocol::Algorithm;
 use crate::metrics::METRICS;
@@ -41,82 +44,6 @@ const fn script_of(algorithm: Algorithm) -> &'static str {
         Algorithm::Gcra => GCRA_SOURCE,
         Algorithm::SlidingCounter => SLIDING_COUNTER_SOURCE,
         Algorithm::Fixed => FIXED_SOURCE,
-    }
-}
-
-/// The Redis key of a client key, window and algorithm:
-/// `<prefix>{<key>}:<window>ms` for the log (the seed's keys, unchanged),
-/// `<prefix>{<key>}:<window>ms:<algorithm>` for the others (`:ring`), so
-/// that two algorithms never read each other's data;
-/// or `<prefix>~<key>:<window>ms` when the key already carries a non-empty
-/// `{...}` hash tag of its own, so that callers can keep related keys in
-/// one Cluster slot. The `~` keeps the two forms apart (`a` and `{a}` are
-/// different keys). The window is part of the key because two locations
-/// may share a key with different windows: in one ZSET, the shorter
-/// window's cleanup would erase the longer one's history. It sits outside
-/// the hash tag, so every window of a key lives in the key's slot. The
-/// prefix is always there, so no client key reaches outside the namespace.
-#[derive(Clone, Copy, Debug)]
-pub struct WindowKey<'a> {
-    pub prefix: &'a [u8],
-    pub key: &'a [u8],
-    pub window_ms: u32,
-    pub algorithm: Algorithm,
-}
-
-impl WindowKey<'_> {
-    fn has_hash_tag(&self) -> bool {
-        match self.key.iter().position(|&b| b == b'{') {
-            Some(open) => self.key[open + 1..].iter().position(|&b| b == b'}').is_some_and(|len| len > 0),
-            None => false,
-        }
-    }
-
-    /// The full key as bytes (admin tools and tests; the hot path writes it
-    /// straight into the command buffer).
-    pub fn to_vec(self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
-        self.write_into(&mut v).expect("writing to a Vec cannot fail");
-        v
-    }
-
-    /// Everything before the window: the part all windows of a key share.
-    fn write_stem(&self, w: &mut impl Write) -> std::io::Result<()> {
-        w.write_all(self.prefix)?;
-        if self.has_hash_tag() {
-            w.write_all(b"~")?;
-            w.write_all(self.key)
-        } else {
-            w.write_all(b"{")?;
-            w.write_all(self.key)?;
-            w.write_all(b"}")
-        }
-    }
-
-    fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
-        self.write_stem(w)?;
-        write!(w, ":{}ms", self.window_ms)?;
-        match self.algorithm {
-            Algorithm::Log => Ok(()),
-            a => write!(w, ":{}", a.as_str()),
-        }
-    }
-
-    /// A `SCAN MATCH` pattern for every window of this key, of every
-    /// algorithm (admin tools): the stem with glob characters escaped, then
-    /// `:*ms*`.
-    pub fn all_windows_pattern(&self) -> Vec<u8> {
-        let mut stem = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
-        self.write_stem(&mut stem).expect("writing to a Vec cannot fail");
-        let mut out = Vec::with_capacity(stem.len() * 2 + 4);
-        for b in stem {
-            if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
-                out.push(b'\\');
-            }
-            out.push(b);
-        }
-        out.extend_from_slice(b":*ms*");
-        out
     }
 }
 
@@ -147,12 +74,6 @@ impl WindowKey<'_> {
     }
 }
 
-impl ToRedisArgs for WindowKey<'_> {
-    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        let _ = self.write_into(&mut out.writer_for_next_arg());
-    }
-}
-
 /// A ZSET member that no other request shares: a random 64-bit id drawn at
 /// start-up (distinct across daemons and restarts) and a per-process sequence.
 #[derive(Clone, Copy, Debug)]
@@ -178,41 +99,8 @@ pub struct RedisWindow {
     in_flight: InFlight,
     /// A Redis Cluster: a call's keys must share a slot.
     cluster: bool,
-}
-
-/// One item of an all-or-nothing call (`check_multi`).
-#[derive(Clone, Copy, Debug)]
-pub struct MultiAsk<'a> {
-    /// The client key (a policy's scoped key), before the prefix.
-    pub key: &'a [u8],
-    pub window_ms: u32,
-    pub limit: u32,
-    pub cost: u32,
-    /// A shadow policy's item: recorded when it fits, never refuses.
-    pub shadow: bool,
-    /// The item's number in its request, 1-based: names its members.
-    pub number: u8,
-}
-
-/// The answer of `check_multi`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MultiAnswer {
-    /// Every fitting item was recorded (no non-shadow item refused).
-    pub committed: bool,
-    /// Per item, in order: `allowed` = the item fitted. `None`: not asked
-    /// (a Cluster slot group before it refused).
-    pub verdicts: Vec<Option<Verdict>>,
-    /// Names the members written: the refund handle.
-    pub handle: [u8; 16],
-}
-
-/// One item of a refund.
-#[derive(Clone, Copy, Debug)]
-pub struct RefundItem<'a> {
-    pub key: &'a [u8],
-    pub window_ms: u32,
-    pub cost: u32,
-    pub number: u8,
+    /// Multi-item checks and refunds, and the tasks they leave running.
+    multi: Arc<Reservations>,
 }
 
 /// One request of a call: the call names the key and window.
@@ -239,8 +127,10 @@ impl RedisWindow {
         let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
         // The algorithms' scripts in `Algorithm::ALL` order, then the leases'.
         let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([CONCURRENCY_SOURCE]).collect();
+        let link = RedisLink::start(connector, &sources, probe, LinkSettings::from(cfg), shutdown);
         Ok(Arc::new(Self {
-            link: RedisLink::start(connector, &sources, probe, LinkSettings::from(cfg), shutdown),
+            multi: Arc::new(Reservations::new(link.clone(), cfg.key_prefix.as_bytes())),
+            link,
             key_prefix: cfg.key_prefix.as_bytes().into(),
             instance,
             seq: AtomicU64::new(0),
@@ -417,152 +307,46 @@ impl RedisWindow {
 }
 
 impl RedisWindow {
-    /// Decides several items all or nothing, within the deadline. Never
-    /// coalesced: one call of its own (per Cluster slot, see below), so
-    /// the members it writes are named by the returned handle.
-    ///
-    /// On one Redis (or a Cluster when every key shares a slot): one
-    /// atomic script call. On a Cluster with keys in several slots: one
-    /// call per slot group, in order; each group is all or nothing; when a
-    /// group refuses, the groups already recorded are taken back (the
-    /// refund script) and the later ones are not asked. Between a group's
-    /// call and its cancellation other requests see its admissions (they
-    /// may be refused for them); a cancellation that fails leaves them
-    /// counted until they leave the window (never admits too much).
+    /// Decides several items all or nothing, within one deadline
+    /// (docs/PROTOCOL.md 4b; how across Cluster slots: `multi`). Never
+    /// coalesced: the members it writes are named by the returned handle.
     pub async fn check_multi(&self, asks: &[MultiAsk<'_>]) -> Result<MultiAnswer, StoreError> {
-        let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
-        let handle = member.to_handle();
-        let now = self.now_arg();
-        let groups = if self.cluster { self.slot_groups(asks) } else { vec![(0..asks.len()).collect()] };
-        let mut verdicts = vec![None; asks.len()];
-        let mut recorded: Vec<&Vec<usize>> = Vec::new();
-        for group in &groups {
-            let sub: Vec<MultiAsk<'_>> = group.iter().map(|&i| asks[i]).collect();
-            let (committed, got) = match self.multi_call(&sub, member, now).await {
-                Ok(answer) => answer,
-                Err(e) => {
-                    self.cancel(&recorded, asks, member).await;
-                    return Err(e);
-                }
-            };
-            for (&i, v) in group.iter().zip(got) {
-                verdicts[i] = Some(v);
-            }
-            if !committed {
-                self.cancel(&recorded, asks, member).await;
-                return Ok(MultiAnswer { committed: false, verdicts, handle });
-            }
-            recorded.push(group);
-        }
-        Ok(MultiAnswer { committed: true, verdicts, handle })
+        self.multi.check(asks, self.cluster, self.now_arg()).await
     }
 
-    /// The items' indices by Cluster slot, in order of each slot's first item.
-    fn slot_groups(&self, asks: &[MultiAsk<'_>]) -> Vec<Vec<usize>> {
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, a) in asks.iter().enumerate() {
-            let slot = key_slot(&self.window_key(a.key, a.window_ms, Algorithm::Log).to_vec());
-            match groups.iter_mut().find(|g| g.0 == slot) {
-                Some(g) => g.1.push(i),
-                None => groups.push((slot, vec![i])),
-            }
-        }
-        groups.into_iter().map(|g| g.1).collect()
-    }
-
-    /// Takes back the admissions of the slot groups recorded before one
-    /// refused or failed (Cluster only). A failure is logged: the
-    /// admissions stay until they leave their windows.
-    async fn cancel(&self, recorded: &[&Vec<usize>], asks: &[MultiAsk<'_>], member: MemberId) {
-        for group in recorded {
-            let items: Vec<RefundItem<'_>> = group.iter().map(|&i| RefundItem { key: asks[i].key, window_ms: asks[i].window_ms, cost: asks[i].cost, number: asks[i].number }).collect();
-            if let Err(e) = self.refund_call(&items, member).await {
-                tracing::warn!(error = %e, "could not take back a multi-item check's admissions on one cluster slot after another slot refused: they count until they leave the window");
-            }
-        }
-    }
-
-    async fn multi_call(&self, asks: &[MultiAsk<'_>], member: MemberId, now_ms: u64) -> Result<(bool, Vec<Verdict>), StoreError> {
-        let mut cmd = redis::Cmd::with_capacity(6 + 6 * asks.len(), 64 + asks.iter().map(|a| a.key.len() + self.key_prefix.len() + 48).sum::<usize>());
-        cmd.arg("EVALSHA").arg(self.link.script_sha(Algorithm::Log.index())).arg(asks.len());
-        for a in asks {
-            cmd.arg(self.window_key(a.key, a.window_ms, Algorithm::Log));
-        }
-        cmd.arg("m").arg(now_ms).arg(member);
-        for a in asks {
-            cmd.arg(a.window_ms).arg(a.limit).arg(a.cost).arg(u8::from(a.shadow)).arg(a.number);
-        }
-        let flat: Vec<i64> = self.link.eval(&cmd).await?;
-        if flat.len() != 1 + 5 * asks.len() {
-            return Err(StoreError::Redis(format!("the script answered {} values for {} items", flat.len(), asks.len())));
-        }
-        Ok((flat[0] == 1, flat[1..].chunks_exact(5).map(|v| verdict(v[0], v[1], v[2], v[3], v[4])).collect()))
-    }
-
-    /// Takes back the admissions a refundable check recorded: ZREM of its
-    /// members, one call (per Cluster slot). Exact and idempotent; members
-    /// already out of their window are simply not found. Returns the
-    /// members removed.
+    /// Takes back the admissions a refundable check recorded: ZREM of the
+    /// members `handle` names in the items' windows, every Cluster slot at
+    /// once within one deadline. Exact and idempotent; members already out
+    /// of their window are not found. Returns the members removed, or the
+    /// first failure (then the slots that answered were refunded all the
+    /// same: `refund_outcome` says how much).
     pub async fn refund(&self, handle: &[u8; 16], items: &[RefundItem<'_>]) -> Result<u64, StoreError> {
-        let member = MemberId::from_handle(handle);
-        if !self.cluster {
-            return self.refund_call(items, member).await;
+        let outcome = self.refund_outcome(handle, items).await;
+        match outcome.failure {
+            None => Ok(outcome.removed),
+            Some(e) => Err(e),
         }
-        let asks: Vec<MultiAsk<'_>> = items.iter().map(|r| MultiAsk { key: r.key, window_ms: r.window_ms, limit: 0, cost: r.cost, shadow: false, number: r.number }).collect();
-        let mut removed = 0;
-        for group in self.slot_groups(&asks) {
-            let sub: Vec<RefundItem<'_>> = group.iter().map(|&i| items[i]).collect();
-            removed += self.refund_call(&sub, member).await?;
-        }
-        Ok(removed)
     }
 
-    async fn refund_call(&self, items: &[RefundItem<'_>], member: MemberId) -> Result<u64, StoreError> {
-        let mut cmd = redis::Cmd::new();
-        cmd.arg("EVALSHA").arg(self.link.script_sha(Algorithm::Log.index())).arg(items.len());
-        for r in items {
-            cmd.arg(self.window_key(r.key, r.window_ms, Algorithm::Log));
-        }
-        cmd.arg("r").arg(member);
-        for r in items {
-            cmd.arg(r.cost).arg(r.number);
-        }
-        self.link.eval(&cmd).await
-    }
-}
-
-impl MemberId {
-    fn to_handle(self) -> [u8; 16] {
-        let mut h = [0u8; 16];
-        h[..8].copy_from_slice(&self.instance.to_be_bytes());
-        h[8..].copy_from_slice(&self.seq.to_be_bytes());
-        h
+    /// `refund`, saying what the slots that answered took back even when
+    /// another slot failed (a retry takes back the rest: idempotent).
+    pub async fn refund_outcome(&self, handle: &[u8; 16], items: &[RefundItem<'_>]) -> RefundOutcome {
+        self.multi.refund(handle, items, self.cluster).await
     }
 
-    fn from_handle(h: &[u8; 16]) -> Self {
-        let mut instance = [0u8; 8];
-        let mut seq = [0u8; 8];
-        instance.copy_from_slice(&h[..8]);
-        seq.copy_from_slice(&h[8..]);
-        Self { instance: u64::from_be_bytes(instance), seq: u64::from_be_bytes(seq) }
+    /// Tells the backend of the denial cache in front of it: removals
+    /// (refunds, reservations taken back) forget the windows they touch.
+    /// Set once; later calls are ignored.
+    pub fn set_denial_cache(&self, denials: Arc<DenialCache>) {
+        let _ = self.multi.denials.set(denials);
     }
-}
 
-/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag, or of
-/// the whole key, modulo 16384.
-pub fn key_slot(key: &[u8]) -> u16 {
-    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
-        let rest = &key[open + 1..];
-        rest.iter().position(|&b| b == b'}').filter(|&len| len > 0).map(|len| &rest[..len])
-    });
-    let mut crc: u16 = 0;
-    for &b in tagged.unwrap_or(key) {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
-        }
+    /// Waits up to `limit` for multi-item checks still deciding, confirming
+    /// or taking back across Cluster slots (at shutdown, after the last
+    /// connection); returns whether all finished.
+    pub async fn settle(&self, limit: Duration) -> bool {
+        self.multi.settle(limit).await
     }
-    crc % 16384
 }
 
 /// The link's probe: one admission on a key no client can name (a client
@@ -584,16 +368,6 @@ impl Drop for Lead<'_> {
                 rt.spawn(self.window.clone().drain(self.fp, batch));
             }
         }
-    }
-}
-
-fn verdict(allowed: i64, count: i64, remaining: i64, retry_after_ms: i64, reset_ms: i64) -> Verdict {
-    Verdict {
-        allowed: allowed == 1,
-        count: clamp_u32(count),
-        remaining: clamp_u32(remaining),
-        retry_after_ms: clamp_u32(retry_after_ms),
-        reset_ms: clamp_u32(reset_ms),
     }
 }
 
@@ -629,10 +403,6 @@ fn instance_id() -> Result<u64, StartError> {
     Ok(u64::from_le_bytes(id))
 }
 
-fn clamp_u32(v: i64) -> u32 {
-    v.clamp(0, u32::MAX as i64) as u32
-}
-
 /// Milliseconds since the Unix epoch on this host's clock.
 fn wall_clock_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -642,35 +412,6 @@ fn wall_clock_ms() -> u64 {
 mod tests {
     use super::*;
 
-    fn key(prefix: &str, key: &str) -> String {
-        String::from_utf8(WindowKey { prefix: prefix.as_bytes(), key: key.as_bytes(), window_ms: 1000, algorithm: Algorithm::Log }.to_vec()).unwrap()
-    }
-
-    #[test]
-    fn keys_are_prefixed_hash_tagged_and_name_their_window() {
-        assert_eq!(key("rl:", "order:tenant-1001"), "rl:{order:tenant-1001}:1000ms");
-        assert_eq!(key("rl:", "{tenant-1}:order"), "rl:~{tenant-1}:order:1000ms");
-        assert_ne!(key("rl:", "a"), key("rl:", "{a}"));
-        // An empty tag is no tag: the whole key is wrapped.
-        assert_eq!(key("rl:", "a{}b"), "rl:{a{}b}:1000ms");
-        assert_eq!(key("rl:", "a}b{"), "rl:{a}b{}:1000ms");
-        let k = |w, algorithm| WindowKey { prefix: b"rl:", key: b"k", window_ms: w, algorithm }.to_vec();
-        assert_ne!(k(100, Algorithm::Log), k(60_000, Algorithm::Log));
-        assert_eq!(k(100, Algorithm::Ring), b"rl:{k}:100ms:ring");
-        let glob = WindowKey { prefix: b"rl:", key: b"a*b?[c]", window_ms: 5, algorithm: Algorithm::Log }.all_windows_pattern();
-        assert_eq!(String::from_utf8(glob).unwrap(), r"rl:{a\*b\?\[c\]}:*ms*");
-    }
-
-    #[test]
-    fn cluster_slots_follow_the_hash_tag() {
-        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
-        assert_eq!(key_slot(b"123456789"), 0x31c3);
-        assert_eq!(key_slot(b"foo"), 12182);
-        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"{user1000}.followers"));
-        let h = MemberId { instance: 0xab, seq: 7 };
-        let back = MemberId::from_handle(&h.to_handle());
-        assert_eq!((back.instance, back.seq), (0xab, 7));
-    }
 
     #[test]
     fn member_ids_differ_by_instance_and_sequence() {
