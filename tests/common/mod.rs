@@ -8,6 +8,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod daemon;
+pub mod model;
 pub mod nginx;
 pub mod ports;
 pub mod process;
