@@ -45,7 +45,9 @@
 //!   `reload`, `exempt`, `unsupported` (non-log policies in multi-item
 //!   checks, S7), `refused_numbers` (per-item numbers of refused multi-item
 //!   checks, S8), `ring`, `gcra`, `sliding_counter`, `fixed`, `inline`,
-//!   `metrics`, `state`, `cache` (denial cache always off);
+//!   `metrics`, `state`, `cache` (denial cache always off), `shadow_fields`
+//!   (the fixed fields of an admitted multi-item answer may come from a
+//!   shadow item, S3);
 //! - `MATRIX_KEEP_GOING=1`: run every case even after one failed.
 
 mod common;
@@ -102,7 +104,7 @@ impl Settings {
         let (c, o) = if long_run { long } else { (default_cases, default_ops) };
         let skip: HashSet<String> = std::env::var("MATRIX_SKIP").unwrap_or_default().split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
         const KNOWN: &[&str] =
-            &["shards", "multi", "refund", "forged", "lease", "renew", "shadow", "shadowlease", "reload", "exempt", "unsupported", "refused_numbers", "ring", "gcra", "sliding_counter", "fixed", "inline", "metrics", "state", "cache"];
+            &["shards", "multi", "refund", "forged", "lease", "renew", "shadow", "shadowlease", "reload", "exempt", "unsupported", "refused_numbers", "ring", "gcra", "sliding_counter", "fixed", "inline", "metrics", "state", "cache", "shadow_fields"];
         for s in &skip {
             assert!(KNOWN.contains(&s.as_str()), "MATRIX_SKIP: unknown feature '{s}' (known: {})", KNOWN.join(","));
         }
@@ -694,6 +696,7 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
     let store = backend.store();
     let mut model = Model::new(store, cfg.clone());
     model.refused_numbers = s.has("refused_numbers");
+    model.shadow_fields = s.has("shadow_fields");
     let mut keys: Vec<String> = POLICY_KEYS.iter().map(|k| k.to_string()).collect();
     if let Some(p) = cfg.policies.iter().find(|p| p.shards() > 1) {
         // Today's name of shard 1 of key `a`: must be a key of its own (S2).
@@ -714,7 +717,12 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
         let mut c = d.client().await;
         for n in 0..s.ops {
             let op = draw_op(&mut g, &model, s);
-            let features = op.features(&model.config);
+            let mut features = op.features(&model.config);
+            if let Op::Lease { policy, key, lease, release: false, .. } = &op {
+                if model.leases.get(&(Scope::Leases(policy.clone()), key.clone())).is_some_and(|h| h.contains_key(lease)) {
+                    features.push("renew".into());
+                }
+            }
             if let Op::Reload(what) = &op {
                 apply_reload(&mut model.config, what);
                 let (name, change) = what.split_once(": ").unwrap();

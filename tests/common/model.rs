@@ -335,6 +335,8 @@ pub struct WantMulti {
     /// Compare the numbers of items of a refused request (S8); off: the
     /// decisions only.
     pub refused_numbers: bool,
+    /// Hold the fixed fields of an admitted answer to enforced items (S3).
+    pub shadow_fields: bool,
 }
 
 impl WantMulti {
@@ -390,10 +392,10 @@ impl WantMulti {
                 .items
                 .iter()
                 .zip(&ext.items)
-                .filter(|(w, _)| !w.shadow && w.sources != [Source::Exempt])
+                .filter(|(w, _)| (!w.shadow || !self.shadow_fields) && w.sources != [Source::Exempt] && w.decision == Decision::Allowed)
                 .min_by_key(|(_, it)| it.remaining)
                 .map(|(_, it)| *it)
-                .or_else(|| self.items.iter().zip(&ext.items).find(|(w, _)| !w.shadow).map(|(_, it)| *it));
+                .or_else(|| self.items.iter().zip(&ext.items).find(|(w, _)| !w.shadow && self.shadow_fields).map(|(_, it)| *it));
             if let Some(m) = main {
                 if (r.source, r.count, r.remaining, r.retry_after_ms, r.reset_ms) != (m.source, m.count, m.remaining, m.retry_after_ms, m.reset_ms) {
                     bad.push(format!(
@@ -470,6 +472,7 @@ pub struct Model {
     pub issued: Vec<Issued>,
     /// Compare the per-item numbers of refused multi-item checks (S8).
     pub refused_numbers: bool,
+    pub shadow_fields: bool,
     /// Responses `ratelimitd_decisions_total` must have counted (S9).
     pub decisions: u64,
     /// REFUND requests carried out in Redis, and the units they removed.
@@ -486,7 +489,7 @@ fn policy_scope(p: &PolicySpec) -> Scope {
 
 impl Model {
     pub fn new(store: Store, config: Config) -> Self {
-        Model { store, config, windows: BTreeMap::new(), leases: BTreeMap::new(), issued: Vec::new(), refused_numbers: true, decisions: 0, refunds: 0, refunded_units: 0 }
+        Model { store, config, windows: BTreeMap::new(), leases: BTreeMap::new(), issued: Vec::new(), refused_numbers: true, shadow_fields: true, decisions: 0, refunds: 0, refunded_units: 0 }
     }
 
     fn store_source(&self) -> Source {
@@ -685,7 +688,7 @@ impl Model {
         if refundable && committed && redis && stored {
             self.issued.push(Issued { items: items.to_vec(), recorded, refunded: false });
         }
-        Expect::Multi(WantMulti { items: wants, refusing, handle, may_skip: self.store == Store::Cluster, refused_numbers: self.refused_numbers })
+        Expect::Multi(WantMulti { items: wants, refusing, handle, may_skip: self.store == Store::Cluster, refused_numbers: self.refused_numbers, shadow_fields: self.shadow_fields })
     }
 
     /// REFUND with the handle of `issued[valid]` (`None`: a forged,
