@@ -777,7 +777,12 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
                     let _ = writeln!(diff, "  {k:?}: model {w}, Redis {h}");
                 }
             }
-            return Err(fail(vec!["state".into()], &trace, format!("the final Redis state disagrees with the model:\n{diff}")));
+            let mut features = vec!["state".to_string()];
+            let sharded = |k: &WinKey| matches!(&k.0, Scope::Policy(n) if model.config.any_policy(n).is_some_and(|p| p.shards() > 1));
+            if want.keys().chain(got.keys()).any(|k| want.get(k) != got.get(k) && sharded(k)) {
+                features.push("shards".into());
+            }
+            return Err(fail(features, &trace, format!("the final Redis state disagrees with the model:\n{diff}")));
         }
     }
     if s.has("metrics") {

@@ -274,10 +274,17 @@ impl Want {
         if !self.sources.contains(&s) {
             bad.push(format!("source {s:?} (want one of {:?})", self.sources));
         }
-        if !self.count.ok(count) {
+        let stale = match self.count {
+            // The denial cache answers with the numbers of the refusal it
+            // remembers (PROTOCOL.md section 7): admissions of a smaller
+            // cost since then are not in them.
+            Num::Is(n) if s == Source::DenialCache && self.sum.is_none() => count <= n && remaining == self.limit.saturating_sub(count),
+            _ => false,
+        };
+        if !self.count.ok(count) && !stale {
             bad.push(format!("count {count} (want {:?})", self.count));
         }
-        if !self.remaining.ok(remaining) {
+        if !self.remaining.ok(remaining) && !stale {
             bad.push(format!("remaining {remaining} (want {:?})", self.remaining));
         }
         if let Some(sum) = self.sum {
@@ -285,10 +292,13 @@ impl Want {
                 bad.push(format!("count + remaining {} (want {sum})", count + remaining));
             }
         }
-        if retry < self.retry.0 || retry > self.retry.1 {
+        // The cache's time fields count down from the remembered refusal,
+        // which may be of a smaller cost: never later than Redis's answer.
+        let lo = |b: (u32, u32)| if s == Source::DenialCache { 0 } else { b.0 };
+        if retry < lo(self.retry) || retry > self.retry.1 {
             bad.push(format!("retry_after_ms {retry} (want {}..={})", self.retry.0, self.retry.1));
         }
-        if reset < self.reset.0 || reset > self.reset.1 {
+        if reset < lo(self.reset) || reset > self.reset.1 {
             bad.push(format!("reset_ms {reset} (want {}..={})", self.reset.0, self.reset.1));
         }
         (!bad.is_empty()).then(|| bad.join(", "))
@@ -574,7 +584,7 @@ impl Model {
         if fits {
             *self.windows.entry(wk).or_default() += cost;
         }
-        Expect::One(Want { limit: 0, window_ms: 0, ..want })
+        Expect::One(want)
     }
 
     /// CHECK_POLICY of one item without flags.
@@ -600,7 +610,7 @@ impl Model {
         } else if p.shadow {
             want.decision = Decision::ShadowDenied;
         }
-        Expect::One(Want { limit: 0, window_ms: 0, ..want })
+        Expect::One(want)
     }
 
     /// Resolves the items of a multi-item check or a refund: the first
