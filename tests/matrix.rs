@@ -783,8 +783,9 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
                 let _ = writeln!(trace, "{n:3} {}", describe(&op));
                 continue;
             }
+            let to_midnight_sent_ms = to_midnight_ms();
             let resp = send(&mut c, &op, &g, &model.config).await;
-            let clock = Clock { elapsed_ms: start.elapsed().as_millis() as u32, to_midnight_ms: to_midnight_ms() };
+            let clock = Clock { elapsed_ms: start.elapsed().as_millis() as u32, to_midnight_ms: to_midnight_ms(), to_midnight_sent_ms };
             let issued_before = model.issued.len();
             let want = match &op {
                 Op::Check { key, algorithm, cost } => model.check(key, *algorithm, *cost, clock),

@@ -218,8 +218,10 @@ pub type WinKey = (Scope, String);
 pub struct Clock {
     /// Upper bound of the age of any admission of the case, in ms.
     pub elapsed_ms: u32,
-    /// Time to the next UTC midnight, in ms.
+    /// Time to the next UTC midnight, in ms, when the answer came back...
     pub to_midnight_ms: u32,
+    /// ...and when the request was sent (the daemon decided in between).
+    pub to_midnight_sent_ms: u32,
 }
 
 /// An expected number: exactly, or anything (with `sum` checked instead).
@@ -527,6 +529,9 @@ impl Model {
         let e = clock.elapsed_ms + 5;
         let near = |x: u32| (x.saturating_sub(e), x + 1);
         let mid = clock.to_midnight_ms;
+        // The day's end as seen from the decision, somewhere between the
+        // request and its answer.
+        let day_end = (mid.saturating_sub(1000), clock.to_midnight_sent_ms + 1000);
         let (retry, reset) = match (a, fits) {
             (Algorithm::Log | Algorithm::Ring, true) => ((0, 0), (w.saturating_sub(2), w)),
             (Algorithm::Log | Algorithm::Ring, false) => (near(w), near(w)),
@@ -539,10 +544,10 @@ impl Model {
                     (near(at(n + cost).saturating_sub(w)), near(at(n)))
                 }
             }
-            (Algorithm::Fixed, true) => ((0, 0), (mid.saturating_sub(2000), mid + 2000)),
-            (Algorithm::Fixed, false) => ((mid.saturating_sub(2000), mid + 2000), (mid.saturating_sub(2000), mid + 2000)),
-            (Algorithm::SlidingCounter, true) => ((0, 0), (mid.saturating_sub(2000), mid + w + 2000)),
-            (Algorithm::SlidingCounter, false) => ((mid.saturating_sub(2000), mid + w + 2000), (mid.saturating_sub(2000), mid + w + 2000)),
+            (Algorithm::Fixed, true) => ((0, 0), day_end),
+            (Algorithm::Fixed, false) => (day_end, day_end),
+            (Algorithm::SlidingCounter, true) => ((0, 0), (day_end.0, day_end.1 + w)),
+            (Algorithm::SlidingCounter, false) => ((day_end.0, day_end.1 + w), (day_end.0, day_end.1 + w)),
         };
         let (count, remaining) = if fits { (n + cost, limit - n - cost) } else { (n, limit.saturating_sub(n)) };
         let mut want = Want {
