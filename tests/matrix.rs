@@ -48,7 +48,9 @@
 //!   `metrics`, `state`, `cache` (denial cache always off), `shadow_fields`
 //!   (the fixed fields of an admitted multi-item answer may come from a
 //!   shadow item, S3);
-//! - `MATRIX_KEEP_GOING=1`: run every case even after one failed.
+//! - `MATRIX_KEEP_GOING=1`: run every case even after one failed;
+//! - `MATRIX_FIXED=1`: the same seeds every run (by default each run draws
+//!   new ones from the clock, so CI explores; every seed is printed).
 
 mod common;
 
@@ -127,7 +129,7 @@ impl Settings {
         if let Some(s) = self.seed {
             return vec![s];
         }
-        let t = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let t = if std::env::var("MATRIX_FIXED").is_ok_and(|v| v == "1") { 0 } else { SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64 };
         let mut r = Rng::new(base ^ t);
         (0..self.cases).map(|_| r.next() % 1_000_000_000_000).collect()
     }
@@ -610,11 +612,8 @@ impl PolicyCounts {
         match op {
             Op::Check { .. } | Op::Reload(_) => {}
             Op::Policy(it) if known(&it.policy) => self.add(&it.policy, r.decision == Decision::ShadowDenied),
-            Op::Multi { items, refundable: false } if items.len() == 1 => {
-                if known(&items[0].policy) {
-                    self.add(&items[0].policy, r.decision == Decision::ShadowDenied);
-                }
-            }
+            Op::Multi { items, refundable: false } if items.len() == 1 && known(&items[0].policy) => self.add(&items[0].policy, r.decision == Decision::ShadowDenied),
+            Op::Multi { items, refundable: false } if items.len() == 1 => {}
             Op::Lease { policy: Some(p), .. } if known(p) => self.add(p, r.decision == Decision::ShadowDenied),
             Op::Multi { items, .. } | Op::Refund { items_of: items, .. } => {
                 let code = r.error.to_wire();
