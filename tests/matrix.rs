@@ -47,7 +47,8 @@
 //!   checks, S8), `ring`, `gcra`, `sliding_counter`, `fixed`, `inline`,
 //!   `metrics`, `state`, `cache` (denial cache always off), `shadow_fields`
 //!   (the fixed fields of an admitted multi-item answer may come from a
-//!   shadow item, S3);
+//!   shadow item, S3), `outage` (one Redis only: redis-server killed for a
+//!   few operations, the fail policies deciding, then a fresh empty server);
 //! - `MATRIX_KEEP_GOING=1`: run every case even after one failed;
 //! - `MATRIX_FIXED=1`: the same seeds every run (by default each run draws
 //!   new ones from the clock, so CI explores; every seed is printed).
@@ -106,7 +107,7 @@ impl Settings {
         let (c, o) = if long_run { long } else { (default_cases, default_ops) };
         let skip: HashSet<String> = std::env::var("MATRIX_SKIP").unwrap_or_default().split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
         const KNOWN: &[&str] =
-            &["shards", "multi", "refund", "forged", "lease", "renew", "shadow", "shadowlease", "reload", "exempt", "unsupported", "refused_numbers", "ring", "gcra", "sliding_counter", "fixed", "inline", "metrics", "state", "cache", "shadow_fields"];
+            &["shards", "multi", "refund", "forged", "lease", "renew", "shadow", "shadowlease", "reload", "exempt", "unsupported", "refused_numbers", "ring", "gcra", "sliding_counter", "fixed", "inline", "metrics", "state", "cache", "shadow_fields", "outage"];
         for s in &skip {
             assert!(KNOWN.contains(&s.as_str()), "MATRIX_SKIP: unknown feature '{s}' (known: {})", KNOWN.join(","));
         }
@@ -227,16 +228,24 @@ fn old_shard_number(policy: &str, key: &str) -> u32 {
 /// One operation, drawn from the model's state.
 #[derive(Clone, Debug)]
 enum Op {
-    Check { key: String, algorithm: Algorithm, cost: u32 },
-    Policy(Item),
-    Multi { items: Vec<Item>, refundable: bool },
+    Check { key: String, algorithm: Algorithm, cost: u32, fail: Fail },
+    Policy(Item, Fail),
+    Multi { items: Vec<Item>, refundable: bool, fail: Fail },
     /// `issued`: the model's admission whose handle is sent (`None`: a
     /// random handle); `guess`: subtract from the handle's sequence (a
     /// forged neighbour); `items_of`: whose items are sent.
     Refund { kind: &'static str, handle_of: Option<usize>, guess: u64, items_of: Vec<Item>, valid: Option<usize> },
-    Lease { policy: Option<String>, key: String, lease: String, cost: u32, release: bool },
+    Lease { policy: Option<String>, key: String, lease: String, cost: u32, release: bool, fail: Fail },
     Reload(String),
+    /// Redis killed: the fail policies decide until `Recover`.
+    Outage,
+    /// A fresh, empty redis-server at the same address; the daemon's store
+    /// awaited.
+    Recover,
 }
+
+/// The request's fail policy and local quota (a policy's own replaces them).
+type Fail = (FailPolicy, u32);
 
 impl Op {
     /// Which features the operation exercises (a failure names them).
@@ -265,8 +274,8 @@ impl Op {
                 f.push("inline".into());
                 f.push(algorithm.as_str().into());
             }
-            Op::Policy(it) => policy_features(&it.policy, &it.key, &mut f),
-            Op::Multi { items, refundable } => {
+            Op::Policy(it, _) => policy_features(&it.policy, &it.key, &mut f),
+            Op::Multi { items, refundable, .. } => {
                 f.push(if *refundable { "refund".into() } else { "multi".into() });
                 for it in items {
                     policy_features(&it.policy, &it.key, &mut f);
@@ -288,6 +297,7 @@ impl Op {
                 }
             }
             Op::Reload(_) => f.push("reload".into()),
+            Op::Outage | Op::Recover => f.push("outage".into()),
         }
         f.sort();
         f.dedup();
@@ -305,6 +315,22 @@ struct Gen {
     pending: Vec<Op>,
     /// Far enough from UTC midnight for the day-aligned algorithms.
     day_ok: bool,
+    /// This case may still kill Redis once (one Redis only, denial cache
+    /// off: each outage costs a `redis.timeout_ms` or two).
+    outage_case: bool,
+    /// The requests' local quota (one per case: GCRA's per-host bucket
+    /// must keep its limit).
+    local_limit: u32,
+}
+
+impl Gen {
+    fn fail(&mut self) -> Fail {
+        match self.rng.below(3) {
+            0 => (FailPolicy::Open, 0),
+            1 => (FailPolicy::Closed, 0),
+            _ => (FailPolicy::Local, self.local_limit),
+        }
+    }
 }
 
 fn rate_policies(cfg: &Config) -> Vec<&PolicySpec> {
@@ -338,6 +364,15 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
     if let Some(op) = g.pending.pop() {
         return op;
     }
+    if m.outage && g.rng.chance(15) {
+        return Op::Recover;
+    }
+    if g.outage_case && !m.outage && g.rng.chance(3) {
+        g.outage_case = false;
+        // (With the denial cache on, a refusal remembered from before the
+        // outage would answer without Redis: left out.)
+        return Op::Outage;
+    }
     loop {
         let r = g.rng.below(100);
         match r {
@@ -347,7 +382,8 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
                 let algorithm = *g.rng.pick(&algs);
                 let limit = cfg.inline_limit(&key, algorithm);
                 let cost = if g.rng.chance(4) { limit + 1 } else { g.rng.range(1, limit.min(2)) };
-                return Op::Check { key, algorithm, cost };
+                let fail = g.fail();
+                return Op::Check { key, algorithm, cost, fail };
             }
             10..=34 => {
                 let rate = rate_policies(cfg);
@@ -362,7 +398,8 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
                 let policy = g.rng.pick(&names).clone();
                 let key = g.rng.pick(&g.keys).clone();
                 let cost = draw_cost(&mut g.rng, cfg.policy(&policy), &key);
-                return Op::Policy(Item { policy, key, cost });
+                let fail = g.fail();
+                return Op::Policy(Item { policy, key, cost }, fail);
             }
             35..=54 if s.has("multi") || s.has("refund") => {
                 let refundable = if !s.has("refund") {
@@ -394,7 +431,8 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
                     let cost = draw_cost(&mut g.rng, Some(p), &key);
                     items.push(Item { policy: p.name.clone(), key, cost });
                 }
-                return Op::Multi { items, refundable };
+                let fail = g.fail();
+                return Op::Multi { items, refundable, fail };
             }
             55..=69 if s.has("refund") => {
                 if !redis {
@@ -459,9 +497,10 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
                 }
                 let limit = if inline { cfg.inline_lease_limit(&key) } else { cfg.policy("c0").and_then(|p| p.limit_for(&key)).unwrap_or(1) };
                 let cost = if g.rng.chance(4) { limit + 1 } else { g.rng.range(1, limit.min(2)) };
-                return Op::Lease { policy, key, lease, cost, release };
+                let fail = g.fail();
+                return Op::Lease { policy, key, lease, cost, release, fail };
             }
-            93..=99 if s.has("reload") => {
+            93..=99 if s.has("reload") && !m.outage => {
                 let mut cfg = cfg.clone();
                 let what = reload(&mut g.rng, &mut cfg, s);
                 if what.is_empty() {
@@ -562,20 +601,29 @@ struct Failure {
 
 fn describe(op: &Op) -> String {
     match op {
-        Op::Check { key, algorithm, cost } => format!("CHECK {key} algorithm {} cost {cost}", algorithm.as_str()),
-        Op::Policy(it) => format!("CHECK_POLICY {}/{} cost {}", it.policy, it.key, it.cost),
-        Op::Multi { items, refundable } => {
+        Op::Check { key, algorithm, cost, fail } => format!("CHECK {key} algorithm {} cost {cost}{}", algorithm.as_str(), on_error(fail)),
+        Op::Policy(it, fail) => format!("CHECK_POLICY {}/{} cost {}{}", it.policy, it.key, it.cost, on_error(fail)),
+        Op::Multi { items, refundable, fail } => {
             let its: Vec<String> = items.iter().map(|it| format!("{}/{}x{}", it.policy, it.key, it.cost)).collect();
-            format!("CHECK_POLICY{} [{}]", if *refundable { " refundable" } else { "" }, its.join(", "))
+            format!("CHECK_POLICY{} [{}]{}", if *refundable { " refundable" } else { "" }, its.join(", "), on_error(fail))
         }
         Op::Refund { kind, handle_of, guess, items_of, .. } => {
             let its: Vec<String> = items_of.iter().map(|it| format!("{}/{}x{}", it.policy, it.key, it.cost)).collect();
             format!("REFUND {kind} (handle of #{handle_of:?}, sequence -{guess}) [{}]", its.join(", "))
         }
-        Op::Lease { policy, key, lease, cost, release } => {
-            format!("{} {}/{key} lease {lease} cost {cost}", if *release { "RELEASE" } else { "ACQUIRE" }, policy.as_deref().unwrap_or("(inline)"))
+        Op::Lease { policy, key, lease, cost, release, fail } => {
+            format!("{} {}/{key} lease {lease} cost {cost}{}", if *release { "RELEASE" } else { "ACQUIRE" }, policy.as_deref().unwrap_or("(inline)"), on_error(fail))
         }
         Op::Reload(what) => format!("RELOAD {what}"),
+        Op::Outage => "OUTAGE: redis-server killed".into(),
+        Op::Recover => "RECOVER: a fresh redis-server, the daemon reconnected".into(),
+    }
+}
+
+fn on_error(f: &Fail) -> String {
+    match f {
+        (FailPolicy::Local, l) => format!(" on_error local/{l}"),
+        (p, _) => format!(" on_error {}", p.as_str()),
     }
 }
 
@@ -610,10 +658,10 @@ impl PolicyCounts {
     fn count(&mut self, cfg: &Config, op: &Op, r: &Response) {
         let known = |n: &str| cfg.policy(n).is_some();
         match op {
-            Op::Check { .. } | Op::Reload(_) => {}
-            Op::Policy(it) if known(&it.policy) => self.add(&it.policy, r.decision == Decision::ShadowDenied),
-            Op::Multi { items, refundable: false } if items.len() == 1 && known(&items[0].policy) => self.add(&items[0].policy, r.decision == Decision::ShadowDenied),
-            Op::Multi { items, refundable: false } if items.len() == 1 => {}
+            Op::Check { .. } | Op::Reload(_) | Op::Outage | Op::Recover => {}
+            Op::Policy(it, _) if known(&it.policy) => self.add(&it.policy, r.decision == Decision::ShadowDenied),
+            Op::Multi { items, refundable: false, .. } if items.len() == 1 && known(&items[0].policy) => self.add(&items[0].policy, r.decision == Decision::ShadowDenied),
+            Op::Multi { items, refundable: false, .. } if items.len() == 1 => {}
             Op::Lease { policy: Some(p), .. } if known(p) => self.add(p, r.decision == Decision::ShadowDenied),
             Op::Multi { items, .. } | Op::Refund { items_of: items, .. } => {
                 let code = r.error.to_wire();
@@ -662,16 +710,16 @@ fn first_failing<'a>(cfg: &Config, items: &'a [Item], refund: bool) -> Option<&'
 async fn send(c: &mut Client, op: &Op, g: &Gen, cfg: &Config) -> Response {
     let items_args = |items: &[Item]| -> Vec<(Vec<u8>, Vec<u8>, u32)> { items.iter().map(|it| (it.policy.as_bytes().to_vec(), it.key.as_bytes().to_vec(), it.cost)).collect() };
     let r = match op {
-        Op::Check { key, algorithm, cost } => {
+        Op::Check { key, algorithm, cost, fail } => {
             let limit = cfg.inline_limit(key, *algorithm);
-            let args = CheckArgs { key: key.as_bytes(), limit, window_ms: window_of(*algorithm), cost: *cost, on_error: FailPolicy::Closed, local_limit: 0 };
+            let args = CheckArgs { key: key.as_bytes(), limit, window_ms: window_of(*algorithm), cost: *cost, on_error: fail.0, local_limit: fail.1 };
             c.check_with(&args, *algorithm).await
         }
-        Op::Policy(it) => c.check_policy(&PolicyCheckArgs { policy: it.policy.as_bytes(), key: it.key.as_bytes(), cost: it.cost, on_error: FailPolicy::Closed, local_limit: 0 }).await,
-        Op::Multi { items, refundable } => {
+        Op::Policy(it, fail) => c.check_policy(&PolicyCheckArgs { policy: it.policy.as_bytes(), key: it.key.as_bytes(), cost: it.cost, on_error: fail.0, local_limit: fail.1 }).await,
+        Op::Multi { items, refundable, fail } => {
             let owned = items_args(items);
             let args: Vec<ItemArgs<'_>> = owned.iter().map(|(p, k, c)| ItemArgs { policy: p, key: k, cost: *c }).collect();
-            c.check_multi(FailPolicy::Closed, 0, *refundable, &args).await
+            c.check_multi(fail.0, fail.1, *refundable, &args).await
         }
         Op::Refund { handle_of, guess, items_of, .. } => {
             let mut handle = match handle_of {
@@ -690,14 +738,14 @@ async fn send(c: &mut Client, op: &Op, g: &Gen, cfg: &Config) -> Response {
             let args: Vec<ItemArgs<'_>> = owned.iter().map(|(p, k, c)| ItemArgs { policy: p, key: k, cost: *c }).collect();
             c.refund(&handle, &args).await
         }
-        Op::Lease { policy: Some(p), key, lease, cost, release } => {
-            c.policy_lease(*release, &PolicyLeaseArgs { policy: p.as_bytes(), key: key.as_bytes(), lease: lease.as_bytes(), cost: *cost, on_error: FailPolicy::Closed, local_limit: 0 }).await
+        Op::Lease { policy: Some(p), key, lease, cost, release, fail } => {
+            c.policy_lease(*release, &PolicyLeaseArgs { policy: p.as_bytes(), key: key.as_bytes(), lease: lease.as_bytes(), cost: *cost, on_error: fail.0, local_limit: fail.1 }).await
         }
-        Op::Lease { policy: None, key, lease, cost, release } => {
-            let args = LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit: cfg.inline_lease_limit(key), lease_ms: LEASE_MS, cost: *cost, on_error: FailPolicy::Closed, local_limit: 0 };
+        Op::Lease { policy: None, key, lease, cost, release, fail } => {
+            let args = LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit: cfg.inline_lease_limit(key), lease_ms: LEASE_MS, cost: *cost, on_error: fail.0, local_limit: fail.1 };
             c.lease(if *release { OP_RELEASE } else { OP_ACQUIRE }, &args).await
         }
-        Op::Reload(_) => unreachable!("reloads are not sent"),
+        Op::Reload(_) | Op::Outage | Op::Recover => unreachable!("not sent"),
     };
     r.unwrap_or_else(|e| panic!("{}: {e}", describe(op)))
 }
@@ -719,7 +767,23 @@ fn suspect(op: &Op, why: &str, features: &[String], store: Store) -> &'static st
 }
 
 /// Runs one case; `Err` with everything needed to see what disagreed.
-fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure> {
+/// Until the daemon's Redis link is up its breaker is open (code 33): a
+/// probe of a key of its own, each counted as a decision, not in the state.
+async fn wait_for_store(c: &mut Client, decisions: &mut u64, d: &Daemon) {
+    let probe = CheckArgs { key: PROBE.as_bytes(), limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = c.check(&probe).await.unwrap();
+        *decisions += 1;
+        if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the daemon's store never answered: {r:?}\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Failure> {
     let day_ok = to_midnight_ms() > 10 * 60 * 1000;
     let mut rng = Rng::new(seed);
     let cfg = draw_config(&mut rng, s, day_ok);
@@ -732,7 +796,9 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
         // Today's name of shard 1 of key `a`: must be a key of its own (S2).
         keys.push(format!("a#{}", old_shard_number(&p.name, "a")));
     }
-    let mut g = Gen { rng, keys, handles: Vec::new(), pending: Vec::new(), day_ok };
+    let local_limit = rng.range(1, 3);
+    let outage_case = store == Store::Redis && !cfg.denial_cache && s.has("outage") && rng.chance(30);
+    let mut g = Gen { rng, keys, handles: Vec::new(), pending: Vec::new(), day_ok, local_limit, outage_case };
     backend.flush();
     let rest = format!("socket_mode = \"0600\"\n{}\n{}", backend.redis_toml(&cfg), cfg.policies_toml());
     let d = Daemon::start_config_with_metrics(&rest);
@@ -744,25 +810,37 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
     let fail = |features: Vec<String>, trace: &str, what: String| Failure { seed, features, text: format!("{header}--- operations\n{trace}--- {what}\nreplay: MATRIX_SEED={seed} cargo test --test matrix {}\n", test_name(store)) };
     let result: Result<usize, Failure> = rt.block_on(async {
         let mut c = d.client().await;
-        // Until the daemon's Redis link is up its breaker is open (code 33):
-        // a probe of a key of its own, counted as a decision, not in the state.
-        let probe = CheckArgs { key: PROBE.as_bytes(), limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let r = c.check(&probe).await.unwrap();
-            model.decisions += 1;
-            if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the daemon's store never answered: {r:?}\n{}", d.log());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_for_store(&mut c, &mut model.decisions, &d).await;
         let start = Instant::now();
-        for n in 0..s.ops {
-            let op = draw_op(&mut g, &model, s);
+        for n in 0..s.ops + 1 {
+            let op = if n < s.ops {
+                draw_op(&mut g, &model, s)
+            } else if model.outage {
+                // The case ends with Redis back, for the state check.
+                Op::Recover
+            } else {
+                break;
+            };
+            if matches!(op, Op::Outage | Op::Recover) {
+                let Backend::Redis(r) = &mut *backend else { unreachable!("outages only on one Redis") };
+                if let Op::Outage = op {
+                    r.kill();
+                    model.outage();
+                } else {
+                    r.restart();
+                    model.recover();
+                    wait_for_store(&mut c, &mut model.decisions, &d).await;
+                }
+                let _ = writeln!(trace, "{n:3} {} ({:.0?} in)", describe(&op), start.elapsed());
+                continue;
+            }
             let mut features = op.features(&model.config);
+            if model.outage {
+                features.push("outage".into());
+            }
             if let Op::Lease { policy, key, lease, release: false, .. } = &op {
-                if model.leases.get(&(Scope::Leases(policy.clone()), key.clone())).is_some_and(|h| h.contains_key(lease)) {
+                let leases = if model.outage { &model.local_leases } else { &model.leases };
+                if leases.get(&(Scope::Leases(policy.clone()), key.clone())).is_some_and(|h| h.contains_key(lease)) {
                     features.push("renew".into());
                 }
             }
@@ -783,19 +861,22 @@ fn run_case(backend: &Backend, seed: u64, s: &Settings) -> Result<usize, Failure
                 continue;
             }
             let to_midnight_sent_ms = to_midnight_ms();
+            let sent = Instant::now();
             let resp = send(&mut c, &op, &g, &model.config).await;
+            let took = sent.elapsed();
             let clock = Clock { elapsed_ms: start.elapsed().as_millis() as u32, to_midnight_ms: to_midnight_ms(), to_midnight_sent_ms };
             let issued_before = model.issued.len();
             let want = match &op {
-                Op::Check { key, algorithm, cost } => model.check(key, *algorithm, *cost, clock),
-                Op::Policy(it) => model.check_policy(it, clock),
-                Op::Multi { items, refundable } if items.len() == 1 && !refundable => model.check_policy(&items[0], clock),
-                Op::Multi { items, refundable } => model.check_multi(items, *refundable, clock),
+                Op::Check { key, algorithm, cost, fail } => model.check(key, *algorithm, *cost, *fail, clock),
+                Op::Policy(it, fail) => model.check_policy(it, *fail, clock),
+                Op::Multi { items, refundable, fail } if items.len() == 1 && !refundable => model.check_policy(&items[0], *fail, clock),
+                Op::Multi { items, refundable, fail } => model.check_multi(items, *refundable, *fail, clock),
                 Op::Refund { items_of, valid, .. } => model.refund(items_of, *valid),
-                Op::Lease { policy, key, lease, cost, release } => model.lease(policy.as_deref(), key, lease, *cost, *release, clock),
-                Op::Reload(_) => unreachable!(),
+                Op::Lease { policy, key, lease, cost, release, fail } => model.lease(policy.as_deref(), key, lease, *cost, *release, *fail, clock),
+                Op::Reload(_) | Op::Outage | Op::Recover => unreachable!(),
             };
-            let _ = writeln!(trace, "{n:3} {} -> {}", describe(&op), short(&resp));
+            let slow = if took > Duration::from_millis(200) { format!(" (answered in {took:.0?})") } else { String::new() };
+            let _ = writeln!(trace, "{n:3} {} -> {}{slow}", describe(&op), short(&resp));
             if let Err(why) = want.check(&resp) {
                 let mut features = features;
                 features.insert(0, suspect(&op, &why, &features, store).into());
@@ -971,7 +1052,7 @@ fn parse_key(rk: &[u8], cfg: &Config) -> Option<(Scope, String, Option<Algorithm
 }
 
 /// Runs the cases of one backend; panics with every failure's report.
-fn run(backend: Backend, base: u64, s: Settings) {
+fn run(mut backend: Backend, base: u64, s: Settings) {
     let seeds = s.seeds(base);
     let store = backend.store();
     let started = Instant::now();
@@ -979,9 +1060,14 @@ fn run(backend: Backend, base: u64, s: Settings) {
     let mut ops = 0;
     for &seed in &seeds {
         eprintln!("matrix {store:?}: case seed {seed} (replay: MATRIX_SEED={seed} cargo test --test matrix {})", test_name(store));
-        match run_case(&backend, seed, &s) {
+        match run_case(&mut backend, seed, &s) {
             Ok(n) => ops += n,
             Err(f) => {
+                if let Backend::Redis(r) = &mut backend {
+                    // The case may have ended in an outage: the next starts
+                    // on a live server.
+                    r.restart();
+                }
                 eprintln!("matrix {store:?}: seed {seed} FAILED [{}]\n{}", f.features.join(","), f.text);
                 failures.push(f);
                 if !s.keep_going {

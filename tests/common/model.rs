@@ -257,11 +257,17 @@ pub struct Want {
     pub window_ms: u32,
     /// A shadow policy's item: never refuses, ignored by the fixed fields (S3).
     pub shadow: bool,
+    /// Redis was down: the error is one of REDIS_TIMEOUT, REDIS_UNAVAILABLE,
+    /// CIRCUIT_OPEN (which one depends on the breaker), not `error`.
+    pub outage: bool,
 }
+
+/// The codes of a request decided while Redis was down.
+pub const OUTAGE_CODES: [u16; 3] = [30, 31, 33];
 
 impl Want {
     pub fn error(code: u16) -> Self {
-        Want { decision: Decision::Error, sources: vec![Source::None], error: code, count: Num::Is(0), remaining: Num::Is(0), sum: None, retry: (0, 0), reset: (0, 0), limit: 0, window_ms: 0, shadow: false }
+        Want { decision: Decision::Error, sources: vec![Source::None], error: code, count: Num::Is(0), remaining: Num::Is(0), sum: None, retry: (0, 0), reset: (0, 0), limit: 0, window_ms: 0, shadow: false, outage: false }
     }
 
     fn exempt(window_ms: u32) -> Self {
@@ -309,7 +315,8 @@ impl Want {
     /// Compares a response's fixed fields.
     pub fn check(&self, r: &Response) -> Result<(), String> {
         let mut bad = self.mismatch(r.decision, r.source, r.count, r.remaining, r.retry_after_ms, r.reset_ms);
-        if r.error.to_wire() != self.error {
+        let code_ok = if self.outage { OUTAGE_CODES.contains(&r.error.to_wire()) } else { r.error.to_wire() == self.error };
+        if !code_ok {
             let e = format!("error {} {:?} (want {})", r.error.to_wire(), r.error, self.error);
             bad = Some(bad.map_or(e.clone(), |b| format!("{b}, {e}")));
         }
@@ -349,11 +356,14 @@ pub struct WantMulti {
     pub refused_numbers: bool,
     /// Hold the fixed fields of an admitted answer to enforced items (S3).
     pub shadow_fields: bool,
+    /// Redis was down: the items' fail policies decided.
+    pub outage: bool,
 }
 
 impl WantMulti {
     pub fn check(&self, r: &Response) -> Result<(), String> {
-        if r.error.to_wire() != code::OK || r.decision == Decision::Error {
+        let code_ok = if self.outage { OUTAGE_CODES.contains(&r.error.to_wire()) } else { r.error.to_wire() == code::OK };
+        if !code_ok || r.decision == Decision::Error {
             return Err(format!("decision {:?} error {} {:?} (want a decided multi-item answer)", r.decision, r.error.to_wire(), r.error));
         }
         let Some(ext) = r.extension.as_deref() else { return Err("no extension (section 5b)".into()) };
@@ -485,6 +495,12 @@ pub struct Model {
     /// Compare the per-item numbers of refused multi-item checks (S8).
     pub refused_numbers: bool,
     pub shadow_fields: bool,
+    /// Redis is down (killed): fail policies decide.
+    pub outage: bool,
+    /// The daemon's per-host fallback windows and leases (fail policy
+    /// local), which outlive Redis outages.
+    pub local: BTreeMap<WinKey, u32>,
+    pub local_leases: BTreeMap<WinKey, BTreeMap<String, u32>>,
     /// Responses `ratelimitd_decisions_total` must have counted (S9).
     pub decisions: u64,
     /// REFUND requests carried out in Redis, and the units they removed.
@@ -501,7 +517,7 @@ fn policy_scope(p: &PolicySpec) -> Scope {
 
 impl Model {
     pub fn new(store: Store, config: Config) -> Self {
-        Model { store, config, windows: BTreeMap::new(), leases: BTreeMap::new(), issued: Vec::new(), refused_numbers: true, shadow_fields: true, decisions: 0, refunds: 0, refunded_units: 0 }
+        Model { store, config, windows: BTreeMap::new(), leases: BTreeMap::new(), issued: Vec::new(), refused_numbers: true, shadow_fields: true, outage: false, local: BTreeMap::new(), local_leases: BTreeMap::new(), decisions: 0, refunds: 0, refunded_units: 0 }
     }
 
     fn store_source(&self) -> Source {
@@ -562,6 +578,7 @@ impl Model {
             limit,
             window_ms: w,
             shadow: false,
+            outage: false,
         };
         if sharded {
             // S1 fixes which requests a sharded key admits; its numbers are
@@ -576,14 +593,54 @@ impl Model {
         (fits, want)
     }
 
+    /// Redis was killed: from now on the fail policies decide.
+    pub fn outage(&mut self) {
+        self.outage = true;
+    }
+
+    /// Redis is back, empty (nothing was saved): its windows and leases are
+    /// gone, so is every member a handle names.
+    pub fn recover(&mut self) {
+        self.outage = false;
+        self.windows.clear();
+        self.leases.clear();
+        for h in &mut self.issued {
+            h.refunded = true;
+        }
+    }
+
+    /// What the fail policy `fail` answers for one window while Redis is
+    /// down (PROTOCOL.md section 7): open, closed, or the per-host window
+    /// of the key with the local quota.
+    fn fail_verdict(&mut self, wk: WinKey, a: Algorithm, limit: u32, cost: u32, fail: (FailPolicy, u32), clock: Clock) -> Want {
+        let w = window_of(a);
+        let base = Want { outage: true, window_ms: w, limit, ..Want::error(code::OK) };
+        match fail {
+            (FailPolicy::Open, _) => Want { decision: Decision::Allowed, sources: vec![Source::FailOpen], remaining: Num::Is(limit), ..base },
+            (FailPolicy::Closed, _) => Want { decision: Decision::Denied, sources: vec![Source::FailClosed], retry: (w.min(1000), w.min(1000)), ..base },
+            (FailPolicy::Local, local) if cost > local => Want { decision: Decision::Denied, sources: vec![Source::LocalFallback], remaining: Num::Is(local), retry: (w, w), ..base },
+            (FailPolicy::Local, local) => {
+                let n = self.local.get(&wk).copied().unwrap_or(0);
+                let (fits, want) = self.verdict(a, n, local, cost, false, clock);
+                if fits {
+                    *self.local.entry(wk).or_default() += cost;
+                }
+                Want { sources: vec![Source::LocalFallback], outage: true, ..want }
+            }
+        }
+    }
+
     /// CHECK (op 1) of an inline key.
-    pub fn check(&mut self, key: &str, a: Algorithm, cost: u32, clock: Clock) -> Expect {
+    pub fn check(&mut self, key: &str, a: Algorithm, cost: u32, fail: (FailPolicy, u32), clock: Clock) -> Expect {
         self.decisions += 1;
         let limit = self.config.inline_limit(key, a);
         if cost > limit {
             return Expect::One(Want::error(code::INVALID_COST));
         }
         let wk = (Scope::Inline(a.to_wire()), key.to_string());
+        if self.outage {
+            return Expect::One(self.fail_verdict(wk, a, limit, cost, fail, clock));
+        }
         let n = self.windows.get(&wk).copied().unwrap_or(0);
         let (fits, want) = self.verdict(a, n, limit, cost, false, clock);
         if fits {
@@ -593,7 +650,7 @@ impl Model {
     }
 
     /// CHECK_POLICY of one item without flags.
-    pub fn check_policy(&mut self, item: &Item, clock: Clock) -> Expect {
+    pub fn check_policy(&mut self, item: &Item, fail: (FailPolicy, u32), clock: Clock) -> Expect {
         self.decisions += 1;
         let Some(p) = self.config.policy(&item.policy).cloned() else {
             return Expect::One(Want::error(code::UNKNOWN_POLICY));
@@ -608,6 +665,15 @@ impl Model {
             return Expect::One(Want::error(code::INVALID_COST));
         }
         let wk = (policy_scope(&p), item.key.clone());
+        if self.outage {
+            // The policy's own fail policy replaces the request's; a sharded
+            // key's local window is the key's own, not a shard's.
+            let mut want = self.fail_verdict(wk, a, limit, item.cost, p.fail_policy.unwrap_or(fail), clock);
+            if p.shadow && want.decision == Decision::Denied {
+                want.decision = Decision::ShadowDenied;
+            }
+            return Expect::One(want);
+        }
         let n = self.windows.get(&wk).copied().unwrap_or(0);
         let (fits, mut want) = self.verdict(a, n, limit, item.cost, p.shards() > 1, clock);
         if fits {
@@ -644,12 +710,15 @@ impl Model {
     }
 
     /// CHECK_POLICY of several items, or of one with the refundable flag.
-    pub fn check_multi(&mut self, items: &[Item], refundable: bool, clock: Clock) -> Expect {
+    pub fn check_multi(&mut self, items: &[Item], refundable: bool, fail: (FailPolicy, u32), clock: Clock) -> Expect {
         self.decisions += 1;
         let resolved = match self.resolve(items, false) {
             Ok(r) => r,
             Err(c) => return Expect::One(Want::error(c)),
         };
+        if self.outage {
+            return self.multi_outage(items, &resolved, fail, clock);
+        }
         let mut wants = Vec::new();
         let mut fits_all = Vec::new();
         for (it, (p, limit)) in items.iter().zip(&resolved) {
@@ -703,7 +772,70 @@ impl Model {
         if refundable && committed && redis && stored {
             self.issued.push(Issued { items: items.to_vec(), recorded, refunded: false });
         }
-        Expect::Multi(WantMulti { items: wants, refusing, handle, may_skip: self.store == Store::Cluster, refused_numbers: self.refused_numbers, shadow_fields: self.shadow_fields })
+        Expect::Multi(WantMulti { items: wants, refusing, handle, may_skip: self.store == Store::Cluster, refused_numbers: self.refused_numbers, shadow_fields: self.shadow_fields, outage: false })
+    }
+
+    /// A multi-item check while Redis is down: each item's fail policy (its
+    /// policy's own, else the request's); `closed` refuses, `open` admits
+    /// its item, `local` items are decided together in the per-host
+    /// windows, all or nothing, unless another item already refused (then
+    /// they are not evaluated).
+    fn multi_outage(&mut self, items: &[Item], resolved: &[(PolicySpec, Option<u32>)], fail: (FailPolicy, u32), clock: Clock) -> Expect {
+        let mut wants = Vec::new();
+        let mut refused = false;
+        let mut local: Vec<(usize, WinKey, u32)> = Vec::new();
+        for (i, (it, (p, limit))) in items.iter().zip(resolved).enumerate() {
+            let w = p.window_ms();
+            let Some(limit) = *limit else {
+                wants.push(Want { shadow: p.shadow, outage: true, ..Want::exempt(w) });
+                continue;
+            };
+            let base = Want { decision: Decision::Denied, sources: vec![Source::None], limit, window_ms: w, shadow: p.shadow, outage: true, ..Want::error(code::OK) };
+            let want = match p.fail_policy.unwrap_or(fail) {
+                (FailPolicy::Open, _) => Want { decision: Decision::Allowed, sources: vec![Source::FailOpen], remaining: Num::Is(limit), ..base },
+                (FailPolicy::Closed, _) => {
+                    refused |= !p.shadow;
+                    Want { sources: vec![Source::FailClosed], retry: (w.min(1000), w.min(1000)), ..base }
+                }
+                (FailPolicy::Local, l) if it.cost > l => {
+                    refused |= !p.shadow;
+                    Want { sources: vec![Source::LocalFallback], remaining: Num::Is(l), retry: (w, w), limit: l, ..base }
+                }
+                (FailPolicy::Local, l) => {
+                    local.push((i, (policy_scope(p), it.key.clone()), l));
+                    base
+                }
+            };
+            wants.push(want);
+        }
+        if !refused && !local.is_empty() {
+            let fits: Vec<bool> = local.iter().map(|(i, wk, l)| self.local.get(wk).copied().unwrap_or(0) + items[*i].cost <= *l).collect();
+            let committed = local.iter().zip(&fits).all(|((i, _, _), &f)| f || resolved[*i].0.shadow);
+            for ((i, wk, l), &f) in local.iter().zip(&fits) {
+                let n = self.local.get(wk).copied().unwrap_or(0);
+                let (_, mut want) = self.verdict(Algorithm::Log, n, *l, items[*i].cost, false, clock);
+                want.sources = vec![Source::LocalFallback];
+                want.shadow = resolved[*i].0.shadow;
+                want.outage = true;
+                if f && committed {
+                    *self.local.entry(wk.clone()).or_default() += items[*i].cost;
+                } else if f {
+                    want.count = Num::Is(n);
+                    want.remaining = Num::Is(l - n);
+                    want.reset = (0, 2 * DAY);
+                }
+                wants[*i] = want;
+            }
+        }
+        for w in &mut wants {
+            if w.shadow && w.decision == Decision::Denied && w.sources != [Source::None] {
+                w.decision = Decision::ShadowDenied;
+            }
+        }
+        let refusing: Vec<u8> = wants.iter().enumerate().filter(|(_, w)| w.decision == Decision::Denied && w.sources != [Source::None]).map(|(i, _)| (i + 1) as u8).collect();
+        // All items exempt: no store was asked, nothing failed.
+        let outage = resolved.iter().any(|(_, l)| l.is_some());
+        Expect::Multi(WantMulti { items: wants, refusing, handle: Some(false), may_skip: false, refused_numbers: self.refused_numbers, shadow_fields: self.shadow_fields, outage })
     }
 
     /// REFUND with the handle of `issued[valid]` (`None`: a forged,
@@ -716,6 +848,12 @@ impl Model {
         if self.store == Store::Memory {
             self.decisions += 1;
             return Expect::One(Want::error(code::REFUND_UNSUPPORTED));
+        }
+        if self.outage {
+            // Nothing taken back, no fail policy: the Redis error (an error
+            // response, so a decision in the metrics).
+            self.decisions += 1;
+            return Expect::One(Want { decision: Decision::Error, sources: vec![Source::Redis], outage: true, ..Want::error(code::OK) });
         }
         let mut removed = 0;
         if let Some(i) = valid {
@@ -736,8 +874,9 @@ impl Model {
 
     /// ACQUIRE or RELEASE (S4): of a concurrency policy (op 7) when
     /// `policy` is `Some`, of an inline lease key (ops 5, 6) otherwise.
-    pub fn lease(&mut self, policy: Option<&str>, key: &str, lease: &str, cost: u32, release: bool, clock: Clock) -> Expect {
+    pub fn lease(&mut self, policy: Option<&str>, key: &str, lease: &str, cost: u32, release: bool, fail: (FailPolicy, u32), clock: Clock) -> Expect {
         self.decisions += 1;
+        let mut fail = fail;
         let (limit, shadow, scope) = match policy {
             Some(name) => {
                 let Some(p) = self.config.policy(name).cloned() else { return Expect::One(Want::error(code::UNKNOWN_POLICY)) };
@@ -745,6 +884,7 @@ impl Model {
                     return Expect::One(Want::error(code::WRONG_POLICY_KIND));
                 }
                 let Some(limit) = p.limit_for(key) else { return Expect::One(Want::exempt(0)) };
+                fail = p.fail_policy.unwrap_or(fail);
                 (limit, p.shadow, Scope::Leases(Some(p.name.clone())))
             }
             None => (self.config.inline_lease_limit(key), false, Scope::Leases(None)),
@@ -754,8 +894,32 @@ impl Model {
         if (policy.is_none() || !release) && cost > limit {
             return Expect::One(Want::error(code::INVALID_COST));
         }
+        let wk = (scope, key.to_string());
+        if self.outage {
+            let mut want = match (release, fail) {
+                (false, (FailPolicy::Open, _)) => Want { decision: Decision::Allowed, sources: vec![Source::FailOpen], remaining: Num::Is(limit), ..Want::error(code::OK) },
+                (false, (FailPolicy::Closed, _)) => Want { decision: Decision::Denied, sources: vec![Source::FailClosed], retry: (1000, 1000), ..Want::error(code::OK) },
+                (false, (FailPolicy::Local, l)) => Self::lease_in(self.local_leases.entry(wk).or_default(), lease, cost, l, false, shadow, Source::LocalFallback, clock),
+                (true, _) => Self::lease_in(self.local_leases.entry(wk).or_default(), lease, cost, limit, true, shadow, Source::LocalFallback, clock),
+            };
+            want.outage = true;
+            if shadow && want.decision == Decision::Denied {
+                want.decision = Decision::ShadowDenied;
+            }
+            return Expect::One(want);
+        }
+        if release {
+            // A release Redis answered is also applied to the per-host
+            // leases, which hold it if the fallback acquired it.
+            self.local_leases.entry(wk.clone()).or_default().remove(lease);
+        }
         let src = self.store_source();
-        let held = self.leases.entry((scope, key.to_string())).or_default();
+        Expect::One(Self::lease_in(self.leases.entry(wk).or_default(), lease, cost, limit, release, shadow, src, clock))
+    }
+
+    /// ACQUIRE (S4: a held id is renewed) or RELEASE in one key's leases.
+    #[allow(clippy::too_many_arguments)]
+    fn lease_in(held: &mut BTreeMap<String, u32>, lease: &str, cost: u32, limit: u32, release: bool, shadow: bool, src: Source, clock: Clock) -> Want {
         let total: u32 = held.values().sum();
         let e = clock.elapsed_ms + 5;
         let want = if release {
@@ -775,11 +939,13 @@ impl Model {
                 Want { decision: Decision::Allowed, sources: vec![src], count: Num::Is(count), remaining: Num::Is(limit - count), reset: (LEASE_MS - 2, LEASE_MS), ..Want::error(code::OK) }
             } else {
                 let decision = if shadow { Decision::ShadowDenied } else { Decision::Denied };
-                let near = (LEASE_MS - e, LEASE_MS);
+                // Until the earliest and the last lease expire; nothing held
+                // (a cost above the local quota): 0.
+                let near = if total == 0 { (0, 0) } else { (LEASE_MS - e, LEASE_MS) };
                 Want { decision, sources: vec![src], count: Num::Is(total), remaining: Num::Is(limit.saturating_sub(total)), retry: near, reset: near, ..Want::error(code::OK) }
             }
         };
-        Expect::One(want)
+        want
     }
 
     /// What Redis must hold at the end: units per window (sharded keys
