@@ -8,12 +8,14 @@
 //! (log, ring, gcra, sliding_counter, fixed), shards 1 or 3, shadow,
 //! overrides (numbers and `unlimited`), an allowlist, fail policies, a
 //! concurrency policy; inline limits and inline lease keys; the denial
-//! cache on or off. Then operations: inline CHECKs, one-item CHECK_POLICYs,
+//! cache on or off. Then operations, each with a fail policy of its own
+//! (open, closed, local): inline CHECKs, one-item CHECK_POLICYs,
 //! multi-item checks of up to 8 items (the same key under two policies
 //! included), refundable checks and REFUNDs (valid, replayed, forged by
 //! guessing a neighbour's sequence, foreign, random), ACQUIRE/RELEASE of
-//! policy and inline leases (lease ids repeated), and reloads (the file
-//! rewritten, SIGHUP, the daemon's "configuration reloaded" awaited). Every
+//! policy and inline leases (lease ids repeated), reloads (the file
+//! rewritten, SIGHUP, the daemon's "configuration reloaded" awaited) and
+//! Redis outages (below). Every
 //! answer is compared field by field: decision, source, error code, count,
 //! remaining, every item of a multi-item answer, the refusing item and the
 //! handle; retry-after and reset within bounds. At the end of a case: the
@@ -27,9 +29,14 @@
 //! a case and the model is a counter per window; a case drawn within ten
 //! minutes of UTC midnight leaves the day-aligned algorithms out. Sharded
 //! items cost 1 (or more than the largest shard's part: INVALID_COST), see
-//! the model's doc. No Redis faults (fail policies are drawn into the
-//! configuration but never applied here; issue 26's faults belong to a later
-//! Cluster run). Reloads change limits (upwards, never GCRA's), shadow, and
+//! the model's doc. Faults: on one Redis, 30% of the cases with the denial
+//! cache off kill redis-server once, for a few operations (every request's
+//! and policy's fail policy decides: open, closed, the per-host windows and
+//! leases of `local`; refunds fail), then start a fresh, empty one (the
+//! model forgets Redis's windows and leases and every handle's members). The
+//! denial cache is off then: a refusal it remembers from before the outage
+//! may answer during it. No faults on the Cluster (issue 26's belong to a
+//! later run). Reloads change limits (upwards, never GCRA's), shadow, and
 //! remove or restore policies; never algorithms, shards, windows or the
 //! allowlist. The state of sharded GCRA keys is not read back (a shard's
 //! part is not in its key).
@@ -892,7 +899,8 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
     result?;
     // The final Redis state.
     if store != Store::Memory && s.has("state") {
-        let got = read_state(backend, &model.config);
+        let mut raw = BTreeMap::new();
+        let got = read_state(backend, &model.config, &mut raw);
         let want = model.final_state();
         let want: BTreeMap<WinKey, u32> = want.into_iter().filter(|(k, _)| !sharded_gcra(&model.config, k)).collect();
         let got: BTreeMap<WinKey, u32> = got.into_iter().filter(|(k, _)| !sharded_gcra(&model.config, k)).collect();
@@ -901,7 +909,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
             for k in want.keys().chain(got.keys()).collect::<std::collections::BTreeSet<_>>() {
                 let (w, h) = (want.get(k).copied().unwrap_or(0), got.get(k).copied().unwrap_or(0));
                 if w != h {
-                    let _ = writeln!(diff, "  {k:?}: model {w}, Redis {h}");
+                    let _ = writeln!(diff, "  {k:?}: model {w}, Redis {h} ({})", raw.get(k).map_or(String::new(), |r| r.join(", ")));
                 }
             }
             let mut features = vec!["state".to_string()];
@@ -960,7 +968,7 @@ fn sum_samples(text: &str, prefix: &str) -> u64 {
 /// Every window and lease set in Redis (every node), as the model names
 /// them: shard windows summed per key, under either shard key format
 /// (today's `<scoped>#<n>` in a sharded policy, S2's `<scoped>\x1f<n>`).
-fn read_state(backend: &Backend, cfg: &Config) -> BTreeMap<WinKey, u32> {
+fn read_state(backend: &Backend, cfg: &Config, raw: &mut BTreeMap<WinKey, Vec<String>>) -> BTreeMap<WinKey, u32> {
     let now = now_ms() as f64;
     let mut out: BTreeMap<WinKey, u32> = BTreeMap::new();
     for mut conn in backend.connections() {
@@ -1006,6 +1014,7 @@ fn read_state(backend: &Backend, cfg: &Config) -> BTreeMap<WinKey, u32> {
                     v.split(' ').nth(1).unwrap().parse().unwrap()
                 }
             };
+            raw.entry((scope.clone(), key.clone())).or_default().push(format!("{} = {units}", rk.escape_ascii()));
             if units > 0 {
                 *out.entry((scope, key)).or_default() += units;
             }

@@ -11,6 +11,11 @@
 //! runner gives (`Clock`): how long the case has run, the time to the next
 //! UTC midnight.
 //!
+//! While Redis is down (the runner killed it) the fail policies decide as
+//! PROTOCOL.md section 7 and 4b say: open, closed, or the daemon's per-host
+//! windows and leases with the local quota, which outlive the outage; a
+//! fresh Redis comes back empty.
+//!
 //! Sharded items are drawn with cost 1 only (or a cost above the largest
 //! shard's part, which is INVALID_COST): with cost 1 a sharded key admits
 //! exactly its limit whatever the round robin does (S1), so the model keeps
