@@ -985,7 +985,10 @@ fn read_state(backend: &Backend, cfg: &Config, raw: &mut BTreeMap<WinKey, Vec<St
         keys.sort();
         keys.dedup();
         for rk in keys {
-            if rk.starts_with(format!("ratelimitd:{{{PROBE}}}:").as_bytes()) {
+            // Our probe's key, and the daemon's own link probe (one admission
+            // in a 1 ms window of `{\0probe}`, src/redis/window.rs), which a
+            // fresh link (start, reload, reconnect) may have just written.
+            if rk.starts_with(format!("ratelimitd:{{{PROBE}}}:").as_bytes()) || rk.starts_with(b"ratelimitd:{\0probe}:") {
                 continue;
             }
             let Some((scope, key, alg)) = parse_key(&rk, cfg) else {
