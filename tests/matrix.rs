@@ -66,7 +66,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::model::{code, window_of, Clock, Config, Item, Kind, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
+use common::model::{code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{wait_until, Daemon, RedisServer};
 use ratelimitd::client::Client;
@@ -347,17 +347,13 @@ fn rate_policies(cfg: &Config) -> Vec<&PolicySpec> {
 /// A cost for an item of `p` and `key`: 1 or 2 (1 when sharded), now and
 /// then above the largest part (INVALID_COST).
 fn draw_cost(rng: &mut Rng, p: Option<&PolicySpec>, key: &str) -> u32 {
-    let (limit, most, sharded) = match p {
-        Some(p) => {
-            let l = p.limit_for(key).unwrap_or(p.limit);
-            (l, p.most(l), p.shards() > 1)
-        }
-        None => (1, 1, false),
+    let (most, sharded) = match p {
+        Some(p) => (p.most(p.limit_for(key).unwrap_or(p.limit)), p.shards() > 1),
+        None => (1, false),
     };
     if rng.chance(4) {
         return most + 1;
     }
-    let _ = limit;
     if sharded || most < 2 {
         1
     } else {
@@ -492,7 +488,7 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
                     (Some(name), g.rng.pick(&g.keys).clone())
                 };
                 let scope = Scope::Leases(if inline { None } else { policy.clone() });
-                let held = m.leases.get(&(scope, key.clone()));
+                let held = (if m.outage { &m.local_leases } else { &m.leases }).get(&(scope, key.clone()));
                 let is_held = |id: &str| held.is_some_and(|h| h.contains_key(id));
                 let release = g.rng.chance(35);
                 let mut lease = g.rng.pick(&LEASE_IDS).to_string();
@@ -879,7 +875,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                 Op::Multi { items, refundable, fail } if items.len() == 1 && !refundable => model.check_policy(&items[0], *fail, clock),
                 Op::Multi { items, refundable, fail } => model.check_multi(items, *refundable, *fail, clock),
                 Op::Refund { items_of, valid, .. } => model.refund(items_of, *valid),
-                Op::Lease { policy, key, lease, cost, release, fail } => model.lease(policy.as_deref(), key, lease, *cost, *release, *fail, clock),
+                Op::Lease { policy, key, lease, cost, release, fail } => model.lease(LeaseOp { policy: policy.as_deref(), key, lease, cost: *cost, release: *release }, *fail, clock),
                 Op::Reload(_) | Op::Outage | Op::Recover => unreachable!(),
             };
             let slow = if took > Duration::from_millis(200) { format!(" (answered in {took:.0?})") } else { String::new() };

@@ -478,6 +478,17 @@ pub struct Issued {
     pub refunded: bool,
 }
 
+/// An ACQUIRE or RELEASE as the client sends it: of a concurrency policy
+/// (op 7) when `policy` is `Some`, of an inline lease key (ops 5, 6) else.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseOp<'a> {
+    pub policy: Option<&'a str>,
+    pub key: &'a str,
+    pub lease: &'a str,
+    pub cost: u32,
+    pub release: bool,
+}
+
 /// Which backend the daemon decides with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Store {
@@ -693,11 +704,12 @@ impl Model {
     /// failing item answers for the whole request.
     fn resolve(&self, items: &[Item], refund: bool) -> Result<Vec<(PolicySpec, Option<u32>)>, u16> {
         let mut out: Vec<(PolicySpec, Option<u32>)> = Vec::new();
+        // The decoder's check (PROTOCOL.md 4b, validation step 9), before
+        // any policy is looked up.
         for (i, it) in items.iter().enumerate() {
             if items[..i].iter().any(|o| o.policy == it.policy && o.key == it.key) {
                 return Err(code::DUPLICATE_ITEM);
             }
-            let _ = i;
         }
         for it in items {
             let Some(p) = self.config.policy(&it.policy) else { return Err(code::UNKNOWN_POLICY) };
@@ -879,7 +891,8 @@ impl Model {
 
     /// ACQUIRE or RELEASE (S4): of a concurrency policy (op 7) when
     /// `policy` is `Some`, of an inline lease key (ops 5, 6) otherwise.
-    pub fn lease(&mut self, policy: Option<&str>, key: &str, lease: &str, cost: u32, release: bool, fail: (FailPolicy, u32), clock: Clock) -> Expect {
+    pub fn lease(&mut self, op: LeaseOp<'_>, fail: (FailPolicy, u32), clock: Clock) -> Expect {
+        let LeaseOp { policy, key, lease, cost, release } = op;
         self.decisions += 1;
         let mut fail = fail;
         let (limit, shadow, scope) = match policy {
