@@ -9,6 +9,7 @@
 
 pub mod daemon;
 pub mod http;
+pub mod model;
 pub mod nginx;
 pub mod ports;
 pub mod process;
