@@ -86,7 +86,15 @@ impl Limiter {
             }
             for ((i, p), v) in stored.iter().zip(&attempt.verdicts) {
                 if let Some((source, v)) = *v {
-                    results[*i] = item_result(&items[*i], p, source, v);
+                    // A sharded item refused by its shard while shards of
+                    // it are left untried (another item refused the
+                    // request, so they were not asked) is not evaluated:
+                    // its key may have room, and its refusal must not
+                    // reach the response's numbers or Retry-After.
+                    let untried = p.rest.is_some_and(|mut rest| rest.next().is_some());
+                    if attempt.committed || v.allowed || !untried {
+                        results[*i] = item_result(&items[*i], p, source, v);
+                    }
                 }
             }
             if attempt.committed {

@@ -380,7 +380,9 @@ impl WantMulti {
         let not_evaluated = |it: &ItemResult| it.decision == Decision::Denied && it.source == Source::None;
         let cached = ext.refused > 0 && ext.items.get(ext.refused as usize - 1).is_some_and(|it| it.source == Source::DenialCache);
         for (i, (w, got)) in self.items.iter().zip(&ext.items).enumerate() {
-            if refused && not_evaluated(got) && (self.may_skip || cached) && w.sources != [Source::Exempt] {
+            // A sharded item another item's refusal left with shards untried
+            // is not evaluated (S1): its key may have room.
+            if refused && not_evaluated(got) && (self.may_skip || cached || w.sum.is_some()) && w.sources != [Source::Exempt] {
                 continue;
             }
             let w = if refused && !self.refused_numbers { Want { count: Num::Any, remaining: Num::Any, sum: None, retry: (0, u32::MAX), reset: (0, u32::MAX), ..w.clone() } } else { w.clone() };
@@ -921,7 +923,7 @@ impl Model {
                 (true, _) => Self::lease_in(self.local_leases.entry(wk).or_default(), lease, cost, limit, true, shadow, Source::LocalFallback, clock),
             };
             want.outage = true;
-            if shadow && want.decision == Decision::Denied {
+            if shadow && !release && want.decision == Decision::Denied {
                 want.decision = Decision::ShadowDenied;
             }
             return Expect::One(want);
@@ -943,11 +945,9 @@ impl Model {
         let want = if release {
             let had = held.remove(lease).is_some();
             let count = held.values().sum();
-            let decision = match (had, shadow) {
-                (true, _) => Decision::Allowed,
-                (false, false) => Decision::Denied,
-                (false, true) => Decision::ShadowDenied,
-            };
+            // A release is never a shadow refusal (S5): one of a lease
+            // not held answers Denied under a shadow policy too.
+            let decision = if had { Decision::Allowed } else { Decision::Denied };
             Want { decision, sources: vec![src], count: Num::Is(count), ..Want::error(code::OK) }
         } else {
             let others = total - held.get(lease).copied().unwrap_or(0);
