@@ -478,3 +478,44 @@ async fn the_decisions_metric_equals_the_decisions_made_in_memory() {
 async fn the_decisions_metric_equals_the_decisions_made_on_redis() {
     metrics_equal_decisions(Store::Redis).await;
 }
+
+/// S1, S3, S6: a sharded shadow item whose first shard had no room in a
+/// refundable admission is recorded on a shard where it fits, and that
+/// unit belongs to the admission: its refund frees it with the others.
+/// The round robin is stepped 0..4 times before each refundable check
+/// (a check of another key), so the check starts on a full shard in at
+/// least three of the four rounds, whatever the round robin's start.
+async fn refund_frees_a_placed_shadow_unit(store: Store) {
+    let s = setup(store);
+    let mut c = s.daemon.client().await;
+    for steps in 0..4 {
+        // "shade": limit 4 over 4 shards, one unit each; three units taken.
+        let key = format!("s{steps}");
+        for n in 0..3 {
+            let r = c.check_policy(&policy("shade", &key)).await.unwrap();
+            assert_eq!(r.decision, Decision::Allowed, "{store:?}: {key} unit {n}: {r:?}");
+        }
+        for _ in 0..steps {
+            c.check_policy(&policy("shade", "elsewhere")).await.unwrap();
+        }
+        let items = [item("ip", &key), item("shade", &key)];
+        let r = c.check_multi(FailPolicy::Closed, 0, true, &items).await.unwrap();
+        assert!(admitted(&r), "{store:?}: {key}: {r:?}");
+        assert_eq!(r.extension.as_ref().unwrap().items[1].decision, Decision::Allowed, "{store:?}: {key}: the shadow unit found the free shard: {r:?}");
+        let handle = r.extension.as_ref().and_then(|e| e.handle).expect("a refundable admission has a handle");
+        let r = c.refund(&handle, &items).await.unwrap();
+        assert_eq!((r.error, r.count), (ErrorCode::None, 2), "{store:?}: {key}: the refund frees the ip unit and the shadow unit: {r:?}");
+        let r = c.check_policy(&policy("shade", &key)).await.unwrap();
+        assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 4, 0), "{store:?}: {key}: the refunded shard has room again: {r:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_redis() {
+    refund_frees_a_placed_shadow_unit(Store::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_a_cluster() {
+    refund_frees_a_placed_shadow_unit(Store::Cluster).await;
+}

@@ -50,7 +50,7 @@ impl Limiter {
             return Ok(Executed { results, handle: None, failure: None });
         }
         loop {
-            let attempt = match self.attempt(items, &stored).await {
+            let attempt = match self.attempt(items, &stored, None).await {
                 Ok(a) => a,
                 Err(NoVerdict::Full(full)) => return Err(self.capacity_error(id, op, Source::Memory, full)),
                 Err(NoVerdict::Store(e)) => {
@@ -98,7 +98,7 @@ impl Limiter {
                 }
             }
             if attempt.committed {
-                self.place_shadow_shards(items, &mut stored, &attempt.verdicts, &mut results).await;
+                self.place_shadow_shards(items, &mut stored, &attempt.verdicts, attempt.handle, &mut results).await;
             }
             return Ok(Executed { results, handle: attempt.handle.filter(|_| attempt.committed && refundable), failure: None });
         }
@@ -108,16 +108,18 @@ impl Limiter {
     /// tried alone on its other shards, so that it is recorded wherever it
     /// fits, as a single check of it would be (S1, S3). Shadow only:
     /// nothing enforced depends on it; a store error leaves it reported as
-    /// refused. Such a unit is recorded under a handle of its own, which a
-    /// refund of the admission does not name.
-    async fn place_shadow_shards(&self, items: &[Item<'_>], stored: &mut [(usize, Planned<'_>)], verdicts: &[Option<(Source, Verdict)>], results: &mut [ItemResult]) {
+    /// refused. Such a unit is recorded under the admission's handle
+    /// (`handle`; the admission wrote nothing under this item's number), so
+    /// a refund of the admission frees it too: a refund of a sharded item
+    /// frees the unit it took (S1, S6).
+    async fn place_shadow_shards(&self, items: &[Item<'_>], stored: &mut [(usize, Planned<'_>)], verdicts: &[Option<(Source, Verdict)>], handle: Option<[u8; 16]>, results: &mut [ItemResult]) {
         for (k, v) in verdicts.iter().enumerate() {
             let i = stored[k].0;
             if !(items[i].shadow && matches!(v, Some((_, v)) if !v.allowed)) {
                 continue;
             }
             while stored[k].1.advance(&items[i]) {
-                let Ok(one) = self.attempt(items, std::slice::from_ref(&stored[k])).await else { break };
+                let Ok(one) = self.attempt(items, std::slice::from_ref(&stored[k]), handle).await else { break };
                 let Some(Some((source, v))) = one.verdicts.first().copied() else { break };
                 let p = &mut stored[k].1;
                 if !v.allowed {
@@ -133,8 +135,9 @@ impl Limiter {
 
     /// One all-or-nothing try of the planned windows: the memory backend,
     /// or the denial cache (any enforced item it refuses decides, exact:
-    /// Redis would refuse that item) then one Redis call.
-    async fn attempt(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)]) -> Result<Attempt, NoVerdict> {
+    /// Redis would refuse that item) then one Redis call, its members named
+    /// by `under` (an admission's handle) or a fresh handle.
+    async fn attempt(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], under: Option<[u8; 16]>) -> Result<Attempt, NoVerdict> {
         fn spec<'s>(items: &[Item<'_>], (i, p): &'s (usize, Planned<'_>)) -> LimitSpec<'s> {
             LimitSpec { key: &p.window.key, limit: p.window.limit, window_ms: items[*i].window_ms, cost: items[*i].cost }
         }
@@ -174,7 +177,11 @@ impl Limiter {
                 MultiAsk { key: l.key, window_ms: l.window_ms, limit: l.limit, cost: l.cost, shadow: items[s.0].shadow, number: (s.0 + 1) as u8 }
             })
             .collect();
-        let answer = redis.check_multi(&asks).await.map_err(NoVerdict::Store)?;
+        let answer = match &under {
+            Some(h) => redis.check_multi_under(h, &asks).await,
+            None => redis.check_multi(&asks).await,
+        }
+        .map_err(NoVerdict::Store)?;
         let mut verdicts = Vec::with_capacity(stored.len());
         for (k, (s, v)) in stored.iter().zip(&answer.verdicts).enumerate() {
             if let (Some(v), Some(d), Some(Some(t))) = (v, &self.denials, tickets.get(k)) {

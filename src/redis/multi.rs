@@ -213,9 +213,10 @@ impl Reservations {
     }
 
     /// Decides `asks` all or nothing (see the module doc); `cluster`: group
-    /// them by slot.
-    pub(super) async fn check(self: &Arc<Self>, asks: &[MultiAsk<'_>], cluster: bool, now_ms: u64) -> Result<MultiAnswer, StoreError> {
-        let handle: [u8; 16] = rand::random();
+    /// them by slot. `handle`: the members' name, `None` for a fresh one
+    /// (`Some`: an admission's own, whose refund must take these back too).
+    pub(super) async fn check(self: &Arc<Self>, asks: &[MultiAsk<'_>], cluster: bool, now_ms: u64, handle: Option<[u8; 16]>) -> Result<MultiAnswer, StoreError> {
+        let handle: [u8; 16] = handle.unwrap_or_else(rand::random);
         let deadline = Instant::now() + self.link.timeout();
         let items: Vec<Item> = asks.iter().map(|a| self.item(a.key, a.window_ms, a.limit, a.cost, a.shadow, a.number)).collect();
         let groups = if cluster { slot_groups(&items) } else { vec![(0..items.len()).collect()] };

@@ -311,7 +311,16 @@ impl RedisWindow {
     /// (docs/PROTOCOL.md 4b; how across Cluster slots: `multi`). Never
     /// coalesced: the members it writes are named by the returned handle.
     pub async fn check_multi(&self, asks: &[MultiAsk<'_>]) -> Result<MultiAnswer, StoreError> {
-        self.multi.check(asks, self.cluster, self.now_arg()).await
+        self.multi.check(asks, self.cluster, self.now_arg(), None).await
+    }
+
+    /// `check_multi`, the members written named by `handle`, an admission's
+    /// handle: a refund with it takes them back along with the admission's
+    /// own (a sharded shadow item placed after the admission, S1, S3).
+    /// The members' item numbers must be ones the admission wrote nothing
+    /// under.
+    pub async fn check_multi_under(&self, handle: &[u8; 16], asks: &[MultiAsk<'_>]) -> Result<MultiAnswer, StoreError> {
+        self.multi.check(asks, self.cluster, self.now_arg(), Some(*handle)).await
     }
 
     /// Takes back the admissions a refundable check recorded: ZREM of the
