@@ -602,10 +602,18 @@ impl Model {
             // S1 fixes which requests a sharded key admits; its numbers are
             // the documented estimate (SCALING.md, Hot keys): count +
             // remaining is the key's limit, a refusal of cost 1 is (limit, 0).
+            // An admission's retry_after is 0, but GCRA's is the admitting
+            // shard's pacing delay (ALGORITHMS.md), which depends on that
+            // shard's tokens in use, unknown to the model: at most its
+            // window (every token of its part in use).
             want.count = if fits { Num::Any } else { Num::Is(limit) };
             want.remaining = if fits { Num::Any } else { Num::Is(0) };
             want.sum = Some(limit);
-            want.retry = if fits { (0, 0) } else { (0, 2 * DAY) };
+            want.retry = match (fits, a) {
+                (true, Algorithm::Gcra) => (0, w),
+                (true, _) => (0, 0),
+                (false, _) => (0, 2 * DAY),
+            };
             want.reset = (0, 2 * DAY);
         }
         (fits, want)
