@@ -519,3 +519,39 @@ async fn a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on
 async fn a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_a_cluster() {
     refund_frees_a_placed_shadow_unit(Store::Cluster).await;
 }
+
+/// S1, S8: a refused multi-item check reports a sharded item that has a
+/// shard it never tried as not evaluated (or admitted), never as refused:
+/// its key has room. "quad" (4 shards of one unit) holds three units on
+/// the three shards its next check starts on, so its item is refused by
+/// those three while "tri/full" (3 shards, all full) runs out of shards:
+/// the request ends with "quad"'s item moved to its free shard, untried.
+async fn untried_shard_is_not_a_refusal(store: Store) {
+    let s = setup(store);
+    let mut c = s.daemon.client().await;
+    for n in 0..3 {
+        assert!(admitted(&c.check_policy(&policy("tri", "full")).await.unwrap()), "{store:?}: tri unit {n}");
+        assert!(admitted(&c.check_policy(&policy("quad", "b")).await.unwrap()), "{store:?}: quad unit {n}");
+    }
+    // One more step of quad's round robin: its next check starts on a full shard of "b".
+    assert!(admitted(&c.check_policy(&policy("quad", "step")).await.unwrap()));
+    let r = c.check_multi(FailPolicy::Closed, 0, false, &[item("tri", "full"), item("quad", "b")]).await.unwrap();
+    assert!(!admitted(&r), "{store:?}: tri/full has no room: {r:?}");
+    let ext = r.extension.as_ref().unwrap();
+    assert_eq!(ext.refused, 1, "{store:?}: {r:?}");
+    let b = &ext.items[1];
+    assert!(b.decision == Decision::Allowed || (b.decision == Decision::Denied && b.source == Source::None), "{store:?}: quad/b has a free shard it did not try: not evaluated, not refused: {b:?}");
+    assert_eq!(r.retry_after_ms, ext.items[0].retry_after_ms, "{store:?}: only tri/full's refusal counts for Retry-After: {r:?}");
+    let r = c.check_policy(&policy("quad", "b")).await.unwrap();
+    assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 4, 0), "{store:?}: quad/b had room: {r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_in_memory() {
+    untried_shard_is_not_a_refusal(Store::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_on_redis() {
+    untried_shard_is_not_a_refusal(Store::Redis).await;
+}

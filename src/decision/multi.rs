@@ -63,14 +63,17 @@ impl Limiter {
             // a shard left, the request is tried again on those shards.
             let mut again = true;
             let mut any = false;
-            for ((i, p), v) in stored.iter_mut().zip(&attempt.verdicts) {
+            // Per planned item: moved to a shard not tried yet.
+            let mut moved = vec![false; stored.len()];
+            for (((i, p), v), moved) in stored.iter_mut().zip(&attempt.verdicts).zip(&mut moved) {
                 if let Some((source, v)) = *v {
                     if !v.allowed && p.rest.is_some() {
                         p.refusals = Some(merge_refusals(p.refusals.map(|r| (source, r)), source, v).1);
                     }
                     if !v.allowed && !items[*i].shadow {
                         any = true;
-                        again &= p.advance(&items[*i]);
+                        *moved = p.advance(&items[*i]);
+                        again &= *moved;
                     }
                 }
             }
@@ -84,14 +87,16 @@ impl Limiter {
                 }
                 continue;
             }
-            for ((i, p), v) in stored.iter().zip(&attempt.verdicts) {
+            for (((i, p), v), moved) in stored.iter().zip(&attempt.verdicts).zip(moved) {
                 if let Some((source, v)) = *v {
                     // A sharded item refused by its shard while shards of
                     // it are left untried (another item refused the
                     // request, so they were not asked) is not evaluated:
                     // its key may have room, and its refusal must not
-                    // reach the response's numbers or Retry-After.
-                    let untried = p.rest.is_some_and(|mut rest| rest.next().is_some());
+                    // reach the response's numbers or Retry-After. An
+                    // enforced item that just moved on stands on such a
+                    // shard (one the request never asked).
+                    let untried = moved || p.rest.is_some_and(|mut rest| rest.next().is_some());
                     if attempt.committed || v.allowed || !untried {
                         results[*i] = item_result(&items[*i], p, source, v);
                     }
