@@ -296,6 +296,19 @@ pub struct TlsFiles {
     pub client: Option<(PathBuf, PathBuf)>,
 }
 
+impl Config {
+    /// The configuration as loaded, for `GET /config` and `ratelimitd
+    /// config show`: every typed value, the Redis URL without its password
+    /// (secret sources are files or variables, named, never read here).
+    pub fn dump(&self) -> String {
+        let mut shown = self.clone();
+        if let Some(RedisConfig { target: RedisTarget::Url(url), .. }) = &mut shown.redis {
+            *url = redacted_url(url);
+        }
+        format!("{shown:#?}\n")
+    }
+}
+
 impl RedisConfig {
     /// Where the link points, without credentials.
     pub fn describe(&self) -> String {

@@ -1,0 +1,180 @@
+//! Operating the daemon (docs/OPERATIONS.md): reloads that cannot silently
+//! break traffic, /healthz, build and configuration metrics, the
+//! configuration dump. Real processes: HTTP -> nginx (Lua module) ->
+//! ratelimitd -> redis-server.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use nix::sys::signal::Signal;
+
+const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+
+const POLICIES: &str = r#"
+[[policy]]
+name = "login"
+limit = 100
+window = "60s"
+
+[[policy]]
+name = "spare"
+limit = 5
+window = "60s"
+"#;
+
+const LOCATIONS: &str = r#"
+    location /login {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new{ policy = "login", on_error = "closed" })
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+"#;
+
+fn gateway(socket: &std::path::Path) -> Nginx {
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
+    // Loaded CI machines stall processes: these tests are about reloads.
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
+}
+
+fn daemon(redis: &RedisServer) -> Daemon {
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+}
+
+fn status(url: &str) -> u16 {
+    let mut r = agent().get(url).header("X-Tenant-Id", "t1").call().unwrap();
+    let _ = r.body_mut().read_to_string();
+    r.status().as_u16()
+}
+
+fn body(url: &str) -> (u16, String) {
+    let mut r = agent().get(url).call().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+fn endpoint(d: &Daemon, path: &str) -> String {
+    d.metrics_url().replace("/metrics", path)
+}
+
+/// The value of the sample `line_start` (name and labels) in `text`.
+fn sample(text: &str, line_start: &str) -> f64 {
+    let line = text.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start} in\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn config_hash(text: &str) -> String {
+    let line = text.lines().find(|l| l.starts_with("ratelimitd_config_info{hash=\"")).unwrap_or_else(|| panic!("no config_info in\n{text}"));
+    line["ratelimitd_config_info{hash=\"".len()..].split('"').next().unwrap().to_string()
+}
+
+#[test]
+fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forces_it() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    assert_eq!(status(&nginx.url("/login")), 200);
+    let (_, first) = body(&d.metrics_url());
+    let original = d.config_text();
+
+    // Rename `login` (in use) and drop `spare` (never used): refused, for `login` only.
+    let renamed = original.replace("name = \"login\"", "name = \"logins\"");
+    d.rewrite_config(&renamed.replace("name = \"spare\"\nlimit = 5\nwindow = \"60s\"\n", "name = \"spare2\"\nlimit = 5\nwindow = \"60s\"\n"));
+    d.signal(Signal::SIGHUP);
+    wait_until("reload refused", Duration::from_secs(5), || d.log().contains("configuration reload refused"));
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("configuration reload refused")).unwrap();
+    assert!(line.contains("login (last request") && !line.contains("spare"), "{line}");
+    assert!(line.contains("SIGUSR1"), "the line says how to force it: {line}");
+    assert!(!log.contains("configuration reloaded"), "{log}");
+    // The old configuration serves on: /login still decided by its policy.
+    assert_eq!(status(&nginx.url("/login")), 200);
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
+    assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 0.0);
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 0.0);
+    assert_eq!(sample(&text, "ratelimitd_policy_requests_total{policy=\"login\",outcome=\"admitted\"} "), 2.0);
+    assert_eq!(config_hash(&text), config_hash(&first), "the configuration in force did not change");
+
+    // Removing a policy that decided nothing is a plain reload.
+    d.rewrite_config(&original.replace("name = \"spare\"", "name = \"spare2\""));
+    d.signal(Signal::SIGHUP);
+    wait_until("reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 1.0);
+    assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
+    assert_ne!(config_hash(&text), config_hash(&first));
+
+    // SIGUSR1 forces the rename: /login now names a policy the daemon lacks
+    // and gets its fail policy (closed: 503), as the refusal warned.
+    d.rewrite_config(&renamed);
+    d.signal(Signal::SIGUSR1);
+    wait_until("forced reload applied", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
+    assert!(d.log().contains("forced reload removes policies in use"), "{}", d.log());
+    assert_eq!(status(&nginx.url("/login")), 503);
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 2.0);
+    assert_eq!(sample(&text, "ratelimitd_policy_unknown_requests_total "), 1.0);
+}
+
+#[test]
+fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    assert_eq!(body(&endpoint(&d, "/healthz")), (200, "ok\n".to_string()));
+
+    let (code, dump) = body(&endpoint(&d, "/config"));
+    assert_eq!(code, 200);
+    assert!(dump.contains("name: \"login\"") && dump.contains("limit: 100"), "{dump}");
+
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, &format!("ratelimitd_build_info{{version=\"{}\",protocol=\"1\"}} ", env!("CARGO_PKG_VERSION"))), 1.0);
+    assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
+    let loaded = sample(&text, "ratelimitd_config_last_reload_success_timestamp_seconds ");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(loaded <= now && loaded > now - 120.0, "loaded at {loaded}, now {now}");
+    let hash = config_hash(&text);
+    assert_eq!(hash.len(), 16, "{hash}");
+
+    match Command::new("promtool").args(["check", "metrics"]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn() {
+        Ok(mut child) => {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let out = child.wait_with_output().unwrap();
+            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success(), "promtool check metrics: {said}");
+            // Lint remarks are style; any remark about the new metrics is a defect.
+            for name in ["build_info", "config_info", "config_last_reload", "config_reloads_refused"] {
+                assert!(!said.contains(name), "promtool about {name}: {said}");
+            }
+        }
+        Err(e) => panic!("promtool not found ({e}): apt-get install prometheus (scripts/lib.sh apt_install promtool:prometheus)"),
+    }
+
+    // Redis gone: not ready, with the reason, once the daemon knows.
+    drop(redis);
+    let mut client_errors = 0;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    wait_until("healthz 503", Duration::from_secs(10), || {
+        // Requests are what notice a dead link soonest.
+        rt.block_on(async {
+            let mut c = d.client().await;
+            if c.check(&common::args("k", 10, 1000)).await.is_err() {
+                client_errors += 1;
+            }
+        });
+        body(&endpoint(&d, "/healthz")).0 == 503
+    });
+    let (_, why) = body(&endpoint(&d, "/healthz"));
+    assert!(why.starts_with("not ready: "), "{why}");
+    assert_eq!(client_errors, 0, "the daemon answered every request with its fail policy");
+}
