@@ -270,8 +270,11 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
 /// A file that does not load, or (unless forced) that removes a policy in
 /// use, leaves the running configuration in force, logged and counted.
 async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, status: &ConfigStatus) {
-    let signal = if force { "SIGUSR1" } else { "SIGHUP" };
-    tracing::info!(force, "{signal} received: reloading the configuration");
+    if force {
+        tracing::info!("SIGUSR1 received: reloading the configuration, removing policies in use if it says so");
+    } else {
+        tracing::info!("SIGHUP received: reloading the configuration");
+    }
     notify_systemd(&[sd_notify::NotifyState::Reloading, sd_notify::NotifyState::monotonic_usec_now().unwrap_or(sd_notify::NotifyState::Status("reloading"))]);
     match (reload.load)() {
         Ok((new, resolved)) => {
