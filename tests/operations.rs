@@ -178,3 +178,36 @@ fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
     assert!(why.starts_with("not ready: "), "{why}");
     assert_eq!(client_errors, 0, "the daemon answered every request with its fail policy");
 }
+
+fn ratelimitd(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn check_config_with_nginx_lists_the_names_nginx_uses_and_fails_on_a_missing_one() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let (toml, conf) = (format!("{root}/examples/tenant-api/ratelimitd.toml"), format!("{root}/examples/tenant-api/nginx.conf"));
+    let (code, out) = ratelimitd(&["check-config", "--config", &toml, "--nginx", &conf]);
+    assert_eq!(code, 0, "{out}");
+    for name in ["per_ip", "per_tenant", "global", "per_tenant_next", "login_failures"] {
+        assert!(out.contains(&format!("policy \"{name}\": ok")), "{name}: {out}");
+    }
+    assert!(out.contains("all 5 policy names used by"), "{out}");
+
+    // The same nginx side against a TOML where login_failures was renamed.
+    let dir = tempfile::tempdir().unwrap();
+    let renamed = dir.path().join("ratelimitd.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(text.contains("name = \"login_failures\""));
+    std::fs::write(&renamed, text.replace("name = \"login_failures\"", "name = \"logins\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", renamed.to_str().unwrap(), "--nginx", &conf]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nginx.conf:31: policy \"login_failures\": NOT in the ratelimitd configuration"), "{out}");
+    assert!(out.contains("1 of 5 policy names used by"), "{out}");
+
+    // `config show` prints what GET /config serves, from the file.
+    let (code, out) = ratelimitd(&["config-show", "--config", &toml]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("name: \"login_failures\""), "{out}");
+}
