@@ -187,6 +187,37 @@ fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, pre
     Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 
+/// The metrics endpoint in force: `[metrics]` changes are applied by a
+/// reload (the new address bound first, then the old endpoint stopped).
+struct MetricsEndpoint {
+    live: BreakerState,
+    status: Arc<ConfigStatus>,
+    /// Stops the running endpoint; `None` without `[metrics]`.
+    running: Option<CancellationToken>,
+    background: CancellationToken,
+}
+
+impl MetricsEndpoint {
+    /// Serves `cfg` (none: stops serving); on a bind error the running
+    /// endpoint is kept and the error returned.
+    async fn switch_to(&mut self, cfg: Option<&crate::config::MetricsConfig>) -> std::io::Result<()> {
+        let fresh = match cfg {
+            Some(m) => {
+                let listener = metrics_server::bind(m.listen).await?;
+                let token = self.background.child_token();
+                tracing::info!(listen = %m.listen, "serving metrics at /metrics, /healthz, /config, and /top.json for ratelimitd top");
+                tokio::spawn(metrics_server::serve(listener, self.live.clone(), self.status.clone(), token.clone()));
+                Some(token)
+            }
+            None => None,
+        };
+        if let Some(old) = std::mem::replace(&mut self.running, fresh) {
+            old.cancel();
+        }
+        Ok(())
+    }
+}
+
 /// Runs the daemon until a termination signal; returns once drained.
 pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<(), DaemonError> {
     let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
@@ -228,11 +259,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
     }
     let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, None));
-    if let Some(m) = &cfg.metrics {
-        let listener = metrics_server::bind(m.listen).await.map_err(DaemonError::Metrics)?;
-        tracing::info!(listen = %m.listen, "serving metrics at /metrics, /healthz, /config, and /top.json for ratelimitd top");
-        tokio::spawn(metrics_server::serve(listener, breaker_state(reloadable_rx.clone()), status.clone(), background.clone()));
-    }
+    let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
+    endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let settings = ServerSettings::from(s);
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
@@ -242,8 +270,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             tokio::select! {
                 _ = term.recv() => { tracing::info!("SIGTERM received"); break }
                 _ = int.recv() => { tracing::info!("SIGINT received"); break }
-                _ = hup.recv() => reload_once(false, &mut current, &mut active, &local, &reloadable_tx, &reload, &status).await,
-                _ = usr1.recv() => reload_once(true, &mut current, &mut active, &local, &reloadable_tx, &reload, &status).await,
+                _ = hup.recv() => reload_once(false, &mut current, &mut active, &local, &reloadable_tx, &reload, &mut endpoint).await,
+                _ = usr1.recv() => reload_once(true, &mut current, &mut active, &local, &reloadable_tx, &reload, &mut endpoint).await,
             }
         }
     };
@@ -269,7 +297,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
 /// One reload (SIGHUP; SIGUSR1: `force`, removing policies in use too).
 /// A file that does not load, or (unless forced) that removes a policy in
 /// use, leaves the running configuration in force, logged and counted.
-async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, status: &ConfigStatus) {
+async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
+    let status = endpoint.status.clone();
     if force {
         tracing::info!("SIGUSR1 received: reloading the configuration, removing policies in use if it says so");
     } else {
@@ -297,7 +326,7 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
                 let list = in_use.iter().map(|(name, _)| crate::terminal::escape(name).to_string()).collect::<Vec<_>>().join(", ");
                 tracing::warn!(policies = %list, "forced reload removes policies in use: their locations get UNKNOWN_POLICY and their fail policy");
             }
-            apply(current, new, &resolved, active, local, reloadable_tx, reload).await;
+            apply(current, new, &resolved, active, local, reloadable_tx, reload, endpoint).await;
             status.loaded(current.dump());
             METRICS.reloaded(true);
         }
@@ -312,10 +341,17 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
 }
 
 /// Puts a new, valid configuration in force without dropping a connection.
-async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload) {
+#[allow(clippy::too_many_arguments)]
+async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
     if new.metrics != current.metrics {
-        tracing::warn!("[metrics] changes take effect at the next restart; keeping the running endpoint");
-        new.metrics = current.metrics.clone();
+        match endpoint.switch_to(new.metrics.as_ref()).await {
+            Ok(()) if new.metrics.is_none() => tracing::info!("[metrics] removed: metrics no longer served"),
+            Ok(()) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "the new [metrics] listen address cannot be bound; keeping the running endpoint");
+                new.metrics = current.metrics.clone();
+            }
+        }
     }
     if new.log.format != current.log.format {
         tracing::warn!("log.format takes effect at the next restart");

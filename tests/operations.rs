@@ -211,3 +211,32 @@ fn check_config_with_nginx_lists_the_names_nginx_uses_and_fails_on_a_missing_one
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("name: \"login_failures\""), "{out}");
 }
+
+#[test]
+fn metrics_are_moved_by_a_reload_and_a_taken_port_keeps_the_running_endpoint() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let old = d.metrics_url();
+    assert_eq!(body(&endpoint(&d, "/healthz")).0, 200);
+    // A port held by this test: the reload cannot take it.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let old_port: u16 = old.trim_start_matches("http://127.0.0.1:").trim_end_matches("/metrics").parse().unwrap();
+    let text = d.config_text();
+    d.rewrite_config(&text.replace(&format!("127.0.0.1:{old_port}"), &format!("127.0.0.1:{taken_port}")));
+    d.signal(Signal::SIGHUP);
+    wait_until("bind refused", Duration::from_secs(5), || d.log().contains("the new [metrics] listen address cannot be bound"));
+    assert_eq!(body(&endpoint(&d, "/healthz")).0, 200, "the running endpoint kept");
+
+    // A free port (released by the test just before): moved there.
+    drop(taken);
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let new_port = free.local_addr().unwrap().port();
+    drop(free);
+    d.rewrite_config(&text.replace(&format!("127.0.0.1:{old_port}"), &format!("127.0.0.1:{new_port}")));
+    d.signal(Signal::SIGHUP);
+    wait_until("second reload", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
+    let (code, _) = body(&format!("http://127.0.0.1:{new_port}/healthz"));
+    assert_eq!(code, 200);
+    wait_until("old endpoint closed", Duration::from_secs(5), || agent().get(&old).call().is_err());
+}
