@@ -240,3 +240,24 @@ fn metrics_are_moved_by_a_reload_and_a_taken_port_keeps_the_running_endpoint() {
     assert_eq!(code, 200);
     wait_until("old endpoint closed", Duration::from_secs(5), || agent().get(&old).call().is_err());
 }
+
+#[test]
+fn a_limiter_that_cannot_be_built_answers_500_in_its_own_location_while_the_others_serve() {
+    const EXAMPLE: &str = include_str!("../nginx/example.conf");
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    // The shipped example with one mistake: `pay` fails over to `local` without its quota.
+    assert!(EXAMPLE.contains("            local_limit = 10,\n"));
+    let example = EXAMPLE.replacen("            local_limit = 10,\n", "", 1).replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replacen("server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};", 1);
+    let nginx = Nginx::start(&format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{{PORT:app}}; location / {{ return 200 \"ok\\n\"; }} }}\n"));
+    assert_eq!(status(&nginx.url("/order")), 200);
+    assert_eq!(status(&nginx.url("/search")), 200);
+    assert_eq!(status(&nginx.url("/pay")), 500);
+    assert_eq!(status(&nginx.url("/order")), 200, "still serving after the broken location");
+    let log = nginx.error_log();
+    let crit: Vec<&str> = log.lines().filter(|l| l.contains("[crit]")).collect();
+    assert!(!crit.is_empty() && crit.iter().all(|l| l.contains("ratelimitd: limiter \"pay\" not built: ") && l.contains("local_limit")), "{log}");
+    assert!(log.contains("limiter_not_built key=pay"), "each request of the broken location is logged (rate-limited): {log}");
+    assert!(!log.contains("attempt to index"), "{log}");
+}
