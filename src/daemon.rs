@@ -166,6 +166,13 @@ fn removed_in_use(running: &Policies, new: &Config) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// One line per old spelling the file still uses.
+fn log_deprecated(cfg: &Config) {
+    for line in &cfg.deprecated {
+        tracing::warn!(deprecated = %line, "the configuration uses an old spelling; accepted for now");
+    }
+}
+
 /// Keeps the policies' use clock (`policies::use_clock`) at seconds since
 /// start, plus one.
 async fn run_use_clock(shutdown: CancellationToken) {
@@ -231,6 +238,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let local = Arc::new(LocalStore::new(cfg.limits.max_local_keys));
     let background = CancellationToken::new();
     tokio::spawn(local.clone().sweep_every_second(background.clone()));
+    log_deprecated(&cfg);
     crate::policies::tick_use_clock(1);
     tokio::spawn(run_use_clock(background.clone()));
     let status = Arc::new(ConfigStatus::default());
@@ -326,6 +334,7 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
                 let list = in_use.iter().map(|(name, _)| crate::terminal::escape(name).to_string()).collect::<Vec<_>>().join(", ");
                 tracing::warn!(policies = %list, "forced reload removes policies in use: their locations get UNKNOWN_POLICY and their fail policy");
             }
+            log_deprecated(&new);
             apply(current, new, &resolved, active, local, reloadable_tx, reload, endpoint).await;
             status.loaded(current.dump());
             METRICS.reloaded(true);

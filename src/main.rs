@@ -236,6 +236,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::CheckConfig { config, nginx } => {
             let cfg = Config::load(&config)?;
             preflight(&cfg, &config)?;
+            for line in &cfg.deprecated {
+                eprintln!("{}: deprecated: {line}", config.display());
+            }
             if let Some(nginx) = nginx {
                 let used = ratelimitd::config::nginx_policy_names(&nginx)?;
                 let mut missing = 0;

@@ -261,3 +261,24 @@ fn a_limiter_that_cannot_be_built_answers_500_in_its_own_location_while_the_othe
     assert!(log.contains("limiter_not_built key=pay"), "each request of the broken location is logged (rate-limited): {log}");
     assert!(!log.contains("attempt to index"), "{log}");
 }
+
+#[test]
+fn a_bare_number_window_says_which_unit_to_write_and_fail_policy_is_read_as_on_error_with_a_deprecation_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ratelimitd.toml");
+    let policy = |window: &str, fail: &str| format!("[server]\nlisten = \"{}/s.sock\"\n[[policy]]\nname = \"login\"\nlimit = 5\nwindow = {window}\n{fail}\nlocal_limit = 2\n", dir.path().display());
+    std::fs::write(&file, policy("60000", "on_error = \"local\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("policy.window: policy 'login': 60000 has no unit: write \"60000ms\" (or \"60s\""), "{out}");
+
+    std::fs::write(&file, policy("\"60s\"", "fail_policy = \"local\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("deprecated: policy 'login': fail_policy is the old name of on_error"), "{out}");
+
+    std::fs::write(&file, policy("\"60s\"", "fail_policy = \"local\"\non_error = \"local\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("policy.on_error: policy 'login': give on_error only"), "{out}");
+}

@@ -83,6 +83,9 @@ pub struct Config {
     /// `[[policy]]`: named limits that CHECK_POLICY requests refer to, in
     /// file order; names are unique.
     pub policies: Vec<PolicyConfig>,
+    /// Old spellings the file used, one line each, for the log and
+    /// `check-config` (accepted, to be rewritten).
+    pub deprecated: Vec<String>,
 }
 
 /// One `[[policy]]` (docs/POLICIES.md).
