@@ -282,3 +282,23 @@ fn a_bare_number_window_says_which_unit_to_write_and_fail_policy_is_read_as_on_e
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("policy.on_error: policy 'login': give on_error only"), "{out}");
 }
+
+#[test]
+fn a_redis_failure_line_names_the_policy_and_the_fail_policy_and_escapes_the_key() {
+    use ratelimitd::protocol::{FailPolicy, PolicyCheckArgs};
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    drop(redis);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let key = "tenant-\u{202e}1";
+    rt.block_on(async {
+        let mut c = d.client().await;
+        c.check_policy(&PolicyCheckArgs { policy: b"login", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Open, local_limit: 0 }).await.unwrap();
+    });
+    wait_until("failure line", Duration::from_secs(5), || d.log().contains("the request's fail policy decides"));
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("the request's fail policy decides")).unwrap();
+    assert!(line.contains("on_error=\"open\"") && line.contains("policy=\"login\""), "{line}");
+    assert!(line.contains(" key=tenant-\\u{202e}1 "), "the bidi override is shown, not obeyed: {line}");
+    assert!(!line.contains("\u{5}login"), "no raw length byte: {line}");
+}
