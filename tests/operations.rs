@@ -302,3 +302,101 @@ fn a_redis_failure_line_names_the_policy_and_the_fail_policy_and_escapes_the_key
     assert!(line.contains(" key=tenant-\\u{202e}1 "), "the bidi override is shown, not obeyed: {line}");
     assert!(!line.contains("\u{5}login"), "no raw length byte: {line}");
 }
+
+/// Load through nginx at the shipped snippet's timeouts (connect and send
+/// 20 ms, read 50 ms) and the shipped `redis.timeout_ms = 20`, across one
+/// restart of the daemon; returns (requests, failed) and the first failures.
+fn restart_under_load(activated: bool) -> (u64, Vec<u16>) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let socket = dir.path().join("ratelimitd.sock");
+    let config = dir.path().join("ratelimitd.toml");
+    let group = if is_root() { format!("socket_group = \"{WORKER_GROUP}\"\n") } else { String::new() };
+    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0666\"\n{group}[redis]\nurl = \"{}\"\ntimeout_ms = 20\n", socket.display(), redis.url())).unwrap();
+    let log = dir.path().join("daemon.log");
+    // The socket unit's part, for the activated case: bound once, kept across the restart.
+    let listener = activated.then(|| {
+        let l = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+        l
+    });
+    let spawn = || {
+        use command_fds::{CommandFdExt, FdMapping};
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        cmd.args(["serve", "--config"]).arg(&config).stderr(file);
+        if let Some(l) = &listener {
+            let fd: std::os::fd::OwnedFd = l.try_clone().unwrap().into();
+            cmd.env("LISTEN_FDS", "1").env_remove("LISTEN_PID").fd_mappings(vec![FdMapping { parent_fd: fd, child_fd: 3 }]).unwrap();
+        }
+        let child = common::ChildGuard::spawn("ratelimitd", &mut cmd, Some(log.clone()));
+        wait_until("daemon serving", Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&socket).is_ok() && std::fs::read_to_string(&log).unwrap_or_default().matches("redis backend ready").count() >= 1);
+        child
+    };
+    let mut daemon = spawn();
+    // The shipped snippet, unchanged but for the socket path.
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
+    assert!(snippet.contains("read_timeout = 50,") && snippet.contains("connect_timeout = 20,"));
+    let nginx = Nginx::start(&format!(
+        "{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n location /r {{ access_by_lua_block {{ require(\"resty.ratelimitd\").limit{{ key = ngx.var.arg_k, limit = 1000000, window_ms = 60000, on_error = \"closed\" }} }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n}}\n"
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sent, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(Mutex::new(Vec::new())));
+    let load: Vec<_> = (0..8)
+        .map(|t| {
+            let (url, stop, sent, failed) = (nginx.url(&format!("/r?k=c{t}")), stop.clone(), sent.clone(), failed.clone());
+            std::thread::spawn(move || {
+                let a = agent();
+                while !stop.load(Ordering::Relaxed) {
+                    let code = a.get(&url).call().map(|r| r.status().as_u16()).unwrap_or(0);
+                    if code != 200 {
+                        failed.lock().unwrap().push(code);
+                    }
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    wait_until("load running", Duration::from_secs(10), || sent.load(Ordering::Relaxed) >= 500);
+    daemon.terminate(Duration::from_secs(10));
+    daemon = spawn();
+    let after = sent.load(Ordering::Relaxed);
+    wait_until("load after the restart", Duration::from_secs(10), || sent.load(Ordering::Relaxed) >= after + 500);
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        t.join().unwrap();
+    }
+    daemon.terminate(Duration::from_secs(10));
+    for l in nginx.error_log().lines().filter(|l| l.contains("ratelimitd: ")).take(5) {
+        eprintln!("nginx: {l}");
+    }
+    let failed = failed.lock().unwrap().clone();
+    (sent.load(Ordering::Relaxed), failed)
+}
+
+#[test]
+fn a_socket_activated_restart_under_load_at_the_shipped_timeouts_is_measured() {
+    let (sent, failed) = restart_under_load(true);
+    eprintln!("socket-activated restart at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
+    // Not zero at the shipped 50 ms read timeout: measured 1, 4, 22 and 24 of
+    // about 1000 (8 clients, a loaded 2-core host). Causes seen in nginx's
+    // log: a request written on a pooled connection as the old daemon closes
+    // it ("receive: connection reset by peer"), and requests queued in the
+    // socket longer than 50 ms while the new daemon starts. Each gets its
+    // fail policy (closed: 503), never a 500 (docs/OPERATIONS.md §3).
+    assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers: {failed:?}");
+    assert!(failed.len() < 200, "{} of {sent} failed", failed.len());
+}
+
+#[test]
+fn a_restart_under_load_without_socket_activation_is_measured() {
+    let (sent, failed) = restart_under_load(false);
+    eprintln!("restart without socket activation at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
+    // Between the old daemon's exit and the new one's bind, connects are
+    // refused and each request gets its fail policy (closed here: 503): the
+    // bound is the gap's requests, not zero (docs/OPERATIONS.md §3).
+    assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers, never a 500: {failed:?}");
+}
