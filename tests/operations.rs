@@ -383,9 +383,9 @@ fn a_socket_activated_restart_under_load_at_the_shipped_timeouts_is_measured() {
     eprintln!("socket-activated restart at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
     // Not zero at the shipped 50 ms read timeout: measured 1, 4, 22 and 24 of
     // about 1000 (8 clients, a loaded 2-core host). Causes seen in nginx's
-    // log: a request written on a pooled connection as the old daemon closes
-    // it ("receive: connection reset by peer"), and requests queued in the
-    // socket longer than 50 ms while the new daemon starts. Each gets its
+    // log: "receive: connection reset by peer" as the old daemon closes its
+    // connections (not yet explained: the client retries those once), and
+    // requests queued in the socket longer than 50 ms while the new daemon starts. Each gets its
     // fail policy (closed: 503), never a 500 (docs/OPERATIONS.md §3).
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers: {failed:?}");
     assert!(failed.len() < 200, "{} of {sent} failed", failed.len());

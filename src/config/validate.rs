@@ -573,6 +573,15 @@ mod tests {
     }
 
     #[test]
+    fn the_config_dump_shows_every_value_but_never_the_url_password() {
+        let c = parse("[redis]\nurl = \"redis://u:s3cret@h:6379/0\"\n[[policy]]\nname = \"order\"\nlimit = 7\nwindow = \"2s\"\n").unwrap();
+        let dump = c.dump();
+        assert!(!dump.contains("s3cret"), "{dump}");
+        assert!(dump.contains("redis://u:***@h:6379/0") && dump.contains("name: \"order\"") && dump.contains("limit: 7"), "{dump}");
+        assert_eq!(dump, c.clone().dump(), "deterministic: the hash of equal configurations is equal");
+    }
+
+    #[test]
     fn empty_file_gives_defaults_and_the_local_backend() {
         let c = parse("").unwrap();
         assert_eq!(c, Config::default());
