@@ -13,7 +13,7 @@ use crate::denial_cache::DenialCache;
 use crate::decision::{Backend, Limiter};
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
-use crate::metrics_server::{self, BreakerState, Live};
+use crate::metrics_server::{self, BreakerState, ConfigStatus, Live};
 use crate::policies::Policies;
 use crate::redis::{RedisWindow, StartError};
 use crate::server::{self, Reloadable, ServerSettings};
@@ -135,12 +135,55 @@ impl ActiveBackend {
 fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
     Arc::new(move || {
         let current = reloadable.borrow();
-        let breaker_open = match current.limiter.backend() {
-            Backend::Redis(r) => Some(r.breaker_open()),
-            Backend::Local => None,
+        let (breaker_open, backend_ready) = match current.limiter.backend() {
+            Backend::Redis(r) => {
+                let open = r.breaker_open();
+                (Some(open), !open && r.is_ready())
+            }
+            Backend::Local => (None, true),
         };
-        Live { breaker_open, policies: current.limiter.policies().clone() }
+        Live { breaker_open, backend_ready, policies: current.limiter.policies().clone() }
     })
+}
+
+/// A policy that decided a request within this long is "in use": a reload
+/// that removes (or renames) it is refused unless forced (SIGUSR1), since
+/// every location naming it would get UNKNOWN_POLICY from then on.
+pub const POLICY_IN_USE_WINDOW: Duration = Duration::from_secs(15 * 60);
+
+/// The policies in force that `new` no longer has and that decided a
+/// request within `POLICY_IN_USE_WINDOW`, with how many seconds ago.
+fn removed_in_use(running: &Policies, new: &Config) -> Vec<(String, u64)> {
+    let now = crate::policies::use_clock();
+    running
+        .iter()
+        .filter(|p| !new.policies.iter().any(|c| *c.name == *p.name))
+        .filter_map(|p| {
+            let used = p.counters.last_used();
+            let ago = now.saturating_sub(used);
+            (used != 0 && ago <= POLICY_IN_USE_WINDOW.as_secs()).then(|| (p.name.to_string(), ago))
+        })
+        .collect()
+}
+
+/// One line per old spelling the file still uses.
+fn log_deprecated(cfg: &Config) {
+    for line in &cfg.deprecated {
+        tracing::warn!(deprecated = %line, "the configuration uses an old spelling; accepted for now");
+    }
+}
+
+/// Keeps the policies' use clock (`policies::use_clock`) at seconds since
+/// start, plus one.
+async fn run_use_clock(shutdown: CancellationToken) {
+    let start = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => crate::policies::tick_use_clock(start.elapsed().as_secs() + 1),
+        }
+    }
 }
 
 /// The next frames' bounds and limiter. `previous` is the limiter in force,
@@ -151,11 +194,43 @@ fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, pre
     Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 
+/// The metrics endpoint in force: `[metrics]` changes are applied by a
+/// reload (the new address bound first, then the old endpoint stopped).
+struct MetricsEndpoint {
+    live: BreakerState,
+    status: Arc<ConfigStatus>,
+    /// Stops the running endpoint; `None` without `[metrics]`.
+    running: Option<CancellationToken>,
+    background: CancellationToken,
+}
+
+impl MetricsEndpoint {
+    /// Serves `cfg` (none: stops serving); on a bind error the running
+    /// endpoint is kept and the error returned.
+    async fn switch_to(&mut self, cfg: Option<&crate::config::MetricsConfig>) -> std::io::Result<()> {
+        let fresh = match cfg {
+            Some(m) => {
+                let listener = metrics_server::bind(m.listen).await?;
+                let token = self.background.child_token();
+                tracing::info!(listen = %m.listen, "serving metrics at /metrics, /healthz, /config, and /top.json for ratelimitd top");
+                tokio::spawn(metrics_server::serve(listener, self.live.clone(), self.status.clone(), token.clone()));
+                Some(token)
+            }
+            None => None,
+        };
+        if let Some(old) = std::mem::replace(&mut self.running, fresh) {
+            old.cancel();
+        }
+        Ok(())
+    }
+}
+
 /// Runs the daemon until a termination signal; returns once drained.
 pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<(), DaemonError> {
     let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(DaemonError::Signals)?;
     let mut hup = signal(SignalKind::hangup()).map_err(DaemonError::Signals)?;
+    let mut usr1 = signal(SignalKind::user_defined1()).map_err(DaemonError::Signals)?;
 
     // A socket passed by systemd is already listening: connections wait in
     // its queue while the backend starts, so a restart loses none.
@@ -163,6 +238,11 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let local = Arc::new(LocalStore::new(cfg.limits.max_local_keys));
     let background = CancellationToken::new();
     tokio::spawn(local.clone().sweep_every_second(background.clone()));
+    log_deprecated(&cfg);
+    crate::policies::tick_use_clock(1);
+    tokio::spawn(run_use_clock(background.clone()));
+    let status = Arc::new(ConfigStatus::default());
+    status.loaded(cfg.dump());
     tokio::spawn(crate::top_refused::TOP_REFUSED.rotate_every_slot(background.clone()));
     let mut active = ActiveBackend::start(&cfg, &resolved).await?;
     let s = &cfg.server;
@@ -187,11 +267,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
     }
     let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, None));
-    if let Some(m) = &cfg.metrics {
-        let listener = metrics_server::bind(m.listen).await.map_err(DaemonError::Metrics)?;
-        tracing::info!(listen = %m.listen, "serving metrics at /metrics, and /top.json for ratelimitd top");
-        tokio::spawn(metrics_server::serve(listener, breaker_state(reloadable_rx.clone()), background.clone()));
-    }
+    let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
+    endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let settings = ServerSettings::from(s);
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
@@ -201,22 +278,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             tokio::select! {
                 _ = term.recv() => { tracing::info!("SIGTERM received"); break }
                 _ = int.recv() => { tracing::info!("SIGINT received"); break }
-                _ = hup.recv() => {
-                    tracing::info!("SIGHUP received: reloading the configuration");
-                    notify_systemd(&[sd_notify::NotifyState::Reloading, sd_notify::NotifyState::monotonic_usec_now().unwrap_or(sd_notify::NotifyState::Status("reloading"))]);
-                    match (reload.load)() {
-                        Ok((new, resolved)) => {
-                            apply(&mut current, new, &resolved, &mut active, &local, &reloadable_tx, &reload).await;
-                            METRICS.reloaded(true);
-                        }
-                        Err(e) => {
-                            METRICS.reloaded(false);
-                            tracing::error!(error = %e, "configuration reload failed; still serving with the previous configuration");
-                            notify_systemd(&[sd_notify::NotifyState::Status("configuration reload failed; still serving with the previous configuration")]);
-                        }
-                    }
-                    notify_systemd(&[sd_notify::NotifyState::Ready]);
-                }
+                _ = hup.recv() => reload_once(false, &mut current, &mut active, &local, &reloadable_tx, &reload, &mut endpoint).await,
+                _ = usr1.recv() => reload_once(true, &mut current, &mut active, &local, &reloadable_tx, &reload, &mut endpoint).await,
             }
         }
     };
@@ -239,11 +302,65 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     Ok(())
 }
 
+/// One reload (SIGHUP; SIGUSR1: `force`, removing policies in use too).
+/// A file that does not load, or (unless forced) that removes a policy in
+/// use, leaves the running configuration in force, logged and counted.
+async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
+    let status = endpoint.status.clone();
+    if force {
+        tracing::info!("SIGUSR1 received: reloading the configuration, removing policies in use if it says so");
+    } else {
+        tracing::info!("SIGHUP received: reloading the configuration");
+    }
+    notify_systemd(&[sd_notify::NotifyState::Reloading, sd_notify::NotifyState::monotonic_usec_now().unwrap_or(sd_notify::NotifyState::Status("reloading"))]);
+    match (reload.load)() {
+        Ok((new, resolved)) => {
+            let running = reloadable_tx.borrow().limiter.policies().clone();
+            let in_use = removed_in_use(&running, &new);
+            if !in_use.is_empty() && !force {
+                METRICS.reloaded(false);
+                status.reload_failed(true);
+                let list = in_use.iter().map(|(name, ago)| format!("{} (last request {ago}s ago)", crate::terminal::escape(name))).collect::<Vec<_>>().join(", ");
+                tracing::error!(
+                    policies = %list,
+                    window_s = POLICY_IN_USE_WINDOW.as_secs(),
+                    "configuration reload refused: it removes or renames policies that decided requests in the last {} minutes, and the locations naming them would get UNKNOWN_POLICY; still serving with the previous configuration. Rename in nginx first, or keep both names until nginx is reloaded; to remove them anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)",
+                    POLICY_IN_USE_WINDOW.as_secs() / 60
+                );
+                notify_systemd(&[sd_notify::NotifyState::Status("configuration reload refused: it removes policies in use; still serving with the previous configuration"), sd_notify::NotifyState::Ready]);
+                return;
+            }
+            if !in_use.is_empty() {
+                let list = in_use.iter().map(|(name, _)| crate::terminal::escape(name).to_string()).collect::<Vec<_>>().join(", ");
+                tracing::warn!(policies = %list, "forced reload removes policies in use: their locations get UNKNOWN_POLICY and their fail policy");
+            }
+            log_deprecated(&new);
+            apply(current, new, &resolved, active, local, reloadable_tx, reload, endpoint).await;
+            status.loaded(current.dump());
+            METRICS.reloaded(true);
+        }
+        Err(e) => {
+            METRICS.reloaded(false);
+            status.reload_failed(false);
+            tracing::error!(error = %e, "configuration reload failed; still serving with the previous configuration");
+            notify_systemd(&[sd_notify::NotifyState::Status("configuration reload failed; still serving with the previous configuration")]);
+        }
+    }
+    notify_systemd(&[sd_notify::NotifyState::Ready]);
+}
+
 /// Puts a new, valid configuration in force without dropping a connection.
-async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload) {
+#[allow(clippy::too_many_arguments)]
+async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
     if new.metrics != current.metrics {
-        tracing::warn!("[metrics] changes take effect at the next restart; keeping the running endpoint");
-        new.metrics = current.metrics.clone();
+        match endpoint.switch_to(new.metrics.as_ref()).await {
+            Ok(()) if new.metrics.is_none() => tracing::info!("[metrics] removed: metrics no longer served"),
+            Ok(()) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "the new [metrics] listen address cannot be bound; keeping the running endpoint");
+                new.metrics = current.metrics.clone();
+            }
+        }
     }
     if new.log.format != current.log.format {
         tracing::warn!("log.format takes effect at the next restart");

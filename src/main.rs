@@ -41,9 +41,21 @@ enum Command {
         #[arg(long)]
         redis: Option<String>,
     },
-    /// Validate a configuration file and exit.
+    /// Validate a configuration file and exit; with --nginx, also check
+    /// that every policy name the nginx configuration uses is in it (exit 1
+    /// if one is not).
     CheckConfig {
-        #[arg(long, short)]
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
+        config: PathBuf,
+        /// An nginx configuration (e.g. /etc/nginx/nginx.conf): its
+        /// `include`s and `*_by_lua_file`s are read too.
+        #[arg(long)]
+        nginx: Option<PathBuf>,
+    },
+    /// Print the configuration as the daemon would hold it (what GET
+    /// /config shows of the running one), secrets left out.
+    ConfigShow {
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
     },
     /// Ask a running daemon for one decision.
@@ -216,9 +228,31 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             server_runtime(threads)?.block_on(ratelimitd::daemon::serve(cfg, resolved, reload))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::CheckConfig { config } => {
+        Command::ConfigShow { config } => {
+            let cfg = Config::load(&config)?;
+            print!("{}", cfg.dump());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckConfig { config, nginx } => {
             let cfg = Config::load(&config)?;
             preflight(&cfg, &config)?;
+            for line in &cfg.deprecated {
+                eprintln!("{}: deprecated: {line}", config.display());
+            }
+            if let Some(nginx) = nginx {
+                let used = ratelimitd::config::nginx_policy_names(&nginx)?;
+                let mut missing = 0;
+                for u in &used {
+                    let known = cfg.policies.iter().any(|p| p.name == u.name);
+                    missing += usize::from(!known);
+                    println!("{}:{}: policy \"{}\": {}", u.file.display(), u.line, escape(&u.name), if known { "ok" } else { "NOT in the ratelimitd configuration: this location would get UNKNOWN_POLICY and its fail policy" });
+                }
+                if missing > 0 {
+                    println!("{}: {missing} of {} policy names used by {} are missing", config.display(), used.len(), nginx.display());
+                    return Ok(ExitCode::from(1));
+                }
+                println!("{}: all {} policy names used by {} are configured", config.display(), used.len(), nginx.display());
+            }
             let backend = match &cfg.redis {
                 Some(r) => format!("redis: {}", r.describe()),
                 None => "in-memory (per host)".into(),

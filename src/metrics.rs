@@ -293,7 +293,7 @@ impl Metrics {
             ("ratelimitd_breaker_opened_total", "Times the circuit breaker opened.", &self.breaker_opened),
             ("ratelimitd_connections_total", "Client connections accepted.", &self.connections_total),
             ("ratelimitd_config_reloads_total", "Configuration reloads applied (SIGHUP).", &self.reloads),
-            ("ratelimitd_config_reload_failures_total", "Configuration reloads refused (SIGHUP with an invalid file).", &self.reload_failures),
+            ("ratelimitd_config_reload_failures_total", "Configuration reloads not applied: an invalid file, or one removing a policy in use (ratelimitd_config_reloads_refused_total).", &self.reload_failures),
             ("ratelimitd_refunds_total", "REFUND requests carried out in Redis (a repeated one included).", &self.refunds),
             ("ratelimitd_refunded_units_total", "Admission units removed from Redis by refunds.", &self.refunded_units),
             ("ratelimitd_refunds_unmatched_total", "REFUNDs that removed nothing: a forged, replayed or foreign handle, or admissions already out of their window.", &self.refunds_unmatched),

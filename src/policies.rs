@@ -86,17 +86,46 @@ pub fn unknown_requests() -> u64 {
     UNKNOWN_POLICY_REQUESTS.load(Ordering::Relaxed)
 }
 
+/// A coarse clock for "when was this policy last used": seconds since the
+/// daemon started, plus one (0 = the clock does not run: never used), set
+/// once a second by the daemon (`tick_use_clock`), so the request path
+/// reads an atomic instead of the time.
+static USE_CLOCK_SECS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the use clock (seconds since start, plus one).
+pub fn tick_use_clock(secs: u64) {
+    USE_CLOCK_SECS.store(secs, Ordering::Relaxed);
+}
+
+/// The use clock's reading now.
+pub fn use_clock() -> u64 {
+    USE_CLOCK_SECS.load(Ordering::Relaxed)
+}
+
 /// One policy's counters: an atomic per outcome, added to with one relaxed
-/// operation.
+/// operation; and when it was last used (the use clock, 0: never), which a
+/// reload reads to refuse removing a policy that serves (docs/OPERATIONS.md).
 #[derive(Debug, Default)]
 pub struct PolicyCounters {
     outcomes: [AtomicU64; Outcome::ALL.len()],
+    last_used: AtomicU64,
 }
 
 impl PolicyCounters {
     #[inline]
     pub fn count(&self, o: Outcome) {
         self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
+        // Written once a second at most: a load of a shared line, no store.
+        let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
+        if self.last_used.load(Ordering::Relaxed) != now {
+            self.last_used.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// The use clock when this policy last decided a request; 0: never
+    /// (since the daemon started).
+    pub fn last_used(&self) -> u64 {
+        self.last_used.load(Ordering::Relaxed)
     }
 
     pub fn get(&self, o: Outcome) -> u64 {

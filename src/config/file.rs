@@ -37,11 +37,15 @@ pub(super) struct PolicySection {
     pub limit: u64,
     /// A duration: "500ms", "1s", "1m", "1h", "1d"; or "month" (fixed only).
     /// Absent for algorithm = "concurrency" (which has a `lease` instead).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "duration_text")]
     pub window: String,
     /// "+02:00": fixed windows aligned to this offset's midnight (fixed only).
     #[serde(default)]
     pub utc_offset: Option<String>,
+    /// The fail policy, named as in Lua and the command line.
+    #[serde(default)]
+    pub on_error: Option<String>,
+    /// The old name of `on_error`: accepted, with a deprecation line.
     #[serde(default)]
     pub fail_policy: Option<String>,
     #[serde(default)]
@@ -212,4 +216,20 @@ impl Default for LogSection {
     fn default() -> Self {
         Self { level: "info".into(), format: LogFormat::Text }
     }
+}
+
+/// A duration's text; a bare number is kept as its digits, which the
+/// validation refuses with a message naming the unit to write (a number
+/// alone would leave the unit to a guess: `window = 60000`).
+fn duration_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        Text(String),
+        Number(i64),
+    }
+    Ok(match Text::deserialize(d)? {
+        Text::Text(s) => s,
+        Text::Number(n) => n.to_string(),
+    })
 }

@@ -8,10 +8,12 @@
 //! - `model`: the typed configuration and its errors;
 //! - `file`: the schema serde reads, with its defaults;
 //! - `validate`: file to model, every bad field reported;
-//! - `preflight`: secrets, TLS material and the socket group, resolved.
+//! - `preflight`: secrets, TLS material and the socket group, resolved;
+//! - `nginx_names`: the policy names an nginx configuration uses (`check-config --nginx`).
 
 mod file;
 mod model;
+mod nginx_names;
 mod preflight;
 mod validate;
 
@@ -19,4 +21,5 @@ pub use model::{
     redacted_url, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
 };
+pub use nginx_names::{nginx_policy_names, NamedPolicy, NginxReadError};
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

@@ -83,6 +83,9 @@ pub struct Config {
     /// `[[policy]]`: named limits that CHECK_POLICY requests refer to, in
     /// file order; names are unique.
     pub policies: Vec<PolicyConfig>,
+    /// Old spellings the file used, one line each, for the log and
+    /// `check-config` (accepted, to be rewritten).
+    pub deprecated: Vec<String>,
 }
 
 /// One `[[policy]]` (docs/POLICIES.md).
@@ -294,6 +297,19 @@ pub struct TlsFiles {
     pub ca: Option<PathBuf>,
     /// Client certificate and key for mutual TLS.
     pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl Config {
+    /// The configuration as loaded, for `GET /config` and `ratelimitd
+    /// config show`: every typed value, the Redis URL without its password
+    /// (secret sources are files or variables, named, never read here).
+    pub fn dump(&self) -> String {
+        let mut shown = self.clone();
+        if let Some(RedisConfig { target: RedisTarget::Url(url), .. }) = &mut shown.redis {
+            *url = redacted_url(url);
+        }
+        format!("{shown:#?}\n")
+    }
 }
 
 impl RedisConfig {

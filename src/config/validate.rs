@@ -83,8 +83,9 @@ impl Config {
         });
         let log = LogConfig { level: f.log.level, format: f.log.format };
         let denial_cache = denial_cache_config(f.denial_cache, &mut p);
-        let policies = policies_config(f.policy, &limits.bounds, &mut p);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, policies })
+        let mut deprecated = Vec::new();
+        let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, policies, deprecated })
     }
 }
 
@@ -299,6 +300,7 @@ pub(super) fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
+        "" if digits > 0 => return Err(format!("{s} has no unit: write \"{s}ms\" (or \"{}s\", ...): a duration is a quoted number with its unit", s.trim_start_matches('0').parse::<u64>().map_or(0, |n| n / 1000))),
         _ => return Err(format!("'{s}' is not a duration such as \"500ms\", \"1s\", \"1m\", \"1h\" or \"1d\"")),
     };
     let n: u64 = number.parse().map_err(|_| format!("'{s}' is not a duration such as \"500ms\", \"1s\", \"1m\", \"1h\" or \"1d\""))?;
@@ -328,7 +330,7 @@ fn policy_key_ok(p: &mut Problems, field: &'static str, name: &str, key: &str, b
     ok
 }
 
-fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut Problems) -> Vec<PolicyConfig> {
+fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut Problems, deprecated: &mut Vec<String>) -> Vec<PolicyConfig> {
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::with_capacity(sections.len());
     for (i, s) in sections.into_iter().enumerate() {
@@ -360,18 +362,32 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
                 Duration::from_millis(1)
             }
         };
-        let fail_policy = s.fail_policy.as_deref().and_then(|f| match f.parse::<FailPolicy>() {
+        // One name for the fail policy everywhere: on_error, as in Lua and
+        // the command line; fail_policy is read as the old spelling.
+        let on_error = match (s.on_error, s.fail_policy) {
+            (Some(_), Some(_)) => {
+                p.add("policy.on_error", format!("policy '{name}': give on_error only (fail_policy is its old name)"));
+                None
+            }
+            (Some(o), None) => Some(o),
+            (None, Some(f)) => {
+                deprecated.push(format!("policy '{name}': fail_policy is the old name of on_error (as in Lua and the command line); write on_error = \"{f}\""));
+                Some(f)
+            }
+            (None, None) => None,
+        };
+        let fail_policy = on_error.as_deref().and_then(|f| match f.parse::<FailPolicy>() {
             Ok(f) => Some(f),
             Err(e) => {
-                p.add("policy.fail_policy", format!("policy '{name}': {e}"));
+                p.add("policy.on_error", format!("policy '{name}': {e}"));
                 None
             }
         });
         let local_limit = s.local_limit.map(|l| policy_limit(p, "policy.local_limit", &name, "local_limit", i64::try_from(l).unwrap_or(i64::MAX), bounds));
         match (fail_policy, local_limit) {
-            (Some(FailPolicy::Local), None) => p.add("policy.local_limit", format!("policy '{name}': fail_policy = \"local\" needs a local_limit")),
-            (Some(FailPolicy::Open | FailPolicy::Closed), Some(_)) => p.add("policy.local_limit", format!("policy '{name}': local_limit is used only with fail_policy = \"local\"")),
-            (None, Some(_)) if s.fail_policy.is_none() => p.add("policy.local_limit", format!("policy '{name}': local_limit needs fail_policy = \"local\"")),
+            (Some(FailPolicy::Local), None) => p.add("policy.local_limit", format!("policy '{name}': on_error = \"local\" needs a local_limit")),
+            (Some(FailPolicy::Open | FailPolicy::Closed), Some(_)) => p.add("policy.local_limit", format!("policy '{name}': local_limit is used only with on_error = \"local\"")),
+            (None, Some(_)) if on_error.is_none() => p.add("policy.local_limit", format!("policy '{name}': local_limit needs on_error = \"local\"")),
             _ => {}
         }
         let mut overrides = std::collections::BTreeMap::new();
@@ -554,6 +570,15 @@ mod tests {
         assert_eq!(redacted_url("redis://u:secret@h:6379/0"), "redis://u:***@h:6379/0");
         assert_eq!(redacted_url("redis://:secret@h"), "redis://:***@h");
         assert_eq!(redacted_url("redis://h:6379"), "redis://h:6379");
+    }
+
+    #[test]
+    fn the_config_dump_shows_every_value_but_never_the_url_password() {
+        let c = parse("[redis]\nurl = \"redis://u:s3cret@h:6379/0\"\n[[policy]]\nname = \"order\"\nlimit = 7\nwindow = \"2s\"\n").unwrap();
+        let dump = c.dump();
+        assert!(!dump.contains("s3cret"), "{dump}");
+        assert!(dump.contains("redis://u:***@h:6379/0") && dump.contains("name: \"order\"") && dump.contains("limit: 7"), "{dump}");
+        assert_eq!(dump, c.clone().dump(), "deterministic: the hash of equal configurations is equal");
     }
 
     #[test]
@@ -828,7 +853,7 @@ mod tests {
         let fields: Vec<_> = errors.iter().map(|e| e.field).collect();
         assert_eq!(
             fields,
-            ["policy.name", "policy.limit", "policy.window", "policy.window", "policy.local_limit", "policy.name", "policy.fail_policy", "policy.overrides", "policy.allowlist", "policy.allowlist"],
+            ["policy.name", "policy.limit", "policy.window", "policy.window", "policy.local_limit", "policy.name", "policy.on_error", "policy.overrides", "policy.allowlist", "policy.allowlist"],
             "{e}"
         );
         let text = e.to_string();
@@ -838,7 +863,7 @@ mod tests {
         assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nburst = 2\n").unwrap_err().to_string().contains("unknown field `burst`"));
         assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\n").unwrap_err().to_string().contains("policy 'a': missing field `window` (such as \"1s\"), or algorithm = \"concurrency\" with a lease"));
         let e = parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nlocal_limit = 3\n").unwrap_err().to_string();
-        assert!(e.contains("local_limit needs fail_policy"), "{e}");
+        assert!(e.contains("local_limit needs on_error"), "{e}");
     }
 
     #[test]

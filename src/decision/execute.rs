@@ -141,10 +141,10 @@ impl Limiter {
             // Load shed by design, not a failure of Redis: a line of its own
             // at most every 10 s, so that the failure line stays about Redis.
             if let Some(suppressed) = self.overload_log.permit() {
-                tracing::warn!(in_flight_limit = limit, policy = ?item.on_error, suppressed, "redis calls at their adaptive in-flight limit: the excess gets OVERLOADED and its fail policy decides");
+                tracing::warn!(in_flight_limit = limit, on_error = item.on_error.as_str(), policy = logged_policy(item), suppressed, "redis calls at their adaptive in-flight limit: the excess gets OVERLOADED and its fail policy decides");
             }
         } else if let Some(suppressed) = self.failure_log.permit() {
-            tracing::warn!(error = %e, policy = ?item.on_error, key = %String::from_utf8_lossy(item.key), suppressed, "redis failed; the request's fail policy decides");
+            tracing::warn!(error = %e, on_error = item.on_error.as_str(), policy = logged_policy(item), key = %logged_key(item), suppressed, "redis failed; the request's fail policy decides");
         }
     }
 
@@ -182,7 +182,7 @@ impl Limiter {
             Err(e) => {
                 METRICS.fail_policy_applied(item.on_error);
                 if let Some(suppressed) = self.failure_log.permit() {
-                    tracing::warn!(error = %e, policy = ?item.on_error, key = %String::from_utf8_lossy(item.key), suppressed, "redis failed on a concurrency lease; the request's fail policy decides");
+                    tracing::warn!(error = %e, on_error = item.on_error.as_str(), policy = logged_policy(item), key = %logged_key(item), suppressed, "redis failed on a concurrency lease; the request's fail policy decides");
                 }
                 let mut r = match (acquire, item.on_error) {
                     (false, _) => verdict_response(id, op, Source::LocalFallback, self.local.release(item.key, lease)),
@@ -218,4 +218,19 @@ pub(super) fn merge_refusals(so_far: Option<(Source, Verdict)>, source: Source, 
             Verdict { remaining: m.remaining + v.remaining, retry_after_ms: m.retry_after_ms.min(v.retry_after_ms), reset_ms: m.reset_ms.max(v.reset_ms), ..m },
         ),
     }
+}
+
+/// The policy an item is checked under, for a log line ("-" for an inline limit).
+fn logged_policy<'a>(item: &Item<'a>) -> &'a str {
+    item.policy.map_or("-", |p| &p.name)
+}
+
+/// The key as the client sent it (a policy's scoped key without its length
+/// byte and name), escaped for the log: no control byte reaches it.
+fn logged_key(item: &Item<'_>) -> String {
+    let key: &[u8] = match item.policy {
+        Some(p) => item.key.get(1 + p.name.len()..).unwrap_or(item.key),
+        None => item.key,
+    };
+    crate::terminal::escape_bytes(key)
 }

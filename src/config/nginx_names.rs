@@ -1,0 +1,210 @@
+//! The policy names an nginx configuration asks ratelimitd for, for
+//! `ratelimitd check-config --nginx`: `nginx -t` cannot see the daemon's
+//! TOML, and a name missing from it is an outage of that location.
+//!
+//! A reader of the Lua client's calls, not a Lua parser: it finds the
+//! literal names of `new("name")`, `new "name"`, `policy = "name"` and
+//! `policies = { "a", "b" }` in the file, in the files it `include`s (a `*`
+//! in the last part of the path is expanded) and in `*_by_lua_file` files.
+//! A name built at run time (a variable) is not seen: `describe` at worker
+//! start (the Lua client) covers those.
+
+use std::path::{Path, PathBuf};
+
+/// One literal policy name and where it is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedPolicy {
+    pub name: String,
+    pub file: PathBuf,
+    pub line: usize,
+}
+
+/// Why the nginx configuration could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {err}")]
+pub struct NginxReadError {
+    pub path: PathBuf,
+    pub err: std::io::Error,
+}
+
+/// Every literal policy name in `conf` and the files it includes.
+pub fn nginx_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out)?;
+    Ok(out)
+}
+
+fn read(path: &Path, base: &Path, seen: &mut Vec<PathBuf>, out: &mut Vec<NamedPolicy>) -> Result<(), NginxReadError> {
+    if seen.iter().any(|p| p == path) || seen.len() > 256 {
+        return Ok(());
+    }
+    seen.push(path.to_path_buf());
+    let text = std::fs::read_to_string(path).map_err(|err| NginxReadError { path: path.into(), err })?;
+    out.extend(names_in(&text).into_iter().map(|(name, line)| NamedPolicy { name, file: path.into(), line }));
+    for target in referenced_files(&text) {
+        let full = if Path::new(&target).is_absolute() { PathBuf::from(&target) } else { base.join(&target) };
+        for f in expand(&full) {
+            read(&f, base, seen, out)?;
+        }
+    }
+    Ok(())
+}
+
+/// The arguments of `include` and `*_by_lua_file` directives.
+fn referenced_files(text: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    for statement in text.lines().flat_map(|l| l.split('#').next().unwrap_or("").split(['{', '}', ';'])) {
+        let mut words = statement.split_whitespace();
+        let Some(directive) = words.next() else { continue };
+        if directive == "include" || directive.ends_with("_by_lua_file") {
+            if let Some(arg) = words.next() {
+                let arg = arg.trim_matches(|c| c == '"' || c == '\'');
+                // A path with nginx variables is decided per request: not followed.
+                if !arg.is_empty() && !arg.contains('$') {
+                    files.push(arg.to_string());
+                }
+            }
+        }
+    }
+    files
+}
+
+/// `dir/prefix*suffix` to the matching files, sorted; a path without `*` to itself.
+fn expand(path: &Path) -> Vec<PathBuf> {
+    let Some(pattern) = path.file_name().and_then(|f| f.to_str()) else { return vec![path.into()] };
+    let Some((prefix, suffix)) = pattern.split_once('*') else { return vec![path.into()] };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(|f| f.len() >= prefix.len() + suffix.len() && f.starts_with(prefix) && f.ends_with(suffix)))
+        .collect();
+    found.sort();
+    found
+}
+
+/// The literal names in one file, with their line numbers (1-based).
+pub fn names_in(text: &str) -> Vec<(String, usize)> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        // Lua and nginx comments: to the end of the line.
+        if b[i] == b'#' || (b[i] == b'-' && b.get(i + 1) == Some(&b'-')) {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+            continue;
+        }
+        let word_start = i == 0 || !is_ident(b[i - 1]);
+        if word_start {
+            for (word, list) in [("policies", true), ("policy", false), ("new", false)] {
+                if b[i..].starts_with(word.as_bytes()) && !b.get(i + word.len()).copied().is_some_and(is_ident) {
+                    let mut j = skip_space(b, i + word.len());
+                    if word == "new" {
+                        // new("name"), new "name"
+                        if b.get(j) == Some(&b'(') {
+                            j = skip_space(b, j + 1);
+                        }
+                        if let Some((name, _)) = string_at(b, j) {
+                            out.push((name, line_of(b, j)));
+                        }
+                    } else if b.get(j) == Some(&b'=') {
+                        j = skip_space(b, j + 1);
+                        if list && b.get(j) == Some(&b'{') {
+                            j += 1;
+                            loop {
+                                j = skip_space(b, j);
+                                match string_at(b, j) {
+                                    Some((name, end)) => {
+                                        out.push((name, line_of(b, j)));
+                                        j = skip_space(b, end);
+                                        if b.get(j) == Some(&b',') {
+                                            j += 1;
+                                        }
+                                    }
+                                    None => break,
+                                }
+                            }
+                        } else if let Some((name, _)) = string_at(b, j) {
+                            out.push((name, line_of(b, j)));
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+fn is_ident(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_'
+}
+
+fn skip_space(b: &[u8], mut j: usize) -> usize {
+    while j < b.len() && b[j].is_ascii_whitespace() {
+        j += 1;
+    }
+    j
+}
+
+/// A Lua string literal without escapes at `j`: its text and the index after it.
+fn string_at(b: &[u8], j: usize) -> Option<(String, usize)> {
+    let quote = *b.get(j)?;
+    if quote != b'"' && quote != b'\'' {
+        return None;
+    }
+    let end = b[j + 1..].iter().position(|&c| c == quote || c == b'\n' || c == b'\\')? + j + 1;
+    if b[end] != quote {
+        return None;
+    }
+    Some((String::from_utf8_lossy(&b[j + 1..end]).into_owned(), end + 1))
+}
+
+fn line_of(b: &[u8], j: usize) -> usize {
+    b[..j].iter().filter(|&&c| c == b'\n').count() + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_every_form_the_lua_client_takes_and_skips_comments_and_variables() {
+        let text = r#"
+            a = assert(ratelimitd.new("order"))
+            b = ratelimitd.new "search"
+            c = ratelimitd.new{ policy = "login_failures", refundable = true }
+            d = ratelimitd.new{ policies = { "per_ip", 'per_tenant',
+                                             "global" }, on_error = "closed" }
+            -- e = ratelimitd.new("commented")
+            # f = ratelimitd.new("nginx comment")
+            g = ratelimitd.new(name_from_a_variable)
+            h = ratelimitd.new{ key = "not a policy", limit = 3, window_ms = 1000 }
+            renew("not_ours") ; policy_x = "no"
+        "#;
+        let names: Vec<String> = names_in(text).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["order", "search", "login_failures", "per_ip", "per_tenant", "global"]);
+        assert_eq!(names_in(text)[2].1, 4, "line numbers are 1-based");
+    }
+
+    #[test]
+    fn follows_includes_with_a_star_and_lua_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("conf.d")).unwrap();
+        std::fs::write(dir.path().join("nginx.conf"), "http {\n include conf.d/*.conf;\n include missing-ok-only-with-star/*.conf;\n}\n").unwrap();
+        std::fs::write(dir.path().join("conf.d/a.conf"), "location / { access_by_lua_file lua/a.lua; }\n").unwrap();
+        std::fs::write(dir.path().join("conf.d/b.txt"), "new('ignored')\n").unwrap();
+        std::fs::create_dir(dir.path().join("lua")).unwrap();
+        std::fs::write(dir.path().join("lua/a.lua"), "\nlocal l = require('resty.ratelimitd').new('from_lua')\n").unwrap();
+        let found = nginx_policy_names(&dir.path().join("nginx.conf")).unwrap();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!((found[0].name.as_str(), found[0].line), ("from_lua", 2));
+        assert!(found[0].file.ends_with("lua/a.lua"));
+    }
+}

@@ -1,0 +1,402 @@
+//! Operating the daemon (docs/OPERATIONS.md): reloads that cannot silently
+//! break traffic, /healthz, build and configuration metrics, the
+//! configuration dump. Real processes: HTTP -> nginx (Lua module) ->
+//! ratelimitd -> redis-server.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use nix::sys::signal::Signal;
+
+const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+
+const POLICIES: &str = r#"
+[[policy]]
+name = "login"
+limit = 100
+window = "60s"
+
+[[policy]]
+name = "spare"
+limit = 5
+window = "60s"
+"#;
+
+const LOCATIONS: &str = r#"
+    location /login {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new{ policy = "login", on_error = "closed" })
+            lim:limit(ngx.var.http_x_tenant_id)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }
+"#;
+
+fn gateway(socket: &std::path::Path) -> Nginx {
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
+    // Loaded CI machines stall processes: these tests are about reloads.
+    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
+}
+
+fn daemon(redis: &RedisServer) -> Daemon {
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+}
+
+fn status(url: &str) -> u16 {
+    let mut r = agent().get(url).header("X-Tenant-Id", "t1").call().unwrap();
+    let _ = r.body_mut().read_to_string();
+    r.status().as_u16()
+}
+
+fn body(url: &str) -> (u16, String) {
+    let mut r = agent().get(url).call().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+}
+
+fn endpoint(d: &Daemon, path: &str) -> String {
+    d.metrics_url().replace("/metrics", path)
+}
+
+/// The value of the sample `line_start` (name and labels) in `text`.
+fn sample(text: &str, line_start: &str) -> f64 {
+    let line = text.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start} in\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn config_hash(text: &str) -> String {
+    let line = text.lines().find(|l| l.starts_with("ratelimitd_config_info{hash=\"")).unwrap_or_else(|| panic!("no config_info in\n{text}"));
+    line["ratelimitd_config_info{hash=\"".len()..].split('"').next().unwrap().to_string()
+}
+
+#[test]
+fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forces_it() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    assert_eq!(status(&nginx.url("/login")), 200);
+    let (_, first) = body(&d.metrics_url());
+    let original = d.config_text();
+
+    // Rename `login` (in use) and drop `spare` (never used): refused, for `login` only.
+    let renamed = original.replace("name = \"login\"", "name = \"logins\"");
+    d.rewrite_config(&renamed.replace("name = \"spare\"\nlimit = 5\nwindow = \"60s\"\n", "name = \"spare2\"\nlimit = 5\nwindow = \"60s\"\n"));
+    d.signal(Signal::SIGHUP);
+    wait_until("reload refused", Duration::from_secs(5), || d.log().contains("configuration reload refused"));
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("configuration reload refused")).unwrap();
+    assert!(line.contains("login (last request") && !line.contains("spare"), "{line}");
+    assert!(line.contains("SIGUSR1"), "the line says how to force it: {line}");
+    assert!(!log.contains("configuration reloaded"), "{log}");
+    // The old configuration serves on: /login still decided by its policy.
+    assert_eq!(status(&nginx.url("/login")), 200);
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
+    assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 0.0);
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 0.0);
+    assert_eq!(sample(&text, "ratelimitd_policy_requests_total{policy=\"login\",outcome=\"admitted\"} "), 2.0);
+    assert_eq!(config_hash(&text), config_hash(&first), "the configuration in force did not change");
+
+    // Removing a policy that decided nothing is a plain reload.
+    d.rewrite_config(&original.replace("name = \"spare\"", "name = \"spare2\""));
+    d.signal(Signal::SIGHUP);
+    wait_until("reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 1.0);
+    assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
+    assert_ne!(config_hash(&text), config_hash(&first));
+
+    // SIGUSR1 forces the rename: /login now names a policy the daemon lacks
+    // and gets its fail policy (closed: 503), as the refusal warned.
+    d.rewrite_config(&renamed);
+    d.signal(Signal::SIGUSR1);
+    wait_until("forced reload applied", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
+    assert!(d.log().contains("forced reload removes policies in use"), "{}", d.log());
+    assert_eq!(status(&nginx.url("/login")), 503);
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 2.0);
+    assert_eq!(sample(&text, "ratelimitd_policy_unknown_requests_total "), 1.0);
+}
+
+#[test]
+fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    assert_eq!(body(&endpoint(&d, "/healthz")), (200, "ok\n".to_string()));
+
+    let (code, dump) = body(&endpoint(&d, "/config"));
+    assert_eq!(code, 200);
+    assert!(dump.contains("name: \"login\"") && dump.contains("limit: 100"), "{dump}");
+
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, &format!("ratelimitd_build_info{{version=\"{}\",protocol=\"1\"}} ", env!("CARGO_PKG_VERSION"))), 1.0);
+    assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
+    let loaded = sample(&text, "ratelimitd_config_last_reload_success_timestamp_seconds ");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(loaded <= now && loaded > now - 120.0, "loaded at {loaded}, now {now}");
+    let hash = config_hash(&text);
+    assert_eq!(hash.len(), 16, "{hash}");
+
+    match Command::new("promtool").args(["check", "metrics"]).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn() {
+        Ok(mut child) => {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let out = child.wait_with_output().unwrap();
+            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success(), "promtool check metrics: {said}");
+            // Lint remarks are style; any remark about the new metrics is a defect.
+            for name in ["build_info", "config_info", "config_last_reload", "config_reloads_refused"] {
+                assert!(!said.contains(name), "promtool about {name}: {said}");
+            }
+        }
+        Err(e) => panic!("promtool not found ({e}): apt-get install prometheus (scripts/lib.sh apt_install promtool:prometheus)"),
+    }
+
+    // Redis gone: not ready, with the reason, once the daemon knows.
+    drop(redis);
+    let mut client_errors = 0;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    wait_until("healthz 503", Duration::from_secs(10), || {
+        // Requests are what notice a dead link soonest.
+        rt.block_on(async {
+            let mut c = d.client().await;
+            if c.check(&common::args("k", 10, 1000)).await.is_err() {
+                client_errors += 1;
+            }
+        });
+        body(&endpoint(&d, "/healthz")).0 == 503
+    });
+    let (_, why) = body(&endpoint(&d, "/healthz"));
+    assert!(why.starts_with("not ready: "), "{why}");
+    assert_eq!(client_errors, 0, "the daemon answered every request with its fail policy");
+}
+
+fn ratelimitd(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn check_config_with_nginx_lists_the_names_nginx_uses_and_fails_on_a_missing_one() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let (toml, conf) = (format!("{root}/examples/tenant-api/ratelimitd.toml"), format!("{root}/examples/tenant-api/nginx.conf"));
+    let (code, out) = ratelimitd(&["check-config", "--config", &toml, "--nginx", &conf]);
+    assert_eq!(code, 0, "{out}");
+    for name in ["per_ip", "per_tenant", "global", "per_tenant_next", "login_failures"] {
+        assert!(out.contains(&format!("policy \"{name}\": ok")), "{name}: {out}");
+    }
+    assert!(out.contains("all 5 policy names used by"), "{out}");
+
+    // The same nginx side against a TOML where login_failures was renamed.
+    let dir = tempfile::tempdir().unwrap();
+    let renamed = dir.path().join("ratelimitd.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    assert!(text.contains("name = \"login_failures\""));
+    std::fs::write(&renamed, text.replace("name = \"login_failures\"", "name = \"logins\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", renamed.to_str().unwrap(), "--nginx", &conf]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nginx.conf:31: policy \"login_failures\": NOT in the ratelimitd configuration"), "{out}");
+    assert!(out.contains("1 of 5 policy names used by"), "{out}");
+
+    // `config show` prints what GET /config serves, from the file.
+    let (code, out) = ratelimitd(&["config-show", "--config", &toml]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("name: \"login_failures\""), "{out}");
+}
+
+#[test]
+fn metrics_are_moved_by_a_reload_and_a_taken_port_keeps_the_running_endpoint() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let old = d.metrics_url();
+    assert_eq!(body(&endpoint(&d, "/healthz")).0, 200);
+    // A port held by this test: the reload cannot take it.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let old_port: u16 = old.trim_start_matches("http://127.0.0.1:").trim_end_matches("/metrics").parse().unwrap();
+    let text = d.config_text();
+    d.rewrite_config(&text.replace(&format!("127.0.0.1:{old_port}"), &format!("127.0.0.1:{taken_port}")));
+    d.signal(Signal::SIGHUP);
+    wait_until("bind refused", Duration::from_secs(5), || d.log().contains("the new [metrics] listen address cannot be bound"));
+    assert_eq!(body(&endpoint(&d, "/healthz")).0, 200, "the running endpoint kept");
+
+    // A free port (released by the test just before): moved there.
+    drop(taken);
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let new_port = free.local_addr().unwrap().port();
+    drop(free);
+    d.rewrite_config(&text.replace(&format!("127.0.0.1:{old_port}"), &format!("127.0.0.1:{new_port}")));
+    d.signal(Signal::SIGHUP);
+    wait_until("second reload", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
+    let (code, _) = body(&format!("http://127.0.0.1:{new_port}/healthz"));
+    assert_eq!(code, 200);
+    wait_until("old endpoint closed", Duration::from_secs(5), || agent().get(&old).call().is_err());
+}
+
+#[test]
+fn a_limiter_that_cannot_be_built_answers_500_in_its_own_location_while_the_others_serve() {
+    const EXAMPLE: &str = include_str!("../nginx/example.conf");
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    // The shipped example with one mistake: `pay` fails over to `local` without its quota.
+    assert!(EXAMPLE.contains("            local_limit = 10,\n"));
+    let example = EXAMPLE.replacen("            local_limit = 10,\n", "", 1).replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replacen("server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};", 1);
+    let nginx = Nginx::start(&format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{{PORT:app}}; location / {{ return 200 \"ok\\n\"; }} }}\n"));
+    assert_eq!(status(&nginx.url("/order")), 200);
+    assert_eq!(status(&nginx.url("/search")), 200);
+    assert_eq!(status(&nginx.url("/pay")), 500);
+    assert_eq!(status(&nginx.url("/order")), 200, "still serving after the broken location");
+    let log = nginx.error_log();
+    let crit: Vec<&str> = log.lines().filter(|l| l.contains("[crit]")).collect();
+    assert!(!crit.is_empty() && crit.iter().all(|l| l.contains("ratelimitd: limiter \"pay\" not built: ") && l.contains("local_limit")), "{log}");
+    assert!(log.contains("limiter_not_built key=pay"), "each request of the broken location is logged (rate-limited): {log}");
+    assert!(!log.contains("attempt to index"), "{log}");
+}
+
+#[test]
+fn a_bare_number_window_says_which_unit_to_write_and_fail_policy_is_read_as_on_error_with_a_deprecation_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ratelimitd.toml");
+    let policy = |window: &str, fail: &str| format!("[server]\nlisten = \"{}/s.sock\"\n[[policy]]\nname = \"login\"\nlimit = 5\nwindow = {window}\n{fail}\nlocal_limit = 2\n", dir.path().display());
+    std::fs::write(&file, policy("60000", "on_error = \"local\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("policy.window: policy 'login': 60000 has no unit: write \"60000ms\" (or \"60s\""), "{out}");
+
+    std::fs::write(&file, policy("\"60s\"", "fail_policy = \"local\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("deprecated: policy 'login': fail_policy is the old name of on_error"), "{out}");
+
+    std::fs::write(&file, policy("\"60s\"", "fail_policy = \"local\"\non_error = \"local\"")).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("policy.on_error: policy 'login': give on_error only"), "{out}");
+}
+
+#[test]
+fn a_redis_failure_line_names_the_policy_and_the_fail_policy_and_escapes_the_key() {
+    use ratelimitd::protocol::{FailPolicy, PolicyCheckArgs};
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    drop(redis);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let key = "tenant-\u{202e}1";
+    rt.block_on(async {
+        let mut c = d.client().await;
+        c.check_policy(&PolicyCheckArgs { policy: b"login", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Open, local_limit: 0 }).await.unwrap();
+    });
+    wait_until("failure line", Duration::from_secs(5), || d.log().contains("the request's fail policy decides"));
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("the request's fail policy decides")).unwrap();
+    assert!(line.contains("on_error=\"open\"") && line.contains("policy=\"login\""), "{line}");
+    assert!(line.contains(" key=tenant-\\u{202e}1 "), "the bidi override is shown, not obeyed: {line}");
+    assert!(!line.contains("\u{5}login"), "no raw length byte: {line}");
+}
+
+/// Load through nginx at the shipped snippet's timeouts (connect and send
+/// 20 ms, read 50 ms) and the shipped `redis.timeout_ms = 20`, across one
+/// restart of the daemon; returns (requests, failed) and the first failures.
+fn restart_under_load(activated: bool) -> (u64, Vec<u16>) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let socket = dir.path().join("ratelimitd.sock");
+    let config = dir.path().join("ratelimitd.toml");
+    let group = if is_root() { format!("socket_group = \"{WORKER_GROUP}\"\n") } else { String::new() };
+    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0666\"\n{group}[redis]\nurl = \"{}\"\ntimeout_ms = 20\n", socket.display(), redis.url())).unwrap();
+    let log = dir.path().join("daemon.log");
+    // The socket unit's part, for the activated case: bound once, kept across the restart.
+    let listener = activated.then(|| {
+        let l = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+        l
+    });
+    let spawn = || {
+        use command_fds::{CommandFdExt, FdMapping};
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+        cmd.args(["serve", "--config"]).arg(&config).stderr(file);
+        if let Some(l) = &listener {
+            let fd: std::os::fd::OwnedFd = l.try_clone().unwrap().into();
+            cmd.env("LISTEN_FDS", "1").env_remove("LISTEN_PID").fd_mappings(vec![FdMapping { parent_fd: fd, child_fd: 3 }]).unwrap();
+        }
+        let child = common::ChildGuard::spawn("ratelimitd", &mut cmd, Some(log.clone()));
+        wait_until("daemon serving", Duration::from_secs(10), || std::os::unix::net::UnixStream::connect(&socket).is_ok() && std::fs::read_to_string(&log).unwrap_or_default().matches("redis backend ready").count() >= 1);
+        child
+    };
+    let mut daemon = spawn();
+    // The shipped snippet, unchanged but for the socket path.
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
+    assert!(snippet.contains("read_timeout = 50,") && snippet.contains("connect_timeout = 20,"));
+    let nginx = Nginx::start(&format!(
+        "{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n location /r {{ access_by_lua_block {{ require(\"resty.ratelimitd\").limit{{ key = ngx.var.arg_k, limit = 1000000, window_ms = 60000, on_error = \"closed\" }} }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n}}\n"
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sent, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(Mutex::new(Vec::new())));
+    let load: Vec<_> = (0..8)
+        .map(|t| {
+            let (url, stop, sent, failed) = (nginx.url(&format!("/r?k=c{t}")), stop.clone(), sent.clone(), failed.clone());
+            std::thread::spawn(move || {
+                let a = agent();
+                while !stop.load(Ordering::Relaxed) {
+                    let code = a.get(&url).call().map(|r| r.status().as_u16()).unwrap_or(0);
+                    if code != 200 {
+                        failed.lock().unwrap().push(code);
+                    }
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    wait_until("load running", Duration::from_secs(10), || sent.load(Ordering::Relaxed) >= 500);
+    daemon.terminate(Duration::from_secs(10));
+    daemon = spawn();
+    let after = sent.load(Ordering::Relaxed);
+    wait_until("load after the restart", Duration::from_secs(10), || sent.load(Ordering::Relaxed) >= after + 500);
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        t.join().unwrap();
+    }
+    daemon.terminate(Duration::from_secs(10));
+    for l in nginx.error_log().lines().filter(|l| l.contains("ratelimitd: ")).take(5) {
+        eprintln!("nginx: {l}");
+    }
+    let failed = failed.lock().unwrap().clone();
+    (sent.load(Ordering::Relaxed), failed)
+}
+
+#[test]
+fn a_socket_activated_restart_under_load_at_the_shipped_timeouts_is_measured() {
+    let (sent, failed) = restart_under_load(true);
+    eprintln!("socket-activated restart at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
+    // Not zero at the shipped 50 ms read timeout: measured 1, 4, 22 and 24 of
+    // about 1000 (8 clients, a loaded 2-core host). Causes seen in nginx's
+    // log: "receive: connection reset by peer" as the old daemon closes its
+    // connections (not yet explained: the client retries those once), and
+    // requests queued in the socket longer than 50 ms while the new daemon starts. Each gets its
+    // fail policy (closed: 503), never a 500 (docs/OPERATIONS.md §3).
+    assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers: {failed:?}");
+    assert!(failed.len() < 200, "{} of {sent} failed", failed.len());
+}
+
+#[test]
+fn a_restart_under_load_without_socket_activation_is_measured() {
+    let (sent, failed) = restart_under_load(false);
+    eprintln!("restart without socket activation at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
+    // Between the old daemon's exit and the new one's bind, connects are
+    // refused and each request gets its fail policy (closed here: 503): the
+    // bound is the gap's requests, not zero (docs/OPERATIONS.md §3).
+    assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers, never a 500: {failed:?}");
+}
