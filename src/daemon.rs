@@ -8,9 +8,11 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
 use crate::decision::{Backend, Limiter};
+use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
 use crate::metrics_server::{self, BreakerState, Live};
@@ -31,6 +33,8 @@ pub enum DaemonError {
     Inherited(std::io::Error),
     #[error("metrics.listen: {0}")]
     Metrics(std::io::Error),
+    #[error("admin.listen: {0}")]
+    Admin(std::io::Error),
 }
 
 /// Tells systemd (Type=notify) about the daemon's state; a no-op elsewhere.
@@ -145,9 +149,9 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
 
 /// The next frames' bounds and limiter. `previous` is the limiter in force,
 /// whose policies' counters carry over to the policies of the same name.
-fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, previous: Option<&Limiter>) -> Reloadable {
+fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, previous: Option<&Limiter>) -> Reloadable {
     let policies = Arc::new(Policies::build(&cfg.policies, previous.map(|l| &**l.policies())));
-    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies);
+    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies).with_live_overrides(live.clone());
     Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 
@@ -186,7 +190,24 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     if !cfg.policies.is_empty() {
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
     }
-    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, None));
+    // The admin API's overrides: one table for the process's life, kept
+    // equal to Redis's by a background task (never on the request path).
+    let live = Arc::new(LiveOverrides::default());
+    if let Some(r) = &cfg.redis {
+        tokio::spawn(admin_api::store::refresh(r.clone(), resolved.redis.clone(), live.clone(), cfg.admin.overrides_refresh, background.clone()));
+    }
+    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, &live, None));
+    let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
+    let _admin_listener_guard = match &cfg.admin.listen {
+        Some(listen) => {
+            let listener = admin_api::bind(listen).await.map_err(DaemonError::Admin)?;
+            tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), "serving the admin API");
+            let token = background.child_token();
+            tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), token.clone()));
+            Some(token.drop_guard())
+        }
+        None => None,
+    };
     if let Some(m) = &cfg.metrics {
         let listener = metrics_server::bind(m.listen).await.map_err(DaemonError::Metrics)?;
         tracing::info!(listen = %m.listen, "serving metrics at /metrics, and /top.json for ratelimitd top");
@@ -206,7 +227,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
                     notify_systemd(&[sd_notify::NotifyState::Reloading, sd_notify::NotifyState::monotonic_usec_now().unwrap_or(sd_notify::NotifyState::Status("reloading"))]);
                     match (reload.load)() {
                         Ok((new, resolved)) => {
-                            apply(&mut current, new, &resolved, &mut active, &local, &reloadable_tx, &reload).await;
+                            apply(&mut current, new, &resolved, &mut active, &local, &live, &reloadable_tx, &reload).await;
+                            view_tx.send_replace(Arc::new(View { config: current.clone(), secrets: resolved.redis.clone() }));
                             METRICS.reloaded(true);
                         }
                         Err(e) => {
@@ -240,7 +262,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
 }
 
 /// Puts a new, valid configuration in force without dropping a connection.
-async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload) {
+#[allow(clippy::too_many_arguments)]
+async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload) {
     if new.metrics != current.metrics {
         tracing::warn!("[metrics] changes take effect at the next restart; keeping the running endpoint");
         new.metrics = current.metrics.clone();
@@ -252,6 +275,11 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
     if new.server != current.server {
         tracing::warn!("[server] changes (socket path, mode, limits on connections, timeouts, worker threads) take effect at the next restart; keeping the running ones");
         new.server = current.server.clone();
+    }
+    if new.admin.listen != current.admin.listen || new.admin.overrides_refresh != current.admin.overrides_refresh {
+        tracing::warn!("admin.listen and admin.overrides_refresh take effect at the next restart (tokens apply at once); keeping the running ones");
+        new.admin.listen = current.admin.listen.clone();
+        new.admin.overrides_refresh = current.admin.overrides_refresh;
     }
     if new.limits.max_local_keys != current.limits.max_local_keys {
         tracing::warn!("limits.max_local_keys takes effect at the next restart; keeping {}", current.limits.max_local_keys);
@@ -282,7 +310,7 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
         }
     }
     let previous = reloadable_tx.borrow().limiter.clone();
-    reloadable_tx.send_replace(reloadable(&new, active, local, Some(&previous)));
+    reloadable_tx.send_replace(reloadable(&new, active, local, live, Some(&previous)));
     tracing::info!(policies = new.policies.len(), "configuration reloaded");
     *current = new;
 }
