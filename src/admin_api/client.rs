@@ -58,11 +58,19 @@ pub fn request(listen: &AdminListen, token: Option<&str>, method: &str, path: &s
     }
     head.push_str("\r\n");
     let io = |err| ClientError::Io { at: at.clone(), err };
-    stream.write_all(head.as_bytes()).map_err(io)?;
-    stream.write_all(body.as_bytes()).map_err(io)?;
+    let mut message = head.into_bytes();
+    message.extend_from_slice(body.as_bytes());
+    // The server answers a refused request (no token, a body too large)
+    // without reading the rest and closes: the answer is still there to read.
+    let written = stream.write_all(&message);
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).map_err(io)?;
-    parse(&raw).ok_or(ClientError::Malformed { at })
+    let read = stream.read_to_end(&mut raw);
+    if let Some(reply) = parse(&raw) {
+        return Ok(reply);
+    }
+    written.map_err(io)?;
+    read.map_err(io)?;
+    Err(ClientError::Malformed { at })
 }
 
 /// The token in `file`, trimmed.

@@ -107,7 +107,7 @@ pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, li
                 let peer = peer.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(&state, &peer, req).await) }
             });
-            let conn = http1::Builder::new().header_read_timeout(Duration::from_secs(10)).serve_connection(TokioIo::new(stream), service);
+            let conn = http1::Builder::new().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).serve_connection(TokioIo::new(stream), service);
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "admin connection ended");
             }
@@ -497,10 +497,11 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
         None => PolicyLimit::Limit(p.limit),
     };
     let after = Stored { policy: p.name.clone(), key: b.key.clone(), limit, expires_at_ms, set_by: who.to_string(), set_at_ms: now, note: b.note };
-    store::put(&mut conn, &redis.key_prefix, &scoped, &after).await.map_err(Answer::redis)?;
+    // Expired fields go first: one of them may be this key's, written again now.
     if let Err(e) = store::purge_expired(&mut conn, &redis.key_prefix, now, &stored).await {
         tracing::debug!(error = %e, "could not delete expired overrides");
     }
+    store::put(&mut conn, &redis.key_prefix, &scoped, &after).await.map_err(Answer::redis)?;
     let before_limit = before.as_ref().map_or(file_limit, Stored::policy_limit);
     tracing::info!(who, op = "override_set", policy = %p.name, key = %escape_bytes(b.key.as_bytes()), before = ?before_limit, after = ?after.policy_limit(), expires_at = %format_utc(expires_at_ms), "admin write");
     Ok(Answer::ok(json!({
