@@ -680,6 +680,18 @@ mod tests {
     }
 
     #[test]
+    fn the_admin_api_listens_on_a_socket_or_on_tcp_only_with_a_token() {
+        let c = parse("[admin]\nlisten = \"/run/ratelimitd/admin.sock\"\n").unwrap();
+        assert_eq!(c.admin.listen, Some(AdminListen::Unix { path: "/run/ratelimitd/admin.sock".into(), mode: 0o600 }));
+        assert_eq!(c.admin.overrides_refresh, Duration::from_secs(1));
+        assert!(parse("[admin]\nlisten = \"127.0.0.1:9465\"\ntoken_file = \"/etc/t\"\n").is_ok());
+        let e = parse("[admin]\nlisten = \"127.0.0.1:9465\"\n").unwrap_err().to_string();
+        assert!(e.contains("admin.listen") && e.contains("token_file"), "{e}");
+        let e = parse("[admin]\nlisten = \"admin.sock\"\noverrides_refresh = \"1ms\"\n").unwrap_err().to_string();
+        assert!(e.contains("absolute socket path") && e.contains("admin.overrides_refresh"), "{e}");
+    }
+
+    #[test]
     fn metrics_only_on_loopback() {
         assert!(parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").is_ok());
         assert!(parse("[metrics]\nlisten = \"[::1]:9464\"\n").is_ok());
