@@ -123,7 +123,7 @@ async fn accept(listener: &AdminListener) -> std::io::Result<(Box<dyn Stream>, S
     match listener {
         AdminListener::Unix { listener, .. } => {
             let (s, _) = listener.accept().await?;
-            let peer = s.peer_cred().map(|c| format!("uid {} pid {}", c.uid(), c.pid().unwrap_or(0))).unwrap_or_else(|_| "unix peer".into());
+            let peer = s.peer_cred().map(|c| format!("uid:{}/pid:{}", c.uid(), c.pid().unwrap_or(0))).unwrap_or_else(|_| "unix-peer".into());
             Ok((Box::new(s), peer))
         }
         AdminListener::Tcp(listener) => {
@@ -246,7 +246,9 @@ async fn handle(state: &State, peer: &str, req: Request<hyper::body::Incoming>) 
                 Err(a) => a,
                 Ok(Scope::Read) if !matches!(op, AdminOp::Peek | AdminOp::OverrideList) => Answer::err(StatusCode::FORBIDDEN, "this token has the read scope only"),
                 Ok(scope) => {
-                    let who = format!("{peer} ({} token)", if view.config.admin.token_file.is_none() && view.config.admin.read_token_file.is_none() { "socket, no" } else if scope == Scope::Write { "write" } else { "read" });
+                    // One word (no spaces): the peer and how it was let in.
+                    let how = if view.config.admin.token_file.is_none() && view.config.admin.read_token_file.is_none() { "socket" } else if scope == Scope::Write { "write-token" } else { "read-token" };
+                    let who = format!("{peer}/{how}");
                     route(state, &view, op, &who, req).await
                 }
             };
