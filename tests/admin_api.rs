@@ -268,3 +268,19 @@ async fn the_command_line_sets_lists_and_deletes_overrides_and_inspects_through_
     let (ok, out) = run(&["reset", "--policy", "nope", "--key", "k"]);
     assert!(!ok && out.contains("no [[policy]] named"), "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reload_the_api_knows_the_new_policies() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), Some(dir.path()), "");
+    let body = json!({ "policy": "added", "key": "k", "limit": 9, "ttl": "1h" });
+    assert_eq!(call(dir.path(), None, "PUT", "/v1/overrides", Some(body.clone())).status, 404);
+    d.rewrite_config(&format!("{}[[policy]]\nname = \"added\"\nlimit = 1\nwindow = \"60s\"\n", d.config_text()));
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    let start = Instant::now();
+    while call(dir.path(), None, "PUT", "/v1/overrides", Some(body.clone())).status != 200 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the API never saw the reloaded policy\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

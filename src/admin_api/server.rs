@@ -270,7 +270,7 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
         AdminOp::Reset => reset(view, &q, who).await,
         AdminOp::OverrideList => list(view, &q).await,
         AdminOp::OverrideSet => match Limited::new(req.into_body(), MAX_BODY).collect().await {
-            Ok(body) => set(state, view, &body.to_bytes(), who).await,
+            Ok(body) => set(view, &body.to_bytes(), who).await,
             Err(_) => Err(Answer::err(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is larger than {MAX_BODY} bytes, or was cut"))),
         },
         AdminOp::OverrideDelete => delete(view, &q, who).await,
@@ -431,7 +431,7 @@ async fn list(view: &View, q: &HashMap<String, String>) -> Result<Answer, Answer
     let redis = redis_of(view)?;
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
     let (now, stored) = store::read_all(&mut conn, &redis.key_prefix).await.map_err(Answer::redis)?;
-    let mut live: Vec<&Stored> = stored.iter().filter_map(|(_, s)| s.as_ref()).filter(|s| s.expires_at_ms > now && q.get("policy").is_none_or(|p| *p == s.policy)).collect();
+    let mut live: Vec<&Stored> = stored.iter().filter_map(|(_, s)| s.as_ref()).filter(|s| s.expires_at_ms > now && q.get("policy").map_or(true, |p| *p == s.policy)).collect();
     live.sort_by(|a, b| (&a.policy, &a.key).cmp(&(&b.policy, &b.key)));
     Ok(Answer::ok(json!({ "now": format_utc(now), "overrides": live.iter().map(|s| stored_json(s, now)).collect::<Vec<_>>() })))
 }
@@ -451,8 +451,7 @@ struct SetBody {
 }
 
 /// PUT /v1/overrides: validated whole before anything is written.
-async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answer, Answer> {
-    let _ = state;
+async fn set(view: &View, body: &[u8], who: &str) -> Result<Answer, Answer> {
     let redis = redis_of(view)?;
     let cfg = &view.config;
     let b: SetBody = serde_json::from_slice(body).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("malformed override: {e}; expected {{\"policy\", \"key\", \"limit\": N or \"unlimited\", \"expires_at\": \"2026-12-06T09:00:00Z\" or \"ttl\": \"1d\", \"note\"?}}")))?;

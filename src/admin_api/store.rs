@@ -100,7 +100,7 @@ pub async fn delete(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) 
 
 /// Deletes the fields of `stored` expired at `now_ms` (and unreadable ones).
 pub async fn purge_expired(conn: &mut LinkConnection, key_prefix: &str, now_ms: u64, stored: &[(Vec<u8>, Option<Stored>)]) -> Result<(), redis::RedisError> {
-    let dead: Vec<&Vec<u8>> = stored.iter().filter(|(_, s)| s.as_ref().is_none_or(|s| s.expires_at_ms <= now_ms)).map(|(f, _)| f).collect();
+    let dead: Vec<&Vec<u8>> = stored.iter().filter(|(_, s)| s.as_ref().map_or(true, |s| s.expires_at_ms <= now_ms)).map(|(f, _)| f).collect();
     if !dead.is_empty() {
         let _: u64 = conn.hdel(hash_key(key_prefix), dead).await?;
     }
