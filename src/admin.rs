@@ -67,7 +67,8 @@ fn window_key<'a>(cfg: &'a RedisConfig, key: &'a str, window_ms: u32, algorithm:
     WindowKey { prefix: cfg.key_prefix.as_bytes(), key: key.as_bytes(), window_ms, algorithm }
 }
 
-async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<LinkConnection, AdminError> {
+/// A connection of its own to `cfg`'s Redis, for admin work (never the request path's link).
+pub async fn connect(cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<LinkConnection, AdminError> {
     let connector = Connector::new(cfg, secrets)?;
     let conn_cfg = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(cfg.connect_timeout.max(Duration::from_secs(1))))

@@ -8,9 +8,11 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
 use crate::decision::{Backend, Limiter};
+use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
 use crate::metrics_server::{self, BreakerState, ConfigStatus, Live};
@@ -31,6 +33,8 @@ pub enum DaemonError {
     Inherited(std::io::Error),
     #[error("metrics.listen: {0}")]
     Metrics(std::io::Error),
+    #[error("admin.listen: {0}")]
+    Admin(std::io::Error),
 }
 
 /// Tells systemd (Type=notify) about the daemon's state; a no-op elsewhere.
@@ -188,9 +192,9 @@ async fn run_use_clock(shutdown: CancellationToken) {
 
 /// The next frames' bounds and limiter. `previous` is the limiter in force,
 /// whose policies' counters carry over to the policies of the same name.
-fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, previous: Option<&Limiter>) -> Reloadable {
+fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, previous: Option<&Limiter>) -> Reloadable {
     let policies = Arc::new(Policies::build(&cfg.policies, previous.map(|l| &**l.policies())));
-    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies);
+    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies).with_live_overrides(live.clone());
     Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 
@@ -266,7 +270,24 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     if !cfg.policies.is_empty() {
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
     }
-    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, None));
+    // The admin API's overrides: one table for the process's life, kept
+    // equal to Redis's by a background task (never on the request path).
+    let live = Arc::new(LiveOverrides::default());
+    if let Some(r) = &cfg.redis {
+        tokio::spawn(admin_api::store::refresh(r.clone(), resolved.redis.clone(), live.clone(), cfg.admin.overrides_refresh, background.clone()));
+    }
+    let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, &live, None));
+    let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
+    let _admin_listener_guard = match &cfg.admin.listen {
+        Some(listen) => {
+            let listener = admin_api::bind(listen).await.map_err(DaemonError::Admin)?;
+            tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), "serving the admin API");
+            let token = background.child_token();
+            tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), token.clone()));
+            Some(token.drop_guard())
+        }
+        None => None,
+    };
     let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
     endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let settings = ServerSettings::from(s);
@@ -278,8 +299,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             tokio::select! {
                 _ = term.recv() => { tracing::info!("SIGTERM received"); break }
                 _ = int.recv() => { tracing::info!("SIGINT received"); break }
-                _ = hup.recv() => reload_once(false, &mut current, &mut active, &local, &reloadable_tx, &reload, &mut endpoint).await,
-                _ = usr1.recv() => reload_once(true, &mut current, &mut active, &local, &reloadable_tx, &reload, &mut endpoint).await,
+                _ = hup.recv() => reload_once(false, &mut current, &mut active, &local, &live, &reloadable_tx, &view_tx, &reload, &mut endpoint).await,
+                _ = usr1.recv() => reload_once(true, &mut current, &mut active, &local, &live, &reloadable_tx, &view_tx, &reload, &mut endpoint).await,
             }
         }
     };
@@ -305,7 +326,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
 /// One reload (SIGHUP; SIGUSR1: `force`, removing policies in use too).
 /// A file that does not load, or (unless forced) that removes a policy in
 /// use, leaves the running configuration in force, logged and counted.
-async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
+#[allow(clippy::too_many_arguments)]
+async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, reloadable_tx: &watch::Sender<Reloadable>, view_tx: &watch::Sender<Arc<View>>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
     let status = endpoint.status.clone();
     if force {
         tracing::info!("SIGUSR1 received: reloading the configuration, removing policies in use if it says so");
@@ -335,7 +357,8 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
                 tracing::warn!(policies = %list, "forced reload removes policies in use: their locations get UNKNOWN_POLICY and their fail policy");
             }
             log_deprecated(&new);
-            apply(current, new, &resolved, active, local, reloadable_tx, reload, endpoint).await;
+            apply(current, new, &resolved, active, local, live, reloadable_tx, reload, endpoint).await;
+            view_tx.send_replace(Arc::new(View { config: current.clone(), secrets: resolved.redis.clone() }));
             status.loaded(current.dump());
             METRICS.reloaded(true);
         }
@@ -351,7 +374,7 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
 
 /// Puts a new, valid configuration in force without dropping a connection.
 #[allow(clippy::too_many_arguments)]
-async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
+async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, active: &mut ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, reloadable_tx: &watch::Sender<Reloadable>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
     if new.metrics != current.metrics {
         match endpoint.switch_to(new.metrics.as_ref()).await {
             Ok(()) if new.metrics.is_none() => tracing::info!("[metrics] removed: metrics no longer served"),
@@ -369,6 +392,11 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
     if new.server != current.server {
         tracing::warn!("[server] changes (socket path, mode, limits on connections, timeouts, worker threads) take effect at the next restart; keeping the running ones");
         new.server = current.server.clone();
+    }
+    if new.admin.listen != current.admin.listen || new.admin.overrides_refresh != current.admin.overrides_refresh {
+        tracing::warn!("admin.listen and admin.overrides_refresh take effect at the next restart (tokens apply at once); keeping the running ones");
+        new.admin.listen = current.admin.listen.clone();
+        new.admin.overrides_refresh = current.admin.overrides_refresh;
     }
     if new.limits.max_local_keys != current.limits.max_local_keys {
         tracing::warn!("limits.max_local_keys takes effect at the next restart; keeping {}", current.limits.max_local_keys);
@@ -399,7 +427,7 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
         }
     }
     let previous = reloadable_tx.borrow().limiter.clone();
-    reloadable_tx.send_replace(reloadable(&new, active, local, Some(&previous)));
+    reloadable_tx.send_replace(reloadable(&new, active, local, live, Some(&previous)));
     tracing::info!(policies = new.policies.len(), "configuration reloaded");
     *current = new;
 }

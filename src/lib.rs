@@ -17,23 +17,27 @@
 //! | refusals | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit; told by the store of what it removes |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window), `shard` (hot-key shard keys) |
-//! | policies | `policies` | the configured `[[policy]]` tables by name, overrides, per-policy counters |
+//! | policies | `policies`, `live_overrides` | the configured `[[policy]]` tables by name, overrides, per-policy counters; the admin API's overrides in force |
 //! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores with the fail policies, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
-//! | edges | `daemon`, `bench`, `admin`, `top` | `serve` wiring and reloads; the load generator; `inspect`/`reset`; `ratelimitd top` |
+//! | operations | `admin` | a key's windows in Redis: inspect, reset |
+//! | admin service | `admin_api` | the admin API: listener, routes, overrides in Redis and their refresh, its client |
+//! | edges | `daemon`, `bench`, `top` | `serve` wiring and reloads; the load generator; `ratelimitd top` |
 //!
 //! `main.rs` is the command line over this library. Modules are private
 //! unless the command line or the integration tests use them.
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admin_api;
 pub mod bench;
 pub mod client;
 pub mod config;
 pub mod daemon;
 mod decision;
 mod denial_cache;
+mod live_overrides;
 mod local_store;
 mod log_limit;
 mod metrics;

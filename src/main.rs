@@ -82,6 +82,14 @@ enum Command {
         #[command(flatten)]
         target: TargetOpts,
     },
+    /// Set, list or delete overrides with an expiry, applied by every daemon
+    /// sharing the Redis (through the admin API, `[admin] listen`).
+    Override {
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
+        config: PathBuf,
+        #[command(subcommand)]
+        action: OverrideAction,
+    },
     /// A live view of a running daemon (like top): decisions per second per
     /// policy and outcome, Redis latency, breaker, in-flight requests, the
     /// keys refused most in the last minute. Reads GET /top.json on the
@@ -136,6 +144,43 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum OverrideAction {
+    /// Give a policy's key another limit until an expiry.
+    Set {
+        #[arg(long)]
+        policy: String,
+        #[arg(long)]
+        key: String,
+        /// A number of admissions per window, or "unlimited".
+        #[arg(long)]
+        limit: String,
+        /// Until this UTC time, e.g. 2026-12-06T09:00:00Z.
+        #[arg(long, conflicts_with = "for_", required_unless_present = "for_")]
+        until: Option<String>,
+        /// For this long from now, e.g. 90m, 1d.
+        #[arg(long = "for")]
+        for_: Option<String>,
+        /// Why (kept with the override, shown by list).
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// The overrides in force.
+    List {
+        #[arg(long)]
+        policy: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove an override: the file's limit applies again.
+    Delete {
+        #[arg(long)]
+        policy: String,
+        #[arg(long)]
+        key: String,
+    },
+}
+
 /// The windows `inspect` and `reset` address.
 #[derive(Args)]
 struct TargetOpts {
@@ -159,6 +204,19 @@ impl TargetOpts {
             Some(policy) => ratelimitd::admin::Target::Policy { policy, key: &self.key },
             None => ratelimitd::admin::Target::Inline { key: &self.key, window_ms: self.window_ms },
         }
+    }
+
+    /// The target as the admin API's query.
+    fn query(&self) -> String {
+        use ratelimitd::admin_api::client::encode;
+        let mut q = format!("key={}", encode(&self.key));
+        if let Some(p) = &self.policy {
+            q += &format!("&policy={}", encode(p));
+        }
+        if let Some(w) = self.window_ms {
+            q += &format!("&window_ms={w}");
+        }
+        q
     }
 
     /// What the target is called in messages, escaped for the terminal.
@@ -266,6 +324,77 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }).collect::<Vec<_>>().join(" ")),
             };
             println!("{}: ok (socket {}, backend {backend}{policies})", config.display(), cfg.server.listen.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Inspect { config, target, json } if admin_listen(&config)?.is_some() => {
+            let reply = admin_call(&config, "GET", &format!("/v1/keys?{}", target.query()), None)?;
+            if json {
+                println!("{}", json_ascii_safe(&serde_json::to_string(&reply)?));
+                return Ok(ExitCode::SUCCESS);
+            }
+            if let Some(limit) = reply.get("limit") {
+                println!("limit:        {} ({})", limit, reply["limit_from"].as_str().unwrap_or("-"));
+                println!("count:        {}", reply["count"]);
+                println!("remaining:    {}", reply["remaining"]);
+            }
+            for w in reply["windows"].as_array().into_iter().flatten() {
+                println!();
+                println!("key:          {}", escape(w["redis_key"].as_str().unwrap_or("")));
+                for f in ["shard", "window_ms", "algorithm", "members", "in_window", "count", "remaining", "reset_in_ms", "oldest_age_ms", "newest_age_ms", "ttl_ms"] {
+                    if let Some(v) = w.get(f).filter(|v| !v.is_null()) {
+                        println!("{:<13} {}", format!("{f}:"), escape(&v.to_string()));
+                    }
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Reset { config, target } if admin_listen(&config)?.is_some() => {
+            let reply = admin_call(&config, "DELETE", &format!("/v1/keys?{}", target.query()), None)?;
+            let deleted = reply["deleted"].as_array().cloned().unwrap_or_default();
+            if deleted.is_empty() {
+                println!("{}: no such key", target.describe());
+            }
+            for k in deleted {
+                println!("{}: deleted", escape(k.as_str().unwrap_or("")));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Override { config, action } => {
+            use ratelimitd::admin_api::client::encode;
+            match action {
+                OverrideAction::Set { policy, key, limit, until, for_, note } => {
+                    let limit = if limit == "unlimited" { serde_json::json!("unlimited") } else { serde_json::json!(limit.parse::<u64>().map_err(|_| anyhow::anyhow!("--limit {limit:?} is not a number or \"unlimited\""))?) };
+                    let body = serde_json::json!({ "policy": policy, "key": key, "limit": limit, "expires_at": until, "ttl": for_, "note": note });
+                    let mut body = body.as_object().cloned().unwrap_or_default();
+                    body.retain(|_, v| !v.is_null());
+                    let reply = admin_call(&config, "PUT", "/v1/overrides", Some(&serde_json::Value::Object(body).to_string()))?;
+                    let after = &reply["after"];
+                    println!("policy {} key {}: limit {} -> {} until {} (every daemon within {} ms)", escape(&policy), escape(&key), reply["before_limit"], after["limit"], after["expires_at"].as_str().unwrap_or("?"), reply["applies_within_ms"]);
+                }
+                OverrideAction::List { policy, json } => {
+                    let path = match &policy {
+                        Some(p) => format!("/v1/overrides?policy={}", encode(p)),
+                        None => "/v1/overrides".to_string(),
+                    };
+                    let reply = admin_call(&config, "GET", &path, None)?;
+                    if json {
+                        println!("{}", json_ascii_safe(&serde_json::to_string(&reply)?));
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    let all = reply["overrides"].as_array().cloned().unwrap_or_default();
+                    if all.is_empty() {
+                        println!("no override in force");
+                    }
+                    for o in all {
+                        let s = |f: &str| escape(o[f].as_str().unwrap_or("-")).into_owned();
+                        println!("{} {} limit {} until {} (set by {} at {}{})", s("policy"), s("key"), o["limit"], s("expires_at"), s("set_by"), s("set_at"), o["note"].as_str().map(|n| format!(": {}", escape(n))).unwrap_or_default());
+                    }
+                }
+                OverrideAction::Delete { policy, key } => {
+                    let reply = admin_call(&config, "DELETE", &format!("/v1/overrides?policy={}&key={}", encode(&policy), encode(&key)), None)?;
+                    println!("policy {} key {}: override deleted; limit now {}", escape(&policy), escape(&key), reply["limit_now"]);
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { config, target, json } => {
@@ -413,6 +542,28 @@ impl CheckOpts {
             local_limit: self.local_limit,
         }
     }
+}
+
+/// Where the configuration's admin API listens, if it has one: `inspect`
+/// and `reset` then go through it (the daemon's own Redis access), else
+/// to Redis directly.
+fn admin_listen(path: &std::path::Path) -> anyhow::Result<Option<ratelimitd::config::AdminListen>> {
+    Ok(Config::load(path)?.admin.listen)
+}
+
+/// One admin API call; a response other than 200 is an error carrying the
+/// API's message. The token: the write token file's if readable, else the
+/// read one's.
+fn admin_call(path: &std::path::Path, method: &str, target: &str, body: Option<&str>) -> anyhow::Result<serde_json::Value> {
+    use ratelimitd::admin_api::client;
+    let cfg = Config::load(path)?;
+    let listen = cfg.admin.listen.ok_or_else(|| anyhow::anyhow!("{}: no [admin] listen: the admin API is off", path.display()))?;
+    let token = [&cfg.admin.token_file, &cfg.admin.read_token_file].into_iter().flatten().find_map(|f| client::read_token(f).ok());
+    let reply = client::request(&listen, token.as_deref(), method, target, body)?;
+    if reply.status != 200 {
+        anyhow::bail!("admin API: {} {}", reply.status, escape(reply.body["error"].as_str().unwrap_or("(no message)")));
+    }
+    Ok(reply.body)
 }
 
 /// The configuration and its secrets, for `inspect` and `reset`.

@@ -320,8 +320,90 @@ impl Metrics {
         if let Some(open) = breaker_open {
             let _ = writeln!(out, "# HELP ratelimitd_breaker_open 1 while the circuit breaker to Redis is open.\n# TYPE ratelimitd_breaker_open gauge\nratelimitd_breaker_open {}", open as u8);
         }
+        render_admin(&mut out);
         out
     }
+}
+
+/// What an admin API request asked for (`admin_api`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminOp {
+    Peek,
+    Reset,
+    OverrideList,
+    OverrideSet,
+    OverrideDelete,
+}
+
+impl AdminOp {
+    pub const ALL: [AdminOp; 5] = [Self::Peek, Self::Reset, Self::OverrideList, Self::OverrideSet, Self::OverrideDelete];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Peek => "peek",
+            Self::Reset => "reset",
+            Self::OverrideList => "override_list",
+            Self::OverrideSet => "override_set",
+            Self::OverrideDelete => "override_delete",
+        }
+    }
+}
+
+/// How an admin API request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdminResult {
+    Done,
+    /// Bad input: nothing changed.
+    Rejected,
+    /// No token, or a wrong one.
+    Unauthorized,
+    /// A read token on a write.
+    Forbidden,
+    /// Redis could not be reached or failed.
+    Failed,
+}
+
+impl AdminResult {
+    pub const ALL: [AdminResult; 5] = [Self::Done, Self::Rejected, Self::Unauthorized, Self::Forbidden, Self::Failed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Done => "done",
+            Self::Rejected => "rejected",
+            Self::Unauthorized => "unauthorized",
+            Self::Forbidden => "forbidden",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+static ADMIN_REQUESTS: [[AtomicU64; AdminResult::ALL.len()]; AdminOp::ALL.len()] = [const { [ZERO; AdminResult::ALL.len()] }; AdminOp::ALL.len()];
+static LIVE_OVERRIDES: AtomicU64 = ZERO;
+static LIVE_OVERRIDES_REFRESH_FAILURES: AtomicU64 = ZERO;
+
+impl Metrics {
+    pub fn admin_request(&self, op: AdminOp, result: AdminResult) {
+        ADMIN_REQUESTS[op as usize][result as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn live_overrides(&self, in_force: usize) {
+        LIVE_OVERRIDES.store(in_force as u64, Ordering::Relaxed);
+    }
+
+    pub fn live_overrides_refresh_failed(&self) {
+        LIVE_OVERRIDES_REFRESH_FAILURES.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn render_admin(out: &mut String) {
+    let _ = writeln!(out, "# HELP ratelimitd_admin_requests_total Admin API requests, by operation and result (writes are also logged).\n# TYPE ratelimitd_admin_requests_total counter");
+    for (op, row) in AdminOp::ALL.iter().zip(&ADMIN_REQUESTS) {
+        for (r, n) in AdminResult::ALL.iter().zip(row) {
+            let _ = writeln!(out, "ratelimitd_admin_requests_total{{op=\"{}\",result=\"{}\"}} {}", op.as_str(), r.as_str(), n.load(Ordering::Relaxed));
+        }
+    }
+    let _ = writeln!(out, "# HELP ratelimitd_live_overrides Admin API overrides in force on this daemon.\n# TYPE ratelimitd_live_overrides gauge\nratelimitd_live_overrides {}", LIVE_OVERRIDES.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# HELP ratelimitd_live_overrides_refresh_failures_total Background reads of the overrides from Redis that failed.\n# TYPE ratelimitd_live_overrides_refresh_failures_total counter\nratelimitd_live_overrides_refresh_failures_total {}", LIVE_OVERRIDES_REFRESH_FAILURES.load(Ordering::Relaxed));
 }
 
 #[cfg(test)]

@@ -24,6 +24,8 @@ pub(super) struct File {
     pub metrics: Option<MetricsSection>,
     #[serde(default)]
     pub denial_cache: DenialCacheSection,
+    #[serde(default)]
+    pub admin: AdminSection,
     /// `[[policy]]` tables, in file order.
     #[serde(default)]
     pub policy: Vec<PolicySection>,
@@ -88,6 +90,24 @@ pub(super) struct DenialCacheSection {
 impl Default for DenialCacheSection {
     fn default() -> Self {
         Self { enabled: true, slots: 16_384, max_ms: 1000 }
+    }
+}
+
+/// `[admin]`: the admin API's listener and the overrides' refresh.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct AdminSection {
+    /// A socket path, or a host:port (then `token_file` is required).
+    pub listen: Option<String>,
+    pub socket_mode: String,
+    pub token_file: Option<PathBuf>,
+    pub read_token_file: Option<PathBuf>,
+    pub overrides_refresh: String,
+}
+
+impl Default for AdminSection {
+    fn default() -> Self {
+        Self { listen: None, socket_mode: "0600".into(), token_file: None, read_token_file: None, overrides_refresh: "1s".into() }
     }
 }
 

@@ -18,8 +18,9 @@ mod preflight;
 mod validate;
 
 pub use model::{
-    redacted_url, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
+    redacted_url, AdminConfig, AdminListen, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
 };
 pub use nginx_names::{nginx_policy_names, NamedPolicy, NginxReadError};
+pub use validate::parse_duration;
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

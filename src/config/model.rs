@@ -80,6 +80,8 @@ pub struct Config {
     pub metrics: Option<MetricsConfig>,
     /// Refusals remembered between Redis calls (Redis backend only).
     pub denial_cache: DenialCacheConfig,
+    /// The admin API (`[admin]`); its overrides are refreshed without it too.
+    pub admin: AdminConfig,
     /// `[[policy]]`: named limits that CHECK_POLICY requests refer to, in
     /// file order; names are unique.
     pub policies: Vec<PolicyConfig>,
@@ -352,6 +354,35 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// Where the admin API listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdminListen {
+    /// A Unix socket of this mode: who may open it may use the API (with
+    /// the write scope unless tokens are configured).
+    Unix { path: PathBuf, mode: u32 },
+    /// A TCP address: a bearer token is always required.
+    Tcp(SocketAddr),
+}
+
+/// `[admin]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// `None`: no admin API on this daemon.
+    pub listen: Option<AdminListen>,
+    /// Holds the token of the write scope (reads included).
+    pub token_file: Option<PathBuf>,
+    /// Holds the token of the read scope.
+    pub read_token_file: Option<PathBuf>,
+    /// How often the overrides are read from Redis (also without `listen`).
+    pub overrides_refresh: Duration,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self { listen: None, token_file: None, read_token_file: None, overrides_refresh: Duration::from_secs(1) }
+    }
 }
 
 /// `[metrics]`: Prometheus text format over HTTP, `GET /metrics`.

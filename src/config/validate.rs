@@ -1,12 +1,13 @@
 //! Turns the file's values into typed ones in one pass that reports every
 //! bad field. Pure: it reads the file it is given and nothing else.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
+    redacted_url, AdminConfig, AdminListen, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
@@ -85,7 +86,8 @@ impl Config {
         let denial_cache = denial_cache_config(f.denial_cache, &mut p);
         let mut deprecated = Vec::new();
         let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, policies, deprecated })
+        let admin = admin_config(f.admin, &mut p);
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated })
     }
 }
 
@@ -289,9 +291,44 @@ fn denial_cache_config(d: file::DenialCacheSection, p: &mut Problems) -> DenialC
     DenialCacheConfig { enabled: d.enabled, slots: d.slots, max_age: Duration::from_millis(d.max_ms) }
 }
 
+fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
+    let mode = match u32::from_str_radix(a.socket_mode.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => m,
+        _ => {
+            p.add("admin.socket_mode", format!("'{}' is not an octal mode such as \"0600\"", a.socket_mode));
+            0o600
+        }
+    };
+    let listen = a.listen.map(|l| match l.parse::<SocketAddr>() {
+        Ok(addr) => {
+            if a.token_file.is_none() {
+                p.add("admin.listen", format!("{addr} is a TCP address: set admin.token_file (a bearer token is required on TCP; TLS is not built in, put a TLS proxy in front beyond loopback)"));
+            }
+            AdminListen::Tcp(addr)
+        }
+        Err(_) if l.starts_with('/') => AdminListen::Unix { path: PathBuf::from(l), mode },
+        Err(_) => {
+            p.add("admin.listen", format!("'{l}' is neither an absolute socket path nor a host:port address"));
+            AdminListen::Unix { path: PathBuf::from(l), mode }
+        }
+    });
+    let overrides_refresh = match parse_duration(&a.overrides_refresh) {
+        Ok(d) if d >= Duration::from_millis(10) && d <= Duration::from_secs(3600) => d,
+        Ok(_) => {
+            p.add("admin.overrides_refresh", "must be between 10ms and 1h");
+            Duration::from_secs(1)
+        }
+        Err(e) => {
+            p.add("admin.overrides_refresh", e);
+            Duration::from_secs(1)
+        }
+    };
+    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh }
+}
+
 /// A duration such as "500ms", "1s", "2m", "1h" or "1d": a whole number and
 /// a unit, in whole milliseconds.
-pub(super) fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let digits = s.bytes().take_while(u8::is_ascii_digit).count();
     let (number, unit) = s.split_at(digits);
     let ms_per_unit: u64 = match unit {
@@ -665,6 +702,18 @@ mod tests {
         assert!(e.contains("redis.cluster_tls: applies to redis.cluster only"), "{e}");
         let e = parse("[redis]\ncluster = [\"h:1\"]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
         assert!(e.contains("redis.tls_ca_file: needs a rediss:// url, or cluster_tls = true"), "{e}");
+    }
+
+    #[test]
+    fn the_admin_api_listens_on_a_socket_or_on_tcp_only_with_a_token() {
+        let c = parse("[admin]\nlisten = \"/run/ratelimitd/admin.sock\"\n").unwrap();
+        assert_eq!(c.admin.listen, Some(AdminListen::Unix { path: "/run/ratelimitd/admin.sock".into(), mode: 0o600 }));
+        assert_eq!(c.admin.overrides_refresh, Duration::from_secs(1));
+        assert!(parse("[admin]\nlisten = \"127.0.0.1:9465\"\ntoken_file = \"/etc/t\"\n").is_ok());
+        let e = parse("[admin]\nlisten = \"127.0.0.1:9465\"\n").unwrap_err().to_string();
+        assert!(e.contains("admin.listen") && e.contains("token_file"), "{e}");
+        let e = parse("[admin]\nlisten = \"admin.sock\"\noverrides_refresh = \"1ms\"\n").unwrap_err().to_string();
+        assert!(e.contains("absolute socket path") && e.contains("admin.overrides_refresh"), "{e}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::denial_cache::DenialCache;
+use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::log_limit::RateLimitedLog;
 use crate::policies::Policies;
@@ -34,6 +35,8 @@ pub struct Limiter {
     /// The configured `[[policy]]` tables requests name.
     pub(super) policies: Arc<Policies>,
     pub(super) unknown_policy_log: RateLimitedLog,
+    /// Overrides set through the admin API; outlives reloads.
+    pub(super) live_overrides: Arc<LiveOverrides>,
 }
 
 
@@ -48,12 +51,18 @@ impl Limiter {
             denials: None,
             policies: Arc::default(),
             unknown_policy_log: RateLimitedLog::new(Duration::from_secs(1)),
+            live_overrides: Arc::default(),
         }
     }
 
     /// The policies requests are decided with.
     pub fn with_policies(self, policies: Arc<Policies>) -> Self {
         Self { policies, ..self }
+    }
+
+    /// The admin API's overrides, read by `resolve`.
+    pub fn with_live_overrides(self, live_overrides: Arc<LiveOverrides>) -> Self {
+        Self { live_overrides, ..self }
     }
 
     pub fn policies(&self) -> &Arc<Policies> {

@@ -137,7 +137,9 @@ impl Limiter {
             let msg = format!("policy '{}' uses algorithm {}: several policies in one request, refundable checks and refunds need algorithm log", policy.name, policy.algorithm.as_str());
             return reject(ErrorCode::UnsupportedCombination, msg);
         }
-        let limit = match policy.limit_for(n.key) {
+        // An admin API override in force replaces the file's value for
+        // this key (one load and lookup in the background-refreshed table).
+        let limit = match self.live_overrides.limit_for(n.scoped_key).unwrap_or_else(|| policy.limit_for(n.key)) {
             PolicyLimit::Limit(l) => Some(l),
             PolicyLimit::Unlimited => None,
         };

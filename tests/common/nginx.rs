@@ -31,21 +31,27 @@ impl Nginx {
     /// each `{PORT:name}` are replaced by loopback ports of nginx's own, and
     /// `{LUA}` by the directory holding the shipped Lua client.
     pub fn start(http_body: &str) -> Self {
+        Self::start_with_lua(http_body, std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/resty")))
+    }
+
+    /// Like `start`, with the Lua client's `resty/` directory taken from
+    /// `lua_resty` (an installed rock's tree) instead of the checkout.
+    pub fn start_with_lua(http_body: &str, lua_resty: &std::path::Path) -> Self {
         let names = port_names(http_body);
         on_own_ports("nginx", 1 + names.len(), |ports| {
             let named_ports: BTreeMap<String, u16> = names.iter().cloned().zip(ports[1..].iter().copied()).collect();
-            Self::launch(http_body, ports[0], named_ports)
+            Self::launch(http_body, ports[0], named_ports, lua_resty)
         })
     }
 
     /// On `Err` (nginx exited: a port was taken) the attempt's processes and
     /// prefix are gone.
-    fn launch(http_body: &str, port: u16, named_ports: BTreeMap<String, u16>) -> Result<Self, String> {
+    fn launch(http_body: &str, port: u16, named_ports: BTreeMap<String, u16>, lua_resty: &std::path::Path) -> Result<Self, String> {
         let prefix = tempfile::tempdir().unwrap();
         std::fs::set_permissions(prefix.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         // A copy the workers can read wherever the checkout lives.
         let lua_dir = prefix.path().join("lua");
-        copy_lua_tree(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/resty")), &lua_dir.join("resty"));
+        copy_lua_tree(lua_resty, &lua_dir.join("resty"));
         std::fs::create_dir_all(prefix.path().join("logs")).unwrap();
         let mut body = http_body.replace("{PORT}", &port.to_string()).replace("{LUA}", &lua_dir.display().to_string());
         for (name, p) in &named_ports {
