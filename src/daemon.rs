@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
-use crate::decision::{Backend, Limiter};
+use crate::decision::{Backend, Limiter, QuotaLeases};
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
 use crate::metrics_server::{self, BreakerState, Live};
@@ -83,6 +83,9 @@ struct ActiveBackend {
     /// With the Redis backend, unless `[denial_cache]` turns it off; new with
     /// each backend, so no entry outlives the link (and key prefix) it came from.
     denials: Option<Arc<DenialCache>>,
+    /// With the Redis backend and `redis.quota_leases`: new with each
+    /// backend, like the denial cache.
+    leases: Option<Arc<QuotaLeases>>,
     token: CancellationToken,
 }
 
@@ -112,7 +115,11 @@ impl ActiveBackend {
         if let (Backend::Redis(r), Some(d)) = (&backend, &denials) {
             r.set_denial_cache(d.clone());
         }
-        Ok(Self { backend, denials, token })
+        let leases = match (&backend, &cfg.redis) {
+            (Backend::Redis(r), Some(c)) if c.quota_leases => Some(QuotaLeases::new(r.clone(), 4096)),
+            _ => None,
+        };
+        Ok(Self { backend, denials, leases, token })
     }
 
     fn is_ready(&self) -> bool {
@@ -147,7 +154,7 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
 /// whose policies' counters carry over to the policies of the same name.
 fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, previous: Option<&Limiter>) -> Reloadable {
     let policies = Arc::new(Policies::build(&cfg.policies, previous.map(|l| &**l.policies())));
-    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies);
+    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_quota_leases(active.leases.clone()).with_policies(policies);
     Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 

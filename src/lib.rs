@@ -49,4 +49,5 @@ mod top_refused;
 pub mod top_snapshot;
 pub mod window;
 
-pub use crate::redis::{BatchAsk, RedisWindow};
+pub use crate::decision::{lease_life_ms, QuotaLease, MAX_LEASE_UNITS};
+pub use crate::redis::{BatchAsk, LeaseGrant, RedisWindow};

@@ -144,6 +144,7 @@ pub(super) struct RedisSection {
     pub max_in_flight: u32,
     pub key_prefix: String,
     pub clock: ClockSource,
+    pub quota_leases: bool,
     pub sentinel: Option<SentinelSection>,
 }
 
@@ -166,6 +167,7 @@ impl Default for RedisSection {
             max_in_flight: 1024,
             key_prefix: "ratelimitd:".into(),
             clock: ClockSource::Redis,
+            quota_leases: false,
             sentinel: None,
         }
     }

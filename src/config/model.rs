@@ -211,6 +211,8 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Which clock timestamps admissions.
     pub clock: ClockSource,
+    /// Hot log keys are admitted from quota leases (docs/PERFORMANCE.md).
+    pub quota_leases: bool,
 }
 
 /// The default Redis URL.

@@ -259,6 +259,7 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
         max_in_flight,
         key_prefix: r.key_prefix,
         clock: r.clock,
+        quota_leases: r.quota_leases,
     };
     (p.0.len() == before).then_some(cfg)
 }

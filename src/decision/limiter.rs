@@ -11,6 +11,8 @@ use crate::log_limit::RateLimitedLog;
 use crate::policies::Policies;
 use crate::redis::RedisWindow;
 
+use super::lease::QuotaLeases;
+
 /// Where decisions are made.
 #[derive(Debug, Clone)]
 pub enum Backend {
@@ -34,6 +36,8 @@ pub struct Limiter {
     /// The configured `[[policy]]` tables requests name.
     pub(super) policies: Arc<Policies>,
     pub(super) unknown_policy_log: RateLimitedLog,
+    /// Quota leases on hot log keys (Redis backend, when enabled).
+    pub(super) leases: Option<Arc<QuotaLeases>>,
 }
 
 
@@ -48,6 +52,7 @@ impl Limiter {
             denials: None,
             policies: Arc::default(),
             unknown_policy_log: RateLimitedLog::new(Duration::from_secs(1)),
+            leases: None,
         }
     }
 
@@ -63,6 +68,11 @@ impl Limiter {
     /// Puts `denials` in front of the Redis backend.
     pub fn with_denial_cache(self, denials: Option<Arc<DenialCache>>) -> Self {
         Self { denials, ..self }
+    }
+
+    /// Admits hot log keys from quota leases (`super::lease`).
+    pub fn with_quota_leases(self, leases: Option<Arc<QuotaLeases>>) -> Self {
+        Self { leases, ..self }
     }
 
     pub fn backend(&self) -> &Backend {

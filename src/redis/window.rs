@@ -306,6 +306,67 @@ impl RedisWindow {
     }
 }
 
+/// What a lease call answered (src/redis/sliding_window.lua, mode 'L').
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseGrant {
+    /// The request's own verdict; its count includes the units reserved.
+    pub verdict: Verdict,
+    /// Units reserved for local admissions (0: none).
+    pub granted: u32,
+    /// The script's clock when it ran (Redis TIME, or the caller's `now`).
+    pub now_ms: u64,
+    /// Names the units: they are `<instance>:<seq>.l<u>`.
+    pub seq: u64,
+}
+
+impl RedisWindow {
+    /// Decides one log request (cost at most its limit) and, if it is
+    /// admitted, reserves up to `want` units of the key's quota for local
+    /// admissions during `life_ms` after this call was sent. Never
+    /// coalesced; `now_ms` 0 = Redis `TIME`.
+    pub async fn lease_at(&self, spec: &LimitSpec<'_>, want: u32, life_ms: u32, now_ms: u64) -> Result<LeaseGrant, StoreError> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let mut cmd = redis::Cmd::with_capacity(12, 128 + self.key_prefix.len() + spec.key.len());
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(Algorithm::Log.index()))
+            .arg(1)
+            .arg(self.window_key(spec.key, spec.window_ms, Algorithm::Log))
+            .arg("L")
+            .arg(spec.window_ms)
+            .arg(now_ms)
+            .arg(MemberId { instance: self.instance, seq })
+            .arg(spec.limit)
+            .arg(spec.cost)
+            .arg(want)
+            .arg(life_ms);
+        let r: (i64, i64, i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok(LeaseGrant { verdict: verdict(r.0, r.1, r.2, r.3, r.4), granted: r.5.clamp(0, i64::from(want)) as u32, now_ms: r.6.max(0) as u64, seq })
+    }
+
+    /// `lease_at` on this backend's clock.
+    pub async fn lease_now(&self, spec: &LimitSpec<'_>, want: u32, life_ms: u32) -> Result<LeaseGrant, StoreError> {
+        self.lease_at(spec, want, life_ms, self.now_arg()).await
+    }
+
+    /// Settles lease `seq` of `granted` units on the log window `key`:
+    /// units 1..=scores.len() get those scores, the rest are removed.
+    /// Returns (rescored, removed).
+    pub async fn settle_lease(&self, key: &[u8], window_ms: u32, seq: u64, granted: u32, scores: &[u64]) -> Result<(i64, i64), StoreError> {
+        let mut cmd = redis::Cmd::with_capacity(7 + scores.len(), 96 + self.key_prefix.len() + key.len() + 14 * scores.len());
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(Algorithm::Log.index()))
+            .arg(1)
+            .arg(self.window_key(key, window_ms, Algorithm::Log))
+            .arg("S")
+            .arg(MemberId { instance: self.instance, seq })
+            .arg(granted);
+        for s in scores {
+            cmd.arg(*s);
+        }
+        self.link.eval(&cmd).await
+    }
+}
+
 impl RedisWindow {
     /// Decides several items all or nothing, within one deadline
     /// (docs/PROTOCOL.md 4b; how across Cluster slots: `multi`). Never
