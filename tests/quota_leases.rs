@@ -12,7 +12,8 @@
 
 mod common;
 
-use common::RedisServer;
+use common::{Daemon, RedisServer};
+use ratelimitd::protocol::{Decision, Source};
 use ratelimitd::QuotaLease;
 
 const LOG: &str = include_str!("../src/redis/sliding_window.lua");
@@ -33,7 +34,7 @@ impl Rng {
 }
 
 /// One simulated daemon: its clock offset and the lease it holds.
-struct Daemon {
+struct SimDaemon {
     offset_us: u64,
     lease: Option<(String, QuotaLease)>,
 }
@@ -106,7 +107,7 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
     let limit = [4u64, 20, 100, 300][rng.below(4) as usize];
     let life = window / 40 + rng.below(window / 4 - window / 40);
     let n = 2 + rng.below(3) as usize;
-    let mut daemons: Vec<Daemon> = (0..n).map(|_| Daemon { offset_us: rng.below(1 << 40), lease: None }).collect();
+    let mut daemons: Vec<SimDaemon> = (0..n).map(|_| SimDaemon { offset_us: rng.below(1 << 40), lease: None }).collect();
     let key = format!("lease:{{t{seed}}}:log");
     let mut tr = Trace { conn, sha, key, window, limit, t_us: 1_700_000_000_000_000, truth: Vec::new(), seq: 0, seed, step: 0 };
     let (mut decisions, mut admitted, mut local) = (0, 0, 0);
@@ -212,4 +213,137 @@ fn leases_never_let_a_window_hold_more_than_the_limit_on_random_traces() {
     }
     eprintln!("base seed {base}: {decisions} decisions, {admitted} units admitted, {local} of them from leases");
     assert!(local > admitted / 10, "the traces must exercise leases: {local} of {admitted}");
+}
+
+/// `calls` of `cmdstat_evalsha` in `INFO commandstats`: the script calls Redis ran.
+fn evalsha_calls(r: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
+    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// The log's members and scores for client key `key`, window `window_ms`.
+fn record(r: &RedisServer, key: &str, window_ms: u32) -> Vec<(String, u64)> {
+    redis::cmd("ZRANGE").arg(format!("ratelimitd:{{{key}}}:{window_ms}ms")).arg(0).arg(-1).arg("WITHSCORES").query(&mut r.conn()).unwrap()
+}
+
+/// Most members of `rec` in any window of `window_ms` (right-closed, as the script counts).
+fn fullest_window(rec: &[(String, u64)], window_ms: u64) -> usize {
+    let scores: Vec<u64> = rec.iter().map(|(_, s)| *s).collect();
+    scores.iter().map(|&t| scores.iter().filter(|&&u| u <= t && u + window_ms > t).count()).max().unwrap_or(0)
+}
+
+/// `clients` connections to `d`, each sending `n` checks of `key` in turn;
+/// returns (admitted, refused).
+async fn hammer(d: &Daemon, key: &'static str, limit: u32, window_ms: u32, clients: usize, n: usize) -> (u64, u64) {
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let (mut yes, mut no) = (0, 0);
+            for _ in 0..n {
+                let r = c.check(&common::args(key, limit, window_ms)).await.unwrap();
+                match r.decision {
+                    Decision::Allowed => {
+                        assert_eq!(r.source, Source::Redis, "{r:?}");
+                        yes += 1;
+                    }
+                    Decision::Denied => no += 1,
+                    _ => panic!("{r:?}"),
+                }
+            }
+            (yes, no)
+        }));
+    }
+    let mut total = (0, 0);
+    for t in tasks {
+        let (y, n) = t.await.unwrap();
+        total = (total.0 + y, total.1 + n);
+    }
+    total
+}
+
+const LEASES: &str = "timeout_ms = 2000\nquota_leases = true";
+
+/// Two real daemons with leases on one hot key, run past the limit: the
+/// clients' admissions never exceed it, and once the leases are settled
+/// Redis's record holds exactly the admitted requests (no unit lost, none
+/// extra), no window of it over the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_daemons_with_leases_admit_exactly_what_redis_records_and_never_over_the_limit() {
+    const LIMIT: u32 = 1500;
+    const WINDOW: u32 = 60_000; // longer than the test: nothing leaves the window
+    let redis = RedisServer::start_unix();
+    let (a, b) = (Daemon::start(Some(&redis.url()), LEASES), Daemon::start(Some(&redis.url()), LEASES));
+    let ((ya, na), (yb, nb)) = tokio::join!(hammer(&a, "shared", LIMIT, WINDOW, 3, 700), hammer(&b, "shared", LIMIT, WINDOW, 3, 700));
+    let admitted = ya + yb;
+    assert!(admitted <= u64::from(LIMIT), "over-admission: {admitted} > {LIMIT}");
+    assert!(na + nb > 0, "the run must reach the limit");
+    // Leases live min(window / 4, 1 s) after their call: all settled 3 s on.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let rec = record(&redis, "shared", WINDOW);
+    assert!(rec.iter().all(|(m, _)| !m.contains(".l")) || rec.len() as u64 == admitted, "unused units left after settling: {} members", rec.len());
+    assert_eq!(rec.len() as u64, admitted, "Redis's record vs the clients' admissions");
+    assert!(fullest_window(&rec, WINDOW.into()) <= LIMIT as usize);
+    // Under-admission while leases were out: what was refused with room left.
+    eprintln!("admitted {admitted} of {LIMIT} ({ya} + {yb}), refused {} while leases were out", na + nb);
+    // The room held in leases comes back: the rest of the limit is admitted now.
+    let (more, _) = hammer(&a, "shared", LIMIT, WINDOW, 1, (LIMIT as usize - admitted as usize) + 5).await;
+    assert_eq!(admitted + more, u64::from(LIMIT), "after settling, exactly the limit");
+}
+
+/// Redis calls per admitted decision on a hot key far from its limit: at
+/// most 0.05 (a count, not a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_costs_at_most_one_redis_call_per_20_admissions() {
+    let redis = RedisServer::start_unix();
+    let (a, b) = (Daemon::start(Some(&redis.url()), LEASES), Daemon::start(Some(&redis.url()), LEASES));
+    let before = evalsha_calls(&redis);
+    let ((ya, _), (yb, _)) = tokio::join!(hammer(&a, "hot", 1_000_000, 60_000, 4, 2000), hammer(&b, "hot", 1_000_000, 60_000, 4, 2000));
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await; // the settles
+    let calls = evalsha_calls(&redis) - before;
+    let per = calls as f64 / (ya + yb) as f64;
+    eprintln!("{} admissions, {calls} Redis calls (leases, settles, plain checks): {per:.4} per admission", ya + yb);
+    assert_eq!(ya + yb, 16_000);
+    assert!(per <= 0.05, "{per}");
+    assert_eq!(record(&redis, "hot", 60_000).len(), 16_000, "every admission recorded once");
+}
+
+/// `kill -9` of a daemon holding a lease: nothing over the limit; its
+/// unused units are held until they leave the window (t0 + life + window),
+/// then the whole limit is available again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_holding_a_lease_over_admits_nothing_and_its_units_come_back() {
+    const LIMIT: u32 = 200;
+    const WINDOW: u32 = 4000; // lease life 1 s
+    let redis = RedisServer::start_unix();
+    let a = Daemon::start(Some(&redis.url()), LEASES);
+    let b = Daemon::start(Some(&redis.url()), LEASES);
+    let (ya, _) = hammer(&a, "crash", LIMIT, WINDOW, 1, 30).await;
+    assert_eq!(ya, 30);
+    // Every member so far is a's: "<instance>:<seq>[.l<unit>]".
+    let before = record(&redis, "crash", WINDOW);
+    let instance = before[0].0.split(':').next().unwrap().to_string();
+    let units_of_a = |rec: &[(String, u64)]| rec.iter().filter(|(m, _)| m.starts_with(&instance) && m.contains(".l")).count() as u64;
+    let held = units_of_a(&before);
+    assert!(held > 0, "a lease must be out: {before:?}");
+    let killed = std::time::Instant::now();
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let (yb1, nb) = hammer(&b, "crash", LIMIT, WINDOW, 1, LIMIT as usize).await;
+    // b's own leases settled (a life after their calls), a's units still in the window.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let (yb2, _) = hammer(&b, "crash", LIMIT, WINDOW, 1, 20).await;
+    let yb = yb1 + yb2;
+    assert!(killed.elapsed() < std::time::Duration::from_millis(u64::from(WINDOW)), "too slow to measure before a's units leave");
+    let rec = record(&redis, "crash", WINDOW);
+    let plain_a = rec.iter().filter(|(m, _)| m.starts_with(&instance) && !m.contains(".l")).count() as u64;
+    let unused_a = units_of_a(&rec) - (ya - plain_a);
+    eprintln!("a admitted {ya} ({plain_a} through Redis) and was killed holding {held} units, {unused_a} unused; b then admitted {yb}, refused {nb}");
+    assert!(ya + yb <= u64::from(LIMIT), "over-admission: {} > {LIMIT}", ya + yb);
+    assert_eq!(ya + yb + unused_a, u64::from(LIMIT), "the under-admission is exactly the killed lease's unused units");
+    // Scored t0 + life, they leave the window at t0 + life + window.
+    let back = std::time::Duration::from_millis(u64::from(WINDOW) + 1000 + 500);
+    tokio::time::sleep(back.saturating_sub(killed.elapsed())).await;
+    let (again, _) = hammer(&b, "crash", LIMIT, WINDOW, 1, 1).await;
+    assert_eq!(again, 1);
+    assert_eq!(units_of_a(&record(&redis, "crash", WINDOW)), 0, "a's units outlived t0 + life + window");
 }
