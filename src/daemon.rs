@@ -116,7 +116,7 @@ impl ActiveBackend {
             r.set_denial_cache(d.clone());
         }
         let leases = match (&backend, &cfg.redis) {
-            (Backend::Redis(r), Some(c)) if c.quota_leases => Some(QuotaLeases::new(r.clone(), 4096)),
+            (Backend::Redis(r), Some(c)) if c.quota_leases => Some(QuotaLeases::new(r.clone(), 4096, denials.clone())),
             _ => None,
         };
         Ok(Self { backend, denials, leases, token })

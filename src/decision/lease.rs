@@ -28,6 +28,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::denial_cache::DenialCache;
 use crate::log_limit::RateLimitedLog;
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
@@ -71,8 +72,11 @@ impl QuotaLease {
         if limit != self.limit || cost == 0 || cost > self.granted - used {
             return None;
         }
-        // Rounded up: the true time is at most this many ms after t0.
-        let offset = now_us.saturating_sub(self.sent_us).div_ceil(1000);
+        // The true time is at most this many ms after t0: rounded up, and
+        // 1000 ppm added for clocks running at different rates (NTP slews
+        // at most 500 ppm).
+        let elapsed = now_us.saturating_sub(self.sent_us);
+        let offset = (elapsed + elapsed / 1000).div_ceil(1000);
         if offset > u64::from(self.life_ms) {
             return None;
         }
@@ -154,6 +158,9 @@ pub struct QuotaLeases {
     hashers: (RandomState, RandomState),
     epoch: Instant,
     redis: Arc<RedisWindow>,
+    /// Told of every settle, before and after: it removes members, so
+    /// Redis may admit sooner than a cached refusal says.
+    denials: Option<Arc<DenialCache>>,
     settle_log: RateLimitedLog,
 }
 
@@ -164,10 +171,11 @@ impl std::fmt::Debug for QuotaLeases {
 }
 
 impl QuotaLeases {
-    /// A table of `slots` keys (rounded up to a power of two) over `redis`.
-    pub fn new(redis: Arc<RedisWindow>, slots: usize) -> Arc<Self> {
+    /// A table of `slots` keys (rounded up to a power of two) over `redis`,
+    /// with the denial cache in front of it.
+    pub fn new(redis: Arc<RedisWindow>, slots: usize, denials: Option<Arc<DenialCache>>) -> Arc<Self> {
         let n = slots.max(1).next_power_of_two();
-        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
+        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, denials, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
     }
 
     fn now_us(&self) -> u64 {
@@ -286,7 +294,15 @@ impl QuotaLeases {
         let leases = self.clone();
         tokio::spawn(async move {
             let scores: Vec<u64> = lease.used_scores().collect();
-            if let Err(e) = leases.redis.settle_lease(&key, window_ms, lease.seq(), lease.granted(), &scores).await {
+            let forget = || {
+                if let Some(d) = &leases.denials {
+                    d.forget_window(&key, window_ms);
+                }
+            };
+            forget();
+            let settled = leases.redis.settle_lease(&key, window_ms, lease.seq(), lease.granted(), &scores).await;
+            forget();
+            if let Err(e) = settled {
                 if let Some(suppressed) = leases.settle_log.permit() {
                     tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
                 }
@@ -306,9 +322,9 @@ mod tests {
         assert!(l.admit(6_000, 99, 1).is_none(), "another limit");
         assert_eq!(l.admit(6_001, 100, 2).map(|v| v.remaining), Some(41));
         assert!(l.admit(7_000, 100, 2).is_none(), "one unit left");
-        assert!(l.admit(255_001, 100, 1).is_none(), "expired: 250.001 ms after the send");
-        assert_eq!(l.admit(255_000, 100, 1).map(|v| v.remaining), Some(40));
-        assert!(l.admit(255_000, 100, 1).is_none(), "spent");
+        assert!(l.admit(254_751, 100, 1).is_none(), "expired: 249.751 ms after the send, 250.000 249 with the rate margin");
+        assert_eq!(l.admit(254_750, 100, 1).map(|v| v.remaining), Some(40));
+        assert!(l.admit(254_750, 100, 1).is_none(), "spent");
         // Rounded up to whole ms after t0.
         assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_000, 1_000_002, 1_000_002, 1_000_250]);
     }
