@@ -130,6 +130,73 @@ if ARGV[1] == 'S' then
   return { rescored, removed }
 end
 
+-- Different keys in one call (cold keys queued at the same moment; one
+-- Redis, or keys of one Cluster slot): ARGV[1] 'B', ARGV[2] now (0: Redis
+-- TIME), ARGV[3] member base, then per key i: window, limit, cost. Each key
+-- is decided exactly as a single call of its own at the same instant would
+-- (its member "<base>.k<i>", ":<u>" per unit of cost); a key named twice is
+-- decided in order, the first admission counting for the second. Returns
+-- per key {allowed, count, remaining, retry_after_ms, reset_ms}, flat.
+if ARGV[1] == 'B' then
+  local now = tonumber(ARGV[2])
+  if now == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  local base = ARGV[3]
+  local out = {}
+  for i = 1, #KEYS do
+    local key = KEYS[i]
+    local a = 4 + 3 * (i - 1)
+    local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+    local count = redis.call('ZCARD', key)
+    if count + cost <= limit then
+      local member = base .. '.k' .. i
+      local args, m = {}, 0
+      for u = 1, cost do
+        args[m + 1] = now
+        args[m + 2] = cost == 1 and member or member .. ':' .. u
+        m = m + 2
+        if m == 1000 or u == cost then
+          redis.call('ZADD', key, unpack(args, 1, m))
+          m = 0
+        end
+      end
+      if redis.call('PTTL', key) < window then
+        redis.call('PEXPIRE', key, window)
+      end
+      count = count + cost
+      out[#out + 1] = 1
+      out[#out + 1] = count
+      out[#out + 1] = limit - count
+      out[#out + 1] = 0
+      out[#out + 1] = window
+    else
+      local rank = count + cost - limit - 1
+      local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
+      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      local retry_after, reset = window, window
+      if oldest[2] then
+        retry_after = tonumber(oldest[2]) + window - now
+      end
+      if newest[2] then
+        reset = tonumber(newest[2]) + window - now
+      end
+      local remaining = limit - count
+      if remaining < 0 then
+        remaining = 0
+      end
+      out[#out + 1] = 0
+      out[#out + 1] = count
+      out[#out + 1] = remaining
+      out[#out + 1] = retry_after
+      out[#out + 1] = reset
+    end
+  end
+  return out
+end
+
 -- Several keys, all or nothing (CHECK_POLICY with several items, or one
 -- refundable item; docs/PROTOCOL.md section 4b). KEYS[i] is item i's
 -- window key (on a Cluster all in one slot: the daemon groups them).
