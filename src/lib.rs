@@ -16,9 +16,9 @@
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | refusals | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit; told by the store of what it removes |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
-//! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window), `shard` (hot-key shard keys) |
+//! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window; cold keys batched across keys), `shard` (hot-key shard keys) |
 //! | policies | `policies` | the configured `[[policy]]` tables by name, overrides, per-policy counters |
-//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores with the fail policies, `respond` and count once |
+//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores (a quota `lease` first) with the fail policies, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
 //! | edges | `daemon`, `bench`, `admin`, `top` | `serve` wiring and reloads; the load generator; `inspect`/`reset`; `ratelimitd top` |

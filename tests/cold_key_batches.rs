@@ -93,3 +93,39 @@ fn a_batch_of_different_keys_decides_exactly_as_calls_one_by_one() {
     eprintln!("base seed {base}: {decisions} decisions compared, {admitted} admitted, 0 mismatches");
     assert!(admitted > decisions / 10 && admitted < decisions * 9 / 10, "traces must mix admissions and refusals: {admitted} of {decisions}");
 }
+
+/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
+fn evalsha_calls(r: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
+    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// A real daemon with `batch_cold_keys`: 16 clients, each checking 150 keys
+/// of its own twice (limit 1): every first check admitted, every second
+/// refused, as one by one; and Redis ran fewer calls than there were checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_batching_cold_keys_decides_each_key_exactly_in_fewer_calls() {
+    use ratelimitd::protocol::Decision;
+    let redis = RedisServer::start_unix();
+    let d = common::Daemon::start(Some(&redis.url()), "timeout_ms = 2000\nbatch_cold_keys = true\n[denial_cache]\nenabled = false");
+    let before = evalsha_calls(&redis);
+    let mut tasks = Vec::new();
+    for c in 0..16 {
+        let mut client = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            for i in 0..150 {
+                let key = format!("cold{c}-{i}");
+                for expect in [Decision::Allowed, Decision::Denied] {
+                    let r = client.check(&common::args(&key, 1, 60_000)).await.unwrap();
+                    assert_eq!(r.decision, expect, "{key}: {r:?}");
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let calls = evalsha_calls(&redis) - before;
+    eprintln!("4800 checks of 2400 keys in {calls} Redis calls");
+    assert!(calls < 4800 * 9 / 10, "{calls} calls for 4800 checks: nothing was batched");
+}

@@ -145,6 +145,7 @@ pub(super) struct RedisSection {
     pub key_prefix: String,
     pub clock: ClockSource,
     pub quota_leases: bool,
+    pub batch_cold_keys: bool,
     pub sentinel: Option<SentinelSection>,
 }
 
@@ -168,6 +169,7 @@ impl Default for RedisSection {
             key_prefix: "ratelimitd:".into(),
             clock: ClockSource::Redis,
             quota_leases: false,
+            batch_cold_keys: false,
             sentinel: None,
         }
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::{RedisWrite, Script, ToRedisArgs};
 use tokio_util::sync::CancellationToken;
 
-use super::coalesce::{Batch, InFlight, Join, Waiter, MAX_BATCH};
+use super::coalesce::{Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
 use super::keys::{verdict, WindowKey};
 use super::link::{LinkSettings, RedisLink};
@@ -101,6 +101,9 @@ pub struct RedisWindow {
     cluster: bool,
     /// Multi-item checks and refunds, and the tasks they leave running.
     multi: Arc<Reservations>,
+    /// Cold log keys batched across keys (`redis.batch_cold_keys`; never
+    /// on a Cluster).
+    cold: Option<ColdLanes>,
 }
 
 /// One request of a call: the call names the key and window.
@@ -137,6 +140,7 @@ impl RedisWindow {
             clock: cfg.clock,
             in_flight: InFlight::default(),
             cluster: matches!(cfg.target, crate::config::RedisTarget::Cluster(_)),
+            cold: (cfg.batch_cold_keys && !matches!(cfg.target, crate::config::RedisTarget::Cluster(_))).then(ColdLanes::default),
         }))
     }
 
@@ -179,12 +183,12 @@ impl RedisWindow {
     pub async fn check(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, StoreError> {
         let fp = self.in_flight.fingerprint(spec.key, spec.window_ms, algorithm);
         match self.in_flight.join(fp, spec.key, spec.window_ms, algorithm, spec.limit, spec.cost) {
-            Join::Alone => self.check_at_with(spec, algorithm, self.now_arg()).await,
+            Join::Alone => self.check_cold(spec, algorithm).await,
             Join::Lead => {
                 // Dropped with the future too (a client gone mid-call), so
                 // the requests queued behind this call are always sent.
                 let _lead = Lead { window: self, fp };
-                self.check_at_with(spec, algorithm, self.now_arg()).await
+                self.check_cold(spec, algorithm).await
             }
             Join::Wait(rx) => {
                 let limit = self.link.timeout();
@@ -198,6 +202,77 @@ impl RedisWindow {
                 }
             }
         }
+    }
+
+    /// The one call of a window with no call in flight: sent at once, or,
+    /// with cold keys batched and every lane busy, queued for the next
+    /// call across keys.
+    async fn check_cold(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, StoreError> {
+        let Some(cold) = self.cold.as_ref().filter(|_| algorithm == Algorithm::Log) else {
+            return self.check_at_with(spec, algorithm, self.now_arg()).await;
+        };
+        match cold.enter(spec.key, spec.window_ms, spec.limit, spec.cost) {
+            Lane::Send => {
+                // Dropped with the future too: the queue behind is always sent.
+                let _lane = ColdLane { window: self };
+                self.check_at_with(spec, algorithm, self.now_arg()).await
+            }
+            Lane::Queued(rx) => {
+                let limit = self.link.timeout();
+                match tokio::time::timeout(limit, rx).await {
+                    Ok(Ok(answer)) => answer,
+                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
+                    Err(_) => Err(StoreError::Timeout(limit)),
+                }
+            }
+        }
+    }
+
+    /// Sends the cold checks queued behind a lane's call, one call across
+    /// keys after another, until none are left; then frees the lane.
+    async fn drain_cold(self: Arc<Self>, mut waiters: Vec<ColdWaiter>) {
+        loop {
+            waiters.retain(|w| !w.tx.is_closed());
+            if !waiters.is_empty() {
+                METRICS.coalesced(waiters.len() as u64);
+                match self.check_keys_at(&waiters, self.now_arg()).await {
+                    Ok(verdicts) => {
+                        for (w, v) in waiters.into_iter().zip(verdicts) {
+                            let _ = w.tx.send(Ok(v));
+                        }
+                    }
+                    Err(e) => {
+                        for w in waiters {
+                            let _ = w.tx.send(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+            match self.cold.as_ref().and_then(ColdLanes::leave) {
+                Some(next) => waiters = next,
+                None => return,
+            }
+        }
+    }
+
+    /// Checks of different log keys in one call (mode 'B'), each decided
+    /// exactly as a call of its own at `now_ms` (0 = Redis `TIME`).
+    async fn check_keys_at(&self, asks: &[ColdWaiter], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
+        let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
+        let mut cmd = redis::Cmd::with_capacity(6 + 4 * asks.len(), 64 + asks.iter().map(|a| 48 + self.key_prefix.len() + a.key.len()).sum::<usize>());
+        cmd.arg("EVALSHA").arg(self.link.script_sha(Algorithm::Log.index())).arg(asks.len());
+        for a in asks {
+            cmd.arg(self.window_key(&a.key, a.window_ms, Algorithm::Log));
+        }
+        cmd.arg("B").arg(now_ms).arg(member);
+        for a in asks {
+            cmd.arg(a.window_ms).arg(a.limit).arg(a.cost);
+        }
+        let flat: Vec<i64> = self.link.eval(&cmd).await?;
+        if flat.len() != 5 * asks.len() {
+            return Err(StoreError::Redis(format!("the script answered {} values for {} keys", flat.len(), asks.len())));
+        }
+        Ok(flat.chunks_exact(5).map(|v| verdict(v[0], v[1], v[2], v[3], v[4])).collect())
     }
 
     /// Sends the requests that queued behind a finished call, batch after
@@ -428,6 +503,21 @@ impl Drop for Lead<'_> {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(self.window.clone().drain(self.fp, batch));
             }
+        }
+    }
+}
+
+/// A cold lane's call: when dropped, the checks queued meanwhile are sent
+/// (in a task, on the same lane), or the lane is freed.
+struct ColdLane<'a> {
+    window: &'a Arc<RedisWindow>,
+}
+
+impl Drop for ColdLane<'_> {
+    fn drop(&mut self) {
+        let Some(next) = self.window.cold.as_ref().and_then(ColdLanes::leave) else { return };
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(self.window.clone().drain_cold(next));
         }
     }
 }
