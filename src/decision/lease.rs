@@ -322,9 +322,9 @@ mod tests {
         assert!(l.admit(6_000, 99, 1).is_none(), "another limit");
         assert_eq!(l.admit(6_001, 100, 2).map(|v| v.remaining), Some(41));
         assert!(l.admit(7_000, 100, 2).is_none(), "one unit left");
-        assert!(l.admit(254_751, 100, 1).is_none(), "expired: 249.751 ms after the send, 250.000 249 with the rate margin");
-        assert_eq!(l.admit(254_750, 100, 1).map(|v| v.remaining), Some(40));
-        assert!(l.admit(254_750, 100, 1).is_none(), "spent");
+        assert!(l.admit(254_752, 100, 1).is_none(), "expired: 249.752 ms after the send, 250.001 with the 1000 ppm margin");
+        assert_eq!(l.admit(254_751, 100, 1).map(|v| v.remaining), Some(40));
+        assert!(l.admit(254_751, 100, 1).is_none(), "spent");
         // Rounded up to whole ms after t0.
         assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_000, 1_000_002, 1_000_002, 1_000_250]);
     }
