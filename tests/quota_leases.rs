@@ -8,6 +8,7 @@
 //!   included) holds more than the limit;
 //! - Redis's record never counts fewer units than the true admissions in
 //!   the window ending now, nor more than the limit.
+//!
 //! No timing assertions: time is virtual.
 
 mod common;
