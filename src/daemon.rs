@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
-use crate::decision::{Backend, Limiter};
+use crate::decision::{Backend, Limiter, QuotaLeases};
 use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
@@ -87,6 +87,9 @@ struct ActiveBackend {
     /// With the Redis backend, unless `[denial_cache]` turns it off; new with
     /// each backend, so no entry outlives the link (and key prefix) it came from.
     denials: Option<Arc<DenialCache>>,
+    /// With the Redis backend and `redis.quota_leases`: new with each
+    /// backend, like the denial cache.
+    leases: Option<Arc<QuotaLeases>>,
     token: CancellationToken,
 }
 
@@ -116,7 +119,11 @@ impl ActiveBackend {
         if let (Backend::Redis(r), Some(d)) = (&backend, &denials) {
             r.set_denial_cache(d.clone());
         }
-        Ok(Self { backend, denials, token })
+        let leases = match (&backend, &cfg.redis) {
+            (Backend::Redis(r), Some(c)) if c.quota_leases => Some(QuotaLeases::new(r.clone(), 4096, denials.clone())),
+            _ => None,
+        };
+        Ok(Self { backend, denials, leases, token })
     }
 
     fn is_ready(&self) -> bool {
@@ -194,7 +201,7 @@ async fn run_use_clock(shutdown: CancellationToken) {
 /// whose policies' counters carry over to the policies of the same name.
 fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, previous: Option<&Limiter>) -> Reloadable {
     let policies = Arc::new(Policies::build(&cfg.policies, previous.map(|l| &**l.policies())));
-    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_policies(policies).with_live_overrides(live.clone());
+    let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_quota_leases(active.leases.clone()).with_policies(policies).with_live_overrides(live.clone());
     Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
 }
 

@@ -16,9 +16,9 @@
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | refusals | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit; told by the store of what it removes |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
-//! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window), `shard` (hot-key shard keys) |
+//! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window; cold keys batched across keys), `shard` (hot-key shard keys) |
 //! | policies | `policies`, `live_overrides` | the configured `[[policy]]` tables by name, overrides, per-policy counters; the admin API's overrides in force |
-//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores with the fail policies, `respond` and count once |
+//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores (a quota `lease` first) with the fail policies, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
 //! | operations | `admin` | a key's windows in Redis: inspect, reset |
@@ -53,4 +53,5 @@ mod top_refused;
 pub mod top_snapshot;
 pub mod window;
 
-pub use crate::redis::{BatchAsk, RedisWindow};
+pub use crate::decision::{lease_life_ms, QuotaLease, MAX_LEASE_UNITS};
+pub use crate::redis::{BatchAsk, LeaseGrant, RedisWindow};

@@ -555,3 +555,57 @@ async fn a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried
 async fn a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_on_redis() {
     untried_shard_is_not_a_refusal(Store::Redis).await;
 }
+
+/// Quota leases and cold-key batching in the pipeline (issue 23): a hot
+/// single-check key leases (one Redis call for many admissions), a
+/// sharded key leases per shard, and single, multi-item and refundable
+/// checks and refunds of the same keys together never admit more than the
+/// limit; once the leases are settled they admit exactly the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_keys_admit_their_limit_across_single_multi_item_refundable_checks_and_refunds() {
+    let redis = RedisServer::start_unix();
+    let config = format!(
+        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\nquota_leases = true\nbatch_cold_keys = true\n\
+         [[policy]]\nname = \"wide\"\nlimit = 60\nwindow = \"60s\"\n\
+         [[policy]]\nname = \"split\"\nlimit = 60\nwindow = \"60s\"\nshards = 2\n\
+         [[policy]]\nname = \"ip\"\nlimit = 1000\nwindow = \"60s\"\n",
+        redis.url()
+    );
+    let d = Daemon::start_config(&config);
+    let mut c = d.client().await;
+    for name in ["wide", "split"] {
+        let evalsha = || {
+            let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
+            info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
+        };
+        let calls_before = evalsha();
+        let mut got = 0;
+        for _ in 0..30 {
+            got += u32::from(admitted(&c.check_policy(&policy(name, "k")).await.unwrap()));
+        }
+        assert_eq!(got, 30, "{name}: room for all");
+        let calls = evalsha() - calls_before;
+        assert!(calls < 25, "{name}: 30 admissions in {calls} Redis calls: no lease was used");
+        // A refundable check and a multi-item check while leases may be out,
+        // then a refund.
+        let r = c.check_multi(FailPolicy::Closed, 0, true, &[item(name, "k")]).await.unwrap();
+        let refundable = admitted(&r);
+        let multi = admitted(&c.check_multi(FailPolicy::Closed, 0, false, &[item(name, "k"), item("ip", name)]).await.unwrap());
+        if refundable {
+            let handle = r.extension.as_ref().and_then(|e| e.handle).expect("an admitted refundable check has a handle");
+            let back = c.refund(&handle, &[item(name, "k")]).await.unwrap();
+            assert_eq!(back.count, 1, "{name}: {back:?}");
+        }
+        // The leases settle within their life (1 s for a 60 s window).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut more = 0;
+        for _ in 0..40 {
+            more += u32::from(admitted(&c.check_policy(&policy(name, "k")).await.unwrap()));
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        for _ in 0..5 {
+            more += u32::from(admitted(&c.check_policy(&policy(name, "k")).await.unwrap()));
+        }
+        assert_eq!(30 + u32::from(multi) + more, 60, "{name}: exactly the limit (refundable {refundable}, multi {multi})");
+    }
+}

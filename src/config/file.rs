@@ -168,6 +168,8 @@ pub(super) struct RedisSection {
     pub max_in_flight: u32,
     pub key_prefix: String,
     pub clock: ClockSource,
+    pub quota_leases: bool,
+    pub batch_cold_keys: bool,
     pub sentinel: Option<SentinelSection>,
 }
 
@@ -190,6 +192,8 @@ impl Default for RedisSection {
             max_in_flight: 1024,
             key_prefix: "ratelimitd:".into(),
             clock: ClockSource::Redis,
+            quota_leases: false,
+            batch_cold_keys: false,
             sentinel: None,
         }
     }

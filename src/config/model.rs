@@ -216,6 +216,11 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Which clock timestamps admissions.
     pub clock: ClockSource,
+    /// Hot log keys are admitted from quota leases (docs/PERFORMANCE.md).
+    pub quota_leases: bool,
+    /// Checks of different log keys queued while every cold lane is busy
+    /// go to Redis in one call (one Redis or Sentinel; not a Cluster).
+    pub batch_cold_keys: bool,
 }
 
 /// The default Redis URL.

@@ -217,6 +217,9 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
             RedisTarget::Url(url)
         }
     };
+    if r.batch_cold_keys && matches!(&target, RedisTarget::Cluster(_)) {
+        p.add("redis.batch_cold_keys", "not with redis.cluster: one call's keys would span slots");
+    }
     if r.cluster_tls && !matches!(&target, RedisTarget::Cluster(_)) {
         p.add("redis.cluster_tls", "applies to redis.cluster only (a single Redis says rediss:// in its url)");
     }
@@ -262,6 +265,8 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
         max_in_flight,
         key_prefix: r.key_prefix,
         clock: r.clock,
+        quota_leases: r.quota_leases,
+        batch_cold_keys: r.batch_cold_keys,
     };
     (p.0.len() == before).then_some(cfg)
 }
@@ -690,6 +695,8 @@ mod tests {
         assert_eq!(ok.describe(), "cluster 10.0.0.1:6379,[::1]:7000");
         let tls = redis_of(parse("[redis]\ncluster = [\"h:1\"]\ncluster_tls = true\ntls_ca_file = \"/etc/hostname\"\n").unwrap());
         assert!(matches!(&tls.target, RedisTarget::Cluster(c) if c.tls));
+        let e = parse("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = true\n").unwrap_err().to_string();
+        assert!(e.contains("redis.batch_cold_keys: not with redis.cluster"), "{e}");
         let e = parse("[redis]\ncluster = []\n").unwrap_err().to_string();
         assert!(e.contains("redis.cluster: needs at least one"), "{e}");
         let e = parse("[redis]\ncluster = [\"h\", \"h:0\", \"h:70000\"]\n").unwrap_err().to_string();

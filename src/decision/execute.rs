@@ -11,6 +11,7 @@ use crate::metrics::METRICS;
 use crate::protocol::{Algorithm, ErrorCode, FailPolicy, Response, Source};
 use crate::window::{nominal_window_ms, LimitSpec, StoreError, Verdict};
 
+use super::lease::Take;
 use super::plan::ShardOrder;
 use super::respond::{error_code, verdict_response, OVERLOADED_MESSAGE};
 use super::resolve::Item;
@@ -46,13 +47,28 @@ impl Limiter {
         match &self.backend {
             Backend::Local => self.local.check(spec, algorithm).map(|v| (Source::Memory, v)).map_err(NoVerdict::Full),
             Backend::Redis(redis) => {
+                // A quota lease first (log only): admitted with no Redis call.
+                let leased = match self.leases.as_ref().filter(|_| algorithm == Algorithm::Log).map(|l| (l, l.take(spec))) {
+                    Some((_, Take::Admitted(v))) => return Ok((Source::Redis, v)),
+                    Some((l, Take::Lease { fp, want })) => Some((l, fp, want)),
+                    _ => None,
+                };
                 let denials = self.denials.as_deref().filter(|_| is_exact_for(algorithm));
                 let ticket = match denials.map(|d| d.check(spec, algorithm)) {
-                    Some(Lookup::Refused(v)) => return Ok((Source::DenialCache, v)),
+                    Some(Lookup::Refused(v)) => {
+                        if let Some((l, fp, _)) = leased {
+                            l.abandon(fp);
+                        }
+                        return Ok((Source::DenialCache, v));
+                    }
                     Some(Lookup::Miss(ticket)) => Some(ticket),
                     None => None,
                 };
-                let v = redis.check(spec, algorithm).await.map_err(NoVerdict::Store)?;
+                let v = match leased {
+                    Some((l, fp, want)) => l.lease(fp, spec, want).await,
+                    None => redis.check(spec, algorithm).await,
+                }
+                .map_err(NoVerdict::Store)?;
                 if let (Some(d), Some(t)) = (denials, ticket) {
                     d.record(t, spec.cost, &v);
                 }

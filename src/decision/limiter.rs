@@ -12,6 +12,8 @@ use crate::log_limit::RateLimitedLog;
 use crate::policies::Policies;
 use crate::redis::RedisWindow;
 
+use super::lease::QuotaLeases;
+
 /// Where decisions are made.
 #[derive(Debug, Clone)]
 pub enum Backend {
@@ -37,6 +39,8 @@ pub struct Limiter {
     pub(super) unknown_policy_log: RateLimitedLog,
     /// Overrides set through the admin API; outlives reloads.
     pub(super) live_overrides: Arc<LiveOverrides>,
+    /// Quota leases on hot log keys (Redis backend, when enabled).
+    pub(super) leases: Option<Arc<QuotaLeases>>,
 }
 
 
@@ -52,6 +56,7 @@ impl Limiter {
             policies: Arc::default(),
             unknown_policy_log: RateLimitedLog::new(Duration::from_secs(1)),
             live_overrides: Arc::default(),
+            leases: None,
         }
     }
 
@@ -72,6 +77,11 @@ impl Limiter {
     /// Puts `denials` in front of the Redis backend.
     pub fn with_denial_cache(self, denials: Option<Arc<DenialCache>>) -> Self {
         Self { denials, ..self }
+    }
+
+    /// Admits hot log keys from quota leases (`super::lease`).
+    pub fn with_quota_leases(self, leases: Option<Arc<QuotaLeases>>) -> Self {
+        Self { leases, ..self }
     }
 
     pub fn backend(&self) -> &Backend {

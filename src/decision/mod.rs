@@ -22,6 +22,7 @@
 
 mod count;
 mod execute;
+mod lease;
 mod limiter;
 mod multi;
 mod plan;
@@ -36,6 +37,7 @@ use crate::protocol::{
 };
 
 pub(crate) use count::count_undecoded;
+pub use lease::{lease_life_ms, QuotaLease, QuotaLeases, MAX_LEASE_UNITS};
 pub use limiter::{Backend, Limiter};
 
 use count::{account, Charge};

@@ -201,3 +201,66 @@ mod tests {
         assert_eq!(t.fingerprint(b"k", 1000, Algorithm::Log), t.fingerprint(b"k", 1000, Algorithm::Log));
     }
 }
+
+/// Cold keys batched across keys (`[redis] batch_cold_keys`, log only, one
+/// Redis): at most `COLD_LANES` single-key calls in flight; a check that
+/// finds them all busy queues here, and when one returns, the queue goes to
+/// Redis as one call of different keys (src/redis/sliding_window.lua, mode
+/// 'B'), each decided exactly as a call of its own at that instant. No
+/// timer: with a lane free a check is sent at once.
+pub const COLD_LANES: u32 = 4;
+
+/// A check queued for the next cross-key call.
+#[derive(Debug)]
+pub struct ColdWaiter {
+    pub key: Box<[u8]>,
+    pub window_ms: u32,
+    pub limit: u32,
+    pub cost: u32,
+    pub tx: oneshot::Sender<Answer>,
+}
+
+/// What `ColdLanes::enter` says.
+pub enum Lane {
+    /// A lane is ours: send the call, then `leave`.
+    Send,
+    /// Queued: the answer comes on this channel.
+    Queued(oneshot::Receiver<Answer>),
+}
+
+/// The lanes in use and the queue behind them, under one lock held for a
+/// counter change or a push only.
+#[derive(Debug, Default)]
+pub struct ColdLanes {
+    state: Mutex<(u32, Vec<ColdWaiter>)>,
+}
+
+impl ColdLanes {
+    fn lock(&self) -> MutexGuard<'_, (u32, Vec<ColdWaiter>)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a lane, or queues the check.
+    pub fn enter(&self, key: &[u8], window_ms: u32, limit: u32, cost: u32) -> Lane {
+        let mut s = self.lock();
+        if s.0 < COLD_LANES {
+            s.0 += 1;
+            return Lane::Send;
+        }
+        let (tx, rx) = oneshot::channel();
+        s.1.push(ColdWaiter { key: key.into(), window_ms, limit, cost, tx });
+        Lane::Queued(rx)
+    }
+
+    /// A lane's call returned: the queue (up to `MAX_BATCH`) to send next
+    /// on the same lane, or the lane is freed.
+    pub fn leave(&self) -> Option<Vec<ColdWaiter>> {
+        let mut s = self.lock();
+        if s.1.is_empty() {
+            s.0 -= 1;
+            return None;
+        }
+        let rest = if s.1.len() > MAX_BATCH { s.1.split_off(MAX_BATCH) } else { Vec::new() };
+        Some(std::mem::replace(&mut s.1, rest))
+    }
+}

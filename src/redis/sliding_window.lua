@@ -28,6 +28,175 @@
 -- TIME is non-deterministic; scripts with a shebang always replicate their
 -- effects, so writes after it are safe.
 
+-- Quota leases (docs/PERFORMANCE.md, "Quota leases"): a daemon that sees a
+-- key often reserves units of its quota and admits from them locally.
+-- Lease: ARGV[1] 'L', ARGV[2] window, ARGV[3] now (0: Redis TIME), ARGV[4]
+-- member base, ARGV[5] limit, ARGV[6] cost, ARGV[7] units wanted, ARGV[8]
+-- lease life in ms. The request itself is decided as a single check; if it
+-- is admitted, up to min(wanted, floor(room left / 2)) units are reserved as
+-- "<base>.l<u>", scored now + life: the latest true time of any admission
+-- made from them (the daemon admits from a lease only until life ms after it
+-- sent this call), so each unit counts for a full window after the admission
+-- it may stand for, settled or not (a daemon killed holding a lease
+-- over-admits nothing). Returns {allowed, count, remaining, retry_after_ms,
+-- reset_ms, granted, now}; count includes the request and the units, and
+-- remaining excludes both.
+-- Settle: ARGV[1] 'S', ARGV[2] member base, ARGV[3] units granted, then the
+-- score of each used unit (units 1..u in order): used units are re-scored
+-- (ZADD XX: never recreated once out of the window), unused ones removed.
+-- Returns {rescored, removed}.
+-- The key's expiry is only ever extended (PTTL first): a lease's units
+-- live until now + life + window, beyond a later admission's window.
+if ARGV[1] == 'L' then
+  local key = KEYS[1]
+  local window, now, base = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+  local limit, cost, want, life = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  if now == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+  local count = redis.call('ZCARD', key)
+  if count + cost > limit then
+    local rank = count + cost - limit - 1
+    local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local retry_after, reset = window, window
+    if oldest[2] then
+      retry_after = tonumber(oldest[2]) + window - now
+    end
+    if newest[2] then
+      reset = tonumber(newest[2]) + window - now
+    end
+    local remaining = limit - count
+    if remaining < 0 then
+      remaining = 0
+    end
+    return { 0, count, remaining, retry_after, reset, 0, now }
+  end
+  local args, m = {}, 0
+  for i = 1, cost do
+    args[m + 1] = now
+    args[m + 2] = cost == 1 and base or base .. ':' .. i
+    m = m + 2
+    if m == 1000 or i == cost then
+      redis.call('ZADD', key, unpack(args, 1, m))
+      m = 0
+    end
+  end
+  count = count + cost
+  local granted = math.floor((limit - count) / 2)
+  if granted > want then
+    granted = want
+  end
+  m = 0
+  for u = 1, granted do
+    args[m + 1] = now + life
+    args[m + 2] = base .. '.l' .. u
+    m = m + 2
+    if m == 1000 or u == granted then
+      redis.call('ZADD', key, unpack(args, 1, m))
+      m = 0
+    end
+  end
+  if redis.call('PTTL', key) < window + life then
+    redis.call('PEXPIRE', key, window + life)
+  end
+  return { 1, count + granted, limit - count - granted, 0, window, granted, now }
+end
+if ARGV[1] == 'S' then
+  local key, base, granted = KEYS[1], ARGV[2], tonumber(ARGV[3])
+  local used = #ARGV - 3
+  local rescored, removed = 0, 0
+  local args, m = { 'XX', 'CH' }, 2
+  for u = 1, used do
+    args[m + 1] = ARGV[3 + u]
+    args[m + 2] = base .. '.l' .. u
+    m = m + 2
+    if m >= 1000 or u == used then
+      rescored = rescored + redis.call('ZADD', key, unpack(args, 1, m))
+      m = 2
+    end
+  end
+  args, m = {}, 0
+  for u = used + 1, granted do
+    m = m + 1
+    args[m] = base .. '.l' .. u
+    if m == 1000 or u == granted then
+      removed = removed + redis.call('ZREM', key, unpack(args, 1, m))
+      m = 0
+    end
+  end
+  return { rescored, removed }
+end
+
+-- Different keys in one call (cold keys queued at the same moment; one
+-- Redis, or keys of one Cluster slot): ARGV[1] 'B', ARGV[2] now (0: Redis
+-- TIME), ARGV[3] member base, then per key i: window, limit, cost. Each key
+-- is decided exactly as a single call of its own at the same instant would
+-- (its member "<base>.k<i>", ":<u>" per unit of cost); a key named twice is
+-- decided in order, the first admission counting for the second. Returns
+-- per key {allowed, count, remaining, retry_after_ms, reset_ms}, flat.
+if ARGV[1] == 'B' then
+  local now = tonumber(ARGV[2])
+  if now == 0 then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  local base = ARGV[3]
+  local out = {}
+  for i = 1, #KEYS do
+    local key = KEYS[i]
+    local a = 4 + 3 * (i - 1)
+    local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+    local count = redis.call('ZCARD', key)
+    if count + cost <= limit then
+      local member = base .. '.k' .. i
+      local args, m = {}, 0
+      for u = 1, cost do
+        args[m + 1] = now
+        args[m + 2] = cost == 1 and member or member .. ':' .. u
+        m = m + 2
+        if m == 1000 or u == cost then
+          redis.call('ZADD', key, unpack(args, 1, m))
+          m = 0
+        end
+      end
+      if redis.call('PTTL', key) < window then
+        redis.call('PEXPIRE', key, window)
+      end
+      count = count + cost
+      out[#out + 1] = 1
+      out[#out + 1] = count
+      out[#out + 1] = limit - count
+      out[#out + 1] = 0
+      out[#out + 1] = window
+    else
+      local rank = count + cost - limit - 1
+      local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
+      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      local retry_after, reset = window, window
+      if oldest[2] then
+        retry_after = tonumber(oldest[2]) + window - now
+      end
+      if newest[2] then
+        reset = tonumber(newest[2]) + window - now
+      end
+      local remaining = limit - count
+      if remaining < 0 then
+        remaining = 0
+      end
+      out[#out + 1] = 0
+      out[#out + 1] = count
+      out[#out + 1] = remaining
+      out[#out + 1] = retry_after
+      out[#out + 1] = reset
+    end
+  end
+  return out
+end
+
 -- Several keys, all or nothing (CHECK_POLICY with several items, or one
 -- refundable item; docs/PROTOCOL.md section 4b). KEYS[i] is item i's
 -- window key (on a Cluster all in one slot: the daemon groups them).
@@ -168,7 +337,9 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
           end
         end
       end
-      redis.call('PEXPIRE', key, window)
+      if redis.call('PTTL', key) < window then
+        redis.call('PEXPIRE', key, window)
+      end
       if reserve == 0 then
         count = count + cost
         out[#out + 1] = 1
@@ -258,7 +429,8 @@ for j = 1, n do
   end
 end
 
-if admitted then
+-- Never shortened: a lease's units may outlive this admission's window.
+if admitted and redis.call('PTTL', key) < window then
   redis.call('PEXPIRE', key, window)
 end
 return out

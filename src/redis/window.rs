@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::{RedisWrite, Script, ToRedisArgs};
 use tokio_util::sync::CancellationToken;
 
-use super::coalesce::{Batch, InFlight, Join, Waiter, MAX_BATCH};
+use super::coalesce::{Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
 use super::keys::{verdict, WindowKey};
 use super::link::{LinkSettings, RedisLink};
@@ -101,6 +101,9 @@ pub struct RedisWindow {
     cluster: bool,
     /// Multi-item checks and refunds, and the tasks they leave running.
     multi: Arc<Reservations>,
+    /// Cold log keys batched across keys (`redis.batch_cold_keys`; never
+    /// on a Cluster).
+    cold: Option<ColdLanes>,
 }
 
 /// One request of a call: the call names the key and window.
@@ -137,6 +140,7 @@ impl RedisWindow {
             clock: cfg.clock,
             in_flight: InFlight::default(),
             cluster: matches!(cfg.target, crate::config::RedisTarget::Cluster(_)),
+            cold: (cfg.batch_cold_keys && !matches!(cfg.target, crate::config::RedisTarget::Cluster(_))).then(ColdLanes::default),
         }))
     }
 
@@ -179,12 +183,12 @@ impl RedisWindow {
     pub async fn check(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, StoreError> {
         let fp = self.in_flight.fingerprint(spec.key, spec.window_ms, algorithm);
         match self.in_flight.join(fp, spec.key, spec.window_ms, algorithm, spec.limit, spec.cost) {
-            Join::Alone => self.check_at_with(spec, algorithm, self.now_arg()).await,
+            Join::Alone => self.check_cold(spec, algorithm).await,
             Join::Lead => {
                 // Dropped with the future too (a client gone mid-call), so
                 // the requests queued behind this call are always sent.
                 let _lead = Lead { window: self, fp };
-                self.check_at_with(spec, algorithm, self.now_arg()).await
+                self.check_cold(spec, algorithm).await
             }
             Join::Wait(rx) => {
                 let limit = self.link.timeout();
@@ -198,6 +202,77 @@ impl RedisWindow {
                 }
             }
         }
+    }
+
+    /// The one call of a window with no call in flight: sent at once, or,
+    /// with cold keys batched and every lane busy, queued for the next
+    /// call across keys.
+    async fn check_cold(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<Verdict, StoreError> {
+        let Some(cold) = self.cold.as_ref().filter(|_| algorithm == Algorithm::Log) else {
+            return self.check_at_with(spec, algorithm, self.now_arg()).await;
+        };
+        match cold.enter(spec.key, spec.window_ms, spec.limit, spec.cost) {
+            Lane::Send => {
+                // Dropped with the future too: the queue behind is always sent.
+                let _lane = ColdLane { window: self };
+                self.check_at_with(spec, algorithm, self.now_arg()).await
+            }
+            Lane::Queued(rx) => {
+                let limit = self.link.timeout();
+                match tokio::time::timeout(limit, rx).await {
+                    Ok(Ok(answer)) => answer,
+                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
+                    Err(_) => Err(StoreError::Timeout(limit)),
+                }
+            }
+        }
+    }
+
+    /// Sends the cold checks queued behind a lane's call, one call across
+    /// keys after another, until none are left; then frees the lane.
+    async fn drain_cold(self: Arc<Self>, mut waiters: Vec<ColdWaiter>) {
+        loop {
+            waiters.retain(|w| !w.tx.is_closed());
+            if !waiters.is_empty() {
+                METRICS.coalesced(waiters.len() as u64);
+                match self.check_keys_at(&waiters, self.now_arg()).await {
+                    Ok(verdicts) => {
+                        for (w, v) in waiters.into_iter().zip(verdicts) {
+                            let _ = w.tx.send(Ok(v));
+                        }
+                    }
+                    Err(e) => {
+                        for w in waiters {
+                            let _ = w.tx.send(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+            match self.cold.as_ref().and_then(ColdLanes::leave) {
+                Some(next) => waiters = next,
+                None => return,
+            }
+        }
+    }
+
+    /// Checks of different log keys in one call (mode 'B'), each decided
+    /// exactly as a call of its own at `now_ms` (0 = Redis `TIME`).
+    async fn check_keys_at(&self, asks: &[ColdWaiter], now_ms: u64) -> Result<Vec<Verdict>, StoreError> {
+        let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
+        let mut cmd = redis::Cmd::with_capacity(6 + 4 * asks.len(), 64 + asks.iter().map(|a| 48 + self.key_prefix.len() + a.key.len()).sum::<usize>());
+        cmd.arg("EVALSHA").arg(self.link.script_sha(Algorithm::Log.index())).arg(asks.len());
+        for a in asks {
+            cmd.arg(self.window_key(&a.key, a.window_ms, Algorithm::Log));
+        }
+        cmd.arg("B").arg(now_ms).arg(member);
+        for a in asks {
+            cmd.arg(a.window_ms).arg(a.limit).arg(a.cost);
+        }
+        let flat: Vec<i64> = self.link.eval(&cmd).await?;
+        if flat.len() != 5 * asks.len() {
+            return Err(StoreError::Redis(format!("the script answered {} values for {} keys", flat.len(), asks.len())));
+        }
+        Ok(flat.chunks_exact(5).map(|v| verdict(v[0], v[1], v[2], v[3], v[4])).collect())
     }
 
     /// Sends the requests that queued behind a finished call, batch after
@@ -306,6 +381,67 @@ impl RedisWindow {
     }
 }
 
+/// What a lease call answered (src/redis/sliding_window.lua, mode 'L').
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseGrant {
+    /// The request's own verdict; its count includes the units reserved.
+    pub verdict: Verdict,
+    /// Units reserved for local admissions (0: none).
+    pub granted: u32,
+    /// The script's clock when it ran (Redis TIME, or the caller's `now`).
+    pub now_ms: u64,
+    /// Names the units: they are `<instance>:<seq>.l<u>`.
+    pub seq: u64,
+}
+
+impl RedisWindow {
+    /// Decides one log request (cost at most its limit) and, if it is
+    /// admitted, reserves up to `want` units of the key's quota for local
+    /// admissions during `life_ms` after this call was sent. Never
+    /// coalesced; `now_ms` 0 = Redis `TIME`.
+    pub async fn lease_at(&self, spec: &LimitSpec<'_>, want: u32, life_ms: u32, now_ms: u64) -> Result<LeaseGrant, StoreError> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let mut cmd = redis::Cmd::with_capacity(12, 128 + self.key_prefix.len() + spec.key.len());
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(Algorithm::Log.index()))
+            .arg(1)
+            .arg(self.window_key(spec.key, spec.window_ms, Algorithm::Log))
+            .arg("L")
+            .arg(spec.window_ms)
+            .arg(now_ms)
+            .arg(MemberId { instance: self.instance, seq })
+            .arg(spec.limit)
+            .arg(spec.cost)
+            .arg(want)
+            .arg(life_ms);
+        let r: (i64, i64, i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok(LeaseGrant { verdict: verdict(r.0, r.1, r.2, r.3, r.4), granted: r.5.clamp(0, i64::from(want)) as u32, now_ms: r.6.max(0) as u64, seq })
+    }
+
+    /// `lease_at` on this backend's clock.
+    pub async fn lease_now(&self, spec: &LimitSpec<'_>, want: u32, life_ms: u32) -> Result<LeaseGrant, StoreError> {
+        self.lease_at(spec, want, life_ms, self.now_arg()).await
+    }
+
+    /// Settles lease `seq` of `granted` units on the log window `key`:
+    /// units 1..=scores.len() get those scores, the rest are removed.
+    /// Returns (rescored, removed).
+    pub async fn settle_lease(&self, key: &[u8], window_ms: u32, seq: u64, granted: u32, scores: &[u64]) -> Result<(i64, i64), StoreError> {
+        let mut cmd = redis::Cmd::with_capacity(7 + scores.len(), 96 + self.key_prefix.len() + key.len() + 14 * scores.len());
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(Algorithm::Log.index()))
+            .arg(1)
+            .arg(self.window_key(key, window_ms, Algorithm::Log))
+            .arg("S")
+            .arg(MemberId { instance: self.instance, seq })
+            .arg(granted);
+        for s in scores {
+            cmd.arg(*s);
+        }
+        self.link.eval(&cmd).await
+    }
+}
+
 impl RedisWindow {
     /// Decides several items all or nothing, within one deadline
     /// (docs/PROTOCOL.md 4b; how across Cluster slots: `multi`). Never
@@ -376,6 +512,21 @@ impl Drop for Lead<'_> {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(self.window.clone().drain(self.fp, batch));
             }
+        }
+    }
+}
+
+/// A cold lane's call: when dropped, the checks queued meanwhile are sent
+/// (in a task, on the same lane), or the lane is freed.
+struct ColdLane<'a> {
+    window: &'a Arc<RedisWindow>,
+}
+
+impl Drop for ColdLane<'_> {
+    fn drop(&mut self) {
+        let Some(next) = self.window.cold.as_ref().and_then(ColdLanes::leave) else { return };
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(self.window.clone().drain_cold(next));
         }
     }
 }

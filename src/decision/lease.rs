@@ -1,0 +1,337 @@
+//! Quota leases: admitted requests on a hot key without a Redis call
+//! (docs/PERFORMANCE.md, "Quota leases", states where this is exact).
+//!
+//! A daemon that sees a log key often on this host asks, with the request
+//! that finds no lease, for a few units of the key's quota in the same
+//! script call (src/redis/sliding_window.lua, mode 'L'). Redis reserves
+//! them only from room to spare (at most half the room left after the
+//! request), scored `t0 + life` where `t0` is the script's clock. The
+//! daemon admits from them for `life` ms after it *sent* the call, timing
+//! each local admission `t0 + ceil(local now - local send)` ms: never
+//! earlier than its true time on the script's clock (the script ran after
+//! the send), never later than `t0 + life`. When the lease ends (spent,
+//! expired, or its limit changed) one call settles it (mode 'S'): used
+//! units get their times, unused ones are removed. Every unit counts in
+//! Redis for a full window after the admission it may stand for, settled
+//! or not, so no window of Redis's record ever holds fewer members than
+//! true admissions: a refusal stays exact and an admission never exceeds
+//! the limit. The cost is under-admission: unused units count until the
+//! settle (at most `life` + one call), or until `t0 + life + window` if the
+//! daemon dies holding them.
+//!
+//! Only single checks of the log lease (sharded keys lease per shard); a
+//! multi-item or refundable check goes through Redis's all-or-nothing path
+//! as before (its members are named by the refund handle), and its count
+//! includes the units any daemon holds.
+
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::denial_cache::DenialCache;
+use crate::log_limit::RateLimitedLog;
+use crate::redis::RedisWindow;
+use crate::window::{LimitSpec, StoreError, Verdict};
+
+/// Units a lease holds at most: one settle call re-scores them in one ZADD.
+pub const MAX_LEASE_UNITS: u32 = 256;
+/// Requests on a key within one lease life before it is leased.
+const HOT_HITS: u32 = 8;
+
+/// One lease as the daemon holds it: pure state, times passed in (µs on
+/// the daemon's monotonic clock), so that a test can run it on virtual time.
+#[derive(Debug)]
+pub struct QuotaLease {
+    seq: u64,
+    limit: u32,
+    /// The script's clock when it reserved the units, ms.
+    t0_ms: u64,
+    /// When the reserving call was sent, µs on the local clock.
+    sent_us: u64,
+    life_ms: u32,
+    granted: u32,
+    /// The key's room outside this lease when granted.
+    outside: u32,
+    /// The ms offset from `t0_ms` of each used unit, in unit order.
+    offsets: Vec<u32>,
+}
+
+impl QuotaLease {
+    /// A lease of `granted` units (at most `MAX_LEASE_UNITS`) reserved by
+    /// the call sent at `sent_us` that ran at `t0_ms`, for `limit`.
+    pub fn new(seq: u64, limit: u32, t0_ms: u64, sent_us: u64, life_ms: u32, granted: u32, outside: u32) -> Self {
+        let granted = granted.min(MAX_LEASE_UNITS);
+        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize) }
+    }
+
+    /// Admits `cost` units at local time `now_us` for a request of `limit`,
+    /// or None: the lease is spent, expired, or was granted for another
+    /// limit. No allocation (the offsets' capacity is the lease's size).
+    pub fn admit(&mut self, now_us: u64, limit: u32, cost: u32) -> Option<Verdict> {
+        let used = self.offsets.len() as u32;
+        if limit != self.limit || cost == 0 || cost > self.granted - used {
+            return None;
+        }
+        // The true time is at most this many ms after t0: rounded up, and
+        // 1000 ppm added for clocks running at different rates (NTP slews
+        // at most 500 ppm).
+        let elapsed = now_us.saturating_sub(self.sent_us);
+        let offset = (elapsed + elapsed / 1000).div_ceil(1000);
+        if offset > u64::from(self.life_ms) {
+            return None;
+        }
+        for _ in 0..cost {
+            self.offsets.push(offset as u32);
+        }
+        let remaining = self.outside + (self.granted - used - cost);
+        Some(Verdict { allowed: true, count: self.limit.saturating_sub(remaining), remaining, retry_after_ms: 0, reset_ms: 0 })
+    }
+
+    /// The scores of the used units, in unit order, for the settle call.
+    pub fn used_scores(&self) -> impl Iterator<Item = u64> + '_ {
+        self.offsets.iter().map(|&o| self.t0_ms + u64::from(o))
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    pub fn granted(&self) -> u32 {
+        self.granted
+    }
+
+    pub fn used(&self) -> u32 {
+        self.offsets.len() as u32
+    }
+
+    /// µs after which it admits nothing more (local clock).
+    pub fn ends_us(&self) -> u64 {
+        self.sent_us + u64::from(self.life_ms) * 1000
+    }
+}
+
+/// How long a lease of a window of `window_ms` admits: a quarter of the
+/// window, at most 1 s; none under 40 ms windows (0).
+pub fn lease_life_ms(window_ms: u32) -> u32 {
+    let life = (window_ms / 4).min(1000);
+    if life < 10 {
+        0
+    } else {
+        life
+    }
+}
+
+/// Units to ask for after `hits` requests in the last lease life: the rate
+/// on this host with a quarter to spare.
+pub fn units_wanted(hits: u32) -> u32 {
+    (hits + hits / 4 + 1).clamp(2, MAX_LEASE_UNITS)
+}
+
+/// One key's place in the table: its recent rate and its lease.
+#[derive(Debug, Default)]
+struct Slot {
+    fp: u128,
+    period_start_us: u64,
+    hits: u32,
+    last_hits: u32,
+    refilling: bool,
+    lease: Option<QuotaLease>,
+}
+
+/// What the table says of one request.
+pub(super) enum Take {
+    /// Admitted from the key's lease.
+    Admitted(Verdict),
+    /// Ask Redis with a lease of this many units (slot `fp`); then
+    /// `lease`, or `abandon` if something else answers.
+    Lease { fp: u128, want: u32 },
+    /// Decide as without leases.
+    Pass,
+}
+
+/// The leases of this daemon: a fixed table of slots by key fingerprint
+/// (no allocation per request, bounded memory), one short lock per slot.
+pub struct QuotaLeases {
+    slots: Box<[Mutex<Slot>]>,
+    /// Two keyed hashes of (key, window): slots are found by a 128-bit
+    /// fingerprint no client can aim at.
+    hashers: (RandomState, RandomState),
+    epoch: Instant,
+    redis: Arc<RedisWindow>,
+    /// Told of every settle, before and after: it removes members, so
+    /// Redis may admit sooner than a cached refusal says.
+    denials: Option<Arc<DenialCache>>,
+    settle_log: RateLimitedLog,
+}
+
+impl std::fmt::Debug for QuotaLeases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuotaLeases").field("slots", &self.slots.len()).finish()
+    }
+}
+
+impl QuotaLeases {
+    /// A table of `slots` keys (rounded up to a power of two) over `redis`,
+    /// with the denial cache in front of it.
+    pub fn new(redis: Arc<RedisWindow>, slots: usize, denials: Option<Arc<DenialCache>>) -> Arc<Self> {
+        let n = slots.max(1).next_power_of_two();
+        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, denials, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    fn slot(&self, fp: u128) -> MutexGuard<'_, Slot> {
+        // Every change under the lock is a few assignments: a panic cannot
+        // leave a slot half-changed.
+        self.slots[fp as usize & (self.slots.len() - 1)].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admits from the key's lease, or says whether to ask for one. A
+    /// lease that can no longer admit this request is taken out and
+    /// settled in a task of its own.
+    pub(super) fn take(self: &Arc<Self>, spec: &LimitSpec<'_>) -> Take {
+        let life = lease_life_ms(spec.window_ms);
+        if life == 0 {
+            return Take::Pass;
+        }
+        let hash = |s: &RandomState| s.hash_one((spec.key, spec.window_ms));
+        let fp = (u128::from(hash(&self.hashers.0)) << 64) | u128::from(hash(&self.hashers.1));
+        let now = self.now_us();
+        let mut slot = self.slot(fp);
+        if slot.fp != fp {
+            if slot.lease.is_some() || slot.refilling {
+                // Another key holds the slot until its lease ends.
+                return Take::Pass;
+            }
+            *slot = Slot { fp, ..Slot::default() };
+            slot.period_start_us = now;
+        }
+        let period = u64::from(life) * 1000;
+        if now >= slot.period_start_us + period {
+            slot.last_hits = if now < slot.period_start_us + 2 * period { slot.hits } else { 0 };
+            slot.hits = 0;
+            slot.period_start_us = now;
+        }
+        slot.hits = slot.hits.saturating_add(1);
+        if let Some(lease) = slot.lease.as_mut() {
+            if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
+                v.reset_ms = spec.window_ms;
+                return Take::Admitted(v);
+            }
+            let ended = slot.lease.take().expect("checked above");
+            self.settle(ended, spec.key.into(), spec.window_ms);
+        }
+        if slot.refilling || slot.last_hits.max(slot.hits) < HOT_HITS || spec.cost > spec.limit / 4 {
+            return Take::Pass;
+        }
+        slot.refilling = true;
+        Take::Lease { fp, want: units_wanted(slot.last_hits.max(slot.hits)) }
+    }
+
+    /// The request that was to ask for a lease was answered otherwise.
+    pub(super) fn abandon(&self, fp: u128) {
+        self.slot(fp).refilling = false;
+    }
+
+    /// Decides the request in a lease call and installs the lease granted.
+    /// Runs in a task of its own, so that a lease granted is installed (and
+    /// settled) even if the request's future is dropped meanwhile.
+    pub(super) async fn lease(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, want: u32) -> Result<Verdict, StoreError> {
+        let leases = self.clone();
+        let (key, limit, window_ms, cost) = (Box::<[u8]>::from(spec.key), spec.limit, spec.window_ms, spec.cost);
+        let life = lease_life_ms(window_ms);
+        let task = tokio::spawn(async move {
+            let sent = leases.now_us();
+            let spec = LimitSpec { key: &key, limit, window_ms, cost };
+            let answer = leases.redis.lease_now(&spec, want, life).await;
+            let mut slot = leases.slot(fp);
+            slot.refilling = false;
+            let grant = match answer {
+                Ok(g) => g,
+                Err(e) => return Err(e),
+            };
+            if grant.granted > 0 {
+                let lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
+                let ends = lease.ends_us();
+                // The slot is ours while refilling: no other key took it.
+                slot.lease = Some(lease);
+                drop(slot);
+                leases.settle_at(fp, grant.seq, ends, key.clone(), window_ms);
+            }
+            Ok(grant.verdict)
+        });
+        match task.await {
+            Ok(answer) => answer,
+            Err(e) => Err(StoreError::Unavailable(format!("lease call abandoned: {e}"))),
+        }
+    }
+
+    /// Settles lease `seq` of slot `fp` once it has ended, if it is still
+    /// there (a request may have settled it first).
+    fn settle_at(self: &Arc<Self>, fp: u128, seq: u64, ends_us: u64, key: Box<[u8]>, window_ms: u32) {
+        let leases = self.clone();
+        tokio::spawn(async move {
+            let wait = ends_us.saturating_sub(leases.now_us()) + 1000;
+            tokio::time::sleep(Duration::from_micros(wait)).await;
+            let ended = {
+                let mut slot = leases.slot(fp);
+                match &slot.lease {
+                    Some(l) if l.seq() == seq => slot.lease.take(),
+                    _ => None,
+                }
+            };
+            if let Some(l) = ended {
+                leases.settle(l, key, window_ms);
+            }
+        });
+    }
+
+    /// One call: used units re-scored, unused removed. If it fails, the
+    /// units stay until `t0 + life + window`: under-admission only.
+    fn settle(self: &Arc<Self>, lease: QuotaLease, key: Box<[u8]>, window_ms: u32) {
+        let leases = self.clone();
+        tokio::spawn(async move {
+            let scores: Vec<u64> = lease.used_scores().collect();
+            let forget = || {
+                if let Some(d) = &leases.denials {
+                    d.forget_window(&key, window_ms);
+                }
+            };
+            forget();
+            let settled = leases.redis.settle_lease(&key, window_ms, lease.seq(), lease.granted(), &scores).await;
+            forget();
+            if let Err(e) = settled {
+                if let Some(suppressed) = leases.settle_log.permit() {
+                    tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_admits_its_units_within_its_life_and_times_them_from_the_send() {
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 4, 40);
+        assert_eq!(l.admit(5_000, 100, 1).map(|v| v.remaining), Some(43));
+        assert!(l.admit(6_000, 99, 1).is_none(), "another limit");
+        assert_eq!(l.admit(6_001, 100, 2).map(|v| v.remaining), Some(41));
+        assert!(l.admit(7_000, 100, 2).is_none(), "one unit left");
+        assert!(l.admit(254_752, 100, 1).is_none(), "expired: 249.752 ms after the send, 250.001 with the 1000 ppm margin");
+        assert_eq!(l.admit(254_751, 100, 1).map(|v| v.remaining), Some(40));
+        assert!(l.admit(254_751, 100, 1).is_none(), "spent");
+        // Rounded up to whole ms after t0.
+        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_000, 1_000_002, 1_000_002, 1_000_250]);
+    }
+
+    #[test]
+    fn lease_sizes_follow_the_rate_and_lives_the_window() {
+        assert_eq!((units_wanted(0), units_wanted(8), units_wanted(10_000)), (2, 11, MAX_LEASE_UNITS));
+        assert_eq!((lease_life_ms(39), lease_life_ms(1000), lease_life_ms(60_000)), (0, 250, 1000));
+    }
+}
