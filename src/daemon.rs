@@ -257,23 +257,6 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     tokio::spawn(crate::top_refused::TOP_REFUSED.rotate_every_slot(background.clone()));
     let mut active = ActiveBackend::start(&cfg, &resolved).await?;
     let s = &cfg.server;
-    // A socket bound here is removed when `socket_file` drops; one passed by
-    // systemd belongs to the socket unit and is left alone.
-    let (listener, socket_file) = match inherited {
-        Some(l) => {
-            tracing::info!("using the socket passed by systemd (LISTEN_FDS); server.listen, socket_mode and socket_group are the socket unit's business");
-            (l, None)
-        }
-        None => {
-            // Bound only now: until the script is loaded (or the wait is
-            // over), clients get "connection refused" and apply their own
-            // fail policy at once, instead of queueing in the backlog.
-            let mut bound = BoundSocket::bind(&s.listen, s.socket_mode, resolved.socket_gid)?;
-            let l = bound.take_listener().expect("fresh socket");
-            tracing::info!(socket = %bound.path().display(), mode = format_args!("{:04o}", s.socket_mode), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
-            (l, Some(bound))
-        }
-    };
     if !cfg.policies.is_empty() {
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
     }
@@ -297,6 +280,25 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     };
     let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
     endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
+    // The request socket last: once clients can connect, the admin API and
+    // the metrics endpoint answer too (tests and health checks wait for it).
+    // A socket bound here is removed when `socket_file` drops; one passed by
+    // systemd belongs to the socket unit and is left alone.
+    let (listener, socket_file) = match inherited {
+        Some(l) => {
+            tracing::info!("using the socket passed by systemd (LISTEN_FDS); server.listen, socket_mode and socket_group are the socket unit's business");
+            (l, None)
+        }
+        None => {
+            // Bound only now: until the script is loaded (or the wait is
+            // over), clients get "connection refused" and apply their own
+            // fail policy at once, instead of queueing in the backlog.
+            let mut bound = BoundSocket::bind(&s.listen, s.socket_mode, resolved.socket_gid)?;
+            let l = bound.take_listener().expect("fresh socket");
+            tracing::info!(socket = %bound.path().display(), mode = format_args!("{:04o}", s.socket_mode), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
+            (l, Some(bound))
+        }
+    };
     let settings = ServerSettings::from(s);
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
