@@ -46,6 +46,7 @@ build = {
       ["resty.ratelimitd.kind"] = "lua/resty/ratelimitd/kind.lua",
       ["resty.ratelimitd.leases"] = "lua/resty/ratelimitd/leases.lua",
       ["resty.ratelimitd.limiter"] = "lua/resty/ratelimitd/limiter.lua",
+      ["resty.ratelimitd.limiters"] = "lua/resty/ratelimitd/limiters.lua",
       ["resty.ratelimitd.log"] = "lua/resty/ratelimitd/log.lua",
       ["resty.ratelimitd.multi"] = "lua/resty/ratelimitd/multi.lua",
       ["resty.ratelimitd.options"] = "lua/resty/ratelimitd/options.lua",
