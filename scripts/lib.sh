@@ -97,8 +97,10 @@ start_daemon() {
 NGINX_PACKAGES=(nginx:nginx /usr/lib/nginx/modules/ngx_http_lua_module.so:libnginx-mod-http-lua curl:curl)
 # The Lua client's unit tests and lint: LuaJIT (Debian's luajit2, OpenResty's
 # branch; the package luajit conflicts with libnginx-mod-http-lua), busted,
-# luacheck.
-LUA_TEST_PACKAGES=(luajit:luajit2 busted:lua-busted luacheck:lua-check)
+# luacheck, luarocks (tests/rock.rs installs the rock into a clean tree).
+LUA_TEST_PACKAGES=(luajit:luajit2 busted:lua-busted luacheck:lua-check luarocks:luarocks)
+# promtool checks the /metrics page (tests/operations.rs).
+OPS_TEST_PACKAGES=(promtool:prometheus)
 REDIS_PACKAGES=(redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools)
 
 # start_nginx ORDER_WINDOW_MS [EXTRA] [LIMITERS]: runs the shipped
