@@ -33,9 +33,9 @@
 --        reservation's window is this one; from an earlier window only a
 --        shortfall is charged (the surplus left with its window). The count
 --        may pass the limit: the excess is debt.
--- Debt: a count above the limit refuses every cost; at the next window the
--- count starts at count - limit instead of 0 (the key lives until then),
--- so a shortfall is paid out of the following windows' limits.
+-- Debt: a count above the limit refuses every cost; k windows later the
+-- count starts at count - k limit instead of 0 (the key lives until then),
+-- so a shortfall is paid out of the following windows' limits, exactly.
 -- ARGV[4], ARGV[5]  limit and cost of the first request, and so on
 
 local key = KEYS[1]
@@ -71,6 +71,9 @@ local function civil_from_days(z)
 end
 
 local start, stop
+-- Windows between two starts (debt, below): a calendar month's count, or
+-- the fixed length's.
+local month_offset, length = nil, window
 if window >= 3221225472 then
   -- CALENDAR (0xC0000000) + minutes * 4096 + offset minutes + 2048: a
   -- window of whole minutes (0: a calendar month) at a UTC offset.
@@ -83,7 +86,9 @@ if window >= 3221225472 then
     local w = minutes * 60000
     start = loc - loc % w
     stop = start + w
+    length = w
   else
+    month_offset = offset
     local y, m = civil_from_days(math.floor(loc / day))
     start = days_from_civil(y, m, 1) * day
     if m == 12 then
@@ -110,8 +115,17 @@ if stored then
   if s == start then
     count = c
   elseif s < start and c > first_limit then
-    -- Debt (only a settle makes a count pass the limit) carried over.
-    count = c - first_limit
+    -- Debt (only a settle makes a count pass the limit): each window since
+    -- paid one limit of it.
+    local k
+    if month_offset then
+      local y1, m1 = civil_from_days(math.floor((s + month_offset) / 86400000))
+      local y2, m2 = civil_from_days(math.floor((start + month_offset) / 86400000))
+      k = (y2 - y1) * 12 + (m2 - m1)
+    else
+      k = math.floor((start - s) / length)
+    end
+    count = math.max(c - k * first_limit, 0)
   end
 end
 
@@ -121,7 +135,9 @@ local function life(c, limit)
   if c <= limit then
     return reset
   end
-  return reset + math.ceil((c - limit) / limit) * (stop - start)
+  -- A month: the longest one's length, so no later month ends it early.
+  local span = month_offset and 2678400000 or (stop - start)
+  return reset + math.ceil((c - limit) / limit) * span
 end
 
 if mode == 's' then
