@@ -17,7 +17,6 @@ use super::count::Charge;
 use super::limiter::{Backend, Limiter};
 use super::resolve::{Kind, Named};
 use super::respond::{self, error_code, verdict_item, verdict_response};
-use super::Decided;
 
 const NEEDS_REDIS: &str = "reserve and settle need the Redis backend: the settle record lives in Redis";
 
@@ -25,7 +24,7 @@ impl Limiter {
     /// A reserve: the estimate checked and, when admitted, recorded under a
     /// new handle (the response's extension carries it). Redis failing: the
     /// fail policy decides and no handle is given (nothing to settle).
-    pub(super) async fn reserve<'a>(&'a self, r: &'a PolicyCheckRequest) -> Decided<'a> {
+    pub(super) async fn reserve<'a>(&'a self, r: &'a PolicyCheckRequest) -> (Response, Charge<'a>) {
         let op = OP_CHECK_POLICY;
         let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: r.cost, on_error: r.on_error, local_limit: r.local_limit };
         let item = match self.resolve(&named, Kind::Reserve) {
@@ -55,7 +54,7 @@ impl Limiter {
     /// unmatched counter for a handle with no record. A Redis error is the
     /// answer (no fail policy): the client may retry with the same handle,
     /// which settles at most once.
-    pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> Decided<'a> {
+    pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> (Response, Charge<'a>) {
         let op = OP_SETTLE;
         let i = &r.item;
         let named = Named { id: r.id, op, name: &i.name, key: &i.key, scoped_key: &i.scoped_key, cost: i.cost, on_error: crate::protocol::FailPolicy::Closed, local_limit: 0 };
