@@ -928,6 +928,37 @@ mod tests {
         }
     }
 
+    /// Reserve (flag 0x0002) and SETTLE (op 9) as docs/PROTOCOL.md 4f lays
+    /// them out: costs up to 10^9, an actual of 0, one item only.
+    #[test]
+    fn reserve_and_settle_frames_match_their_documented_hex() {
+        let hex = |b: &[u8]| -> String { b.iter().map(|b| format!("{b:02x}")).collect() };
+        let item = ItemArgs { policy: b"tok", key: b"t1", cost: 1_000_000_000 };
+        let mut r = BytesMut::new();
+        encode_reserve(7, FailPolicy::Closed, 0, &item, &mut r);
+        assert_eq!(hex(&r), "0000001a 01 02 00000007 0002 01 01 00000000 3b9aca00 0002 03 746f6b 7431".replace(' ', ""));
+        let Inbound::Request(Request::Reserve(req)) = decode_one(&r) else { panic!("not a reserve") };
+        assert_eq!((req.cost, &req.name[..], &req.key[..]), (1_000_000_000, &b"tok"[..], &b"t1"[..]));
+        let mut s = BytesMut::new();
+        encode_settle(8, &[0xab; HANDLE_LEN], &ItemArgs { cost: 0, ..item }, &mut s);
+        assert_eq!(hex(&s), format!("00000026 01 09 00000008 0000 00 01 {} 00000000 0002 03 746f6b 7431", "ab".repeat(16)).replace(' ', ""));
+        let Inbound::Request(Request::Settle(req)) = decode_one(&s) else { panic!("not a settle") };
+        assert_eq!((req.handle, req.item.cost), ([0xab; HANDLE_LEN], 0));
+        let over = ItemArgs { cost: MAX_O1_COST + 1, ..item };
+        let mut b = BytesMut::new();
+        encode_reserve(1, FailPolicy::Closed, 0, &over, &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::InvalidCost);
+        let mut b = BytesMut::new();
+        encode_settle(1, &[0; HANDLE_LEN], &over, &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::InvalidCost);
+        let mut b = BytesMut::new();
+        encode_multi_request(1, FailPolicy::Closed, 0, false, &[item, ItemArgs { key: b"t2", ..item }], &mut b);
+        b[LEN_PREFIX + 7] = 2;
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnsupportedLimitCount, "a reserve takes one item");
+        b[LEN_PREFIX + 7] = 3;
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnsupportedFlags, "settle and refundable together");
+    }
+
     #[test]
     fn multi_item_request_round_trip_matches_documented_hex() {
         let items = [ItemArgs { policy: b"ip", key: b"a", cost: 1 }, ItemArgs { policy: b"tenant", key: b"t1", cost: 2 }];
@@ -996,7 +1027,7 @@ mod tests {
             b[at..at + bytes.len()].copy_from_slice(bytes);
             code_of(decode_one(&frame(&b)))
         };
-        assert_eq!(with(6, &[0, 2]), ErrorCode::UnsupportedFlags);
+        assert_eq!(with(6, &[0, 4]), ErrorCode::UnsupportedFlags);
         assert_eq!(with(8, &[3]), ErrorCode::InvalidPolicy);
         assert_eq!(with(9, &[9]), ErrorCode::UnsupportedLimitCount);
         assert_eq!(with(9, &[2]), ErrorCode::Malformed, "two items announced, one sent");
@@ -1153,6 +1184,8 @@ mod tests {
                             }
                             Some(Inbound::Request(Request::Lease(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
                             Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
+                            Some(Inbound::Request(Request::Reserve(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && c.cost >= 1 && c.cost <= MAX_O1_COST),
+                            Some(Inbound::Request(Request::Settle(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty() && c.item.cost <= MAX_O1_COST),
                             None => break,
                         }
                     }
@@ -1192,6 +1225,7 @@ mod tests {
                     Inbound::Request(Request::PolicyCheck(_)) | Inbound::Request(Request::MultiCheck(_)) | Inbound::Request(Request::Refund(_)) => prop_assert!(false, "a CHECK decoded as another op"),
                     Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
+                    Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
                 }
             }
         }
