@@ -80,3 +80,54 @@ impl Limiter {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! What is refused before any store: the memory backend, the log, a
+    //! sharded policy; an exempt key reserves nothing.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::config::{PolicyConfig, PolicyLimit};
+    use crate::local_store::LocalStore;
+    use crate::policies::Policies;
+    use crate::protocol::{Algorithm, FailPolicy, PolicyItem, Request};
+
+    fn policy(name: &str, algorithm: Algorithm, shards: u32) -> PolicyConfig {
+        let overrides = [("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect();
+        PolicyConfig { name: name.into(), limit: 100, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, overrides }
+    }
+
+    fn item(name: &str, key: &str, cost: u32) -> PolicyItem {
+        let mut scoped = vec![name.len() as u8];
+        scoped.extend_from_slice(name.as_bytes());
+        scoped.extend_from_slice(key.as_bytes());
+        let scoped = Bytes::from(scoped);
+        PolicyItem { cost, name: scoped.slice(1..1 + name.len()), key: scoped.slice(1 + name.len()..), scoped_key: scoped }
+    }
+
+    fn reserve(name: &str, key: &str) -> Request {
+        let PolicyItem { cost, name, key, scoped_key } = item(name, key, 10);
+        Request::Reserve(PolicyCheckRequest { id: 1, on_error: FailPolicy::Closed, local_limit: 0, cost, name, key, scoped_key })
+    }
+
+    #[tokio::test]
+    async fn reserves_and_settles_are_refused_loudly_where_they_cannot_be_exact() {
+        let policies = [policy("fixed", Algorithm::Fixed, 1), policy("log", Algorithm::Log, 1), policy("sharded", Algorithm::Gcra, 3)];
+        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&policies, None))));
+        let code = |r: Response| (r.decision, r.error);
+        assert_eq!(code(l.clone().decide(reserve("log", "t")).await), (Decision::Error, ErrorCode::UnsupportedCombination));
+        assert_eq!(code(l.clone().decide(reserve("sharded", "t")).await), (Decision::Error, ErrorCode::UnsupportedCombination));
+        assert_eq!(code(l.clone().decide(reserve("fixed", "t")).await), (Decision::Error, ErrorCode::RefundUnsupported), "the memory backend keeps no settle records");
+        let exempt = l.clone().decide(reserve("fixed", "free")).await;
+        assert_eq!((exempt.decision, exempt.source, exempt.extension.is_none()), (Decision::Allowed, Source::Exempt, true), "no handle: nothing to settle");
+        let settle = Request::Settle(SettleRequest { id: 2, handle: [1; 16], item: item("log", "t", 0) });
+        assert_eq!(code(l.clone().decide(settle).await), (Decision::Error, ErrorCode::UnsupportedCombination));
+        let settle = Request::Settle(SettleRequest { id: 3, handle: [1; 16], item: item("fixed", "t", 5) });
+        assert_eq!(code(l.clone().decide(settle).await), (Decision::Error, ErrorCode::RefundUnsupported));
+    }
+}
