@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
+    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
     ResponseError, HANDLE_LEN,
 };
 
@@ -97,6 +97,21 @@ impl Client {
     pub async fn refund(&mut self, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>]) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_refund(id, handle, items, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    /// Sends one reserve (CHECK_POLICY with the settle flag) of `item`,
+    /// whose cost is the estimate.
+    pub async fn reserve(&mut self, on_error: FailPolicy, local_limit: u32, item: &ItemArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_reserve(id, on_error, local_limit, item, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    /// Sends one SETTLE (op 9): the reserve's handle and item, its cost the actual.
+    pub async fn settle(&mut self, handle: &[u8; HANDLE_LEN], item: &ItemArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_settle(id, handle, item, &mut self.wbuf);
         self.round_trip(id).await
     }
 

@@ -113,6 +113,8 @@ pub struct Metrics {
     refunds: AtomicU64,
     refunded_units: AtomicU64,
     refunds_unmatched: AtomicU64,
+    settles: AtomicU64,
+    settles_unmatched: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -150,6 +152,8 @@ impl Metrics {
             refunds: ZERO,
             refunded_units: ZERO,
             refunds_unmatched: ZERO,
+            settles: ZERO,
+            settles_unmatched: ZERO,
         }
     }
 
@@ -172,6 +176,15 @@ impl Metrics {
     /// another admission's, or out of the window already (removes nothing).
     pub fn refund_unmatched(&self) {
         self.refunds_unmatched.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A SETTLE that reached Redis; `matched`: its handle named a reserve
+    /// still outstanding (else forged, replayed or expired: nothing changed).
+    pub fn settled(&self, matched: bool) {
+        self.settles.fetch_add(1, Ordering::Relaxed);
+        if !matched {
+            self.settles_unmatched.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     #[inline]
@@ -286,7 +299,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 10] = [
+        let counters: [(&str, &str, &AtomicU64); 12] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -297,6 +310,8 @@ impl Metrics {
             ("ratelimitd_refunds_total", "REFUND requests carried out in Redis (a repeated one included).", &self.refunds),
             ("ratelimitd_refunded_units_total", "Admission units removed from Redis by refunds.", &self.refunded_units),
             ("ratelimitd_refunds_unmatched_total", "REFUNDs that removed nothing: a forged, replayed or foreign handle, or admissions already out of their window.", &self.refunds_unmatched),
+            ("ratelimitd_settles_total", "SETTLE requests carried out in Redis (a repeated one included).", &self.settles),
+            ("ratelimitd_settles_unmatched_total", "SETTLEs that changed nothing: a forged, replayed or expired handle.", &self.settles_unmatched),
         ];
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));

@@ -210,7 +210,7 @@ async fn check_policy_frames_are_decided_by_name_and_errors_keep_the_stream_in_s
         (unknown, ErrorCode::UnknownPolicy),
         (with(4 + 9, &[9]), ErrorCode::UnsupportedLimitCount),
         (with(4 + 9, &[2]), ErrorCode::Malformed),
-        (with(4 + 6, &[0, 2]), ErrorCode::UnsupportedFlags),
+        (with(4 + 6, &[0, 4]), ErrorCode::UnsupportedFlags),
         (with(4 + 14, &3u32.to_be_bytes()), ErrorCode::InvalidCost),
         (with(4 + 20, &[4]), ErrorCode::Malformed),
         (with(4 + 8, &[2]), ErrorCode::InvalidLocalLimit),

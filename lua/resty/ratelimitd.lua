@@ -41,6 +41,7 @@
 --   policy       one named policy
 --   multi        several named policies, refundable checks
 --   refund       refund() of a refundable check
+--   settle       settle() of a reserve: the actual cost after the response
 --   concurrency  concurrency limits: enter() and leave()
 
 local config = require "resty.ratelimitd.config"
@@ -51,6 +52,7 @@ local multi = require "resty.ratelimitd.multi"
 local concurrency = require "resty.ratelimitd.concurrency"
 local form = require "resty.ratelimitd.form"
 local refund = require "resty.ratelimitd.refund"
+local settle = require "resty.ratelimitd.settle"
 
 local type, error = type, error
 
@@ -76,7 +78,7 @@ function _M.new(opts)
     if type(opts) ~= "table" or opts == _M then
         error("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }", 2)
     end
-    if opts.policies ~= nil or (opts.policy ~= nil and opts.refundable ~= nil) then
+    if opts.policies ~= nil or (opts.policy ~= nil and (opts.refundable ~= nil or opts.settle ~= nil)) then
         return multi.new(opts)
     end
     if opts.policy ~= nil then
@@ -100,6 +102,10 @@ _M.check = form.check
 
 --- Takes back a refundable check's admissions (resty/ratelimitd/refund.lua).
 _M.refund = refund.refund
+
+--- Settles a reserve (new{ policy = ..., settle = true }) to the actual
+-- cost (resty/ratelimitd/settle.lua).
+_M.settle = settle.settle
 
 --- For log_by_lua*: releases the request's concurrency leases.
 _M.leave = concurrency.leave

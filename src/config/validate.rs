@@ -274,7 +274,7 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
 fn limits_config(l: file::LimitsSection, p: &mut Problems) -> LimitsConfig {
     let max_key = MAX_FRAME_LEN - REQUEST_HEADER_LEN - LIMIT_ENTRY_LEN;
     in_range(p, "limits.max_key_len", l.max_key_len as u64, max_key as u64);
-    in_range(p, "limits.max_limit", l.max_limit.into(), 100_000_000);
+    in_range(p, "limits.max_limit", l.max_limit.into(), 4_000_000_000);
     if l.max_window_ms == 0 || l.max_window_ms > 30 * 86_400_000 {
         p.add("limits.max_window_ms", format!("{} is outside 1..=2592000000 (30 days)", l.max_window_ms));
     }

@@ -23,6 +23,8 @@ pub(super) enum Charge<'a> {
     Items { policies: Vec<&'a Policy>, items: &'a [PolicyItem] },
     /// A REFUND carried out: not a decision; its own counters.
     Refund { removed: u64 },
+    /// A SETTLE carried out in Redis (`matched`: its reserve was found).
+    Settle { matched: bool },
 }
 
 impl<'a> Charge<'a> {
@@ -43,6 +45,10 @@ pub(super) fn account(r: &Response, charge: &Charge<'_>) {
     match charge {
         Charge::Refund { removed } => {
             METRICS.refunded(*removed);
+            return;
+        }
+        Charge::Settle { matched } => {
+            METRICS.settled(*matched);
             return;
         }
         Charge::Nobody => {}

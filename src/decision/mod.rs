@@ -15,6 +15,9 @@
 //! 4. **respond** (`respond.rs`): one response; and the request counted
 //!    once, in one place (`count::account`, called by `decide` only).
 //!
+//! Reserve and settle (`settle.rs`, docs/PROTOCOL.md 4f) are two more
+//! kinds of request along the same steps.
+//!
 //! A single check is the one-item case of the same steps without the
 //! generality's cost: no allocation, and Redis's coalescing `check` (every
 //! algorithm, the denial cache); several items or a refundable one go
@@ -28,6 +31,7 @@ mod multi;
 mod plan;
 mod resolve;
 mod respond;
+mod settle;
 
 use std::sync::Arc;
 
@@ -66,6 +70,8 @@ impl Limiter {
             Request::Refund(r) => Box::pin(self.refund(r)).await,
             Request::Lease(r) => Box::pin(self.inline_lease(r)).await,
             Request::PolicyLease(r) => Box::pin(self.policy_lease(r)).await,
+            Request::Reserve(r) => Box::pin(self.reserve(r)).await,
+            Request::Settle(r) => Box::pin(self.settle(r)).await,
         };
         account(&response, &charge);
         response

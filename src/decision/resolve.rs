@@ -91,6 +91,11 @@ pub(super) enum Kind {
     Refund,
     /// ACQUIRE_POLICY or its release (`release`: no cost check).
     Lease { release: bool },
+    /// CHECK_POLICY with the settle flag: an O(1) algorithm, unsharded.
+    Reserve,
+    /// SETTLE: as a reserve; no cost check (the actual may pass the limit:
+    /// debt).
+    Settle,
 }
 
 /// A request the daemon refuses before asking a store: its response and
@@ -137,6 +142,13 @@ impl Limiter {
             let msg = format!("policy '{}' uses algorithm {}: several policies in one request, refundable checks and refunds need algorithm log", policy.name, policy.algorithm.as_str());
             return reject(ErrorCode::UnsupportedCombination, msg);
         }
+        // Settle moves one counter by the difference: only the O(1)
+        // algorithms have one; the log would need a member per unit, and a
+        // sharded key does not know which shard holds the reserve.
+        if matches!(kind, Kind::Reserve | Kind::Settle) && (matches!(policy.algorithm, Algorithm::Log | Algorithm::Ring) || policy.shards > 1) {
+            let msg = format!("policy '{}' uses algorithm {} with {} shards: reserve and settle need algorithm gcra, sliding_counter or fixed, unsharded", policy.name, policy.algorithm.as_str(), policy.shards);
+            return reject(ErrorCode::UnsupportedCombination, msg);
+        }
         // An admin API override in force replaces the file's value for
         // this key (one load and lookup in the background-refreshed table).
         let limit = match self.live_overrides.limit_for(n.scoped_key).unwrap_or_else(|| policy.limit_for(n.key)) {
@@ -160,7 +172,7 @@ impl Limiter {
             on_error,
             local_limit,
         };
-        let checks_cost = !matches!(kind, Kind::Refund | Kind::Lease { release: true });
+        let checks_cost = !matches!(kind, Kind::Refund | Kind::Settle | Kind::Lease { release: true });
         if let (true, Some(limit), Some(most)) = (checks_cost, item.limit, item.most()) {
             if n.cost > most {
                 let msg = if most < limit {

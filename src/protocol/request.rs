@@ -9,7 +9,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
 use super::wire::{
-    be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
+    be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
     FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN,
 };
@@ -123,6 +123,16 @@ pub struct RefundRequest {
     pub items: Vec<PolicyItem>,
 }
 
+/// A SETTLE request (op 9): the handle a reserve was answered with, and
+/// its item with the actual cost in place of the estimate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SettleRequest {
+    pub id: u32,
+    pub handle: [u8; HANDLE_LEN],
+    /// `cost` is the actual: 0..=`MAX_O1_COST`.
+    pub item: PolicyItem,
+}
+
 /// One item as the client builds it (no validation).
 #[derive(Clone, Copy, Debug)]
 pub struct ItemArgs<'a> {
@@ -223,6 +233,10 @@ pub enum Request {
     Lease(LeaseRequest),
     /// ACQUIRE_POLICY (op 7), or its release.
     PolicyLease(PolicyLeaseRequest),
+    /// CHECK_POLICY (op 2) of one item with the settle flag: reserve an estimate.
+    Reserve(PolicyCheckRequest),
+    /// SETTLE (op 9): a reserve's actual cost.
+    Settle(SettleRequest),
 }
 
 /// What the decoder yields for each complete frame: a request, or a frame
@@ -317,6 +331,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if op == OP_REFUND {
         return parse_refund(body, id, bounds);
     }
+    if op == OP_SETTLE {
+        return parse_settle(body, id, bounds);
+    }
     if op == OP_ACQUIRE || op == OP_RELEASE {
         return parse_lease(body, op, id, bounds);
     }
@@ -387,8 +404,8 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("check-policy body of {} bytes is shorter than the {fixed} fixed bytes", body.len()));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags & !FLAG_REFUNDABLE != 0 {
-        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: only 0x0001 (refundable) is defined"));
+    if flags & !FLAG_REFUNDABLE != 0 && flags != FLAG_SETTLE {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: only 0x0001 (refundable) or 0x0002 (settle, alone) is defined"));
     }
     let Some(on_error) = FailPolicy::from_wire(body[8]) else {
         return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
@@ -398,6 +415,9 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one check-policy request; 1..={MAX_POLICY_ITEMS} are accepted"));
     }
     let local_limit = be32(&body, 10);
+    if flags == FLAG_SETTLE {
+        return parse_reserve(body, id, on_error, n_items, local_limit, bounds);
+    }
     if n_items == 1 && flags == 0 {
         let e = POLICY_HEADER_LEN;
         let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
@@ -405,7 +425,7 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         if body.len() != fixed + name_len + key_len {
             return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
         }
-        let item = match parse_item(&body, POLICY_HEADER_LEN, bounds) {
+        let item = match parse_item(&body, POLICY_HEADER_LEN, bounds, 1) {
             Ok((item, _)) => item,
             Err((code, message)) => return invalid(id, op, code, message),
         };
@@ -415,7 +435,7 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         let PolicyItem { cost, name, key, scoped_key } = item;
         return Inbound::Request(Request::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }));
     }
-    let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, bounds) {
+    let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, bounds, 1) {
         Ok(items) => items,
         Err((code, message)) => return invalid(id, op, code, message),
     };
@@ -434,7 +454,7 @@ type ItemError = (ErrorCode, String);
 
 /// `n` items from `at` to the end of the body, which they must fill
 /// exactly; no (name, key) twice.
-fn parse_items(body: &Bytes, at: usize, n: usize, bounds: &Bounds) -> Result<Vec<PolicyItem>, ItemError> {
+fn parse_items(body: &Bytes, at: usize, n: usize, bounds: &Bounds, min_cost: u32) -> Result<Vec<PolicyItem>, ItemError> {
     // Lengths first, so that a frame whose items do not add up is
     // MALFORMED whatever its fields hold.
     let mut end = at;
@@ -451,7 +471,7 @@ fn parse_items(body: &Bytes, at: usize, n: usize, bounds: &Bounds) -> Result<Vec
     let mut items: Vec<PolicyItem> = Vec::with_capacity(n);
     let mut next = at;
     for _ in 0..n {
-        let (item, after) = parse_item(body, next, bounds)?;
+        let (item, after) = parse_item(body, next, bounds, min_cost)?;
         if items.iter().any(|i| i.scoped_key == item.scoped_key) {
             return Err((ErrorCode::DuplicateItem, format!("policy '{}' and key '{}' appear twice", item.name.escape_ascii(), item.key.escape_ascii())));
         }
@@ -463,7 +483,7 @@ fn parse_items(body: &Bytes, at: usize, n: usize, bounds: &Bounds) -> Result<Vec
 
 /// One item at `at` (its lengths already match the body): the item and
 /// the offset after it.
-fn parse_item(body: &Bytes, at: usize, bounds: &Bounds) -> Result<(PolicyItem, usize), ItemError> {
+fn parse_item(body: &Bytes, at: usize, bounds: &Bounds, min_cost: u32) -> Result<(PolicyItem, usize), ItemError> {
     let cost = be32(body, at);
     let key_len = u16::from_be_bytes([body[at + 4], body[at + 5]]) as usize;
     let name_len = body[at + 6] as usize;
@@ -481,8 +501,8 @@ fn parse_item(body: &Bytes, at: usize, bounds: &Bounds) -> Result<(PolicyItem, u
     }
     // The limit comes from the policy: the daemon checks cost against it
     // once the policy is resolved.
-    if cost == 0 || cost > bounds.max_cost {
-        return Err((ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=max_cost {}", bounds.max_cost)));
+    if cost < min_cost || cost > bounds.max_cost {
+        return Err((ErrorCode::InvalidCost, format!("cost {cost} is outside {min_cost}..=max_cost {}", bounds.max_cost)));
     }
     // The name's length byte, the name and the key, as they lie in the
     // frame (no copy).
@@ -508,10 +528,69 @@ fn parse_refund(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     }
     let mut handle = [0u8; HANDLE_LEN];
     handle.copy_from_slice(&body[10..REFUND_HEADER_LEN]);
-    match parse_items(&body, REFUND_HEADER_LEN, n_items, bounds) {
+    match parse_items(&body, REFUND_HEADER_LEN, n_items, bounds, 1) {
         Ok(items) => Inbound::Request(Request::Refund(RefundRequest { id, handle, items })),
         Err((code, message)) => invalid(id, op, code, message),
     }
+}
+
+/// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): one item,
+/// whose cost (the estimate) may go up to `MAX_O1_COST` (the policy's
+/// algorithm and limit are checked once it is resolved).
+fn parse_reserve(body: Bytes, id: u32, on_error: FailPolicy, n_items: usize, local_limit: u32, bounds: &Bounds) -> Inbound {
+    let op = OP_CHECK_POLICY;
+    if n_items != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one reserve (settle flag); a reserve takes exactly 1"));
+    }
+    let o1 = Bounds { max_cost: bounds.max_cost.max(MAX_O1_COST), ..*bounds };
+    let mut items = match parse_items(&body, POLICY_HEADER_LEN, 1, &o1, 1) {
+        Ok(items) => items,
+        Err((code, message)) => return invalid(id, op, code, message),
+    };
+    if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
+        return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
+    }
+    let PolicyItem { cost, name, key, scoped_key } = items.remove(0);
+    Inbound::Request(Request::Reserve(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }))
+}
+
+/// The rest of `parse_request` for op 9 (docs/PROTOCOL.md, section 4f):
+/// REFUND's layout with one item, whose cost is the actual (0..=`MAX_O1_COST`).
+fn parse_settle(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
+    let op = OP_SETTLE;
+    if body.len() < REFUND_HEADER_LEN + POLICY_ITEM_LEN {
+        return invalid(id, op, ErrorCode::Malformed, format!("settle body of {} bytes is shorter than the {} fixed bytes", body.len(), REFUND_HEADER_LEN + POLICY_ITEM_LEN));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: a settle takes none"));
+    }
+    if body[9] != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} items in one settle; exactly 1 is accepted", body[9]));
+    }
+    let mut handle = [0u8; HANDLE_LEN];
+    handle.copy_from_slice(&body[10..REFUND_HEADER_LEN]);
+    let o1 = Bounds { max_cost: bounds.max_cost.max(MAX_O1_COST), ..*bounds };
+    match parse_items(&body, REFUND_HEADER_LEN, 1, &o1, 0) {
+        Ok(mut items) => Inbound::Request(Request::Settle(SettleRequest { id, handle, item: items.remove(0) })),
+        Err((code, message)) => invalid(id, op, code, message),
+    }
+}
+
+/// Appends one CHECK_POLICY frame with the settle flag: reserve `estimate`
+/// of one policy's key (docs/PROTOCOL.md 4f).
+pub fn encode_reserve(id: u32, on_error: FailPolicy, local_limit: u32, item: &ItemArgs<'_>, dst: &mut BytesMut) {
+    let start = dst.len();
+    encode_multi_request(id, on_error, local_limit, false, std::slice::from_ref(item), dst);
+    dst[start + LEN_PREFIX + 6..start + LEN_PREFIX + 8].copy_from_slice(&FLAG_SETTLE.to_be_bytes());
+}
+
+/// Appends one SETTLE frame (op 9): the reserve's handle and item, the
+/// item's cost being the actual.
+pub fn encode_settle(id: u32, handle: &[u8; HANDLE_LEN], item: &ItemArgs<'_>, dst: &mut BytesMut) {
+    let start = dst.len();
+    encode_refund(id, handle, std::slice::from_ref(item), dst);
+    dst[start + LEN_PREFIX + 1] = OP_SETTLE;
 }
 
 /// Appends one CHECK_POLICY frame of several items (or one, refundable) to `dst`.
@@ -638,7 +717,7 @@ fn parse_policy_lease(mut body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
             format!("name length {name_len}, key length {key_len} and lease length {lease_len} do not match the {} bytes left in the frame", body.len() - POLICY_LEASE_HEADER_LEN),
         );
     }
-    let (item, end) = match parse_item(&body, item_at, bounds) {
+    let (item, end) = match parse_item(&body, item_at, bounds, 1) {
         Ok(item) => item,
         Err((code, message)) => return invalid(id, op, code, message),
     };
@@ -849,6 +928,37 @@ mod tests {
         }
     }
 
+    /// Reserve (flag 0x0002) and SETTLE (op 9) as docs/PROTOCOL.md 4f lays
+    /// them out: costs up to 10^9, an actual of 0, one item only.
+    #[test]
+    fn reserve_and_settle_frames_match_their_documented_hex() {
+        let hex = |b: &[u8]| -> String { b.iter().map(|b| format!("{b:02x}")).collect() };
+        let item = ItemArgs { policy: b"tok", key: b"t1", cost: 1_000_000_000 };
+        let mut r = BytesMut::new();
+        encode_reserve(7, FailPolicy::Closed, 0, &item, &mut r);
+        assert_eq!(hex(&r), "0000001a 01 02 00000007 0002 01 01 00000000 3b9aca00 0002 03 746f6b 7431".replace(' ', ""));
+        let Inbound::Request(Request::Reserve(req)) = decode_one(&r) else { panic!("not a reserve") };
+        assert_eq!((req.cost, &req.name[..], &req.key[..]), (1_000_000_000, &b"tok"[..], &b"t1"[..]));
+        let mut s = BytesMut::new();
+        encode_settle(8, &[0xab; HANDLE_LEN], &ItemArgs { cost: 0, ..item }, &mut s);
+        assert_eq!(hex(&s), format!("00000026 01 09 00000008 0000 00 01 {} 00000000 0002 03 746f6b 7431", "ab".repeat(16)).replace(' ', ""));
+        let Inbound::Request(Request::Settle(req)) = decode_one(&s) else { panic!("not a settle") };
+        assert_eq!((req.handle, req.item.cost), ([0xab; HANDLE_LEN], 0));
+        let over = ItemArgs { cost: MAX_O1_COST + 1, ..item };
+        let mut b = BytesMut::new();
+        encode_reserve(1, FailPolicy::Closed, 0, &over, &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::InvalidCost);
+        let mut b = BytesMut::new();
+        encode_settle(1, &[0; HANDLE_LEN], &over, &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::InvalidCost);
+        let mut b = BytesMut::new();
+        encode_multi_request(1, FailPolicy::Closed, 0, false, &[item, ItemArgs { key: b"t2", ..item }], &mut b);
+        b[LEN_PREFIX + 7] = 2;
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnsupportedLimitCount, "a reserve takes one item");
+        b[LEN_PREFIX + 7] = 3;
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnsupportedFlags, "settle and refundable together");
+    }
+
     #[test]
     fn multi_item_request_round_trip_matches_documented_hex() {
         let items = [ItemArgs { policy: b"ip", key: b"a", cost: 1 }, ItemArgs { policy: b"tenant", key: b"t1", cost: 2 }];
@@ -917,7 +1027,7 @@ mod tests {
             b[at..at + bytes.len()].copy_from_slice(bytes);
             code_of(decode_one(&frame(&b)))
         };
-        assert_eq!(with(6, &[0, 2]), ErrorCode::UnsupportedFlags);
+        assert_eq!(with(6, &[0, 4]), ErrorCode::UnsupportedFlags);
         assert_eq!(with(8, &[3]), ErrorCode::InvalidPolicy);
         assert_eq!(with(9, &[9]), ErrorCode::UnsupportedLimitCount);
         assert_eq!(with(9, &[2]), ErrorCode::Malformed, "two items announced, one sent");
@@ -970,7 +1080,7 @@ mod tests {
             code_of(decode_one(&frame(&b)))
         };
         assert_eq!(with(0, &[2]), ErrorCode::UnsupportedVersion);
-        assert_eq!(with(1, &[9]), ErrorCode::UnknownOp);
+        assert_eq!(with(1, &[0xee]), ErrorCode::UnknownOp);
         assert_eq!(with(6, &[0, 1]), ErrorCode::UnsupportedFlags);
         assert_eq!(with(8, &[3]), ErrorCode::InvalidPolicy);
         assert_eq!(with(9, &[2]), ErrorCode::UnsupportedLimitCount);
@@ -1074,6 +1184,8 @@ mod tests {
                             }
                             Some(Inbound::Request(Request::Lease(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
                             Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
+                            Some(Inbound::Request(Request::Reserve(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && c.cost >= 1 && c.cost <= MAX_O1_COST),
+                            Some(Inbound::Request(Request::Settle(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty() && c.item.cost <= MAX_O1_COST),
                             None => break,
                         }
                     }
@@ -1113,6 +1225,7 @@ mod tests {
                     Inbound::Request(Request::PolicyCheck(_)) | Inbound::Request(Request::MultiCheck(_)) | Inbound::Request(Request::Refund(_)) => prop_assert!(false, "a CHECK decoded as another op"),
                     Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
+                    Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
                 }
             }
         }

@@ -18,6 +18,17 @@ pub const OP_REFUND: u8 = 3;
 /// CHECK_POLICY request flag: answer with a refund handle (the response
 /// carries the extension of docs/PROTOCOL.md section 5b).
 pub const FLAG_REFUNDABLE: u16 = 0x0001;
+/// CHECK_POLICY request flag: reserve the item's cost as an estimate, to be
+/// settled to the actual cost by op 9 (docs/PROTOCOL.md section 4f); the
+/// response carries the extension of section 5b with the settle handle.
+pub const FLAG_SETTLE: u16 = 0x0002;
+/// Op code of a settle: the actual cost of a reserved request
+/// (docs/PROTOCOL.md section 4f). REFUND's layout, one item whose cost is
+/// the actual (0 allowed).
+pub const OP_SETTLE: u8 = 9;
+/// Largest cost of one request, or actual of a settle, on the O(1)
+/// algorithms (GCRA, sliding counter, fixed window): a month of tokens.
+pub const MAX_O1_COST: u32 = 1_000_000_000;
 /// Most items in one CHECK_POLICY or REFUND request.
 pub const MAX_POLICY_ITEMS: usize = 8;
 /// Bytes of a refund handle: the daemon instance and the call's sequence,

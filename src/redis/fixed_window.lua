@@ -23,7 +23,19 @@
 -- KEYS[1]  the key (one Cluster slot; never another algorithm's key)
 -- ARGV[1]  window length W in ms
 -- ARGV[2]  now in ms from the caller's clock, or 0 to use Redis TIME
--- ARGV[3]  member id (unused; kept so every script takes the same arguments)
+-- ARGV[3]  member id (unused; kept so every script takes the same arguments),
+--          or 'r' (reserve) or 's' (settle), docs/PROTOCOL.md 4f:
+--   'r': one request; when admitted, KEYS[2] (the settle record) is set to
+--        "<window start> <cost>" for SETTLE_LIFE ms.
+--   's': ARGV[4], ARGV[5] the limit and the actual cost. KEYS[2] read and
+--        deleted; none: reply {0, ...} (forged, replayed, expired: nothing
+--        changes). Else the count moves by actual - estimate if the
+--        reservation's window is this one; from an earlier window only a
+--        shortfall is charged (the surplus left with its window). The count
+--        may pass the limit: the excess is debt.
+-- Debt: a count above the limit refuses every cost; k windows later the
+-- count starts at count - k limit instead of 0 (the key lives until then),
+-- so a shortfall is paid out of the following windows' limits, exactly.
 -- ARGV[4], ARGV[5]  limit and cost of the first request, and so on
 
 local key = KEYS[1]
@@ -59,6 +71,9 @@ local function civil_from_days(z)
 end
 
 local start, stop
+-- Windows between two starts (debt, below): a calendar month's count, or
+-- the fixed length's.
+local month_offset, length = nil, window
 if window >= 3221225472 then
   -- CALENDAR (0xC0000000) + minutes * 4096 + offset minutes + 2048: a
   -- window of whole minutes (0: a calendar month) at a UTC offset.
@@ -71,7 +86,9 @@ if window >= 3221225472 then
     local w = minutes * 60000
     start = loc - loc % w
     stop = start + w
+    length = w
   else
+    month_offset = offset
     local y, m = civil_from_days(math.floor(loc / day))
     start = days_from_civil(y, m, 1) * day
     if m == 12 then
@@ -87,13 +104,66 @@ else
   stop = start + window
 end
 local reset = stop - now
+local mode = ARGV[3]
+local SETTLE_LIFE = 86400000
+local first_limit = tonumber(ARGV[4])
 local count = 0
 local stored = redis.call('GET', key)
 if stored then
   local s, c = string.match(stored, '^(%d+) (%d+)$')
-  if tonumber(s) == start then
-    count = tonumber(c)
+  s, c = tonumber(s), tonumber(c)
+  if s == start then
+    count = c
+  elseif s < start and c > first_limit then
+    -- Debt (only a settle makes a count pass the limit): each window since
+    -- paid one limit of it.
+    local k
+    if month_offset then
+      local y1, m1 = civil_from_days(math.floor((s + month_offset) / 86400000))
+      local y2, m2 = civil_from_days(math.floor((start + month_offset) / 86400000))
+      k = (y2 - y1) * 12 + (m2 - m1)
+    else
+      k = math.floor((start - s) / length)
+    end
+    count = math.max(c - k * first_limit, 0)
   end
+end
+
+-- How long the key must live: to the reset, or while debt is left, as
+-- many windows more as the debt needs to be paid.
+local function life(c, limit)
+  if c <= limit then
+    return reset
+  end
+  -- A month: the longest one's length, so no later month ends it early.
+  local span = month_offset and 2678400000 or (stop - start)
+  return reset + math.ceil((c - limit) / limit) * span
+end
+
+if mode == 's' then
+  local actual = tonumber(ARGV[5])
+  local rec = redis.call('GET', KEYS[2])
+  local function reply(ok)
+    local left = first_limit - count
+    if left < 0 then
+      left = 0
+    end
+    return {ok, count, left, count >= first_limit and reset or 0, reset}
+  end
+  if not rec then
+    return reply(0)
+  end
+  redis.call('DEL', KEYS[2])
+  local rs, est = string.match(rec, '^(%d+) (%d+)$')
+  rs, est = tonumber(rs), tonumber(est)
+  if rs == start or actual > est then
+    count = count + actual - est
+  end
+  if count < 0 then
+    count = 0
+  end
+  redis.call('SET', key, string.format('%d %d', start, count), 'PX', life(count, first_limit))
+  return reply(1)
 end
 
 local changed = false
@@ -104,6 +174,9 @@ for j = 1, n do
   if count + cost <= limit then
     count = count + cost
     changed = true
+    if mode == 'r' then
+      redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
+    end
     out[#out + 1] = 1
     out[#out + 1] = count
     out[#out + 1] = limit - count
@@ -123,6 +196,6 @@ for j = 1, n do
 end
 
 if changed then
-  redis.call('SET', key, string.format('%d %d', start, count), 'PX', reset)
+  redis.call('SET', key, string.format('%d %d', start, count), 'PX', life(count, first_limit))
 end
 return out

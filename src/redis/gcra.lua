@@ -32,7 +32,16 @@
 -- KEYS[1]  the GCRA key (one Cluster slot; never another algorithm's key)
 -- ARGV[1]  window length W in ms
 -- ARGV[2]  now in ms from the caller's clock, or 0 to use Redis TIME
--- ARGV[3]  member id (unused; kept so every script takes the same arguments)
+-- ARGV[3]  member id (unused; kept so every script takes the same arguments),
+--          or 'r' (reserve) or 's' (settle), docs/PROTOCOL.md 4f:
+--   'r': one request; when admitted, KEYS[2] (the settle record) is set to
+--        "0 <cost>" for SETTLE_LIFE ms.
+--   's': ARGV[4], ARGV[5] the limit and the actual cost. KEYS[2] read and
+--        deleted; none: reply {0, ...} (nothing changes). Else a shortfall
+--        moves the TAT forward by (actual - estimate) T, past now + W if it
+--        must: debt, every cost refused until the bucket has drained back;
+--        a surplus moves it back by (estimate - actual) T, never before
+--        now (a full bucket holds no more). Exact.
 -- ARGV[4], ARGV[5]  limit and cost of the first request (1 <= cost <= limit)
 -- ARGV[6], ARGV[7]  ... of the second, and so on
 
@@ -54,6 +63,39 @@ local tat = now
 if stored then
   tat = math.max(tonumber(stored), now)
 end
+local mode = ARGV[3]
+local SETTLE_LIFE = 86400000
+
+if mode == 's' then
+  local limit = tonumber(ARGV[4])
+  local actual = tonumber(ARGV[5])
+  local t = window / limit
+  local rec = redis.call('GET', KEYS[2])
+  local function reply(ok, at)
+    local count = math.ceil((at - now) / t - EPS)
+    local left = limit - count
+    if left < 0 then
+      left = 0
+    end
+    return {ok, count, left, math.max(0, math.ceil(at + t - window - now - EPS)), math.ceil(at - now - EPS)}
+  end
+  if not rec then
+    return reply(0, tat)
+  end
+  redis.call('DEL', KEYS[2])
+  local est = tonumber(string.match(rec, '^%d+ (%d+)$'))
+  if actual >= est then
+    tat = tat + (actual - est) * t
+  else
+    tat = math.max((stored and tonumber(stored) or now) - (est - actual) * t, now)
+  end
+  if tat > now then
+    redis.call('SET', key, string.format('%.17g', tat), 'PX', math.max(1, math.ceil(tat - now)))
+  else
+    redis.call('DEL', key)
+  end
+  return reply(1, tat)
+end
 local changed = false
 local out = {}
 
@@ -71,6 +113,9 @@ for j = 1, n do
     out[#out + 1] = math.ceil(new_tat - now - EPS)
     tat = new_tat
     changed = true
+    if mode == 'r' then
+      redis.call('SET', KEYS[2], string.format('0 %d', cost), 'PX', SETTLE_LIFE)
+    end
   else
     local count = math.ceil((tat - now) / t - EPS)
     local remaining = limit - count

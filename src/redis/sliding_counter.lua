@@ -28,7 +28,18 @@
 -- KEYS[1]  the key (one Cluster slot; never another algorithm's key)
 -- ARGV[1]  window length W in ms
 -- ARGV[2]  now in ms from the caller's clock, or 0 to use Redis TIME
--- ARGV[3]  member id (unused; kept so every script takes the same arguments)
+-- ARGV[3]  member id (unused; kept so every script takes the same arguments),
+--          or 'r' (reserve) or 's' (settle), docs/PROTOCOL.md 4f:
+--   'r': one request; when admitted, KEYS[2] (the settle record) is set to
+--        "<window start> <cost>" for SETTLE_LIFE ms.
+--   's': ARGV[4], ARGV[5] the limit and the actual cost. KEYS[2] read and
+--        deleted; none: reply {0, ...} (nothing changes). A surplus is
+--        taken off the count of the window the reservation was counted in
+--        (current or previous; older: gone with it), a shortfall added to
+--        the current window's count, which may pass the limit (debt:
+--        refused while the weighted estimate is above the limit; a debt
+--        above one window's limit is forgotten after two windows, as the
+--        algorithm forgets every count).
 -- ARGV[4], ARGV[5]  limit and cost of the first request, and so on
 
 local key = KEYS[1]
@@ -56,6 +67,37 @@ if stored then
 end
 
 local EPS = 1e-9
+local mode = ARGV[3]
+local SETTLE_LIFE = 86400000
+
+if mode == 's' then
+  local limit = tonumber(ARGV[4])
+  local actual = tonumber(ARGV[5])
+  local rec = redis.call('GET', KEYS[2])
+  local function reply(ok)
+    local count = math.ceil(prev * (window - elapsed) / window + cur - EPS)
+    local left = limit - count
+    if left < 0 then
+      left = 0
+    end
+    return {ok, count, left, 0, 2 * window - elapsed}
+  end
+  if not rec then
+    return reply(0)
+  end
+  redis.call('DEL', KEYS[2])
+  local rs, est = string.match(rec, '^(%d+) (%d+)$')
+  rs, est = tonumber(rs), tonumber(est)
+  if actual >= est then
+    cur = cur + actual - est
+  elseif rs == start then
+    cur = math.max(cur - (est - actual), 0)
+  elseif rs == start - window then
+    prev = math.max(prev - (est - actual), 0)
+  end
+  redis.call('SET', key, string.format('%d %d %d', start, cur, prev), 'PX', 2 * window - elapsed)
+  return reply(1)
+end
 
 -- The first whole ms (from now) at which prev * (W - e) / W + cur + cost
 -- <= limit, with nothing else admitted.
@@ -85,6 +127,9 @@ for j = 1, n do
   if weighted + cur + cost <= limit + EPS then
     cur = cur + cost
     changed = true
+    if mode == 'r' then
+      redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
+    end
     local count = math.ceil(weighted + cur - EPS)
     out[#out + 1] = 1
     out[#out + 1] = count

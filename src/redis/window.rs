@@ -442,7 +442,43 @@ impl RedisWindow {
     }
 }
 
+/// The Redis key of a reserve's settle record: the window's key, then
+/// `:settle:` and the handle in hex (same slot as the window).
+fn settle_record_key(window: WindowKey<'_>, handle: &[u8; 16]) -> Vec<u8> {
+    let mut v = window.to_vec();
+    v.extend_from_slice(b":settle:");
+    for b in handle {
+        let _ = write!(v, "{b:02x}");
+    }
+    v
+}
+
 impl RedisWindow {
+    /// Reserves `spec.cost` (an estimate) on an O(1) algorithm's window and,
+    /// when admitted, writes the settle record `handle` names, in the same
+    /// atomic call (docs/PROTOCOL.md 4f). Never coalesced.
+    pub async fn reserve(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, handle: &[u8; 16]) -> Result<Verdict, StoreError> {
+        let window = self.window_key(spec.key, spec.window_ms, algorithm);
+        let mut cmd = redis::Cmd::with_capacity(10, 160 + 2 * (self.key_prefix.len() + spec.key.len()));
+        cmd.arg("EVALSHA").arg(self.link.script_sha(algorithm.index())).arg(2).arg(window).arg(settle_record_key(window, handle));
+        cmd.arg(spec.window_ms).arg(self.now_arg()).arg("r").arg(spec.limit).arg(spec.cost);
+        let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
+    }
+
+    /// Settles the reserve `handle` names to `actual` (`spec.cost`): the
+    /// record is read and deleted and the window moved by the difference,
+    /// atomically. `None`: no such record (forged, replayed, expired), and
+    /// nothing changed. The verdict is the window after the settle.
+    pub async fn settle_reserve(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, handle: &[u8; 16]) -> Result<Option<Verdict>, StoreError> {
+        let window = self.window_key(spec.key, spec.window_ms, algorithm);
+        let mut cmd = redis::Cmd::with_capacity(10, 160 + 2 * (self.key_prefix.len() + spec.key.len()));
+        cmd.arg("EVALSHA").arg(self.link.script_sha(algorithm.index())).arg(2).arg(window).arg(settle_record_key(window, handle));
+        cmd.arg(spec.window_ms).arg(self.now_arg()).arg("s").arg(spec.limit).arg(spec.cost);
+        let (matched, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok((matched == 1).then(|| verdict(i64::from(remaining > 0), count, remaining, retry_after_ms, reset_ms)))
+    }
+
     /// Decides several items all or nothing, within one deadline
     /// (docs/PROTOCOL.md 4b; how across Cluster slots: `multi`). Never
     /// coalesced: the members it writes are named by the returned handle.

@@ -111,7 +111,8 @@ _M.new = kind.constructor(mt, "multi", "new: ", function(opts, on_error)
         _n = #names,
         _policy = names[1],
         _window_ms = opts.window_ms,
-        _header = wire.policy_header(opts.refundable and wire.FLAG_REFUNDABLE or 0, on_error, #names, opts.local_limit),
+        -- settle = true: the check reserves its cost (PROTOCOL.md 4f, settle.lua).
+        _header = wire.policy_header(opts.settle and 2 or (opts.refundable and wire.FLAG_REFUNDABLE or 0), on_error, #names, opts.local_limit),
         _name_parts = parts,
         _set_ctx = true,
     }

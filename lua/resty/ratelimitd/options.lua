@@ -72,6 +72,7 @@ local SPECS = {
     { "dry_run", boolean, "dry_run must be a boolean" },
     { "denial_cache", boolean, "denial_cache must be a boolean" },
     { "refundable", boolean, "refundable must be a boolean" },
+    { "settle", boolean, "settle must be a boolean" },
     { "algorithm", function(v) return ALGORITHM[v] ~= nil end, "algorithm must be one of " .. table.concat(algorithm_names, ", ") },
     -- Pacing, as nginx limit_req: without nodelay an admitted request
     -- waits its delay; `delay` requests of a burst pass at once first.
@@ -107,7 +108,7 @@ local KINDS = {
     table_form = kind({ "key", "cost", "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay" }),
     policy = kind({ "policy", "window_ms", "nodelay", "delay", "shadow" },
                   { limit = POLICY_HOLDS, cost = POLICY_HOLDS, key = POLICY_HOLDS, algorithm = POLICY_HOLDS }),
-    multi = kind({ "policy", "policies", "refundable", "window_ms", "shadow" }, nil, " for a policy limiter"),
+    multi = kind({ "policy", "policies", "refundable", "settle", "window_ms", "shadow" }, nil, " for a policy limiter"),
     concurrency = kind({ "limit", "lease_ms" }),
     concurrency_policy = kind({ "policy", "lease_ms" },
         { limit = "is not an option of a policy limiter: the limit and lease are the policy's, in ratelimitd.toml" }),
@@ -135,6 +136,9 @@ local function rules(k, opts)
         end
         if k == "multi" and opts.policy ~= nil and opts.policies ~= nil then
             return "give policy or policies, not both"
+        end
+        if opts.settle and (opts.policies ~= nil or opts.refundable) then
+            return "settle = true takes one policy (policy = name), without refundable (PROTOCOL.md 4f)"
         end
         if opts.policies then
             local seen = {}

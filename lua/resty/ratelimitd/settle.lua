@@ -1,0 +1,93 @@
+-- resty.ratelimitd.settle: the actual cost of a reserved request
+-- (PROTOCOL.md 4f), from any phase, usually log_by_lua once the upstream
+-- has said what the request cost (tokens, bytes).
+--
+--   tokens = assert(ratelimitd.new{ policy = "tokens_month", settle = true })
+--   access_by_lua:  tokens:limit(tenant, estimate)          -- reserves the estimate
+--   log_by_lua:     ratelimitd.settle(ngx.ctx.ratelimitd.handle, actual)
+--
+-- res.handle of a settle limiter (multi.lua) holds the daemon's 16-byte
+-- handle and the reserve's item; the settle frame is that item with its
+-- cost replaced by the actual. The estimate is kept in Redis, not here.
+
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
+local log_failure = require("resty.ratelimitd.log").failure
+
+local ngx = ngx
+local type, error = type, error
+local char, sub = string.char, string.sub
+local floor = math.floor
+
+local _M = {}
+
+-- Op 9, and the largest actual the daemon takes (wire.rs MAX_O1_COST).
+local OP_SETTLE = 9
+_M.MAX_COST = 1000000000
+
+local function u32(n)
+    return char(floor(n / 16777216) % 256, floor(n / 65536) % 256, floor(n / 256) % 256, n % 256)
+end
+
+-- handle: the item count (1), 16 bytes, then the item (cost, lengths,
+-- name, key) as the reserve sent it.
+local function frame(id, handle, actual)
+    local body = char(wire.VERSION or 1, OP_SETTLE) .. u32(id) .. char(0, 0, 0) .. sub(handle, 1, 17) .. u32(actual) .. sub(handle, 22)
+    return u32(#body) .. body
+end
+
+-- Sends a SETTLE frame: true and the response (count: the window's count
+-- after the settle, 0 for a handle already settled), or nil and an error.
+local function send_settle(handle, actual)
+    local id = conn.next_id()
+    local res, err = conn.ask(nil, frame(id, handle, actual), id)
+    if not res then
+        return nil, err
+    end
+    if res.decision ~= "allowed" then
+        return nil, res.error .. ": " .. res.message
+    end
+    return true, res
+end
+
+local function settle_timer(premature, handle, actual)
+    if premature then
+        return
+    end
+    local ok, err = send_settle(handle, actual)
+    if not ok then
+        log_failure("settle_failed", "-", err)
+    end
+end
+
+-- Phases where cosockets are not available: the settle runs in a timer.
+local NO_COSOCKET = { log = true, header_filter = true, body_filter = true, set = true, init_worker = true }
+
+--- Settles a reserve (res.handle of a settle limiter) to `actual` units:
+-- a surplus is given back, a shortfall charged (debt past the limit). From
+-- log_by_lua* it runs in a 0-delay timer and returns true at once;
+-- elsewhere true and the daemon's answer, or nil and an error. A false/nil
+-- handle (nothing was reserved: exempt, fail policy) is a no-op. An actual
+-- that is no integer in 0..MAX_COST returns nil and an error (it comes from
+-- the upstream); a handle that is no string raises (a bug in the caller).
+function _M.settle(handle, actual)
+    if not handle then
+        return true
+    end
+    if type(handle) ~= "string" or #handle < 17 + 7 or handle:byte(1) ~= 1 then
+        error("settle: expects the handle of a settle limiter's reserve (res.handle)", 2)
+    end
+    if type(actual) ~= "number" or actual < 0 or actual > _M.MAX_COST or floor(actual) ~= actual then
+        return nil, "settle: the actual cost must be an integer in 0.." .. _M.MAX_COST
+    end
+    if NO_COSOCKET[ngx.get_phase()] then
+        local ok, err = ngx.timer.at(0, settle_timer, handle, actual)
+        if not ok then
+            return nil, "settle: timer: " .. err
+        end
+        return true
+    end
+    return send_settle(handle, actual)
+end
+
+return _M
