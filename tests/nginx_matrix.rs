@@ -199,9 +199,7 @@ fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
     // refuses from request 2 on), so the legacy styles show it then, as
     // the most constrained (docs/NGINX.md section 4, `shadow`).
     let undeclared_shadow_with_room = matches!(c.kind, Kind::Multi(Some(false))) && i == 0;
-    let (limit, remaining) = if concurrency {
-        (1, 0)
-    } else if undeclared_shadow_with_room {
+    let (limit, remaining) = if concurrency || undeclared_shadow_with_room {
         (1, 0)
     } else {
         (LIMIT, LIMIT - (i + 1).min(LIMIT))
