@@ -107,8 +107,9 @@ REDIS_PACKAGES=(redis-server:redis-server redis-cli:redis-tools redis-benchmark:
 # nginx/ratelimitd.conf and nginx/example.conf against $SOCK, with a stub
 # application behind them; sets NGINX_PORT. Only ports, the socket path and
 # the /order window are changed; EXTRA (more locations) is added to the
-# example's server, LIMITERS (more `name = assert(ratelimitd.new{...}),`
-# entries) to the example's `limiters` table, after the window is changed.
+# example's server, LIMITERS (`name = assert(ratelimitd.new{...}),`
+# entries: `ratelimitd` is in scope) make the global table `bench_limiters`
+# in the example's init_worker_by_lua, after the window is changed.
 start_nginx() {
   local prefix="$WORK/nginx" app_port
   NGINX_PORT=$(free_port)
@@ -133,8 +134,10 @@ start_nginx() {
     example=$(sed -e "s#listen 8080;#listen 127.0.0.1:$NGINX_PORT; $extra#" -e "s#server 127.0.0.1:9000;#server 127.0.0.1:$app_port;#" \
         -e "0,/window_ms = 1000,/s//window_ms = $1,/" "$ROOT/nginx/example.conf")
     if [ -n "${3:-}" ]; then
-      [[ $example == *"limiters = {"* ]] || { echo "nginx/example.conf has no 'limiters = {' table" >&2; return 1; }
-      example=${example/"limiters = {"/"limiters = { $3"}
+      # The extra limiters go in a table of their own, `bench_limiters`,
+      # made in the example's init_worker_by_lua with `ratelimitd` in scope.
+      [[ $example == *"init_worker_by_lua_block {"* ]] || { echo "nginx/example.conf has no init_worker_by_lua_block" >&2; return 1; }
+      example=${example/"init_worker_by_lua_block {"/"init_worker_by_lua_block { local ratelimitd = require \"resty.ratelimitd\"; bench_limiters = { $3 }"}
     fi
     printf '%s\n' "$example"
     echo "server { listen 127.0.0.1:$app_port; location / { return 200 \"ok\\n\"; } } }"
