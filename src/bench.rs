@@ -110,7 +110,7 @@ impl WorkerTally {
     fn count(&mut self, r: &Response, latency: Duration) {
         self.latencies_us.push(latency.as_micros() as u64);
         match r.decision {
-            Decision::Allowed | Decision::ShadowDenied => self.allowed += 1,
+            Decision::Allowed | Decision::ShadowDenied | Decision::ShadowAllowed => self.allowed += 1,
             Decision::Denied => self.denied += 1,
             Decision::Error => self.errors += 1,
         }

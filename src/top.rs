@@ -184,7 +184,8 @@ impl View {
         line(format!(
             "decisions/s {}: allowed {}  denied {}  shadow_denied {}  error {}   in flight {}  connections {}",
             r(all),
-            r(d("allowed")),
+            // A shadow policy with room admitted the request like any other.
+            r(d("allowed") + d("shadow_allowed")),
             r(d("denied")),
             r(d("shadow_denied")),
             r(d("error")),

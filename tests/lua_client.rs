@@ -160,8 +160,8 @@ window = "60s"
 shadow = true
 "#;
 
-/// Not told which policy is in shadow mode: its refusals (the only thing
-/// the wire marks) must still not show.
+/// Not told which policy is in shadow mode: its decisions (the wire marks
+/// them, shadow_allowed or shadow_denied) must still not show.
 const UNDECLARED_SHADOW: &str = r#"
 init_worker_by_lua_block {
     local ratelimitd = require "resty.ratelimitd"
@@ -228,8 +228,9 @@ fn a_declared_shadow_policy_never_shows_in_any_header_style() {
     let (n, _d, _redis) = shadow_setup(DECLARED_SHADOW);
     let a = agent();
     let enforced_policy = ENFORCED_POLICY;
-    // Declared: not even the first response (the shadow policy had room:
-    // nothing on the wire says it is in shadow mode) lists it.
+    // Declared: not even the first response (the shadow policy had room)
+    // lists it; the option is redundant with a daemon that marks
+    // shadow_allowed, and still hides it from an older one.
     for i in 1..=3 {
         let r = get(&a, &n.url("/draft?k=1"), &[]);
         assert_eq!(r.status, 200, "{}", n.error_log());
@@ -250,6 +251,46 @@ fn a_declared_shadow_policy_never_shows_in_any_header_style() {
     // The enforced policies still refuse: per_tenant after 5.
     let statuses: Vec<u16> = (0..6).map(|_| get(&a, &n.url("/draft?k=2"), &[]).status).collect();
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
+    assert!(error_lines(&n).is_empty(), "{:?}", error_lines(&n));
+}
+
+/// Not told which policy is in shadow mode, in every header style, and a
+/// one-policy limiter of the shadow policy.
+const UNDECLARED_SHADOW_EVERY_STYLE: &str = r#"
+init_worker_by_lua_block {
+    local ratelimitd = require "resty.ratelimitd"
+    local policies = { "per_ip", "next", "per_tenant" }
+    shadow_lims = {
+        legacy = assert(ratelimitd.new{ policies = policies, header_style = "ratelimit" }),
+        x = assert(ratelimitd.new{ policies = policies, header_style = "x" }),
+        draft = assert(ratelimitd.new{ policies = policies, header_style = "draft" }),
+        one = assert(ratelimitd.new{ policy = "next", header_style = "ratelimit" }),
+    }
+}
+"#;
+
+/// Issue 22, defect 3: an undeclared shadow policy (next, limit 1) with
+/// room on the first request is marked shadow_allowed by the daemon, so the
+/// legacy fields show the enforced per_tenant (limit 5, remaining 4), not
+/// the shadow policy as the most constrained (limit 1, remaining 0).
+#[test]
+fn an_undeclared_shadow_policy_with_room_never_shows_in_any_header_style() {
+    let (n, _d, _redis) = shadow_setup(UNDECLARED_SHADOW_EVERY_STYLE);
+    let a = agent();
+    for i in 1..=3 {
+        let r = get(&a, &n.url("/legacy?k=1"), &[]);
+        let remaining = (5 - i).to_string();
+        assert_eq!((r.status, r.header("RateLimit-Limit"), r.header("RateLimit-Remaining")), (200, "5", remaining.as_str()), "legacy, request {i}");
+        let r = get(&a, &n.url("/x?k=1"), &[]);
+        assert_eq!((r.status, r.header("X-RateLimit-Limit"), r.header("X-RateLimit-Remaining")), (200, "5", remaining.as_str()), "x, request {i}");
+        let r = get(&a, &n.url("/draft?k=1"), &[]);
+        assert_eq!((r.status, r.header("RateLimit-Policy")), (200, ENFORCED_POLICY), "draft, request {i}");
+        assert_eq!(r.header("RateLimit"), format!(r#""per_ip";r={};t=60, "per_tenant";r={};t=60"#, 10 - i, 5 - i), "draft, request {i}");
+        // A one-policy limiter of the shadow policy: no quota fields, with
+        // room (request 1) or without.
+        let r = get(&a, &n.url("/one?k=1"), &[]);
+        assert_eq!((r.status, r.header("RateLimit-Limit"), r.header("RateLimit-Remaining")), (200, "", ""), "one, request {i}");
+    }
     assert!(error_lines(&n).is_empty(), "{:?}", error_lines(&n));
 }
 

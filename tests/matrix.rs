@@ -683,8 +683,8 @@ impl PolicyCounts {
                 for (it, res) in items.iter().zip(&ext.items) {
                     match (res.decision, res.source) {
                         (Decision::Denied, Source::None) => {}
-                        (Decision::Allowed, Source::Exempt) => self.add(&it.policy, false),
-                        (Decision::Allowed, _) if !committed => {}
+                        (Decision::Allowed | Decision::ShadowAllowed, Source::Exempt) => self.add(&it.policy, false),
+                        (Decision::Allowed | Decision::ShadowAllowed, _) if !committed => {}
                         (d, _) => self.add(&it.policy, d == Decision::ShadowDenied),
                     }
                 }

@@ -173,8 +173,10 @@ fn run_against_model(redis: bool, seed: u64, ops: usize) {
                 let e = &expect[0];
                 let shadow = NAMES[items[0].0] == "shadow";
                 let want = match (e.exempt, e.fits, shadow) {
+                    (true, _, true) => (Decision::ShadowAllowed, Source::Exempt),
                     (true, ..) => (Decision::Allowed, Source::Exempt),
-                    (_, true, _) => (Decision::Allowed, store_source),
+                    (_, true, true) => (Decision::ShadowAllowed, store_source),
+                    (_, true, false) => (Decision::Allowed, store_source),
                     (_, false, true) => (Decision::ShadowDenied, r.source),
                     (_, false, false) => (Decision::Denied, r.source),
                 };
@@ -208,10 +210,11 @@ fn run_against_model(redis: bool, seed: u64, ops: usize) {
             for (i, (got, e)) in ext.items.iter().zip(&expect).enumerate() {
                 let shadow = NAMES[items[i].0] == "shadow";
                 let ok = match got.source {
-                    Source::Exempt => e.exempt && got.decision == Decision::Allowed,
+                    Source::Exempt => e.exempt && got.decision == if shadow { Decision::ShadowAllowed } else { Decision::Allowed },
                     s if s == store_source => {
                         let want = match (e.fits, shadow) {
-                            (true, _) => Decision::Allowed,
+                            (true, false) => Decision::Allowed,
+                            (true, true) => Decision::ShadowAllowed,
                             (false, true) => Decision::ShadowDenied,
                             (false, false) => Decision::Denied,
                         };

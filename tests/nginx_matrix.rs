@@ -194,12 +194,10 @@ fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
         fail(format!("$ratelimitd_status {:?} (want {outcome})", r.header("X-Ratelimitd-Status")));
     }
     // The quota shown: the limited policy (per_key, limit 2) of a
-    // multi-item limiter, never the shadow one; but nothing on the wire
-    // marks an undeclared shadow policy while it has room (request 1: it
-    // refuses from request 2 on), so the legacy styles show it then, as
-    // the most constrained (docs/NGINX.md section 4, `shadow`).
-    let undeclared_shadow_with_room = matches!(c.kind, Kind::Multi(Some(false))) && i == 0;
-    let (limit, remaining) = if concurrency || undeclared_shadow_with_room {
+    // multi-item limiter, never the shadow one, declared or not, whether it
+    // has room (request 1: the daemon marks it shadow_allowed) or refuses
+    // (from request 2 on: shadow_denied).
+    let (limit, remaining) = if concurrency {
         (1, 0)
     } else {
         (LIMIT, LIMIT - (i + 1).min(LIMIT))
@@ -228,10 +226,9 @@ fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
         "draft" => {
             let policy = r.header("RateLimit-Policy");
             let state = r.header("RateLimit");
-            if (policy.contains("\"next\"") || state.contains("\"next\"")) != undeclared_shadow_with_room {
-                fail("the shadow policy listed or not".into());
+            if policy.contains("\"next\"") || state.contains("\"next\"") {
+                fail("the shadow policy listed".into());
             }
-            let (limit, remaining) = if undeclared_shadow_with_room { (LIMIT, LIMIT - 1) } else { (limit, remaining) };
             let member = state.split(", ").find(|m| m.starts_with(&format!("\"{name}\";")));
             let Some(member) = member else { return fail(format!("no {name} in RateLimit {state:?}")) };
             let want_r = format!(";r={remaining};");

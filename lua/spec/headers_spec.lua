@@ -67,6 +67,33 @@ describe("headers", function()
         assert.same({}, render({ decision = "allowed", source = "redis", limit = 1, remaining = 0, policy = "next" }, "x", hidden))
     end)
 
+    it("never shows a shadow policy with room that the daemon marked, declared or not", function()
+        -- Issue 22, defect 3: the daemon marks every shadow item, so an
+        -- undeclared one with room (limit 1, remaining 0: the most
+        -- constrained) is hidden in every style without the shadow option.
+        for _, hidden in ipairs({ false, { next = true } }) do
+            local h = hidden or nil
+            local want = { ["RateLimit-Limit"] = 5, ["RateLimit-Remaining"] = 4, ["RateLimit-Reset"] = 60 }
+            assert.same(want, render(multi("shadow_allowed", 0), "ratelimit", h))
+            assert.same({ ["X-RateLimit-Limit"] = 5, ["X-RateLimit-Remaining"] = 4, ["X-RateLimit-Reset"] = 60 }, render(multi("shadow_allowed", 0), "x", h))
+            local out = render(multi("shadow_allowed", 0), "draft", h)
+            assert.equals('"per_ip";q=10;w=60, "per_tenant";q=5;w=60', out["RateLimit-Policy"])
+            assert.equals('"per_ip";r=9;t=60, "per_tenant";r=4;t=60', out["RateLimit"])
+        end
+        -- A one-policy limiter of a shadow policy: nothing shown, in any style.
+        for _, decision in ipairs({ "shadow_allowed", "shadow_denied" }) do
+            local res = { decision = decision, source = "redis", limit = 1, remaining = 0, reset_ms = 60000, retry_after_ms = 0, window_ms = 60000, policy = "next" }
+            for _, style in ipairs({ "ratelimit", "x", "draft" }) do
+                assert.same({}, render(res, style))
+            end
+        end
+        -- Only shadow items: no quota at all.
+        local only = { decision = "allowed", source = "redis", items = { item("next", "shadow_allowed", 1, 0) } }
+        for _, style in ipairs({ "ratelimit", "x", "draft" }) do
+            assert.same({}, render(only, style))
+        end
+    end)
+
     it("shows the refusing policy in the legacy styles, and names it in the problem body", function()
         local res = { decision = "denied", source = "redis", items = {
             item("per_ip", "allowed", 10, 1),

@@ -73,7 +73,7 @@ pub(super) fn account(r: &Response, charge: &Charge<'_>) {
                     (Decision::Denied, Source::None) => None,
                     (_, Source::Exempt) => Some(Outcome::Exempt),
                     // Had room, but another item refused: charged nothing, counted nowhere.
-                    (Decision::Allowed, _) if r.decision != Decision::Allowed => None,
+                    (Decision::Allowed | Decision::ShadowAllowed, _) if r.decision != Decision::Allowed => None,
                     (d, s) => Some(outcome_of(d, s)),
                 };
                 if let Some(o) = outcome {
@@ -90,6 +90,8 @@ pub(super) fn outcome_of(decision: Decision, source: Source) -> Outcome {
     match (decision, source) {
         (Decision::Error, _) => Outcome::Error,
         (Decision::ShadowDenied, _) => Outcome::ShadowRefused,
+        // A shadow policy with room is counted as any admission.
+        (Decision::ShadowAllowed, s) => outcome_of(Decision::Allowed, s),
         (_, Source::Exempt) => Outcome::Exempt,
         (Decision::Denied, Source::DenialCache) => Outcome::RefusedFromCache,
         (_, Source::FailOpen) => Outcome::FailOpen,

@@ -87,7 +87,7 @@ impl Limiter {
             Err(rejected) => return rejected.into(),
         };
         let charge = Charge::one(item.policy, Some(&r.scoped_key[..]));
-        let Some(limit) = item.limit else { return (respond::exempt(r.id, OP_CHECK_POLICY), charge) };
+        let Some(limit) = item.limit else { return (respond::shadowed(respond::exempt(r.id, OP_CHECK_POLICY), &item), charge) };
         (respond::shadowed(self.check_item(r.id, OP_CHECK_POLICY, &item, limit).await, &item), charge)
     }
 
@@ -147,7 +147,7 @@ impl Limiter {
         };
         let charge = Charge::one(item.policy, None);
         // Exempt: nothing acquired, so nothing to release.
-        let Some(limit) = item.limit else { return (respond::exempt(r.id, op), charge) };
+        let Some(limit) = item.limit else { return (if r.release { respond::exempt(r.id, op) } else { respond::shadowed(respond::exempt(r.id, op), &item) }, charge) };
         let response = self.lease(r.id, op, !r.release, &item, limit, &r.lease).await;
         (if r.release { response } else { respond::shadowed(response, &item) }, charge)
     }
@@ -287,8 +287,10 @@ mod tests {
         for _ in 0..4 {
             got.push(l.clone().decide(Request::PolicyCheck(policy_req("order", "t1"))).await.decision);
         }
-        assert_eq!(got, [Decision::Allowed, Decision::Allowed, Decision::ShadowDenied, Decision::ShadowDenied]);
+        // Marked either way, so that no client shows a shadow policy.
+        assert_eq!(got, [Decision::ShadowAllowed, Decision::ShadowAllowed, Decision::ShadowDenied, Decision::ShadowDenied]);
         assert_eq!(l.policies().get(b"order").unwrap().counters.get(Outcome::ShadowRefused), 2);
+        assert_eq!(l.policies().get(b"order").unwrap().counters.get(Outcome::Admitted), 2);
     }
 
     #[tokio::test]

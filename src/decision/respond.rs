@@ -51,16 +51,29 @@ pub(super) fn exempt(id: u32, op: u8) -> Response {
     Response { decision: Decision::Allowed, source: Source::Exempt, error: ErrorCode::None, ..Response::error(id, op, ErrorCode::None, Cow::Borrowed("")) }
 }
 
-/// A shadow policy's refusal, reported and never enforced (SEMANTICS S3):
-/// nothing was recorded for it. Releases are never refusals of a policy.
+/// A shadow policy's decision, reported and never enforced (SEMANTICS S3):
+/// a refusal (nothing was recorded for it) or an admission, each marked on
+/// the wire so that no client shows it. Releases are never marked.
 pub(super) fn shadowed(mut r: Response, item: &Item<'_>) -> Response {
-    if item.shadow && r.decision == Decision::Denied {
-        r.decision = Decision::ShadowDenied;
+    if item.shadow {
+        r.decision = shadow_decision(r.decision);
     }
     r
 }
 
-/// One response for a multi-item check: shadow refusals marked, the fixed
+/// The mark of a shadow item's decision: what the client must never show.
+/// Errors stay errors (nothing decided).
+#[inline]
+fn shadow_decision(d: Decision) -> Decision {
+    match d {
+        Decision::Denied => Decision::ShadowDenied,
+        Decision::Allowed => Decision::ShadowAllowed,
+        other => other,
+    }
+}
+
+/// One response for a multi-item check: shadow items marked (refused or
+/// fitted, so that the client needs no list of shadow policies), the fixed
 /// fields from enforced items only (SEMANTICS S3): the first refusing
 /// item's (retry-after: when every refusing item fits), else the most
 /// constrained admitted item's.
@@ -68,12 +81,11 @@ pub(super) fn aggregate(id: u32, op: u8, items: &[Item<'_>], done: Executed) -> 
     let Executed { mut results, handle, failure } = done;
     let mut refused = 0u8;
     for (i, (item, res)) in items.iter().zip(results.iter_mut()).enumerate() {
-        if res.decision == Decision::Denied && res.source != Source::None {
-            if item.shadow {
-                res.decision = Decision::ShadowDenied;
-            } else if refused == 0 {
-                refused = (i + 1) as u8;
-            }
+        // Not evaluated (another item's cached refusal decided) stays as is.
+        if item.shadow && res.source != Source::None {
+            res.decision = shadow_decision(res.decision);
+        } else if res.decision == Decision::Denied && res.source != Source::None && refused == 0 {
+            refused = (i + 1) as u8;
         }
     }
     let enforced = || items.iter().zip(results.iter()).filter(|(item, _)| !item.shadow).map(|(_, r)| r);
@@ -87,7 +99,8 @@ pub(super) fn aggregate(id: u32, op: u8, items: &[Item<'_>], done: Executed) -> 
             .min_by_key(|r| r.remaining)
             .copied()
             .or_else(|| enforced().next().copied())
-            // Shadow items only: the first one's, as before.
+            // Shadow items only: the first one's, as before; its decision
+            // is marked in the items, and the client shows none of them.
             .unwrap_or(results[0])
     };
     let mut resp = Response {

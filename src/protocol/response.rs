@@ -43,7 +43,8 @@ pub struct Extension {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ItemResult {
     /// Allowed: this item had room (recorded if the request was admitted).
-    /// Denied: this item refused. ShadowDenied: a shadow policy's refusal.
+    /// Denied: this item refused. ShadowDenied: a shadow policy's refusal;
+    /// ShadowAllowed: a shadow policy that had room (neither is ever shown).
     /// Denied with source none: not evaluated (another item's cached
     /// refusal decided).
     pub decision: Decision,

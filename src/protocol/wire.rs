@@ -185,6 +185,10 @@ wire_enum! {
         /// A shadow policy would have refused: the request is admitted and
         /// nothing was recorded (CHECK_POLICY only).
         ShadowDenied = 3 => "shadow_denied",
+        /// A shadow policy had room: the request is admitted, and what the
+        /// client is shown never comes from it (CHECK_POLICY and
+        /// ACQUIRE_POLICY, and every shadow item of a multi-item check).
+        ShadowAllowed = 4 => "shadow_allowed",
     }
 }
 

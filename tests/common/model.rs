@@ -421,7 +421,7 @@ impl WantMulti {
                 .items
                 .iter()
                 .zip(&ext.items)
-                .filter(|(w, _)| (!w.shadow || !self.shadow_fields) && w.sources != [Source::Exempt] && w.decision == Decision::Allowed)
+                .filter(|(w, _)| (!w.shadow || !self.shadow_fields) && w.sources != [Source::Exempt] && matches!(w.decision, Decision::Allowed | Decision::ShadowAllowed))
                 .min_by_key(|(_, it)| it.remaining)
                 .map(|(_, it)| *it)
                 .or_else(|| self.items.iter().zip(&ext.items).find(|(w, _)| !w.shadow && self.shadow_fields).map(|(_, it)| *it));
@@ -685,7 +685,11 @@ impl Model {
             return Expect::One(Want::error(code::WRONG_POLICY_KIND));
         };
         let Some(limit) = p.limit_for(&item.key) else {
-            return Expect::One(Want::exempt(0));
+            let mut want = Want::exempt(0);
+            if p.shadow {
+                shadow_marked(&mut want);
+            }
+            return Expect::One(want);
         };
         if item.cost > p.most(limit) {
             return Expect::One(Want::error(code::INVALID_COST));
@@ -695,8 +699,8 @@ impl Model {
             // The policy's own fail policy replaces the request's; a sharded
             // key's local window is the key's own, not a shard's.
             let mut want = self.fail_verdict(wk, a, limit, item.cost, p.fail_policy.unwrap_or(fail), clock);
-            if p.shadow && want.decision == Decision::Denied {
-                want.decision = Decision::ShadowDenied;
+            if p.shadow {
+                shadow_marked(&mut want);
             }
             return Expect::One(want);
         }
@@ -704,8 +708,9 @@ impl Model {
         let (fits, mut want) = self.verdict(a, n, limit, item.cost, p.shards() > 1, clock);
         if fits {
             *self.windows.entry(wk).or_default() += item.cost;
-        } else if p.shadow {
-            want.decision = Decision::ShadowDenied;
+        }
+        if p.shadow {
+            shadow_marked(&mut want);
         }
         Expect::One(want)
     }
@@ -750,7 +755,11 @@ impl Model {
         let mut fits_all = Vec::new();
         for (it, (p, limit)) in items.iter().zip(&resolved) {
             let Some(limit) = *limit else {
-                wants.push(Want { shadow: p.shadow, ..Want::exempt(p.window_ms()) });
+                let mut want = Want { shadow: p.shadow, ..Want::exempt(p.window_ms()) };
+                if p.shadow {
+                    shadow_marked(&mut want);
+                }
+                wants.push(want);
                 fits_all.push(None);
                 continue;
             };
@@ -758,8 +767,8 @@ impl Model {
             let n = self.windows.get(&wk).copied().unwrap_or(0);
             let (fits, mut want) = self.verdict(Algorithm::Log, n, limit, it.cost, p.shards() > 1, clock);
             want.shadow = p.shadow;
-            if !fits && p.shadow {
-                want.decision = Decision::ShadowDenied;
+            if p.shadow {
+                shadow_marked(&mut want);
             }
             wants.push(want);
             fits_all.push(Some((wk, fits)));
@@ -814,7 +823,11 @@ impl Model {
         for (i, (it, (p, limit))) in items.iter().zip(resolved).enumerate() {
             let w = p.window_ms();
             let Some(limit) = *limit else {
-                wants.push(Want { shadow: p.shadow, outage: true, ..Want::exempt(w) });
+                let mut want = Want { shadow: p.shadow, outage: true, ..Want::exempt(w) };
+                if p.shadow {
+                    shadow_marked(&mut want);
+                }
+                wants.push(want);
                 continue;
             };
             let base = Want { decision: Decision::Denied, sources: vec![Source::None], limit, window_ms: w, shadow: p.shadow, outage: true, ..Want::error(code::OK) };
@@ -854,10 +867,8 @@ impl Model {
                 wants[*i] = want;
             }
         }
-        for w in &mut wants {
-            if w.shadow && w.decision == Decision::Denied && w.sources != [Source::None] {
-                w.decision = Decision::ShadowDenied;
-            }
+        for w in wants.iter_mut().filter(|w| w.shadow) {
+            shadow_marked(w);
         }
         let refusing: Vec<u8> = wants.iter().enumerate().filter(|(_, w)| w.decision == Decision::Denied && w.sources != [Source::None]).map(|(i, _)| (i + 1) as u8).collect();
         // All items exempt: no store was asked, nothing failed.
@@ -911,7 +922,13 @@ impl Model {
                 if p.algorithm().is_some() {
                     return Expect::One(Want::error(code::WRONG_POLICY_KIND));
                 }
-                let Some(limit) = p.limit_for(key) else { return Expect::One(Want::exempt(0)) };
+                let Some(limit) = p.limit_for(key) else {
+                    let mut want = Want::exempt(0);
+                    if p.shadow && !release {
+                        shadow_marked(&mut want);
+                    }
+                    return Expect::One(want);
+                };
                 fail = p.fail_policy.unwrap_or(fail);
                 (limit, p.shadow, Scope::Leases(Some(p.name.clone())))
             }
@@ -931,8 +948,8 @@ impl Model {
                 (true, _) => Self::lease_in(self.local_leases.entry(wk).or_default(), lease, cost, limit, true, shadow, Source::LocalFallback, clock),
             };
             want.outage = true;
-            if shadow && !release && want.decision == Decision::Denied {
-                want.decision = Decision::ShadowDenied;
+            if shadow && !release {
+                shadow_marked(&mut want);
             }
             return Expect::One(want);
         }
@@ -962,7 +979,8 @@ impl Model {
             if others + cost <= limit {
                 held.insert(lease.to_string(), cost);
                 let count = others + cost;
-                Want { decision: Decision::Allowed, sources: vec![src], count: Num::Is(count), remaining: Num::Is(limit - count), reset: (LEASE_MS - 2, LEASE_MS), ..Want::error(code::OK) }
+                let decision = if shadow { Decision::ShadowAllowed } else { Decision::Allowed };
+                Want { decision, sources: vec![src], count: Num::Is(count), remaining: Num::Is(limit - count), reset: (LEASE_MS - 2, LEASE_MS), ..Want::error(code::OK) }
             } else {
                 let decision = if shadow { Decision::ShadowDenied } else { Decision::Denied };
                 // Until the earliest and the last lease expire; nothing held
@@ -985,5 +1003,19 @@ impl Model {
             }
         }
         out
+    }
+}
+
+/// The mark the daemon puts on a shadow policy's decision (S3): a refusal
+/// is `ShadowDenied`, an admission (room, exempt, fail-open, the local
+/// fallback's) `ShadowAllowed`; a not-evaluated item and an error stay.
+pub fn shadow_marked(w: &mut Want) {
+    if w.sources == [Source::None] {
+        return;
+    }
+    match w.decision {
+        Decision::Denied => w.decision = Decision::ShadowDenied,
+        Decision::Allowed => w.decision = Decision::ShadowAllowed,
+        _ => {}
     }
 }

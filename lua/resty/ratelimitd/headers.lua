@@ -18,10 +18,16 @@ local _M = {}
 local COUNTED = { redis = true, memory = true, ["local"] = true, lua_local = true, denial_cache = true, lua_denial_cache = true }
 _M.COUNTED = COUNTED
 
+-- Decisions of a shadow policy, marked by the daemon whether it refused or
+-- had room: never shown, whatever the limiter declares.
+local SHADOW = { shadow_denied = true, shadow_allowed = true }
+_M.SHADOW = SHADOW
+
 -- An item (or a one-item decision) that is shown: counted, with a limit,
--- and not a shadow policy's (named in `hidden`, or a shadow refusal).
+-- and not a shadow policy's (marked by the daemon, or named in `hidden`:
+-- the `shadow` option, for a daemon that does not mark shadow_allowed).
 local function shown(it, hidden)
-    return COUNTED[it.source] and it.limit and it.limit > 0 and it.decision ~= "shadow_denied"
+    return COUNTED[it.source] and it.limit and it.limit > 0 and not SHADOW[it.decision]
         and not (hidden and hidden[it.policy])
 end
 
@@ -61,7 +67,8 @@ local LEGACY = {
 }
 
 --- Writes the quota fields of `res` in `style` ("ratelimit", "draft" or
--- "x") into `out`. `hidden`: a set of policy names in shadow mode, or nil.
+-- "x") into `out`. `hidden`: a set of policy names in shadow mode, or nil
+-- (needed only with a daemon that does not mark shadow_allowed).
 -- The legacy styles show one policy: the refusing one, else the most
 -- constrained one shown.
 function _M.set(out, res, style, hidden)
@@ -74,7 +81,7 @@ function _M.set(out, res, style, hidden)
         if not it then
             return
         end
-    elseif res.policy and hidden and hidden[res.policy] then
+    elseif SHADOW[res.decision] or res.policy and hidden and hidden[res.policy] then
         return
     end
     if not shown(it, nil) then

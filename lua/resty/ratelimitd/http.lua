@@ -132,11 +132,16 @@ function _M.enforce(lim, beh, key, cost, lease)
         show = settings.headers
     end
     local items = res.items
-    if res.decision == "shadow_denied" and not items then
+    if not items and (res.decision == "shadow_denied" or res.decision == "shadow_allowed") then
         -- A one-policy limiter of a shadow policy: nothing the client
-        -- should see, no headers, no refusal.
-        ngx_log(INFO, "ratelimitd: shadow policy '", lim._policy, "' would deny key=", key, " source=", res.source)
-        log_outcome(lim, res, "PASSED_SHADOW")
+        -- should see, no headers, no refusal. PASSED_SHADOW only when the
+        -- policy would have refused.
+        if res.decision == "shadow_denied" then
+            ngx_log(INFO, "ratelimitd: shadow policy '", lim._policy, "' would deny key=", key, " source=", res.source)
+            log_outcome(lim, res, "PASSED_SHADOW")
+        else
+            log_outcome(lim, res, FAIL_OPEN[res.source] and "FAIL_OPEN" or "PASSED")
+        end
         return res
     end
     if show then

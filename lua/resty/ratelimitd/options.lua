@@ -79,7 +79,9 @@ local SPECS = {
     { "nodelay", boolean, "nodelay must be a boolean" },
     { "delay", function(v) return type(v) == "number" and v >= 0 and floor(v) == v end,
       "delay must be a non-negative integer (requests of a burst passed at once)" },
-    -- Policies in shadow mode in ratelimitd.toml: never shown in headers.
+    -- Policies in shadow mode in ratelimitd.toml: never shown in headers
+    -- (the daemon marks them shadow_allowed/shadow_denied; the list is for
+    -- an older daemon that marks only refusals).
     { "shadow", name_list, "shadow must be a list of policy names (those in shadow mode in ratelimitd.toml)" },
 }
 

@@ -36,7 +36,7 @@ local POLICY = { open = 0, closed = 1, ["local"] = 2 }
 -- How a limit counts (docs/ALGORITHMS.md); sent in the CHECK flags' bits
 -- 0x0F00 (the first flags byte), 0 (the log) when not chosen.
 local ALGORITHM = { log = 0, ring = 1, gcra = 2, sliding_counter = 3, fixed = 4 }
-local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied" }
+local DECISION = { [0] = "allowed", [1] = "denied", [2] = "error", [3] = "shadow_denied", [4] = "shadow_allowed" }
 local SOURCE = { [0] = "redis", [1] = "local", [2] = "fail_open", [3] = "fail_closed", [4] = "memory", [5] = "denial_cache", [6] = "exempt", [255] = "none" }
 local ERROR_NAME = {
     [0] = "OK", [1] = "MALFORMED", [2] = "UNSUPPORTED_VERSION", [3] = "UNKNOWN_OP",
@@ -201,8 +201,8 @@ function _M.decode(h, message, limit, local_limit, policy)
         limit = DAEMON_COUNTED[source] and count + remaining or nil
     end
     return {
-        -- A shadow policy's refusal is reported, never enforced.
-        allowed = decision == "allowed" or decision == "shadow_denied",
+        -- A shadow policy's decision is reported, never enforced.
+        allowed = decision == "allowed" or decision == "shadow_denied" or decision == "shadow_allowed",
         decision = decision,
         source = source,
         count = count,
@@ -218,8 +218,9 @@ function _M.decode(h, message, limit, local_limit, policy)
 end
 
 -- The item the legacy fields (and res.limit, res.window_ms) show: the first
--- refusing item, else the most constrained one that counted. `hidden`
--- (names of shadow policies) and shadow refusals are never shown.
+-- refusing item, else the most constrained one that counted. Shadow items
+-- (decided shadow_denied or shadow_allowed by the daemon, or named in
+-- `hidden` for a daemon older than shadow_allowed) are never shown.
 function _M.main_item(items, hidden)
     local main
     for _, it in ipairs(items) do
