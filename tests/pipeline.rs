@@ -494,7 +494,7 @@ async fn refund_frees_a_placed_shadow_unit(store: Store) {
         let key = format!("s{steps}");
         for n in 0..3 {
             let r = c.check_policy(&policy("shade", &key)).await.unwrap();
-            assert_eq!(r.decision, Decision::Allowed, "{store:?}: {key} unit {n}: {r:?}");
+            assert_eq!(r.decision, Decision::ShadowAllowed, "{store:?}: {key} unit {n}: {r:?}");
         }
         for _ in 0..steps {
             c.check_policy(&policy("shade", "elsewhere")).await.unwrap();
@@ -502,12 +502,12 @@ async fn refund_frees_a_placed_shadow_unit(store: Store) {
         let items = [item("ip", &key), item("shade", &key)];
         let r = c.check_multi(FailPolicy::Closed, 0, true, &items).await.unwrap();
         assert!(admitted(&r), "{store:?}: {key}: {r:?}");
-        assert_eq!(r.extension.as_ref().unwrap().items[1].decision, Decision::Allowed, "{store:?}: {key}: the shadow unit found the free shard: {r:?}");
+        assert_eq!(r.extension.as_ref().unwrap().items[1].decision, Decision::ShadowAllowed, "{store:?}: {key}: the shadow unit found the free shard: {r:?}");
         let handle = r.extension.as_ref().and_then(|e| e.handle).expect("a refundable admission has a handle");
         let r = c.refund(&handle, &items).await.unwrap();
         assert_eq!((r.error, r.count), (ErrorCode::None, 2), "{store:?}: {key}: the refund frees the ip unit and the shadow unit: {r:?}");
         let r = c.check_policy(&policy("shade", &key)).await.unwrap();
-        assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 4, 0), "{store:?}: {key}: the refunded shard has room again: {r:?}");
+        assert_eq!((r.decision, r.count, r.remaining), (Decision::ShadowAllowed, 4, 0), "{store:?}: {key}: the refunded shard has room again: {r:?}");
     }
 }
 
