@@ -14,7 +14,8 @@
 //! included), refundable checks and REFUNDs (valid, replayed, forged by
 //! guessing a neighbour's sequence, foreign, random), ACQUIRE/RELEASE of
 //! policy and inline leases (lease ids repeated), reloads (the file
-//! rewritten, SIGHUP, the daemon's "configuration reloaded" awaited) and
+//! rewritten, SIGHUP (SIGUSR1 when it removes a policy), the daemon's
+//! "configuration reloaded" awaited) and
 //! Redis outages (below). Every
 //! answer is compared field by field: decision, source, error code, count,
 //! remaining, every item of a multi-item answer, the refusing item and the
@@ -858,7 +859,11 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                 let tail = text.find("[metrics]").map_or("", |i| &text[i..]);
                 d.rewrite_config(&format!("{head}{}{tail}", model.config.policies_toml()));
                 reloads += 1;
-                d.signal(nix::sys::signal::Signal::SIGHUP);
+                // A reload that removes a policy which decided requests
+                // lately is refused unless forced (SIGUSR1, docs/OPERATIONS.md):
+                // the matrix removes them on purpose.
+                let signal = if change == "removed" { nix::sys::signal::Signal::SIGUSR1 } else { nix::sys::signal::Signal::SIGHUP };
+                d.signal(signal);
                 wait_until("configuration reloaded", Duration::from_secs(10), || d.log().matches("configuration reloaded").count() >= reloads);
                 let _ = writeln!(trace, "{n:3} {}", describe(&op));
                 continue;
