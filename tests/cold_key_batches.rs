@@ -10,20 +10,7 @@ use common::RedisServer;
 
 const LOG: &str = include_str!("../src/redis/sliding_window.lua");
 
-/// xorshift64*: reproducible traces from a printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use common::rng::Rng;
 
 fn scores(conn: &mut redis::Connection, key: &str) -> Vec<u64> {
     let v: Vec<(String, u64)> = redis::cmd("ZRANGE").arg(key).arg(0).arg(-1).arg("WITHSCORES").query(conn).unwrap();

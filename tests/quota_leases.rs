@@ -19,20 +19,7 @@ use ratelimitd::QuotaLease;
 
 const LOG: &str = include_str!("../src/redis/sliding_window.lua");
 
-/// xorshift64*: reproducible traces from a printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use common::rng::Rng;
 
 /// One simulated daemon: its clock offset and the lease it holds.
 struct SimDaemon {

@@ -11,20 +11,7 @@ use common::RedisServer;
 const LOG: &str = include_str!("../src/redis/sliding_window.lua");
 const RING: &str = include_str!("../src/redis/ring.lua");
 
-/// xorshift64*: reproducible traces from a printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use common::rng::Rng;
 
 fn call(conn: &mut redis::Connection, sha: &str, key: &str, window: u64, now: u64, member: &str, asks: &[(u64, u64)]) -> Vec<i64> {
     let mut cmd = redis::cmd("EVALSHA");

@@ -13,6 +13,7 @@ pub mod model;
 pub mod nginx;
 pub mod ports;
 pub mod process;
+pub mod rng;
 pub mod redis_cluster;
 pub mod redis_server;
 pub mod sentinel;
