@@ -103,15 +103,27 @@ impl Client {
     /// Sends one reserve (CHECK_POLICY with the settle flag) of `item`,
     /// whose cost is the estimate.
     pub async fn reserve(&mut self, on_error: FailPolicy, local_limit: u32, item: &ItemArgs<'_>) -> Result<Response, ClientError> {
+        self.reserve_items(on_error, local_limit, std::slice::from_ref(item)).await
+    }
+
+    /// Sends one reserve of several items (policies), all or nothing; each
+    /// cost is that policy's estimate.
+    pub async fn reserve_items(&mut self, on_error: FailPolicy, local_limit: u32, items: &[ItemArgs<'_>]) -> Result<Response, ClientError> {
         let id = self.take_id();
-        encode_reserve(id, on_error, local_limit, item, &mut self.wbuf);
+        encode_reserve(id, on_error, local_limit, items, &mut self.wbuf);
         self.round_trip(id).await
     }
 
     /// Sends one SETTLE (op 9): the reserve's handle and item, its cost the actual.
     pub async fn settle(&mut self, handle: &[u8; HANDLE_LEN], item: &ItemArgs<'_>) -> Result<Response, ClientError> {
+        self.settle_items(handle, std::slice::from_ref(item)).await
+    }
+
+    /// Sends one SETTLE of a reserve of several items: the reserve's items
+    /// in its order, each cost the actual.
+    pub async fn settle_items(&mut self, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>]) -> Result<Response, ClientError> {
         let id = self.take_id();
-        encode_settle(id, handle, item, &mut self.wbuf);
+        encode_settle(id, handle, items, &mut self.wbuf);
         self.round_trip(id).await
     }
 

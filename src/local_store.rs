@@ -86,7 +86,53 @@ struct KeyWindow {
     until_ms: u64,
 }
 
+/// The O(1) algorithms' whole state: what a reserve that another item of
+/// its request refused is put back to, exactly.
+#[derive(Clone, Copy, Debug)]
+struct O1State {
+    tat_ms: f64,
+    fixed_start: u64,
+    fixed_count: u64,
+    prev_count: u64,
+    until_ms: u64,
+}
+
 impl KeyWindow {
+    fn o1_state(&self) -> O1State {
+        O1State { tat_ms: self.tat_ms, fixed_start: self.fixed_start, fixed_count: self.fixed_count, prev_count: self.prev_count, until_ms: self.until_ms }
+    }
+
+    fn set_o1_state(&mut self, s: O1State) {
+        (self.tat_ms, self.fixed_start, self.fixed_count, self.prev_count, self.until_ms) = (s.tat_ms, s.fixed_start, s.fixed_count, s.prev_count, s.until_ms);
+    }
+
+    /// Moves a fixed window or sliding counter to the window `wall_ms` is
+    /// in; returns its (start, length). A fixed window's count above
+    /// `limit` is debt (only a settle makes one): each window since paid
+    /// one limit of it, as src/redis/fixed_window.lua counts.
+    fn roll(&mut self, window_ms: u32, limit: u64, wall_ms: u64, sliding: bool) -> (u64, u64) {
+        let (start, end) = crate::window::fixed_bounds(window_ms, wall_ms);
+        let w = end - start;
+        if self.fixed_start != start {
+            let debt = !sliding && self.fixed_count > limit && self.fixed_start < start;
+            let carried = if debt { self.fixed_count.saturating_sub(windows_between(window_ms, self.fixed_start, start, w).saturating_mul(limit)) } else { 0 };
+            self.prev_count = if self.fixed_start + w == start { self.fixed_count } else { 0 };
+            self.fixed_count = carried;
+            self.fixed_start = start;
+        }
+        (start, w)
+    }
+
+    /// How long (from now) a fixed window holding `count` must live: to
+    /// its end, and while debt is left as many windows more as paying it
+    /// takes.
+    fn keep_fixed(count: u64, limit: u64, to_end: u64, w: u64) -> u64 {
+        if count <= limit || limit == 0 {
+            return to_end;
+        }
+        to_end + (count - limit).div_ceil(limit).saturating_mul(w)
+    }
+
     fn evict(&mut self, now: u64, window_ms: u32) {
         while let Some(&(t, c)) = self.entries.front() {
             if t + window_ms as u64 > now {
@@ -159,21 +205,15 @@ impl KeyWindow {
     fn fixed(&mut self, spec: &LimitSpec<'_>, wall_ms: u64, now_ms: u64, sliding: bool) -> Verdict {
         const EPS: f64 = 1e-9;
         // Plain windows, or calendar months and UTC offsets (fixed only).
-        let (start, end) = crate::window::fixed_bounds(spec.window_ms, wall_ms);
-        let w = end - start;
+        let (start, w) = self.roll(spec.window_ms, u64::from(spec.limit), wall_ms, sliding);
         let elapsed = wall_ms - start;
-        if self.fixed_start != start {
-            self.prev_count = if self.fixed_start + w == start { self.fixed_count } else { 0 };
-            self.fixed_count = 0;
-            self.fixed_start = start;
-        }
         let (limit, cost) = (u64::from(spec.limit), u64::from(spec.cost));
         let (cur, prev) = (self.fixed_count, if sliding { self.prev_count } else { 0 });
         let weighted = prev as f64 * (w - elapsed) as f64 / w as f64;
         let up = |x: f64| (x - EPS).ceil().max(0.0) as u64;
         if weighted + (cur + cost) as f64 <= limit as f64 + EPS {
             self.fixed_count += cost;
-            let keep = if sliding { 2 * w - elapsed } else { w - elapsed };
+            let keep = if sliding { 2 * w - elapsed } else { Self::keep_fixed(self.fixed_count, limit, w - elapsed, w) };
             self.until_ms = self.until_ms.max(now_ms + keep);
             let count = up(weighted + self.fixed_count as f64);
             return Verdict { allowed: true, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: 0, reset_ms: saturate(keep) };
@@ -190,6 +230,30 @@ impl KeyWindow {
             (to_end + up(e), to_end + w)
         };
         Verdict { allowed: false, count: count as u32, remaining: limit.saturating_sub(count) as u32, retry_after_ms: saturate(retry), reset_ms: saturate(reset) }
+    }
+
+    /// A check of an O(1) algorithm (the log has none here: resolution
+    /// refuses a reserve of it).
+    fn decide_o1(&mut self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64, wall_ms: u64) -> Verdict {
+        match algorithm {
+            Algorithm::Gcra => self.gcra(spec, now_ms),
+            Algorithm::SlidingCounter => self.fixed(spec, wall_ms, now_ms, true),
+            _ => self.fixed(spec, wall_ms, now_ms, false),
+        }
+    }
+
+    /// The window as it stands, for a response: count, remaining, and
+    /// when a cost of 1 fits again; nothing recorded.
+    fn view_o1(&mut self, spec: &LimitSpec<'_>, algorithm: Algorithm, now_ms: u64, wall_ms: u64) -> Verdict {
+        let before = self.o1_state();
+        let mut v = self.decide_o1(&LimitSpec { cost: 1, ..*spec }, algorithm, now_ms, wall_ms);
+        self.set_o1_state(before);
+        if v.allowed {
+            v.count -= 1;
+            v.remaining += 1;
+            v.retry_after_ms = 0;
+        }
+        v
     }
 
     /// GCRA, as src/redis/gcra.lua decides it (same rounding).
@@ -209,6 +273,35 @@ impl KeyWindow {
         let count = up((tat - now) / t);
         Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
     }
+}
+
+/// Fixed windows from the one starting at `from` to the one starting at
+/// `to` (`w`: a plain window's length; calendar months are counted one by
+/// one, a few per year).
+fn windows_between(window_ms: u32, from: u64, to: u64, w: u64) -> u64 {
+    if window_ms < crate::window::CALENDAR {
+        return (to - from) / w;
+    }
+    let (mut at, mut k) = (from, 0u64);
+    while at < to {
+        at = crate::window::fixed_bounds(window_ms, at).1;
+        k += 1;
+    }
+    k
+}
+
+/// How long a reserve's settle record is kept (as SETTLE_LIFE in the
+/// scripts): a reserve not settled by then stays charged its estimate.
+const SETTLE_LIFE_MS: u64 = 86_400_000;
+
+/// A reserve's record in memory (docs/PROTOCOL.md 4f): the fixed window
+/// it was counted in (wall clock; 0 for GCRA), its estimate, and until
+/// when (store clock) it may be settled.
+#[derive(Clone, Copy, Debug)]
+struct SettleRecord {
+    start: u64,
+    estimate: u64,
+    until_ms: u64,
 }
 
 /// A duration in ms as the response's `u32` carries it: the sliding
@@ -242,6 +335,9 @@ pub struct LocalStore {
     /// slots). One lock: leases are the memory backend's and the fallback's
     /// only, two short operations per request.
     leases: Mutex<HashMap<Box<[u8]>, Vec<Lease>>>,
+    /// Reserves not settled yet, by window name and handle (the memory
+    /// backend's settle records; Redis keeps its own).
+    settles: Mutex<HashMap<Box<[u8]>, SettleRecord>>,
     max_keys: usize,
 }
 
@@ -259,6 +355,7 @@ impl LocalStore {
             keys_per_shard: max_keys.div_ceil(SHARDS).max(1),
             epoch: Instant::now(),
             leases: Mutex::new(HashMap::new()),
+            settles: Mutex::new(HashMap::new()),
             max_keys,
         }
     }
@@ -421,6 +518,125 @@ impl LocalStore {
         Ok((committed, verdicts))
     }
 
+    /// Reserves every item's cost (an estimate) all or nothing, as the
+    /// O(1) algorithms decide a check of it (docs/PROTOCOL.md 4f): item i
+    /// (spec, algorithm, shadow) is decided in turn under every shard's
+    /// lock (ascending order, as `check_multi`); when an enforced item
+    /// refuses, the windows of the items that fitted are put back exactly as
+    /// they were, and their verdicts say the window without this request.
+    /// Admitted: a settle record under `handle` for each item recorded.
+    /// Returns whether the request was admitted, and per item its verdict
+    /// (`allowed`: it fitted).
+    pub fn reserve(&self, items: &[(LimitSpec<'_>, Algorithm, bool)], handle: &[u8; 16]) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
+        self.reserve_at(items, handle, self.now_ms(), wall_clock_ms())
+    }
+
+    fn reserve_at(&self, items: &[(LimitSpec<'_>, Algorithm, bool)], handle: &[u8; 16], now_ms: u64, wall_ms: u64) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
+        let names: Vec<Box<[u8]>> = items.iter().map(|(s, a, _)| Box::from(WindowName::new(s, *a).as_bytes())).collect();
+        {
+            let settles = self.settles.lock().unwrap_or_else(|e| e.into_inner());
+            if settles.len() + items.len() > self.max_keys {
+                return Err(LocalStoreFull(self.max_keys));
+            }
+        }
+        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>>> = order.iter().map(|&i| self.lock(i)).collect();
+        let at: Vec<usize> = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        for (k, (spec, _, _)) in items.iter().enumerate() {
+            let map = &mut guards[at[k]];
+            if !map.contains_key(&names[k]) {
+                if map.len() >= self.keys_per_shard {
+                    map.retain(|_, w| w.live(now_ms));
+                    if map.len() >= self.keys_per_shard {
+                        return Err(LocalStoreFull(self.keys_per_shard * SHARDS));
+                    }
+                }
+                map.insert(names[k].clone(), KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() });
+            }
+        }
+        let mut before = Vec::with_capacity(items.len());
+        let mut verdicts = Vec::with_capacity(items.len());
+        for (k, (spec, algorithm, _)) in items.iter().enumerate() {
+            let w = guards[at[k]].get_mut(&names[k]).expect("inserted above");
+            before.push(w.o1_state());
+            verdicts.push(w.decide_o1(spec, *algorithm, now_ms, wall_ms));
+        }
+        let committed = items.iter().zip(&verdicts).all(|((_, _, shadow), v)| v.allowed || *shadow);
+        if !committed {
+            for (k, (spec, algorithm, _)) in items.iter().enumerate() {
+                if verdicts[k].allowed {
+                    let w = guards[at[k]].get_mut(&names[k]).expect("inserted above");
+                    w.set_o1_state(before[k]);
+                    verdicts[k] = w.view_o1(spec, *algorithm, now_ms, wall_ms);
+                }
+            }
+            return Ok((false, verdicts));
+        }
+        let mut settles = self.settles.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, (spec, _, _)) in items.iter().enumerate() {
+            if verdicts[k].allowed {
+                let start = guards[at[k]].get(&names[k]).map_or(0, |w| w.fixed_start);
+                let mut key = names[k].to_vec();
+                key.extend_from_slice(handle);
+                settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS });
+            }
+        }
+        Ok((true, verdicts))
+    }
+
+    /// Settles the reserve `handle` names in `spec`'s window to the
+    /// actual cost (`spec.cost`), as the scripts' 's' mode does: `None`
+    /// when no record (forged, replayed, expired: nothing changes); else
+    /// the window after it (count past the limit: debt).
+    pub fn settle(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, handle: &[u8; 16]) -> Option<Verdict> {
+        self.settle_at(spec, algorithm, handle, self.now_ms(), wall_clock_ms())
+    }
+
+    fn settle_at(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, handle: &[u8; 16], now_ms: u64, wall_ms: u64) -> Option<Verdict> {
+        let name = WindowName::new(spec, algorithm);
+        let name = name.as_bytes();
+        let mut key = name.to_vec();
+        key.extend_from_slice(handle);
+        let rec = self.settles.lock().unwrap_or_else(|e| e.into_inner()).remove(&key[..]).filter(|r| r.until_ms > now_ms)?;
+        let mut shard = self.shard(name);
+        // A window swept since (it counted nothing any more) starts again:
+        // a shortfall is charged to the current one. Never refused for
+        // room: the cost was incurred.
+        let w = match shard.get_mut(name) {
+            Some(w) => w,
+            None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
+        };
+        let (actual, est, limit) = (u64::from(spec.cost), rec.estimate, u64::from(spec.limit));
+        match algorithm {
+            Algorithm::Gcra => {
+                let t = f64::from(spec.window_ms) / f64::from(spec.limit);
+                let now = now_ms as f64;
+                w.tat_ms = if actual >= est { w.tat_ms.max(now) + (actual - est) as f64 * t } else { (w.tat_ms - (est - actual) as f64 * t).max(now) };
+                w.until_ms = w.until_ms.max(w.tat_ms.ceil() as u64);
+            }
+            Algorithm::Fixed | Algorithm::SlidingCounter => {
+                let sliding = algorithm == Algorithm::SlidingCounter;
+                let (start, len) = w.roll(spec.window_ms, limit, wall_ms, sliding);
+                if actual >= est {
+                    w.fixed_count += actual - est;
+                } else if rec.start == start {
+                    w.fixed_count = w.fixed_count.saturating_sub(est - actual);
+                } else if sliding && rec.start + len == start {
+                    w.prev_count = w.prev_count.saturating_sub(est - actual);
+                }
+                let to_end = start + len - wall_ms;
+                let keep = if sliding { to_end + len } else { KeyWindow::keep_fixed(w.fixed_count, limit, to_end, len) };
+                w.until_ms = w.until_ms.max(now_ms + keep);
+            }
+            // Resolution refuses a reserve of the log.
+            Algorithm::Log | Algorithm::Ring => {}
+        }
+        Some(w.view_o1(spec, algorithm, now_ms, wall_ms))
+    }
+
     fn shard_index(&self, name: &[u8]) -> usize {
         (self.hasher.hash_one(name) as usize) % SHARDS
     }
@@ -453,6 +669,7 @@ impl LocalStore {
             held.retain(|&(_, until, _)| until > now_ms);
             !held.is_empty()
         });
+        self.settles.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, r| r.until_ms > now_ms);
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|e| e.into_inner());
             let before = map.len();

@@ -201,7 +201,7 @@ impl Limiter {
     /// decides, all or nothing: `closed` refuses, `open` admits, `local`
     /// items are checked together in the per-host windows of their keys
     /// (a sharded key's own, not a shard's) with their local quota.
-    fn fail_policies(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], results: &mut [ItemResult]) {
+    pub(super) fn fail_policies(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], results: &mut [ItemResult]) {
         let mut refused = false;
         let mut local: Vec<usize> = Vec::new();
         for (i, _) in stored {

@@ -1,90 +1,285 @@
 //! Costs known after the response (docs/PROTOCOL.md 4f): a reserve is a
-//! CHECK_POLICY of one item with the settle flag, decided all or nothing
-//! like a check of its estimate, which also leaves a settle record in Redis
-//! named by a fresh 16-byte handle; a SETTLE (op 9) moves the window by
-//! actual - estimate and deletes the record, in one atomic call. The
-//! record, not the daemon, holds the estimate: a settle after a restart,
-//! or on another daemon, works; a forged or replayed handle finds no
-//! record and changes nothing. Both go through resolve (Kind::Reserve,
+//! CHECK_POLICY with the settle flag of one item or several (a tenant's
+//! tokens per minute and per month), decided all or nothing like a check
+//! of the estimates, which also leaves a settle record per item recorded,
+//! named by one fresh 16-byte handle; a SETTLE (op 9) moves each item's
+//! window by actual - estimate and deletes its record, in one atomic call
+//! per item. The record, not the daemon, holds the estimate: a settle after
+//! a restart, or on another daemon, works; a forged or replayed handle finds
+//! no record and changes nothing. Both go through resolve (Kind::Reserve,
 //! Kind::Settle: O(1) algorithms only), the stores, respond and count.
+//!
+//! Several items, in Redis: each item is its own script call (its keys are
+//! in its own Cluster slot, and the algorithms differ), all sent at once.
+//! When an enforced item refuses, the items that reserved are cancelled (a
+//! settle to 0 of the record just written: the window is put back exactly,
+//! src/redis/*.lua 's' mode) and, some having held a reserve, tried once
+//! more one by one in the request's order (two requests over the same
+//! policies that refused each other: the first past the first item wins).
+//! Between a reserve and its cancel another request may see the estimate
+//! held and be refused: a refusal too many, never an admission too many.
+//! In the memory backend every item is decided under the windows' locks:
+//! all or nothing with nothing seen in between.
 
 use std::borrow::Cow;
 
-use crate::protocol::{Decision, ErrorCode, Extension, ItemResult, PolicyCheckRequest, Response, SettleRequest, Source, OP_CHECK_POLICY, OP_SETTLE};
-use crate::window::LimitSpec;
+use futures_util::future::join_all;
+
+use crate::protocol::{Decision, ErrorCode, ItemResult, ReserveRequest, Response, SettleRequest, Source, FailPolicy, OP_CHECK_POLICY, OP_SETTLE};
+use crate::redis::RedisWindow;
+use crate::window::{LimitSpec, StoreError, Verdict};
 
 use super::count::Charge;
 use super::limiter::{Backend, Limiter};
-use super::resolve::{Kind, Named};
-use super::respond::{self, error_code, verdict_item, verdict_response};
+use super::plan::Planned;
+use super::resolve::{Item, Kind};
+use super::respond::{self, error_code, verdict_item, Executed};
+use super::Decided;
 
-const NEEDS_REDIS: &str = "reserve and settle need the Redis backend: the settle record lives in Redis";
+/// The window an item reserves in (its limit known: not exempt).
+fn spec_of<'a>(item: &Item<'a>) -> LimitSpec<'a> {
+    LimitSpec { key: item.key, limit: item.limit.unwrap_or(0), window_ms: item.window_ms, cost: item.cost }
+}
+
+/// An item's result from its verdict, with its limit.
+fn result_of(item: &Item<'_>, v: Verdict, source: Source) -> ItemResult {
+    ItemResult { limit: item.limit.unwrap_or(0), ..verdict_item(v, source, item.window_ms) }
+}
+
+/// One pass over the items in Redis: per item of `order`, its verdict
+/// (`None`: not asked), and the first failure.
+struct Pass {
+    verdicts: Vec<Option<Verdict>>,
+    failure: Option<StoreError>,
+}
+
+impl Pass {
+    /// An enforced item refused.
+    fn refused(&self, items: &[Item<'_>], order: &[usize]) -> bool {
+        order.iter().zip(&self.verdicts).any(|(&i, v)| matches!(v, Some(v) if !v.allowed && !items[i].shadow))
+    }
+
+    /// The items that reserved (and hold a record under the handle).
+    fn held(&self, order: &[usize]) -> Vec<usize> {
+        order.iter().zip(&self.verdicts).filter(|(_, v)| matches!(v, Some(v) if v.allowed)).map(|(&i, _)| i).collect()
+    }
+}
 
 impl Limiter {
-    /// A reserve: the estimate checked and, when admitted, recorded under a
-    /// new handle (the response's extension carries it). Redis failing: the
-    /// fail policy decides and no handle is given (nothing to settle).
-    pub(super) async fn reserve<'a>(&'a self, r: &'a PolicyCheckRequest) -> (Response, Charge<'a>) {
+    /// A reserve: every item's estimate checked and, when the request is
+    /// admitted, recorded under one new handle (the response's extension
+    /// carries it). Redis failing: the fail policies decide and no handle
+    /// is given (nothing to settle).
+    pub(super) async fn reserve<'a>(&'a self, r: &'a ReserveRequest) -> Decided<'a> {
         let op = OP_CHECK_POLICY;
-        let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: r.cost, on_error: r.on_error, local_limit: r.local_limit };
-        let item = match self.resolve(&named, Kind::Reserve) {
-            Ok(item) => item,
+        let items = match self.resolve_all(r.id, op, &r.items, r.on_error, r.local_limit, Kind::Reserve) {
+            Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
-        let charge = Charge::one(item.policy, Some(&r.scoped_key[..]));
-        let Some(limit) = item.limit else { return (respond::exempt(r.id, op), charge) };
-        let Backend::Redis(redis) = &self.backend else {
-            return (Response::error(r.id, op, ErrorCode::RefundUnsupported, Cow::Borrowed(NEEDS_REDIS)), charge);
-        };
-        let handle: [u8; 16] = rand::random();
-        let spec = LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: item.cost };
-        match redis.reserve(&spec, item.algorithm, &handle).await {
-            Ok(v) => {
-                let result = ItemResult { limit, ..verdict_item(v, Source::Redis, item.window_ms) };
-                let mut response = respond::shadowed(verdict_response(r.id, op, Source::Redis, v), &item);
-                response.extension = Some(Box::new(Extension { refused: u8::from(!v.allowed), handle: v.allowed.then_some(handle), items: vec![result] }));
-                (response, charge)
+        let charge = Charge::Items { policies: items.iter().filter_map(|i| i.policy).collect(), items: &r.items };
+        let mut results = vec![ItemResult::NOT_EVALUATED; items.len()];
+        let mut stored = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            match item.limit {
+                Some(_) => stored.push(i),
+                None => results[i] = ItemResult { decision: Decision::Allowed, source: Source::Exempt, window_ms: item.window_ms, ..ItemResult::NOT_EVALUATED },
             }
-            Err(e) => (self.on_store_error(r.id, op, &item, limit, e), charge),
+        }
+        let done = if stored.is_empty() {
+            Executed { results, handle: None, failure: None }
+        } else {
+            let handle: [u8; 16] = rand::random();
+            let done = match &self.backend {
+                Backend::Redis(redis) => self.reserve_in_redis(redis, &items, &stored, &handle, results).await,
+                Backend::Local => self.reserve_in_memory(&items, &stored, &handle, results),
+            };
+            match done {
+                Ok(done) => done,
+                Err(full) => return (self.capacity_error(r.id, op, Source::Memory, full), Charge::Nobody),
+            }
+        };
+        if let Some(e) = &done.failure {
+            if let Some(suppressed) = self.failure_log.permit() {
+                tracing::warn!(error = %e, suppressed, "redis failed; a reserve's fail policies decide");
+            }
+        }
+        (respond::aggregate(r.id, op, &items, done), charge)
+    }
+
+    fn reserve_in_memory(&self, items: &[Item<'_>], stored: &[usize], handle: &[u8; 16], mut results: Vec<ItemResult>) -> Result<Executed, crate::local_store::LocalStoreFull> {
+        let asks: Vec<_> = stored.iter().map(|&i| (spec_of(&items[i]), items[i].algorithm, items[i].shadow)).collect();
+        let (committed, verdicts) = self.local.reserve(&asks, handle)?;
+        for (&i, v) in stored.iter().zip(verdicts.iter()) {
+            results[i] = result_of(&items[i], *v, Source::Memory);
+        }
+        let recorded = committed && verdicts.iter().any(|v| v.allowed);
+        Ok(Executed { results, handle: recorded.then_some(*handle), failure: None })
+    }
+
+    async fn reserve_in_redis(&self, redis: &RedisWindow, items: &[Item<'_>], stored: &[usize], handle: &[u8; 16], mut results: Vec<ItemResult>) -> Result<Executed, crate::local_store::LocalStoreFull> {
+        let first = self.reserve_pass(redis, items, stored, handle, true).await;
+        if first.failure.is_none() && !first.refused(items, stored) {
+            return Ok(self.admitted(items, stored, &first, handle, results));
+        }
+        let held = first.held(stored);
+        let cancelled = self.cancel(redis, items, &held, handle).await;
+        self.fill_refused(items, stored, &first, &cancelled, &mut results);
+        if let Some(e) = first.failure {
+            return Ok(self.reserve_failed(items, stored, results, e));
+        }
+        if held.is_empty() || stored.len() == 1 {
+            return Ok(Executed { results, handle: None, failure: None });
+        }
+        // Some reserved while another refused: maybe another request's
+        // reserve, cancelled by now. Once more, one by one in order.
+        let second = self.reserve_pass(redis, items, stored, handle, false).await;
+        if second.failure.is_none() && !second.refused(items, stored) {
+            return Ok(self.admitted(items, stored, &second, handle, results));
+        }
+        let cancelled = self.cancel(redis, items, &second.held(stored), handle).await;
+        self.fill_refused(items, stored, &second, &cancelled, &mut results);
+        match second.failure {
+            Some(e) => Ok(self.reserve_failed(items, stored, results, e)),
+            None => Ok(Executed { results, handle: None, failure: None }),
         }
     }
 
-    /// A SETTLE: the reserve's record found and deleted, the window moved
-    /// by actual - estimate (debt if past the limit). Count 0 and the
-    /// unmatched counter for a handle with no record. A Redis error is the
-    /// answer (no fail policy): the client may retry with the same handle,
-    /// which settles at most once.
-    pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> (Response, Charge<'a>) {
+    /// Reserves the items of `order` under `handle`: all at once, or one
+    /// by one stopping at the first enforced refusal or failure.
+    async fn reserve_pass(&self, redis: &RedisWindow, items: &[Item<'_>], order: &[usize], handle: &[u8; 16], at_once: bool) -> Pass {
+        let mut pass = Pass { verdicts: vec![None; order.len()], failure: None };
+        if at_once {
+            let got = join_all(order.iter().map(|&i| async move { redis.reserve(&spec_of(&items[i]), items[i].algorithm, handle).await })).await;
+            for (k, g) in got.into_iter().enumerate() {
+                match g {
+                    Ok(v) => pass.verdicts[k] = Some(v),
+                    Err(e) => pass.failure = pass.failure.take().or(Some(e)),
+                }
+            }
+            return pass;
+        }
+        for (k, &i) in order.iter().enumerate() {
+            match redis.reserve(&spec_of(&items[i]), items[i].algorithm, handle).await {
+                Ok(v) => {
+                    pass.verdicts[k] = Some(v);
+                    if !v.allowed && !items[i].shadow {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    pass.failure = Some(e);
+                    break;
+                }
+            }
+        }
+        pass
+    }
+
+    /// Cancels the reserves of `held`: each settled to 0, the window put
+    /// back as it was. Per item the window after it (`None`: the cancel
+    /// failed; the estimate then stays charged: a refusal too many, never
+    /// an admission).
+    async fn cancel(&self, redis: &RedisWindow, items: &[Item<'_>], held: &[usize], handle: &[u8; 16]) -> Vec<(usize, Option<Verdict>)> {
+        let got = join_all(held.iter().map(|&i| async move { redis.settle_reserve(&LimitSpec { cost: 0, ..spec_of(&items[i]) }, items[i].algorithm, handle).await })).await;
+        held.iter()
+            .zip(got)
+            .map(|(&i, g)| {
+                if let Some(d) = &self.denials {
+                    d.forget_window(items[i].key, items[i].window_ms);
+                }
+                if let Err(e) = &g {
+                    if let Some(suppressed) = self.failure_log.permit() {
+                        tracing::warn!(error = %e, suppressed, "a reserve's cancel failed: its estimate stays charged until its window ends");
+                    }
+                }
+                (i, g.ok().flatten())
+            })
+            .collect()
+    }
+
+    /// The request admitted: every item's verdict, the handle when
+    /// something was recorded.
+    fn admitted(&self, items: &[Item<'_>], order: &[usize], pass: &Pass, handle: &[u8; 16], mut results: Vec<ItemResult>) -> Executed {
+        for (&i, v) in order.iter().zip(&pass.verdicts) {
+            if let Some(v) = v {
+                results[i] = result_of(&items[i], *v, Source::Redis);
+            }
+        }
+        let recorded = pass.verdicts.iter().any(|v| matches!(v, Some(v) if v.allowed));
+        Executed { results, handle: recorded.then_some(*handle), failure: None }
+    }
+
+    /// The request refused: a refusing item's verdict; an item that had
+    /// room, the window after its cancel (as it stands without this
+    /// request, SEMANTICS S8).
+    fn fill_refused(&self, items: &[Item<'_>], order: &[usize], pass: &Pass, cancelled: &[(usize, Option<Verdict>)], results: &mut [ItemResult]) {
+        for (&i, v) in order.iter().zip(&pass.verdicts) {
+            let Some(v) = v else { continue };
+            let v = match cancelled.iter().find(|(c, _)| *c == i) {
+                Some((_, Some(after))) => Verdict { allowed: true, retry_after_ms: 0, ..*after },
+                _ => *v,
+            };
+            results[i] = result_of(&items[i], v, Source::Redis);
+        }
+    }
+
+    /// Redis failed: the items' fail policies decide (no handle).
+    fn reserve_failed(&self, items: &[Item<'_>], stored: &[usize], mut results: Vec<ItemResult>, e: StoreError) -> Executed {
+        let planned: Vec<(usize, Planned<'_>)> = stored.iter().filter_map(|&i| Planned::first(&items[i], items[i].limit.unwrap_or(0)).map(|p| (i, p))).collect();
+        self.fail_policies(items, &planned, &mut results);
+        Executed { results, handle: None, failure: Some(e) }
+    }
+
+    /// A SETTLE: each item's record found and deleted, its window moved by
+    /// actual - estimate (debt if past the limit). Count 0 and the
+    /// unmatched counter when no item had a record. A Redis error is the
+    /// answer (no fail policy): the items that answered are settled, and
+    /// the client may retry with the same handle, which settles each item
+    /// at most once. The fixed fields: the enforced settled item with the
+    /// least room left.
+    pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> Decided<'a> {
         let op = OP_SETTLE;
-        let i = &r.item;
-        let named = Named { id: r.id, op, name: &i.name, key: &i.key, scoped_key: &i.scoped_key, cost: i.cost, on_error: crate::protocol::FailPolicy::Closed, local_limit: 0 };
-        let item = match self.resolve(&named, Kind::Settle) {
-            Ok(item) => item,
+        let items = match self.resolve_all(r.id, op, &r.items, FailPolicy::Closed, 0, Kind::Settle) {
+            Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
-        let done = |count, remaining, reset_ms| Response { decision: Decision::Allowed, source: Source::Redis, count, remaining, reset_ms, ..Response::error(r.id, op, ErrorCode::None, Cow::Borrowed("")) };
-        let Some(limit) = item.limit else { return (Response { source: Source::Exempt, ..done(0, 0, 0) }, Charge::Nobody) };
-        let Backend::Redis(redis) = &self.backend else {
-            return (Response::error(r.id, op, ErrorCode::RefundUnsupported, Cow::Borrowed(NEEDS_REDIS)), Charge::Nobody);
+        let done = |source, count, remaining, reset_ms| Response { decision: Decision::Allowed, source, count, remaining, reset_ms, ..Response::error(r.id, op, ErrorCode::None, Cow::Borrowed("")) };
+        let stored: Vec<usize> = (0..items.len()).filter(|&i| items[i].limit.is_some()).collect();
+        if stored.is_empty() {
+            return (done(Source::Exempt, 0, 0, 0), Charge::Nobody);
+        }
+        let (source, outcomes): (Source, Vec<Result<Option<Verdict>, StoreError>>) = match &self.backend {
+            Backend::Redis(redis) => (Source::Redis, join_all(stored.iter().map(|&i| { let items = &items; async move { redis.settle_reserve(&spec_of(&items[i]), items[i].algorithm, &r.handle).await } })).await),
+            Backend::Local => (Source::Memory, stored.iter().map(|&i| Ok(self.local.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle))).collect()),
         };
-        let spec = LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: item.cost };
-        let outcome = redis.settle_reserve(&spec, item.algorithm, &r.handle).await;
         // A surplus given back may end a refusal the cache holds.
         if let Some(d) = &self.denials {
-            d.forget_window(item.key, item.window_ms);
+            for &i in &stored {
+                d.forget_window(items[i].key, items[i].window_ms);
+            }
         }
-        match outcome {
-            Ok(Some(v)) => (Response { retry_after_ms: v.retry_after_ms, ..done(v.count, v.remaining, v.reset_ms) }, Charge::Settle { matched: true }),
-            Ok(None) => (done(0, 0, 0), Charge::Settle { matched: false }),
-            Err(e) => (Response { source: Source::Redis, ..Response::error(r.id, op, error_code(&e), Cow::Owned(e.to_string())) }, Charge::Nobody),
+        let matched = outcomes.iter().any(|o| matches!(o, Ok(Some(_))));
+        if let Some(e) = outcomes.iter().find_map(|o| o.as_ref().err()) {
+            return (Response { source, ..Response::error(r.id, op, error_code(e), Cow::Owned(e.to_string())) }, Charge::Settle { matched });
+        }
+        let settled = stored.iter().zip(&outcomes).filter_map(|(&i, o)| match o {
+            Ok(Some(v)) => Some((items[i].shadow, *v)),
+            _ => None,
+        });
+        let main = settled.clone().filter(|(shadow, _)| !shadow).min_by_key(|(_, v)| v.remaining).or_else(|| settled.clone().next());
+        match main {
+            Some((_, v)) => (Response { retry_after_ms: v.retry_after_ms, ..done(source, v.count, v.remaining, v.reset_ms) }, Charge::Settle { matched }),
+            None => (done(source, 0, 0, 0), Charge::Settle { matched }),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    //! What is refused before any store: the memory backend, the log, a
-    //! sharded policy; an exempt key reserves nothing.
+    //! What is refused before any store (the log, a sharded policy), an
+    //! exempt key's handle-less answer, and reserve and settle on the
+    //! memory backend: several policies all or nothing, debt, a handle
+    //! settled once.
 
     use std::sync::Arc;
     use std::time::Duration;
@@ -97,9 +292,9 @@ mod tests {
     use crate::policies::Policies;
     use crate::protocol::{Algorithm, FailPolicy, PolicyItem, Request};
 
-    fn policy(name: &str, algorithm: Algorithm, shards: u32) -> PolicyConfig {
+    fn policy(name: &str, algorithm: Algorithm, shards: u32, limit: u32) -> PolicyConfig {
         let overrides = [("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect();
-        PolicyConfig { name: name.into(), limit: 100, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, overrides }
+        PolicyConfig { name: name.into(), limit, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, overrides }
     }
 
     fn item(name: &str, key: &str, cost: u32) -> PolicyItem {
@@ -110,24 +305,57 @@ mod tests {
         PolicyItem { cost, name: scoped.slice(1..1 + name.len()), key: scoped.slice(1 + name.len()..), scoped_key: scoped }
     }
 
-    fn reserve(name: &str, key: &str) -> Request {
-        let PolicyItem { cost, name, key, scoped_key } = item(name, key, 10);
-        Request::Reserve(PolicyCheckRequest { id: 1, on_error: FailPolicy::Closed, local_limit: 0, cost, name, key, scoped_key })
+    fn reserve(names: &[&str], key: &str, cost: u32) -> Request {
+        Request::Reserve(ReserveRequest { id: 1, on_error: FailPolicy::Closed, local_limit: 0, items: names.iter().map(|n| item(n, key, cost)).collect() })
+    }
+
+    fn settle(handle: [u8; 16], names: &[&str], key: &str, actual: u32) -> Request {
+        Request::Settle(SettleRequest { id: 2, handle, items: names.iter().map(|n| item(n, key, actual)).collect() })
+    }
+
+    fn limiter(policies: &[PolicyConfig]) -> Arc<Limiter> {
+        Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(policies, None))))
+    }
+
+    fn handle(r: &Response) -> Option<[u8; 16]> {
+        r.extension.as_ref().and_then(|e| e.handle)
     }
 
     #[tokio::test]
     async fn reserves_and_settles_are_refused_loudly_where_they_cannot_be_exact() {
-        let policies = [policy("fixed", Algorithm::Fixed, 1), policy("log", Algorithm::Log, 1), policy("sharded", Algorithm::Gcra, 3)];
-        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&policies, None))));
+        let l = limiter(&[policy("fixed", Algorithm::Fixed, 1, 100), policy("log", Algorithm::Log, 1, 100), policy("sharded", Algorithm::Gcra, 3, 100)]);
         let code = |r: Response| (r.decision, r.error);
-        assert_eq!(code(l.clone().decide(reserve("log", "t")).await), (Decision::Error, ErrorCode::UnsupportedCombination));
-        assert_eq!(code(l.clone().decide(reserve("sharded", "t")).await), (Decision::Error, ErrorCode::UnsupportedCombination));
-        assert_eq!(code(l.clone().decide(reserve("fixed", "t")).await), (Decision::Error, ErrorCode::RefundUnsupported), "the memory backend keeps no settle records");
-        let exempt = l.clone().decide(reserve("fixed", "free")).await;
-        assert_eq!((exempt.decision, exempt.source, exempt.extension.is_none()), (Decision::Allowed, Source::Exempt, true), "no handle: nothing to settle");
-        let settle = Request::Settle(SettleRequest { id: 2, handle: [1; 16], item: item("log", "t", 0) });
-        assert_eq!(code(l.clone().decide(settle).await), (Decision::Error, ErrorCode::UnsupportedCombination));
-        let settle = Request::Settle(SettleRequest { id: 3, handle: [1; 16], item: item("fixed", "t", 5) });
-        assert_eq!(code(l.clone().decide(settle).await), (Decision::Error, ErrorCode::RefundUnsupported));
+        assert_eq!(code(l.clone().decide(reserve(&["log"], "t", 10)).await), (Decision::Error, ErrorCode::UnsupportedCombination));
+        assert_eq!(code(l.clone().decide(reserve(&["sharded"], "t", 10)).await), (Decision::Error, ErrorCode::UnsupportedCombination));
+        assert_eq!(code(l.clone().decide(reserve(&["fixed", "log"], "t", 10)).await), (Decision::Error, ErrorCode::UnsupportedCombination), "one item that cannot compose refuses the request");
+        let exempt = l.clone().decide(reserve(&["fixed"], "free", 10)).await;
+        assert_eq!((exempt.decision, exempt.source, handle(&exempt)), (Decision::Allowed, Source::Exempt, None), "no handle: nothing to settle");
+        assert_eq!(code(l.clone().decide(settle([1; 16], &["log"], "t", 0)).await), (Decision::Error, ErrorCode::UnsupportedCombination));
+    }
+
+    #[tokio::test]
+    async fn the_memory_backend_reserves_every_policy_or_none_and_settles_each_with_debt() {
+        let l = limiter(&[policy("minute", Algorithm::Gcra, 1, 100), policy("month", Algorithm::Fixed, 1, 1000)]);
+        let both = ["minute", "month"];
+        let r = l.clone().decide(reserve(&both, "t", 60)).await;
+        assert_eq!((r.decision, r.source, r.remaining), (Decision::Allowed, Source::Memory, 40), "the minute is the tighter");
+        let h = handle(&r).expect("a handle");
+        // 60 more do not fit the minute: the month must not keep them either.
+        let refused = l.clone().decide(reserve(&both, "t", 60)).await;
+        let items = &refused.extension.as_ref().unwrap().items;
+        assert_eq!((refused.decision, items[0].decision, items[1].decision), (Decision::Denied, Decision::Denied, Decision::Allowed));
+        assert_eq!((items[1].count, items[1].remaining), (60, 940), "the month as it stands without the refused request");
+        assert_eq!(handle(&refused), None);
+        // Settled above the estimate: the minute goes into debt (130 of 100).
+        let s = l.clone().decide(settle(h, &both, "t", 130)).await;
+        assert_eq!((s.decision, s.source, s.count, s.remaining), (Decision::Allowed, Source::Memory, 130, 0));
+        let again = l.clone().decide(settle(h, &both, "t", 130)).await;
+        assert_eq!((again.decision, again.count), (Decision::Allowed, 0), "a handle settles once");
+        let debt = l.clone().decide(reserve(&both, "t", 1)).await;
+        assert_eq!(debt.decision, Decision::Denied, "debt refuses every cost");
+        let month = &debt.extension.as_ref().unwrap().items[1];
+        assert_eq!(month.count, 130, "the month was charged the actual, and nothing of the refused reserves");
+        let forged = l.clone().decide(settle([9; 16], &both, "t", 0)).await;
+        assert_eq!((forged.decision, forged.count), (Decision::Allowed, 0));
     }
 }

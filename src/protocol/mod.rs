@@ -16,7 +16,7 @@ mod response;
 mod wire;
 
 pub use request::{
-    encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_reserve, encode_settle, SettleRequest, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
+    encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_reserve, encode_settle, ReserveRequest, SettleRequest, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
     LeaseRequest, MultiCheckRequest, PolicyCheckArgs, PolicyCheckRequest, PolicyItem, PolicyLeaseArgs, PolicyLeaseRequest, encode_policy_lease_request, RefundRequest, Request, RequestCodec,
 };
 pub use response::{decode_response, encode_response, Extension, ItemResult, Response, ResponseError};

@@ -123,14 +123,25 @@ pub struct RefundRequest {
     pub items: Vec<PolicyItem>,
 }
 
+/// A reserve (CHECK_POLICY with the settle flag): every item's cost, an
+/// estimate, reserved all or nothing (docs/PROTOCOL.md 4f).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReserveRequest {
+    pub id: u32,
+    pub on_error: FailPolicy,
+    pub local_limit: u32,
+    /// 1..=`MAX_POLICY_ITEMS`, no (name, key) twice; costs 1..=`MAX_O1_COST`.
+    pub items: Vec<PolicyItem>,
+}
+
 /// A SETTLE request (op 9): the handle a reserve was answered with, and
-/// its item with the actual cost in place of the estimate.
+/// its items with the actual cost in place of the estimate.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SettleRequest {
     pub id: u32,
     pub handle: [u8; HANDLE_LEN],
-    /// `cost` is the actual: 0..=`MAX_O1_COST`.
-    pub item: PolicyItem,
+    /// The reserve's items; each `cost` is the actual: 0..=`MAX_O1_COST`.
+    pub items: Vec<PolicyItem>,
 }
 
 /// One item as the client builds it (no validation).
@@ -233,8 +244,8 @@ pub enum Request {
     Lease(LeaseRequest),
     /// ACQUIRE_POLICY (op 7), or its release.
     PolicyLease(PolicyLeaseRequest),
-    /// CHECK_POLICY (op 2) of one item with the settle flag: reserve an estimate.
-    Reserve(PolicyCheckRequest),
+    /// CHECK_POLICY (op 2) with the settle flag: reserve estimates.
+    Reserve(ReserveRequest),
     /// SETTLE (op 9): a reserve's actual cost.
     Settle(SettleRequest),
 }
@@ -534,28 +545,25 @@ fn parse_refund(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     }
 }
 
-/// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): one item,
-/// whose cost (the estimate) may go up to `MAX_O1_COST` (the policy's
-/// algorithm and limit are checked once it is resolved).
+/// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): 1..=
+/// `MAX_POLICY_ITEMS` items (the caller checked the count), each cost (an
+/// estimate) up to `MAX_O1_COST` (the policies' algorithms and limits are
+/// checked once they are resolved).
 fn parse_reserve(body: Bytes, id: u32, on_error: FailPolicy, n_items: usize, local_limit: u32, bounds: &Bounds) -> Inbound {
     let op = OP_CHECK_POLICY;
-    if n_items != 1 {
-        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one reserve (settle flag); a reserve takes exactly 1"));
-    }
     let o1 = Bounds { max_cost: bounds.max_cost.max(MAX_O1_COST), ..*bounds };
-    let mut items = match parse_items(&body, POLICY_HEADER_LEN, 1, &o1, 1) {
+    let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, &o1, 1) {
         Ok(items) => items,
         Err((code, message)) => return invalid(id, op, code, message),
     };
     if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
     }
-    let PolicyItem { cost, name, key, scoped_key } = items.remove(0);
-    Inbound::Request(Request::Reserve(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }))
+    Inbound::Request(Request::Reserve(ReserveRequest { id, on_error, local_limit, items }))
 }
 
 /// The rest of `parse_request` for op 9 (docs/PROTOCOL.md, section 4f):
-/// REFUND's layout with one item, whose cost is the actual (0..=`MAX_O1_COST`).
+/// REFUND's layout: the reserve's items, each cost the actual (0..=`MAX_O1_COST`).
 fn parse_settle(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     let op = OP_SETTLE;
     if body.len() < REFUND_HEADER_LEN + POLICY_ITEM_LEN {
@@ -565,31 +573,32 @@ fn parse_settle(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     if flags != 0 {
         return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: a settle takes none"));
     }
-    if body[9] != 1 {
-        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} items in one settle; exactly 1 is accepted", body[9]));
+    let n_items = body[9] as usize;
+    if n_items == 0 || n_items > MAX_POLICY_ITEMS {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{n_items} items in one settle; 1..={MAX_POLICY_ITEMS} are accepted"));
     }
     let mut handle = [0u8; HANDLE_LEN];
     handle.copy_from_slice(&body[10..REFUND_HEADER_LEN]);
     let o1 = Bounds { max_cost: bounds.max_cost.max(MAX_O1_COST), ..*bounds };
-    match parse_items(&body, REFUND_HEADER_LEN, 1, &o1, 0) {
-        Ok(mut items) => Inbound::Request(Request::Settle(SettleRequest { id, handle, item: items.remove(0) })),
+    match parse_items(&body, REFUND_HEADER_LEN, n_items, &o1, 0) {
+        Ok(items) => Inbound::Request(Request::Settle(SettleRequest { id, handle, items })),
         Err((code, message)) => invalid(id, op, code, message),
     }
 }
 
-/// Appends one CHECK_POLICY frame with the settle flag: reserve `estimate`
-/// of one policy's key (docs/PROTOCOL.md 4f).
-pub fn encode_reserve(id: u32, on_error: FailPolicy, local_limit: u32, item: &ItemArgs<'_>, dst: &mut BytesMut) {
+/// Appends one CHECK_POLICY frame with the settle flag: reserve each
+/// item's cost, an estimate, all or nothing (docs/PROTOCOL.md 4f).
+pub fn encode_reserve(id: u32, on_error: FailPolicy, local_limit: u32, items: &[ItemArgs<'_>], dst: &mut BytesMut) {
     let start = dst.len();
-    encode_multi_request(id, on_error, local_limit, false, std::slice::from_ref(item), dst);
+    encode_multi_request(id, on_error, local_limit, false, items, dst);
     dst[start + LEN_PREFIX + 6..start + LEN_PREFIX + 8].copy_from_slice(&FLAG_SETTLE.to_be_bytes());
 }
 
-/// Appends one SETTLE frame (op 9): the reserve's handle and item, the
+/// Appends one SETTLE frame (op 9): the reserve's handle and items, each
 /// item's cost being the actual.
-pub fn encode_settle(id: u32, handle: &[u8; HANDLE_LEN], item: &ItemArgs<'_>, dst: &mut BytesMut) {
+pub fn encode_settle(id: u32, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>], dst: &mut BytesMut) {
     let start = dst.len();
-    encode_refund(id, handle, std::slice::from_ref(item), dst);
+    encode_refund(id, handle, items, dst);
     dst[start + LEN_PREFIX + 1] = OP_SETTLE;
 }
 
@@ -929,32 +938,45 @@ mod tests {
     }
 
     /// Reserve (flag 0x0002) and SETTLE (op 9) as docs/PROTOCOL.md 4f lays
-    /// them out: costs up to 10^9, an actual of 0, one item only.
+    /// them out: costs up to 10^9, an actual of 0, several items (the
+    /// minute's and the month's policy) in one reserve and one settle.
     #[test]
     fn reserve_and_settle_frames_match_their_documented_hex() {
         let hex = |b: &[u8]| -> String { b.iter().map(|b| format!("{b:02x}")).collect() };
         let item = ItemArgs { policy: b"tok", key: b"t1", cost: 1_000_000_000 };
         let mut r = BytesMut::new();
-        encode_reserve(7, FailPolicy::Closed, 0, &item, &mut r);
+        encode_reserve(7, FailPolicy::Closed, 0, &[item], &mut r);
         assert_eq!(hex(&r), "0000001a 01 02 00000007 0002 01 01 00000000 3b9aca00 0002 03 746f6b 7431".replace(' ', ""));
         let Inbound::Request(Request::Reserve(req)) = decode_one(&r) else { panic!("not a reserve") };
-        assert_eq!((req.cost, &req.name[..], &req.key[..]), (1_000_000_000, &b"tok"[..], &b"t1"[..]));
+        assert_eq!((req.items.len(), req.items[0].cost, &req.items[0].name[..], &req.items[0].key[..]), (1, 1_000_000_000, &b"tok"[..], &b"t1"[..]));
         let mut s = BytesMut::new();
-        encode_settle(8, &[0xab; HANDLE_LEN], &ItemArgs { cost: 0, ..item }, &mut s);
+        encode_settle(8, &[0xab; HANDLE_LEN], &[ItemArgs { cost: 0, ..item }], &mut s);
         assert_eq!(hex(&s), format!("00000026 01 09 00000008 0000 00 01 {} 00000000 0002 03 746f6b 7431", "ab".repeat(16)).replace(' ', ""));
         let Inbound::Request(Request::Settle(req)) = decode_one(&s) else { panic!("not a settle") };
-        assert_eq!((req.handle, req.item.cost), ([0xab; HANDLE_LEN], 0));
+        assert_eq!((req.handle, req.items.len(), req.items[0].cost), ([0xab; HANDLE_LEN], 1, 0));
         let over = ItemArgs { cost: MAX_O1_COST + 1, ..item };
         let mut b = BytesMut::new();
-        encode_reserve(1, FailPolicy::Closed, 0, &over, &mut b);
+        encode_reserve(1, FailPolicy::Closed, 0, &[over], &mut b);
         assert_eq!(code_of(decode_one(&b)), ErrorCode::InvalidCost);
         let mut b = BytesMut::new();
-        encode_settle(1, &[0; HANDLE_LEN], &over, &mut b);
+        encode_settle(1, &[0; HANDLE_LEN], &[over], &mut b);
         assert_eq!(code_of(decode_one(&b)), ErrorCode::InvalidCost);
+        // Two policies, one key: one reserve, one settle.
+        let two = [ItemArgs { policy: b"m", key: b"t1", cost: 500 }, ItemArgs { policy: b"mo", key: b"t1", cost: 500 }];
+        let mut b = BytesMut::new();
+        encode_reserve(9, FailPolicy::Closed, 0, &two, &mut b);
+        assert_eq!(hex(&b), "00000023 01 02 00000009 0002 01 02 00000000 000001f4 0002 01 6d 7431 000001f4 0002 02 6d6f 7431".replace(' ', ""));
+        let Inbound::Request(Request::Reserve(req)) = decode_one(&b) else { panic!("not a reserve") };
+        assert_eq!(req.items.iter().map(|i| &i.scoped_key[..]).collect::<Vec<_>>(), [&b"\x01mt1"[..], &b"\x02mot1"[..]]);
+        let mut b = BytesMut::new();
+        encode_settle(10, &[1; HANDLE_LEN], &[ItemArgs { cost: 700, ..two[0] }, ItemArgs { cost: 700, ..two[1] }], &mut b);
+        let Inbound::Request(Request::Settle(req)) = decode_one(&b) else { panic!("not a settle") };
+        assert_eq!(req.items.iter().map(|i| i.cost).collect::<Vec<_>>(), [700, 700]);
+        let mut b = BytesMut::new();
+        encode_reserve(1, FailPolicy::Closed, 0, &[item, item], &mut b);
+        assert_eq!(code_of(decode_one(&b)), ErrorCode::DuplicateItem, "one policy and key twice");
         let mut b = BytesMut::new();
         encode_multi_request(1, FailPolicy::Closed, 0, false, &[item, ItemArgs { key: b"t2", ..item }], &mut b);
-        b[LEN_PREFIX + 7] = 2;
-        assert_eq!(code_of(decode_one(&b)), ErrorCode::UnsupportedLimitCount, "a reserve takes one item");
         b[LEN_PREFIX + 7] = 3;
         assert_eq!(code_of(decode_one(&b)), ErrorCode::UnsupportedFlags, "settle and refundable together");
     }
@@ -1184,8 +1206,8 @@ mod tests {
                             }
                             Some(Inbound::Request(Request::Lease(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
                             Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
-                            Some(Inbound::Request(Request::Reserve(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && c.cost >= 1 && c.cost <= MAX_O1_COST),
-                            Some(Inbound::Request(Request::Settle(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty() && c.item.cost <= MAX_O1_COST),
+                            Some(Inbound::Request(Request::Reserve(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost >= 1 && i.cost <= MAX_O1_COST)),
+                            Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost <= MAX_O1_COST)),
                             None => break,
                         }
                     }
