@@ -34,7 +34,8 @@ server {
     location = /replay {
         content_by_lua_block {
             local ratelimitd = require "resty.ratelimitd"
-            local res = llm_proxy.minute:check(ngx.var.arg_tenant, 10)
+            local t = ngx.var.arg_tenant
+            local res = llm_proxy.tokens:check({ t, t }, 10)
             local _, first = ratelimitd.settle(res.handle, 30)
             local _, second = ratelimitd.settle(res.handle, 1500)
             ngx.say(first.count, " ", second.count)
@@ -103,7 +104,7 @@ fn streamed_answers_settle_to_their_usage_above_and_below_the_estimate() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.body.matches("\"token\":").count(), 50, "streamed: {}", r.body);
     assert!(r.body.contains("\"total_tokens\":60"), "{}", r.body);
-    // The draft's fields report the reserve (the month's, the last limit() call).
+    // The draft's fields report both policies of the reserve; the month has 99 500 left.
     assert!(r.header("RateLimit").contains("r=99500"), "{}", r.header("RateLimit"));
     settled(&s.redis, "t1", 60);
     // Estimate 20, 100 tokens: 110 charged, 90 more than reserved.
@@ -114,7 +115,7 @@ fn streamed_answers_settle_to_their_usage_above_and_below_the_estimate() {
 }
 
 #[test]
-fn a_shortfall_past_the_minute_is_debt_and_the_month_refusing_gives_the_minute_back() {
+fn a_shortfall_past_the_minute_is_debt_and_the_month_refusing_holds_nothing_in_the_minute() {
     away_from_a_minute_boundary();
     let s = setup();
     // 2500 tokens on an estimate of 100: the minute (2000) holds 2510, debt.
@@ -124,14 +125,14 @@ fn a_shortfall_past_the_minute_is_debt_and_the_month_refusing_gives_the_minute_b
     assert_eq!(refused.status, 429, "in debt: {}", s.nginx.error_log());
     assert_eq!(count(&s.redis, "tokens_minute", "t2"), 2510, "a refusal reserves nothing");
     // tenant-small's month is 1000: 990 tokens fill it; then the minute
-    // admits 100 more, the month refuses, and log_by_lua settles the
-    // minute's reserve to 0.
+    // has room for 100 more, the month refuses, and the one reserve holds
+    // nothing in the minute (all or nothing in the daemon).
     assert_eq!(completion(&s, "tenant-small", 900, 980).status, 200);
     settled(&s.redis, "tenant-small", 990);
     let r = completion(&s, "tenant-small", 100, 5);
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.header("RateLimit").contains("\"tokens_month\";r=10;"), "{}", r.header("RateLimit"));
-    wait_until("the minute given back", Duration::from_secs(5), || count(&s.redis, "tokens_minute", "tenant-small") == 990);
+    assert_eq!(count(&s.redis, "tokens_minute", "tenant-small"), 990, "the minute holds nothing of the refused reserve, at once");
     assert_eq!(count(&s.redis, "tokens_month", "tenant-small"), 990);
 }
 
@@ -180,6 +181,7 @@ fn a_settle_after_a_daemon_restart_and_forged_or_replayed_handles() {
     assert_eq!(count(&s.redis, "tokens_minute", "t4"), 110);
     assert_eq!(probe("/replay?tenant=t5").trim(), "30 0\nnil false", "the second settle of one handle changes nothing");
     assert_eq!(count(&s.redis, "tokens_minute", "t5"), 30);
+    assert_eq!(count(&s.redis, "tokens_month", "t5"), 30, "one settle, both policies");
 }
 
 /// Random estimates and answers from -90 % to +300 % of them, one after

@@ -139,8 +139,8 @@ local function rules(k, opts)
         if k == "multi" and opts.policy ~= nil and opts.policies ~= nil then
             return "give policy or policies, not both"
         end
-        if opts.settle and (opts.policies ~= nil or opts.refundable) then
-            return "settle = true takes one policy (policy = name), without refundable (PROTOCOL.md 4f)"
+        if opts.settle and opts.refundable then
+            return "settle = true reserves and settles: without refundable (PROTOCOL.md 4f)"
         end
         if opts.policies then
             local seen = {}

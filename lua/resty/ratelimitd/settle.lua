@@ -2,13 +2,14 @@
 -- (PROTOCOL.md 4f), from any phase, usually log_by_lua once the upstream
 -- has said what the request cost (tokens, bytes).
 --
---   tokens = assert(ratelimitd.new{ policy = "tokens_month", settle = true })
---   access_by_lua:  tokens:limit(tenant, estimate)          -- reserves the estimate
+--   tokens = assert(ratelimitd.new{ policies = { "tokens_minute", "tokens_month" }, settle = true })
+--   access_by_lua:  tokens:limit({ tenant, tenant }, estimate)  -- reserves the estimate in both, or neither
 --   log_by_lua:     ratelimitd.settle(ngx.ctx.ratelimitd.handle, actual)
 --
--- res.handle of a settle limiter (multi.lua) holds the daemon's 16-byte
--- handle and the reserve's item; the settle frame is that item with its
--- cost replaced by the actual. The estimate is kept in Redis, not here.
+-- res.handle of a settle limiter (multi.lua) holds the item count, the
+-- daemon's 16-byte handle and the reserve's items; the settle frame is
+-- those items with each cost replaced by the actual. The estimates are kept
+-- in Redis (or the memory backend), not here.
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
@@ -16,7 +17,8 @@ local log_failure = require("resty.ratelimitd.log").failure
 
 local ngx = ngx
 local type, error = type, error
-local char, sub = string.char, string.sub
+local char, sub, byte = string.char, string.sub, string.byte
+local concat = table.concat
 local floor = math.floor
 
 local _M = {}
@@ -29,10 +31,30 @@ local function u32(n)
     return char(floor(n / 16777216) % 256, floor(n / 65536) % 256, floor(n / 256) % 256, n % 256)
 end
 
--- handle: the item count (1), 16 bytes, then the item (cost, lengths,
--- name, key) as the reserve sent it.
+-- handle: the item count, 16 bytes, then the items (cost u32, key length
+-- u16, name length u8, name, key) as the reserve sent them; nil when they
+-- do not add up (not a reserve's handle).
 local function frame(id, handle, actual)
-    local body = char(wire.VERSION or 1, OP_SETTLE) .. u32(id) .. char(0, 0, 0) .. sub(handle, 1, 17) .. u32(actual) .. sub(handle, 22)
+    local cost = u32(actual)
+    local parts = { char(wire.VERSION or 1, OP_SETTLE), u32(id), char(0, 0, 0), sub(handle, 1, 17) }
+    local at = 18
+    for _ = 1, byte(handle, 1) do
+        local k1, k2, name_len = byte(handle, at + 4, at + 6)
+        if not name_len then
+            return nil
+        end
+        local stop = at + 7 + name_len + k1 * 256 + k2
+        if stop - 1 > #handle then
+            return nil
+        end
+        parts[#parts + 1] = cost
+        parts[#parts + 1] = sub(handle, at + 4, stop - 1)
+        at = stop
+    end
+    if at ~= #handle + 1 then
+        return nil
+    end
+    local body = concat(parts)
     return u32(#body) .. body
 end
 
@@ -74,7 +96,7 @@ function _M.settle(handle, actual)
     if not handle then
         return true
     end
-    if type(handle) ~= "string" or #handle < 17 + 7 or handle:byte(1) ~= 1 then
+    if type(handle) ~= "string" or #handle < 17 + 7 or handle:byte(1) < 1 or not frame(0, handle, 0) then
         error("settle: expects the handle of a settle limiter's reserve (res.handle)", 2)
     end
     if type(actual) ~= "number" or actual < 0 or actual > _M.MAX_COST or floor(actual) ~= actual then
