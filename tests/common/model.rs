@@ -1019,3 +1019,169 @@ pub fn shadow_marked(w: &mut Want) {
         _ => {}
     }
 }
+
+// ---------------------------------------------------------------------
+// Reserve and settle (docs/PROTOCOL.md 4f; tests/matrix_settle.rs): the
+// O(1) algorithms, several policies all or nothing, debt.
+
+/// A reserve the model admitted: per item recorded, its window and the
+/// estimate; settled at most once.
+#[derive(Clone, Debug)]
+pub struct Reserved {
+    pub items: Vec<Item>,
+    pub recorded: Vec<(usize, WinKey, u32)>,
+    pub settled: bool,
+}
+
+impl Model {
+    /// Resolves a reserve's or a settle's items (the decoder's duplicate
+    /// check first, then per item in order: unknown, kind, combination
+    /// (the log, shards: UNSUPPORTED_COMBINATION), cost (reserves only)).
+    fn resolve_o1(&self, items: &[Item], settle: bool) -> Result<Vec<(PolicySpec, Option<u32>)>, u16> {
+        for (i, it) in items.iter().enumerate() {
+            if items[..i].iter().any(|o| o.policy == it.policy && o.key == it.key) {
+                return Err(code::DUPLICATE_ITEM);
+            }
+        }
+        let mut out = Vec::new();
+        for it in items {
+            let Some(p) = self.config.policy(&it.policy) else { return Err(code::UNKNOWN_POLICY) };
+            let Some(a) = p.algorithm() else { return Err(code::WRONG_POLICY_KIND) };
+            if matches!(a, Algorithm::Log | Algorithm::Ring) || p.shards() > 1 {
+                return Err(code::UNSUPPORTED_COMBINATION);
+            }
+            let limit = p.limit_for(&it.key);
+            if !settle && limit.is_some_and(|l| it.cost > l) {
+                return Err(code::INVALID_COST);
+            }
+            out.push((p.clone(), limit));
+        }
+        Ok(out)
+    }
+
+    /// A reserve (CHECK_POLICY with the settle flag) of `items`: decided as
+    /// a multi-item check of their estimates under each policy's own
+    /// algorithm, all or nothing; admitted with something recorded, the
+    /// record a SETTLE finds (and a handle). Redis down: the fail policies,
+    /// no handle, nothing to settle.
+    pub fn reserve(&mut self, items: &[Item], fail: (FailPolicy, u32), clock: Clock) -> (Expect, Option<Reserved>) {
+        self.decisions += 1;
+        let resolved = match self.resolve_o1(items, false) {
+            Ok(r) => r,
+            Err(c) => return (Expect::One(Want::error(c)), None),
+        };
+        if self.outage {
+            return (self.reserve_outage(items, &resolved, fail, clock), None);
+        }
+        let mut wants = Vec::new();
+        let mut fits_all = Vec::new();
+        for (it, (p, limit)) in items.iter().zip(&resolved) {
+            let Some(limit) = *limit else {
+                let mut want = Want { shadow: p.shadow, ..Want::exempt(p.window_ms()) };
+                if p.shadow {
+                    shadow_marked(&mut want);
+                }
+                wants.push(want);
+                fits_all.push(None);
+                continue;
+            };
+            let wk = (policy_scope(p), it.key.clone());
+            let n = self.windows.get(&wk).copied().unwrap_or(0);
+            let (fits, mut want) = self.verdict(p.algorithm().expect("a rate policy"), n, limit, it.cost, false, clock);
+            // No denial cache for reserves: the store answers.
+            want.sources = vec![self.store_source()];
+            want.shadow = p.shadow;
+            if p.shadow {
+                shadow_marked(&mut want);
+            }
+            wants.push(want);
+            fits_all.push(Some((wk, fits)));
+        }
+        let refusing: Vec<u8> = resolved.iter().zip(&fits_all).enumerate().filter(|(_, ((p, _), f))| !p.shadow && matches!(f, Some((_, false)))).map(|(i, _)| (i + 1) as u8).collect();
+        let committed = refusing.is_empty();
+        let mut recorded = Vec::new();
+        for (i, ((it, f), w)) in items.iter().zip(&fits_all).zip(wants.iter_mut()).enumerate() {
+            match f {
+                Some((wk, true)) if committed => {
+                    *self.windows.entry(wk.clone()).or_default() += it.cost;
+                    recorded.push((i, wk.clone(), it.cost));
+                }
+                Some((wk, true)) => {
+                    // S8: the window as it stands without this request (a
+                    // reserve taken back: retry 0).
+                    let n = self.windows.get(wk).copied().unwrap_or(0);
+                    w.count = Num::Is(n);
+                    w.remaining = Num::Is(w.limit.saturating_sub(n));
+                    w.retry = (0, 0);
+                    w.reset = (0, 2 * DAY);
+                }
+                _ => {}
+            }
+        }
+        let handle = !recorded.is_empty();
+        let want = Expect::Multi(WantMulti { items: wants, refusing, handle: Some(handle), may_skip: false, refused_numbers: self.refused_numbers, shadow_fields: self.shadow_fields, outage: false });
+        (want, handle.then(|| Reserved { items: items.to_vec(), recorded, settled: false }))
+    }
+
+    /// A reserve while Redis is down: each item's fail policy, as a
+    /// multi-item check's (the `local` items together in the per-host log
+    /// windows of the policy's window length), never a handle.
+    fn reserve_outage(&mut self, items: &[Item], resolved: &[(PolicySpec, Option<u32>)], fail: (FailPolicy, u32), clock: Clock) -> Expect {
+        let Expect::Multi(mut m) = self.multi_outage(items, resolved, fail, clock) else { unreachable!("a multi-item answer") };
+        let e = clock.elapsed_ms + 5;
+        for (w, (p, _)) in m.items.iter_mut().zip(resolved) {
+            if w.sources == [Source::LocalFallback] && w.window_ms != p.window_ms() {
+                // multi_outage times the log's window: the per-host log
+                // window here has the policy's length.
+                let len = p.window_ms();
+                let fitted = w.retry == (0, 0);
+                w.window_ms = len;
+                w.reset = if fitted { (len.saturating_sub(e), len) } else { (0, len + 1) };
+                if !fitted {
+                    w.retry = (0, len + 1);
+                }
+            }
+        }
+        Expect::Multi(m)
+    }
+
+    /// A SETTLE of `items` (each cost the actual) with the handle of
+    /// `reserved` (`None`: forged or foreign): each item with a record
+    /// moves its window by actual - estimate (never below 0; past the limit:
+    /// debt), once. Answer: allowed, the enforced settled item with the
+    /// least room's numbers, count 0 when nothing matched.
+    pub fn settle(&mut self, items: &[Item], reserved: Option<&mut Reserved>) -> Expect {
+        self.decisions += 1;
+        let resolved = match self.resolve_o1(items, true) {
+            Ok(r) => r,
+            Err(c) => return Expect::One(Want::error(c)),
+        };
+        if resolved.iter().all(|(_, l)| l.is_none()) {
+            return Expect::One(Want { decision: Decision::Allowed, sources: vec![Source::Exempt], ..Want::error(code::OK) });
+        }
+        if self.outage {
+            return Expect::One(Want { decision: Decision::Error, sources: vec![self.store_source(), Source::None], outage: true, ..Want::error(code::OK) });
+        }
+        let mut main: Option<(bool, u32, u32)> = None;
+        if let Some(r) = reserved.filter(|r| !r.settled) {
+            r.settled = true;
+            for (it, (p, limit)) in items.iter().zip(&resolved) {
+                let Some(limit) = *limit else { continue };
+                let wk = (policy_scope(p), it.key.clone());
+                let Some(&(_, _, est)) = r.recorded.iter().find(|(_, k, _)| *k == wk) else { continue };
+                let w = self.windows.entry(wk).or_default();
+                *w = (*w + it.cost).saturating_sub(est);
+                let (n, left) = (*w, limit.saturating_sub(*w));
+                let better = match main {
+                    None => true,
+                    Some((shadow, _, l)) => (shadow && !p.shadow) || (shadow == p.shadow && left < l),
+                };
+                if better {
+                    main = Some((p.shadow, n, left));
+                }
+            }
+        }
+        let (count, remaining) = main.map_or((0, 0), |(_, n, l)| (n, l));
+        Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 2 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
+    }
+}
