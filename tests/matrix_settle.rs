@@ -80,7 +80,7 @@ struct Held {
 }
 
 enum Backend {
-    Redis(RedisServer),
+    Redis(Box<RedisServer>),
     Memory,
 }
 
@@ -301,7 +301,7 @@ fn run(mut backend: Backend, base: u64) {
 
 #[test]
 fn every_reserve_and_settle_on_one_redis_matches_the_model() {
-    run(Backend::Redis(RedisServer::start()), 0x5e77_1e01);
+    run(Backend::Redis(Box::new(RedisServer::start())), 0x5e77_1e01);
 }
 
 #[test]

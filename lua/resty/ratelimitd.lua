@@ -39,7 +39,7 @@
 --   limiter      inline limits (new{ limit, window_ms })
 --   form         the table forms limit{} and check{}
 --   policy       one named policy
---   multi        several named policies, refundable checks
+--   multi        several named policies, refundable checks, reserves (settle = true)
 --   refund       refund() of a refundable check
 --   settle       settle() of a reserve: the actual cost after the response
 --   concurrency  concurrency limits: enter() and leave()
@@ -103,7 +103,7 @@ _M.check = form.check
 --- Takes back a refundable check's admissions (resty/ratelimitd/refund.lua).
 _M.refund = refund.refund
 
---- Settles a reserve (new{ policy = ..., settle = true }) to the actual
+--- Settles a reserve (new{ policy(ies) = ..., settle = true }) to the actual
 -- cost (resty/ratelimitd/settle.lua).
 _M.settle = settle.settle
 

@@ -34,7 +34,6 @@ use super::limiter::{Backend, Limiter};
 use super::plan::Planned;
 use super::resolve::{Item, Kind};
 use super::respond::{self, error_code, verdict_item, Executed};
-use super::Decided;
 
 /// The window an item reserves in (its limit known: not exempt).
 fn spec_of<'a>(item: &Item<'a>) -> LimitSpec<'a> {
@@ -70,7 +69,7 @@ impl Limiter {
     /// admitted, recorded under one new handle (the response's extension
     /// carries it). Redis failing: the fail policies decide and no handle
     /// is given (nothing to settle).
-    pub(super) async fn reserve<'a>(&'a self, r: &'a ReserveRequest) -> Decided<'a> {
+    pub(super) async fn reserve<'a>(&'a self, r: &'a ReserveRequest) -> (Response, Charge<'a>) {
         let op = OP_CHECK_POLICY;
         let items = match self.resolve_all(r.id, op, &r.items, r.on_error, r.local_limit, Kind::Reserve) {
             Ok(items) => items,
@@ -237,7 +236,7 @@ impl Limiter {
     /// the client may retry with the same handle, which settles each item
     /// at most once. The fixed fields: the enforced settled item with the
     /// least room left.
-    pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> Decided<'a> {
+    pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> (Response, Charge<'a>) {
         let op = OP_SETTLE;
         let items = match self.resolve_all(r.id, op, &r.items, FailPolicy::Closed, 0, Kind::Settle) {
             Ok(items) => items,
