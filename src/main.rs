@@ -305,8 +305,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     missing += usize::from(!known);
                     println!("{}:{}: policy \"{}\": {}", u.file.display(), u.line, escape(&u.name), if known { "ok" } else { "NOT in the ratelimitd configuration: this location would get UNKNOWN_POLICY and its fail policy" });
                 }
-                if missing > 0 {
-                    println!("{}: {missing} of {} policy names used by {} are missing", config.display(), used.len(), nginx.display());
+                // A settle = true limiter naming a policy a reserve cannot
+                // take: every request of it would get UNSUPPORTED_COMBINATION.
+                let mut unsettleable = 0;
+                for u in ratelimitd::config::nginx_settle_policy_names(&nginx)? {
+                    let Some(p) = cfg.policies.iter().find(|p| p.name == u.name) else { continue };
+                    let why = if p.lease_ms.is_some() {
+                        Some("WRONG_POLICY_KIND: a concurrency policy has no window to reserve in".to_string())
+                    } else {
+                        ratelimitd::config::reserve_refusal(p.algorithm, p.shards).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
+                    };
+                    if let Some(why) = why {
+                        unsettleable += 1;
+                        println!("{}:{}: policy \"{}\" in a settle = true limiter: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
+                    }
+                }
+                if missing > 0 || unsettleable > 0 {
+                    println!("{}: {missing} of {} policy names used by {} are missing, {unsettleable} cannot be reserved", config.display(), used.len(), nginx.display());
                     return Ok(ExitCode::from(1));
                 }
                 println!("{}: all {} policy names used by {} are configured", config.display(), used.len(), nginx.display());

@@ -370,3 +370,31 @@ async fn the_budget_of_two_policies_per_reserve_holds_across_estimate_errors() {
     }
     assert_eq!(settle_records(&redis), 0, "every reserve was settled or cancelled");
 }
+
+/// check-config --nginx refuses loudly, before any request, a settle = true
+/// limiter naming a policy a reserve cannot take (the same rule the daemon
+/// applies: UNSUPPORTED_COMBINATION), and passes the llm-proxy example.
+#[test]
+fn check_config_refuses_a_settle_limiter_naming_a_log_or_sharded_policy() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let run = |toml: &str, conf: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(["check-config", "--config", toml, "--nginx", conf]).output().unwrap();
+        (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    };
+    let (toml, conf) = (format!("{root}/examples/llm-proxy/ratelimitd.toml"), format!("{root}/examples/llm-proxy/nginx.conf"));
+    let (code, out) = run(&toml, &conf);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("all 2 policy names used by") && !out.contains("settle = true limiter"), "{out}");
+
+    // The month made a log, the minute sharded: both refused, with the line.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("ratelimitd.toml");
+    let text = std::fs::read_to_string(&toml).unwrap();
+    let text = text.replacen("name = \"tokens_month\"\nalgorithm = \"fixed\"", "name = \"tokens_month\"\nalgorithm = \"log\"", 1).replacen("name = \"tokens_minute\"\nalgorithm = \"fixed\"", "name = \"tokens_minute\"\nalgorithm = \"gcra\"\nshards = 2", 1);
+    std::fs::write(&bad, text.replace("limit = 100000\nwindow = \"month\"", "limit = 1000\nwindow = \"24h\"")).unwrap();
+    let (code, out) = run(bad.to_str().unwrap(), &conf);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("policy \"tokens_month\" in a settle = true limiter: every request refused with UNSUPPORTED_COMBINATION: the log keeps one Redis member per unit"), "{out}");
+    assert!(out.contains("policy \"tokens_minute\" in a settle = true limiter: every request refused with UNSUPPORTED_COMBINATION: a sharded key"), "{out}");
+    assert!(out.contains("0 of 2 policy names used by") && out.contains("2 cannot be reserved"), "{out}");
+}

@@ -9,18 +9,21 @@
 //! - `file`: the schema serde reads, with its defaults;
 //! - `validate`: file to model, every bad field reported;
 //! - `preflight`: secrets, TLS material and the socket group, resolved;
-//! - `nginx_names`: the policy names an nginx configuration uses (`check-config --nginx`).
+//! - `nginx_names`: the policy names an nginx configuration uses (`check-config --nginx`);
+//! - `reserve`: which policies a reserve and settle can name (the daemon's rule and check-config's).
 
 mod file;
 mod model;
 mod nginx_names;
 mod preflight;
+mod reserve;
 mod validate;
 
 pub use model::{
     redacted_url, AdminConfig, AdminListen, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
 };
-pub use nginx_names::{nginx_policy_names, NamedPolicy, NginxReadError};
+pub use nginx_names::{nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
+pub use reserve::reserve_refusal;
 pub use validate::parse_duration;
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

@@ -31,21 +31,85 @@ pub struct NginxReadError {
 pub fn nginx_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
     let mut seen = Vec::new();
     let mut out = Vec::new();
-    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out)?;
+    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, names_in)?;
     Ok(out)
 }
 
-fn read(path: &Path, base: &Path, seen: &mut Vec<PathBuf>, out: &mut Vec<NamedPolicy>) -> Result<(), NginxReadError> {
+/// The literal policy names of the limiters built with `settle = true` in
+/// `conf` and the files it includes: each must be one a reserve can name
+/// (`reserve_refusal`).
+pub fn nginx_settle_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, settle_names_in)?;
+    Ok(out)
+}
+
+/// The names in the Lua tables (`new{ ... }`) of one file that hold
+/// `settle = true`, with their line numbers.
+pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
+    let b = text.as_bytes();
+    let mut out: Vec<(String, usize)> = Vec::new();
+    let mut i = 0;
+    while let Some(at) = text[i..].find("settle").map(|k| k + i) {
+        i = at + 6;
+        let line_start = b[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
+        let commented = text[line_start..at].contains("--") || text[line_start..at].contains('#');
+        let word = (at == 0 || !is_ident(b[at - 1])) && !b.get(i).copied().is_some_and(is_ident);
+        let j = skip_space(b, i);
+        if commented || !word || b.get(j) != Some(&b'=') || !text[skip_space(b, j + 1)..].starts_with("true") {
+            continue;
+        }
+        // The table around it: the last unmatched `{` before, its `}` after.
+        let mut depth = 0i32;
+        let Some(open) = (0..at).rev().find(|&k| {
+            match b[k] {
+                b'}' => depth += 1,
+                b'{' if depth == 0 => return true,
+                b'{' => depth -= 1,
+                _ => {}
+            }
+            false
+        }) else {
+            continue;
+        };
+        // Only a constructor's table: `new{ ... }` or `new({ ... })` (not
+        // a block, nor a variable named settle).
+        let before = text[..open].trim_end();
+        if !(before.ends_with("new") || before.trim_end_matches('(').trim_end().ends_with("new")) {
+            continue;
+        }
+        let mut depth = 0i32;
+        let close = (open..b.len()).find(|&k| {
+            match b[k] {
+                b'{' => depth += 1,
+                b'}' => depth -= 1,
+                _ => {}
+            }
+            depth == 0
+        });
+        let table = &text[open..close.map_or(b.len(), |c| c + 1)];
+        let offset = line_of(b, open) - 1;
+        for (name, line) in names_in(table) {
+            if !out.iter().any(|(n, l)| *n == name && *l == line + offset) {
+                out.push((name, line + offset));
+            }
+        }
+    }
+    out
+}
+
+fn read(path: &Path, base: &Path, seen: &mut Vec<PathBuf>, out: &mut Vec<NamedPolicy>, names: fn(&str) -> Vec<(String, usize)>) -> Result<(), NginxReadError> {
     if seen.iter().any(|p| p == path) || seen.len() > 256 {
         return Ok(());
     }
     seen.push(path.to_path_buf());
     let text = std::fs::read_to_string(path).map_err(|err| NginxReadError { path: path.into(), err })?;
-    out.extend(names_in(&text).into_iter().map(|(name, line)| NamedPolicy { name, file: path.into(), line }));
+    out.extend(names(&text).into_iter().map(|(name, line)| NamedPolicy { name, file: path.into(), line }));
     for target in referenced_files(&text) {
         let full = if Path::new(&target).is_absolute() { PathBuf::from(&target) } else { base.join(&target) };
         for f in expand(&full) {
-            read(&f, base, seen, out)?;
+            read(&f, base, seen, out, names)?;
         }
     }
     Ok(())
@@ -191,6 +255,21 @@ mod tests {
         let names: Vec<String> = names_in(text).into_iter().map(|(n, _)| n).collect();
         assert_eq!(names, ["order", "search", "login_failures", "per_ip", "per_tenant", "global"]);
         assert_eq!(names_in(text)[2].1, 4, "line numbers are 1-based");
+    }
+
+    #[test]
+    fn finds_the_names_of_settle_limiters_only() {
+        let text = r#"
+            a = ratelimitd.new{ policy = "plain" }
+            b = ratelimitd.new{ policies = { "tokens_minute",
+                                             "tokens_month" }, settle = true, on_error = "closed" }
+            c = ratelimitd.new{ settle = true, policy = "one" }
+            -- d = ratelimitd.new{ policy = "commented", settle = true }
+            e = ratelimitd.new{ policy = "off", settle = false }
+            access_by_lua_block { local settle = true; x = new{ policy = "not_a_reserve" } }
+        "#;
+        let found = settle_names_in(text);
+        assert_eq!(found, [("tokens_minute".to_string(), 3), ("tokens_month".to_string(), 4), ("one".to_string(), 5)]);
     }
 
     #[test]

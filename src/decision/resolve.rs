@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use bytes::Bytes;
 
-use crate::config::PolicyLimit;
+use crate::config::{reserve_refusal, PolicyLimit};
 use crate::policies::{shard_limit, Policy};
 use crate::protocol::{Algorithm, CheckRequest, ErrorCode, FailPolicy, LeaseRequest, Response};
 
@@ -143,11 +143,12 @@ impl Limiter {
             return reject(ErrorCode::UnsupportedCombination, msg);
         }
         // Settle moves one counter by the difference: only the O(1)
-        // algorithms have one; the log would need a member per unit, and a
-        // sharded key does not know which shard holds the reserve.
-        if matches!(kind, Kind::Reserve | Kind::Settle) && (matches!(policy.algorithm, Algorithm::Log | Algorithm::Ring) || policy.shards > 1) {
-            let msg = format!("policy '{}' uses algorithm {} with {} shards: reserve and settle need algorithm gcra, sliding_counter or fixed, unsharded", policy.name, policy.algorithm.as_str(), policy.shards);
-            return reject(ErrorCode::UnsupportedCombination, msg);
+        // algorithms have one (the rule check-config applies too).
+        if matches!(kind, Kind::Reserve | Kind::Settle) {
+            if let Some(why) = reserve_refusal(policy.algorithm, policy.shards) {
+                let msg = format!("policy '{}' (algorithm {}, {} shards): {why}", policy.name, policy.algorithm.as_str(), policy.shards);
+                return reject(ErrorCode::UnsupportedCombination, msg);
+            }
         }
         // An admin API override in force replaces the file's value for
         // this key (one load and lookup in the background-refreshed table).

@@ -1,0 +1,34 @@
+//! Which policies a reserve and its settle (docs/PROTOCOL.md 4f) can name:
+//! the one rule the daemon applies at request time (decision::resolve,
+//! `UNSUPPORTED_COMBINATION`) and `check-config --nginx` applies to the
+//! limiters an nginx configuration builds with `settle = true`.
+
+use crate::protocol::Algorithm;
+
+/// Why a rate policy of `algorithm` with `shards` cannot be reserved and
+/// settled exactly; `None` when it can.
+pub fn reserve_refusal(algorithm: Algorithm, shards: u32) -> Option<&'static str> {
+    if matches!(algorithm, Algorithm::Log | Algorithm::Ring) {
+        return Some("the log keeps one Redis member per unit, so a settle would write or remove up to 10^9 of them: reserve and settle need algorithm gcra, sliding_counter or fixed");
+    }
+    if shards > 1 {
+        return Some("a sharded key does not know which shard holds the reserve: reserve and settle need an unsharded policy");
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_unsharded_o1_policies_can_be_reserved() {
+        for a in [Algorithm::Gcra, Algorithm::Fixed, Algorithm::SlidingCounter] {
+            assert_eq!(reserve_refusal(a, 1), None);
+            assert!(reserve_refusal(a, 2).is_some_and(|w| w.contains("shard")));
+        }
+        for a in [Algorithm::Log, Algorithm::Ring] {
+            assert!(reserve_refusal(a, 1).is_some_and(|w| w.contains("member per unit")));
+        }
+    }
+}
