@@ -969,7 +969,9 @@ mod tests {
         let Inbound::Request(Request::Reserve(req)) = decode_one(&b) else { panic!("not a reserve") };
         assert_eq!(req.items.iter().map(|i| &i.scoped_key[..]).collect::<Vec<_>>(), [&b"\x01mt1"[..], &b"\x02mot1"[..]]);
         let mut b = BytesMut::new();
-        encode_settle(10, &[1; HANDLE_LEN], &[ItemArgs { cost: 700, ..two[0] }, ItemArgs { cost: 700, ..two[1] }], &mut b);
+        encode_settle(10, &[0xab; HANDLE_LEN], &[ItemArgs { cost: 700, ..two[0] }, ItemArgs { cost: 700, ..two[1] }], &mut b);
+        // lua/spec/settle_spec.lua builds the same bytes from a reserve's handle.
+        assert_eq!(hex(&b), format!("0000002f 01 09 0000000a 0000 00 02 {} 000002bc 0002 01 6d 7431 000002bc 0002 02 6d6f 7431", "ab".repeat(16)).replace(' ', ""));
         let Inbound::Request(Request::Settle(req)) = decode_one(&b) else { panic!("not a settle") };
         assert_eq!(req.items.iter().map(|i| i.cost).collect::<Vec<_>>(), [700, 700]);
         let mut b = BytesMut::new();

@@ -58,6 +58,9 @@ local function frame(id, handle, actual)
     return u32(#body) .. body
 end
 
+-- For the unit tests (lua/spec/settle_spec.lua: the daemon's golden hex).
+_M._frame = frame
+
 -- Sends a SETTLE frame: true and the response (count: the window's count
 -- after the settle, 0 for a handle already settled), or nil and an error.
 local function send_settle(handle, actual)
