@@ -12,7 +12,8 @@
 //! outage (redis-server killed: the fail policies decide, no handle; a
 //! settle answers the Redis error; back empty, nothing is left to
 //! settle). Every answer is compared with the model's; at the end the
-//! fixed windows and counters in Redis hold the model's units.
+//! fixed windows and counters in Redis (every primary of a Cluster) hold
+//! the model's units.
 //!
 //! A failing case prints its seed and trace: `SETTLE_MATRIX_SEED=<seed>
 //! cargo test --test matrix_settle`.
@@ -24,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::model::{Clock, Config, Item, Kind, Limit, Model, PolicySpec, Reserved, Scope, Store, DAY};
 use common::rng::Rng;
+use common::redis_cluster::RedisCluster;
 use common::{wait_until, Daemon, RedisServer};
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
@@ -81,20 +83,37 @@ struct Held {
 
 enum Backend {
     Redis(Box<RedisServer>),
+    Cluster(Box<RedisCluster>),
     Memory,
+}
+
+impl Backend {
+    /// Connections to every server that holds windows.
+    fn connections(&self) -> Vec<redis::Connection> {
+        match self {
+            Backend::Redis(r) => vec![r.conn()],
+            Backend::Cluster(c) => c.primaries().iter().map(|p| redis::Client::open(format!("redis://127.0.0.1:{p}/")).and_then(|c| c.get_connection()).unwrap()).collect(),
+            Backend::Memory => Vec::new(),
+        }
+    }
 }
 
 fn run_case(backend: &mut Backend, seed: u64) -> Result<(), String> {
     let store = match backend {
         Backend::Redis(_) => Store::Redis,
+        Backend::Cluster(_) => Store::Cluster,
         Backend::Memory => Store::Memory,
     };
     let mut rng = Rng(seed | 1);
     let mut model = Model::new(store, config());
+    for mut c in backend.connections() {
+        let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
+    }
     let redis_toml = match backend {
-        Backend::Redis(r) => {
-            let _: () = redis::cmd("FLUSHALL").query(&mut r.conn()).unwrap();
-            format!("[redis]\nurl = \"{}\"\ntimeout_ms = 300\n", r.url())
+        Backend::Redis(r) => format!("[redis]\nurl = \"{}\"\ntimeout_ms = 300\n", r.url()),
+        Backend::Cluster(c) => {
+            let seeds: Vec<String> = c.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+            format!("[redis]\ncluster = [{}]\ntimeout_ms = 2000\n", seeds.join(", "))
         }
         Backend::Memory => String::new(),
     };
@@ -237,7 +256,8 @@ fn run_case(backend: &mut Backend, seed: u64) -> Result<(), String> {
         trace.contains("OUTAGE"),
     );
     // The fixed windows and counters in Redis hold the model's units.
-    if let Backend::Redis(r) = backend {
+    let mut conns = backend.connections();
+    if !conns.is_empty() {
         if model.outage {
             return Ok(());
         }
@@ -248,12 +268,14 @@ fn run_case(backend: &mut Backend, seed: u64) -> Result<(), String> {
                 continue;
             }
             let pattern = format!("ratelimitd:{{{}{name}{key}}}:*", name.len() as u8 as char);
-            let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(pattern.as_bytes()).query(&mut r.conn()).unwrap();
-            let window = keys.iter().find(|k| !k.windows(8).any(|w| w == b":settle:"));
-            let stored = window.map_or(0, |k| {
-                let v: String = redis::cmd("GET").arg(k.as_slice()).query(&mut r.conn()).unwrap();
-                v.split(' ').nth(1).unwrap().parse().unwrap()
-            });
+            let mut stored = 0;
+            for c in &mut conns {
+                let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(pattern.as_bytes()).query(c).unwrap();
+                if let Some(k) = keys.iter().find(|k| !k.windows(8).any(|w| w == b":settle:")) {
+                    let v: String = redis::cmd("GET").arg(k.as_slice()).query(c).unwrap();
+                    stored = v.split(' ').nth(1).unwrap().parse().unwrap();
+                }
+            }
             if stored != units {
                 return Err(format!("{trace}--- final state: {name} {key}: Redis holds {stored}, the model {units}"));
             }
@@ -302,6 +324,11 @@ fn run(mut backend: Backend, base: u64) {
 #[test]
 fn every_reserve_and_settle_on_one_redis_matches_the_model() {
     run(Backend::Redis(Box::new(RedisServer::start())), 0x5e77_1e01);
+}
+
+#[test]
+fn every_reserve_and_settle_on_a_cluster_matches_the_model() {
+    run(Backend::Cluster(Box::new(RedisCluster::start())), 0x5e77_1e03);
 }
 
 #[test]

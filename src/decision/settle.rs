@@ -235,7 +235,7 @@ impl Limiter {
     /// answer (no fail policy): the items that answered are settled, and
     /// the client may retry with the same handle, which settles each item
     /// at most once. The fixed fields: the enforced settled item with the
-    /// least room left.
+    /// least room left (none enforced: the shadow one with the least).
     pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> (Response, Charge<'a>) {
         let op = OP_SETTLE;
         let items = match self.resolve_all(r.id, op, &r.items, FailPolicy::Closed, 0, Kind::Settle) {
@@ -265,7 +265,7 @@ impl Limiter {
             Ok(Some(v)) => Some((items[i].shadow, *v)),
             _ => None,
         });
-        let main = settled.clone().filter(|(shadow, _)| !shadow).min_by_key(|(_, v)| v.remaining).or_else(|| settled.clone().next());
+        let main = settled.clone().filter(|(shadow, _)| !shadow).min_by_key(|(_, v)| v.remaining).or_else(|| settled.clone().min_by_key(|(_, v)| v.remaining));
         match main {
             Some((_, v)) => (Response { retry_after_ms: v.retry_after_ms, ..done(source, v.count, v.remaining, v.reset_ms) }, Charge::Settle { matched }),
             None => (done(source, 0, 0, 0), Charge::Settle { matched }),
