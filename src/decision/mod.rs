@@ -75,7 +75,7 @@ impl Limiter {
             Request::PolicyLease(r) => Box::pin(self.policy_lease(r)).await,
             Request::Reserve(r) => Box::pin(self.reserve(r)).await,
             Request::Settle(r) => Box::pin(self.settle(r)).await,
-            Request::LeaseShare(r) => (self.lease_share(r), Charge::Nobody),
+            Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
         };
         account(&response, &charge);
         response
@@ -162,8 +162,8 @@ impl Limiter {
     /// holds a lease for its limit now in force (after overrides). Not a
     /// decision: nothing is counted but the share metric; the answer is
     /// `count` units (0: none) valid for `retry_after_ms` from the worker's
-    /// send. Never a Redis call.
-    fn lease_share(&self, r: &PolicyCheckRequest) -> Response {
+    /// send. A Redis call only when the hot key has no lease in hand.
+    async fn lease_share(&self, r: &PolicyCheckRequest) -> Response {
         let op = OP_LEASE_SHARE;
         let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: 1, on_error: r.on_error, local_limit: r.local_limit };
         let item = match self.resolve(&named, Kind::Check) {
@@ -172,7 +172,8 @@ impl Limiter {
         };
         let share = match (item.limit, &self.leases) {
             (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log => {
-                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost)
+                // A Redis error leaves the worker deciding per request.
+                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost).await.ok().flatten()
             }
             _ => None,
         };
