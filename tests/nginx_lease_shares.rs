@@ -95,13 +95,13 @@ fn a_hot_key_is_admitted_from_worker_shares_with_almost_no_daemon_round_trip() {
     let redis = RedisServer::start();
     let d = daemon(&redis);
     let nginx = nginx(&d);
-    let (decisions0, shares0) = (metric(&d, "ratelimitd_decisions_total"), metric(&d, "ratelimitd_lease_shares_total"));
+    let (decisions0, shares0) = (metric(&d, "ratelimitd_decisions_total"), metric(&d, "ratelimitd_lease_share_requests_total"));
     let (admitted, shared) = load(&nginx, "hot", "k1", 4000, 4);
     let decisions = metric(&d, "ratelimitd_decisions_total") - decisions0;
-    let shares = metric(&d, "ratelimitd_lease_shares_total") - shares0;
+    let shares = metric(&d, "ratelimitd_lease_share_requests_total") - shares0;
     let units = metric(&d, "ratelimitd_lease_share_units_total");
     let per = (decisions + shares) as f64 / admitted as f64;
-    eprintln!("hot key, 4000 requests, 4 clients: {admitted} admitted, {shared} from worker shares; the daemon decided {decisions} and granted {shares} shares: {per:.3} daemon round trips per admission ({units} units)");
+    eprintln!("hot key, 4000 requests, 4 clients: {admitted} admitted, {shared} from worker shares; the daemon decided {decisions} and answered {shares} share requests: {per:.3} daemon round trips per admission ({units} units)");
     assert_eq!(admitted, 4000);
     assert!(per <= 0.2, "{per} daemon round trips per admission");
     std::thread::sleep(Duration::from_millis(2500));
