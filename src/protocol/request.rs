@@ -426,21 +426,10 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         return parse_reserve(body, id, on_error, n_items, local_limit, bounds);
     }
     if n_items == 1 && flags == 0 {
-        let e = POLICY_HEADER_LEN;
-        let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
-        let name_len = body[e + 6] as usize;
-        if body.len() != fixed + name_len + key_len {
-            return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
-        }
-        let item = match parse_item(&body, POLICY_HEADER_LEN, bounds, 1) {
-            Ok((item, _)) => item,
-            Err((code, message)) => return invalid(id, op, code, message),
+        return match one_item(&body, id, op, on_error, local_limit, bounds, |_| None) {
+            Ok(r) => Inbound::Request(Request::PolicyCheck(r)),
+            Err(invalid) => invalid,
         };
-        if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
-            return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
-        }
-        let PolicyItem { cost, name, key, scoped_key } = item;
-        return Inbound::Request(Request::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }));
     }
     let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, bounds, 1) {
         Ok(items) => items,
@@ -800,24 +789,32 @@ fn parse_lease_share(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
     if body[9] != 1 {
         return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} items in one lease-share request; exactly 1", body[9]));
     }
-    let local_limit = be32(&body, 10);
-    let key_len = u16::from_be_bytes([body[POLICY_HEADER_LEN + 4], body[POLICY_HEADER_LEN + 5]]) as usize;
-    let name_len = body[POLICY_HEADER_LEN + 6] as usize;
-    if body.len() != fixed + name_len + key_len {
-        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
+    let units = |item: &PolicyItem| (item.cost > MAX_SHARE_UNITS).then(|| format!("{} units wanted; a share is 1..={MAX_SHARE_UNITS}", item.cost));
+    match one_item(&body, id, op, on_error, be32(&body, 10), bounds, units) {
+        Ok(r) => Inbound::Request(Request::LeaseShare(r)),
+        Err(invalid) => invalid,
     }
-    let item = match parse_item(&body, POLICY_HEADER_LEN, bounds, 1) {
-        Ok((item, _)) => item,
-        Err((code, message)) => return invalid(id, op, code, message),
-    };
-    if item.cost > MAX_SHARE_UNITS {
-        return invalid(id, op, ErrorCode::InvalidCost, format!("{} units wanted; a share is 1..={MAX_SHARE_UNITS}", item.cost));
+}
+
+/// The one item of a CHECK_POLICY-shaped body (ops 2 and 10) after its
+/// header: the lengths, the item, `cost_error` (a bound of the op's own on
+/// the cost, `INVALID_COST`), the local limit; in this order.
+fn one_item(body: &Bytes, id: u32, op: u8, on_error: FailPolicy, local_limit: u32, bounds: &Bounds, cost_error: impl Fn(&PolicyItem) -> Option<String>) -> Result<PolicyCheckRequest, Inbound> {
+    let (e, fixed) = (POLICY_HEADER_LEN, POLICY_HEADER_LEN + POLICY_ITEM_LEN);
+    let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
+    let name_len = body[e + 6] as usize;
+    if body.len() != fixed + name_len + key_len {
+        return Err(invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed)));
+    }
+    let item = parse_item(body, POLICY_HEADER_LEN, bounds, 1).map_err(|(code, message)| invalid(id, op, code, message))?.0;
+    if let Some(e) = cost_error(&item) {
+        return Err(invalid(id, op, ErrorCode::InvalidCost, e));
     }
     if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
-        return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
+        return Err(invalid(id, op, ErrorCode::InvalidLocalLimit, e));
     }
     let PolicyItem { cost, name, key, scoped_key } = item;
-    Inbound::Request(Request::LeaseShare(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }))
+    Ok(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key })
 }
 
 /// Appends one LEASE_SHARE frame (op 10) to `dst`: `a.cost` is the units wanted.
