@@ -242,3 +242,31 @@ async fn a_daemon_killed_holding_shares_over_admits_nothing() {
     assert_eq!(recorded, 3000, "the killed daemon's units (its lease's and the share's) stay counted");
     eprintln!("killed holding a share of {} units ({used} used by the worker after the kill): then {more} admitted, {} short of the limit until the units leave the window", s.count, 3000 - admitted);
 }
+
+/// A share in hand when Redis goes away (docs/PERFORMANCE.md, "Worker
+/// shares", the Redis outage row): the worker admits from it until its
+/// deadline, with no daemon call; the daemon then answers a share request
+/// with no units (its lease call fails) and checks get the fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_redis_outage_a_share_admits_until_its_deadline_then_the_fail_policy_decides() {
+    let mut redis = RedisServer::start_unix();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 200\nquota_leases = true\n{POLICIES}", redis.url()));
+    let mut c = d.client().await;
+    make_hot(&mut c, "order", "k7").await;
+    let sent = Instant::now();
+    let s = c.lease_share(&args("order", "k7", 64)).await.unwrap();
+    assert!(s.count > 0, "a share: {}", s.message);
+    redis.kill();
+    let deadline = sent + Duration::from_millis(u64::from(s.retry_after_ms));
+    assert!(Instant::now() < deadline, "the share is still valid after the kill (valid {} ms)", s.retry_after_ms);
+    // Past the deadline nothing more is taken from it (the worker's rule);
+    // the daemon gives no new units while Redis is down.
+    tokio::time::sleep(deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(300)).await;
+    let again = c.lease_share(&args("order", "k7", 64)).await.unwrap();
+    assert_eq!((again.error, again.count), (ErrorCode::None, 0), "no units while Redis is down: {}", again.message);
+    // The daemon's own lease was all in the share (the lease for it was
+    // sized to the 64 asked), and the failed share request ended it: the
+    // check goes to Redis, which is down.
+    let r = c.check_policy(&PolicyCheckArgs { on_error: FailPolicy::Closed, ..args("order", "k7", 1) }).await.unwrap();
+    assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{}", r.message);
+}
