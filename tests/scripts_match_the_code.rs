@@ -315,7 +315,7 @@ fn an_admission_on_a_key_without_a_lease_issues_what_it_issued_before_leases() {
     let redis = RedisServer::start_unix();
     let mut conn = redis.conn();
     let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(read("src/redis/sliding_window.lua")).query(&mut conn).unwrap();
-    let mut run = |conn: &mut redis::Connection, keys: &[&str], argv: &[&str]| -> Vec<i64> {
+    let run = |conn: &mut redis::Connection, keys: &[&str], argv: &[&str]| -> Vec<i64> {
         let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(conn).unwrap();
         let reply: Vec<i64> = redis::cmd("EVALSHA").arg(&sha).arg(keys.len()).arg(keys).arg(argv).query(conn).unwrap();
         reply
