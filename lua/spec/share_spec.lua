@@ -136,6 +136,18 @@ describe("worker shares", function()
         assert.equals(asked, #sent, "no second ask while the guard of a refill that got nothing lasts")
     end)
 
+    it("waits after an error answer too (a daemon older than op 10)", function()
+        local d = dict()
+        now_us = 1e9
+        local body = string.char(1, 10) .. wire.u32(7) .. string.char(2, 255) .. string.rep("\0", 16) .. string.char(0, 3, 0, 0)
+        answer = wire.u32(#body) .. body
+        for _ = 1, 12 do
+            share.refill(lim, d, "old", admitted)
+        end
+        assert.equals(1, #sent, "one ask, then the guard")
+        assert.is_nil(d.values["\2\3hotold"])
+    end)
+
     it("never shares a cost above 255 nor a limit it cannot pack", function()
         local d = dict()
         refilled(d, "k", 1e9, 255, 200)

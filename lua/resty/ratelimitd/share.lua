@@ -132,10 +132,13 @@ function _M.refill(lim, dict, key, res)
     local id = next_id()
     local sent_ms = floor(mono_us() / 1000)
     local head = transact(wire.lease_share(id, lim._header, WANT, lim._name_part, key), id)
-    if not head or error_code(head) ~= 0 then
-        return
+    -- No units, an error (a daemon older than op 10 answers UNKNOWN_OP) or
+    -- no answer: not again for NOTHING_S, so that such a daemon costs one
+    -- extra round trip per key and host every NOTHING_S, not per request.
+    local units, outside, valid_ms, window = 0, 0, 0, 0
+    if head and error_code(head) == 0 then
+        units, outside, valid_ms, window = be32(head, 13), be32(head, 17), be32(head, 21), be32(head, 25)
     end
-    local units, outside, valid_ms, window = be32(head, 13), be32(head, 17), be32(head, 21), be32(head, 25)
     if units == 0 or units > MAX_UNITS or valid_ms == 0 then
         dict:safe_set(skey .. "\4", true, NOTHING_S)
         return
