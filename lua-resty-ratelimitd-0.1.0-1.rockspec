@@ -45,6 +45,7 @@ build = {
       ["resty.ratelimitd.key"] = "lua/resty/ratelimitd/key.lua",
       ["resty.ratelimitd.kind"] = "lua/resty/ratelimitd/kind.lua",
       ["resty.ratelimitd.leases"] = "lua/resty/ratelimitd/leases.lua",
+      ["resty.ratelimitd.share"] = "lua/resty/ratelimitd/share.lua",
       ["resty.ratelimitd.limiter"] = "lua/resty/ratelimitd/limiter.lua",
       ["resty.ratelimitd.limiters"] = "lua/resty/ratelimitd/limiters.lua",
       ["resty.ratelimitd.log"] = "lua/resty/ratelimitd/log.lua",

@@ -7,6 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
+    encode_lease_share,
     decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
     ResponseError, HANDLE_LEN,
 };
@@ -48,6 +49,20 @@ impl Client {
         self.next_id = self.next_id.wrapping_add(1);
         self.wbuf.clear();
         encode_request_with(id, args, algorithm, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        let r = self.read_response().await?;
+        if r.id != id {
+            return Err(ClientError::IdMismatch { want: id, got: r.id });
+        }
+        Ok(r)
+    }
+
+    /// Sends one LEASE_SHARE (op 10, `args.cost` units wanted) and waits for
+    /// its response: `count` units granted, valid for `retry_after_ms` from
+    /// this send.
+    pub async fn lease_share(&mut self, args: &PolicyCheckArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_lease_share(id, args, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;
         if r.id != id {

@@ -53,5 +53,5 @@ mod top_refused;
 pub mod top_snapshot;
 pub mod window;
 
-pub use crate::decision::{lease_life_ms, QuotaLease, MAX_LEASE_UNITS};
+pub use crate::decision::{lease_life_ms, QuotaLease, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
 pub use crate::redis::{BatchAsk, LeaseGrant, RedisWindow};

@@ -115,6 +115,9 @@ pub struct Metrics {
     refunds_unmatched: AtomicU64,
     settles: AtomicU64,
     settles_unmatched: AtomicU64,
+    lease_share_requests: AtomicU64,
+    lease_shares: AtomicU64,
+    lease_share_units: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -154,10 +157,22 @@ impl Metrics {
             refunds_unmatched: ZERO,
             settles: ZERO,
             settles_unmatched: ZERO,
+            lease_share_requests: ZERO,
+            lease_shares: ZERO,
+            lease_share_units: ZERO,
         }
     }
 
     #[inline]
+    /// A LEASE_SHARE (op 10) that handed `units` (0: none) to a worker.
+    pub fn lease_share(&self, units: u32) {
+        self.lease_share_requests.fetch_add(1, Ordering::Relaxed);
+        if units > 0 {
+            self.lease_shares.fetch_add(1, Ordering::Relaxed);
+            self.lease_share_units.fetch_add(u64::from(units), Ordering::Relaxed);
+        }
+    }
+
     pub fn decided(&self, decision: Decision, source: Source, error: ErrorCode) {
         self.decisions[decision.index()][source.index()].fetch_add(1, Ordering::Relaxed);
         if error != ErrorCode::None {
@@ -299,7 +314,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 12] = [
+        let counters: [(&str, &str, &AtomicU64); 15] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -312,6 +327,9 @@ impl Metrics {
             ("ratelimitd_refunds_unmatched_total", "REFUNDs that removed nothing: a forged, replayed or foreign handle, or admissions already out of their window.", &self.refunds_unmatched),
             ("ratelimitd_settles_total", "SETTLE requests carried out in Redis (a repeated one included).", &self.settles),
             ("ratelimitd_settles_unmatched_total", "SETTLEs that changed nothing: a forged, replayed or expired handle.", &self.settles_unmatched),
+            ("ratelimitd_lease_share_requests_total", "LEASE_SHAREs (op 10) answered, with units or without (errors excluded).", &self.lease_share_requests),
+            ("ratelimitd_lease_shares_total", "LEASE_SHAREs (op 10) that handed units of a quota lease to an nginx worker's shared dict.", &self.lease_shares),
+            ("ratelimitd_lease_share_units_total", "Units of quota leases handed to nginx workers (each counted in Redis as used at the lease's latest time).", &self.lease_share_units),
         ];
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));

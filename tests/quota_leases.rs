@@ -3,7 +3,9 @@
 //! daemons: random traces of requests, lease calls, settles, crashes
 //! (a lease dropped unsettled), call latencies and clock offsets, through
 //! the real script on a real redis-server and the daemon's own
-//! `QuotaLease`. After every step, from Redis's own record:
+//! `QuotaLease`, and nginx workers of each host admitting from shares of
+//! their daemon's lease (op 10) until the share's deadline, through daemon
+//! crashes. After every step, from Redis's own record:
 //! - no window of the true admissions (each at its true time, local ones
 //!   included) holds more than the limit;
 //! - Redis's record never counts fewer units than the true admissions in
@@ -21,10 +23,14 @@ const LOG: &str = include_str!("../src/redis/sliding_window.lua");
 
 use common::rng::Rng;
 
-/// One simulated daemon: its clock offset and the lease it holds.
+/// One simulated host: its clock offset, the lease its daemon holds, and
+/// the worker shares its nginx workers hold (units left, deadline in µs of
+/// the host's clock: the worker's send in whole ms plus the validity, as
+/// lua/resty/ratelimitd/share.lua keeps it).
 struct SimDaemon {
     offset_us: u64,
     lease: Option<(String, QuotaLease)>,
+    shares: Vec<(u64, u64)>,
 }
 
 struct Trace<'a> {
@@ -88,28 +94,59 @@ impl Trace<'_> {
     }
 }
 
-/// Runs one trace; returns (decisions, admitted, admitted locally).
-fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -> (u64, u64, u64) {
+/// Runs one trace; returns (decisions, admitted, admitted locally, admitted
+/// from worker shares).
+fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -> (u64, u64, u64, u64) {
     let mut rng = Rng(seed | 1);
     let window = 60_000 + rng.below(3) * 30_000;
     let limit = [4u64, 20, 100, 300][rng.below(4) as usize];
     let life = window / 40 + rng.below(window / 4 - window / 40);
     let n = 2 + rng.below(3) as usize;
-    let mut daemons: Vec<SimDaemon> = (0..n).map(|_| SimDaemon { offset_us: rng.below(1 << 40), lease: None }).collect();
+    let mut daemons: Vec<SimDaemon> = (0..n).map(|_| SimDaemon { offset_us: rng.below(1 << 40), lease: None, shares: Vec::new() }).collect();
     let key = format!("lease:{{t{seed}}}:log");
     let mut tr = Trace { conn, sha, key, window, limit, t_us: 1_700_000_000_000_000, truth: Vec::new(), seq: 0, seed, step: 0 };
-    let (mut decisions, mut admitted, mut local) = (0, 0, 0);
+    let (mut decisions, mut admitted, mut local, mut shared) = (0, 0, 0, 0);
     // Mean gap between requests: about the limit's rate, a bit above or below.
     let gap_us = window * 1000 / limit * [1, 2, 4][rng.below(3) as usize] / 3;
     for step in 0..steps {
         tr.step = step;
         let d = rng.below(n as u64) as usize;
         let latency = |rng: &mut Rng| rng.below(3_000) + 50;
-        match rng.below(20) {
+        match rng.below(22) {
             // Time passes: a request gap, or now and then most of a window.
             0 => tr.t_us += window * 1000 / 2 + rng.below(window * 1000),
-            // A crash: the lease is dropped unsettled.
+            // A crash: the lease is dropped unsettled; the workers keep
+            // their shares (kill -9 of the daemon: nginx does not notice).
             1 => daemons[d].lease = None,
+            // A worker asks its daemon for a share (op 10): sent, decided
+            // by the daemon after a latency, answered after another.
+            20 | 21 => {
+                let host = &mut daemons[d];
+                if let Some((_, l)) = host.lease.as_mut() {
+                    let send_local = tr.t_us + host.offset_us;
+                    tr.t_us += latency(&mut rng);
+                    let want = 1 + rng.below(64) as u32;
+                    if let Some(s) = l.share(tr.t_us + host.offset_us, limit as u32, want, 1) {
+                        assert!(s.units <= want && s.valid_ms <= ratelimitd::MAX_SHARE_MS);
+                        host.shares.push((u64::from(s.units), (send_local / 1000 + u64::from(s.valid_ms)) * 1000));
+                    }
+                    tr.t_us += latency(&mut rng);
+                    // A burst on the hot key: the host's workers take from
+                    // their shares while they last (in units and in time).
+                    for _ in 0..rng.below(48) {
+                        tr.t_us += rng.below(12_000);
+                        let local_now = tr.t_us + host.offset_us;
+                        let cost = 1 + rng.below(2);
+                        let Some(share) = host.shares.iter_mut().find(|(units, deadline)| *units >= cost && local_now < *deadline) else { break };
+                        share.0 -= cost;
+                        tr.truth.push((tr.now_ms(), cost));
+                        admitted += cost;
+                        shared += cost;
+                        decisions += 1;
+                        tr.audit("worker share admission in a burst");
+                    }
+                }
+            }
             // A settle while the lease may still have units (the timer).
             2 | 3 => {
                 if let Some((base, l)) = daemons[d].lease.take() {
@@ -128,6 +165,18 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
                 let cost = cost.min(limit);
                 decisions += 1;
                 let local_now = tr.t_us + daemons[d].offset_us;
+                // A worker of this host with a share in time admits with no call.
+                if rng.below(2) == 0 {
+                    if let Some(share) = daemons[d].shares.iter_mut().find(|(units, deadline)| *units >= cost && local_now < *deadline) {
+                        share.0 -= cost;
+                        tr.truth.push((tr.now_ms(), cost));
+                        admitted += cost;
+                        shared += cost;
+                        tr.audit("worker share admission");
+                        continue;
+                    }
+                }
+                daemons[d].shares.retain(|&(units, deadline)| units > 0 && local_now < deadline);
                 let from_lease = daemons[d].lease.as_mut().and_then(|(_, l)| l.admit(local_now, limit as u32, cost as u32));
                 if let Some(v) = from_lease {
                     assert!(v.allowed);
@@ -183,7 +232,7 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
         let horizon = tr.now_ms().saturating_sub(3 * window);
         tr.truth.retain(|&(t, _)| t >= horizon);
     }
-    (decisions, admitted, local)
+    (decisions, admitted, local, shared)
 }
 
 #[test]
@@ -192,15 +241,17 @@ fn leases_never_let_a_window_hold_more_than_the_limit_on_random_traces() {
     let mut conn = r.conn();
     let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(LOG).query(&mut conn).unwrap();
     let base: u64 = std::env::var("LEASE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64 * 7919);
-    let (mut decisions, mut admitted, mut local) = (0, 0, 0);
+    let (mut decisions, mut admitted, mut local, mut shared) = (0, 0, 0, 0);
     for t in 0..40u64 {
-        let (d, a, l) = run_trace(&mut conn, &sha, base + t, 400);
+        let (d, a, l, s) = run_trace(&mut conn, &sha, base + t, 400);
         decisions += d;
         admitted += a;
         local += l;
+        shared += s;
     }
-    eprintln!("base seed {base}: {decisions} decisions, {admitted} units admitted, {local} of them from leases");
+    eprintln!("base seed {base}: {decisions} decisions, {admitted} units admitted, {local} of them from daemons' leases, {shared} from workers' shares");
     assert!(local > admitted / 10, "the traces must exercise leases: {local} of {admitted}");
+    assert!(shared > admitted / 20, "the traces must exercise worker shares: {shared} of {admitted}");
 }
 
 /// `calls` of `cmdstat_evalsha` in `INFO commandstats`: the script calls Redis ran.

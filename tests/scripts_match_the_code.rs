@@ -223,7 +223,14 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
         for (prefix, what) in [("-- ARGV[1] ", "window"), ("-- ARGV[2] ", "now"), ("-- ARGV[3] ", "member"), ("-- ARGV[4], ARGV[5] ", "limit and cost")] {
             assert!(doc(prefix).contains(what), "{script}.lua documents `{}`, the daemon sends {what} there", doc(prefix));
         }
-        for code in ["local window = tonumber(ARGV[1])", "local now = tonumber(ARGV[2])", "local limit = tonumber(ARGV[2 + 2 * j])", "local cost = tonumber(ARGV[3 + 2 * j])"] {
+        // The log script reads request j's fields at an offset `o` (1 in
+        // its mode 'L') and a stride `s` (3 in its mode 'B'); 0 and 2 for a
+        // check, which gives the others' 2 + 2 * j and 3 + 2 * j.
+        let fields = if script == "sliding_window" { ["local limit = tonumber(ARGV[2 + o + s * j])", "local cost = tonumber(ARGV[3 + o + s * j])"] } else { ["local limit = tonumber(ARGV[2 + 2 * j])", "local cost = tonumber(ARGV[3 + 2 * j])"] };
+        if script == "sliding_window" {
+            assert!(lua.contains("local lease, batch, o, s = ARGV[1] == 'L', ARGV[1] == 'B', 0, 2"), "sliding_window.lua: a check reads its fields at o = 0, s = 2");
+        }
+        for code in ["local window = tonumber(ARGV[1])", "local now = tonumber(ARGV[2])", fields[0], fields[1]] {
             assert!(lua.contains(code), "{script}.lua does not read `{code}`");
         }
     }
@@ -283,4 +290,60 @@ fn the_literal_evalsha_calls_admit_on_a_real_redis_as_the_daemon_would() {
         ran += 1;
     }
     assert!(ran >= 4, "bench-hop, bench-compare and bench-redis-cost's two: {ran} run");
+}
+
+/// The commands Redis ran since the last `CONFIG RESETSTAT`, by name, from
+/// `INFO commandstats` (which counts the commands scripts run too).
+fn commands_run(conn: &mut redis::Connection) -> std::collections::BTreeMap<String, u64> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
+    info.lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            let calls = rest.split(',').find_map(|f| f.strip_prefix("calls="))?.parse().ok()?;
+            Some((name.to_string(), calls))
+        })
+        .filter(|(name, _)| !["evalsha", "info"].contains(&name.as_str()) && !name.starts_with("config"))
+        .collect()
+}
+
+#[test]
+fn an_admission_on_a_key_without_a_lease_issues_what_it_issued_before_leases() {
+    // Before quota leases an admitting call ran ZREMRANGEBYSCORE, ZCARD,
+    // ZADD and one PEXPIRE (and TIME); leases added a PTTL to every admission. Now it
+    // is one PEXPIRE again (GT once the key exists), in every kind of call.
+    let redis = RedisServer::start_unix();
+    let mut conn = redis.conn();
+    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(read("src/redis/sliding_window.lua")).query(&mut conn).unwrap();
+    let run = |conn: &mut redis::Connection, keys: &[&str], argv: &[&str]| -> Vec<i64> {
+        let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(conn).unwrap();
+        let reply: Vec<i64> = redis::cmd("EVALSHA").arg(&sha).arg(keys.len()).arg(keys).arg(argv).query(conn).unwrap();
+        reply
+    };
+    let counts = |pairs: &[(&str, u64)]| pairs.iter().map(|(n, c)| (n.to_string(), *c)).collect::<std::collections::BTreeMap<_, _>>();
+    let admitted = counts(&[("time", 1), ("zremrangebyscore", 1), ("zcard", 1), ("zadd", 1), ("pexpire", 1)]);
+    for (what, argv) in [("a new key", ["1000", "0", "a1", "10", "1"]), ("a key with admissions", ["1000", "0", "a2", "10", "1"])] {
+        assert_eq!(run(&mut conn, &["w:{a}:1000ms"], &argv)[0], 1);
+        assert_eq!(commands_run(&mut conn), admitted, "a single check on {what}");
+    }
+    let batch = run(&mut conn, &["w:{a}:1000ms"], &["1000", "0", "a3", "10", "1", "10", "2"]);
+    assert_eq!(batch[0] + batch[5], 2);
+    assert_eq!(commands_run(&mut conn), counts(&[("time", 1), ("zremrangebyscore", 1), ("zcard", 1), ("zadd", 2), ("pexpire", 1)]), "a coalesced batch: one clean-up and one PEXPIRE for the key, a ZADD per admission");
+    let cold = run(&mut conn, &["w:{a}:1000ms", "w:{b}:1000ms"], &["B", "0", "b1", "1000", "10", "1", "1000", "10", "1"]);
+    assert_eq!((cold[0], cold[5]), (1, 1));
+    assert_eq!(commands_run(&mut conn), counts(&[("time", 1), ("zremrangebyscore", 2), ("zcard", 2), ("zadd", 2), ("pexpire", 2)]), "mode 'B': once per key");
+    let all = run(&mut conn, &["w:{a}:1000ms", "w:{c}:1000ms"], &["m", "0", "m1", "0", "1000", "10", "1", "0", "1", "1000", "10", "1", "0", "2"]);
+    assert_eq!(all[0], 1);
+    assert_eq!(commands_run(&mut conn), counts(&[("time", 1), ("zremrangebyscore", 2), ("zcard", 2), ("zadd", 2), ("pexpire", 2)]), "mode 'm': once per key");
+    // A key holding a lease keeps the lease's longer expiry through later
+    // admissions on every path.
+    let lease = run(&mut conn, &["w:{l}:1000ms"], &["L", "1000", "0", "l1", "100", "1", "16", "250"]);
+    assert_eq!((lease[0], lease[5]), (1, 16));
+    for argv in [&["1000", "0", "l2", "100", "1"][..], &["B", "0", "l3", "1000", "100", "1"], &["m", "0", "l4", "0", "1000", "100", "1", "0", "1"]] {
+        assert_eq!(run(&mut conn, &["w:{l}:1000ms"], argv)[0], 1);
+        let ttl: i64 = redis::cmd("PTTL").arg("w:{l}:1000ms").query(&mut conn).unwrap();
+        assert!(ttl > 1000, "{argv:?} shortened the expiry of a key holding a lease to {ttl} ms (window 1000, life 250)");
+    }
+    let ttl: i64 = redis::cmd("PTTL").arg("w:{a}:1000ms").query(&mut conn).unwrap();
+    assert!(ttl > 0 && ttl <= 1000, "a key without a lease expires with its window: {ttl}");
 }

@@ -37,6 +37,11 @@ describe("wire: frames", function()
         assert.equals("0000001c0102000000070000000100000000000000010002056f726465727431", tohex(frame))
     end)
 
+    it("encodes a LEASE_SHARE as the documented bytes (section 4g)", function()
+        local frame = wire.lease_share(7, wire.policy_header(0, "open", 1, nil), 16, "\5order", "t1")
+        assert.equals("0000001c010a000000070000000100000000000000100002056f726465727431", tohex(frame))
+    end)
+
     it("encodes a refundable multi-item CHECK_POLICY as the documented bytes (section 4b)", function()
         local items = wire.policy_item(1, "\2ip", "a") .. wire.policy_item(2, "\6tenant", "t1")
         local frame = wire.check_policy(7, wire.policy_header(wire.FLAG_REFUNDABLE, "closed", 2, 0), items)

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::denial_cache::DenialCache;
 use crate::log_limit::RateLimitedLog;
+use crate::protocol::MAX_SHARE_UNITS;
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
@@ -37,6 +38,24 @@ use crate::window::{LimitSpec, StoreError, Verdict};
 pub const MAX_LEASE_UNITS: u32 = 256;
 /// Requests on a key within one lease life before it is leased.
 const HOT_HITS: u32 = 8;
+/// Longest validity of a worker share: an override that lowers a key's
+/// limit reaches the workers' shared dicts within this (docs/PERFORMANCE.md,
+/// "Worker shares").
+pub const MAX_SHARE_MS: u32 = 250;
+/// Shorter validity than this is not worth a share.
+const MIN_SHARE_MS: u32 = 5;
+
+/// Units of a lease handed to an nginx worker's shared dict (op 10).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerShare {
+    pub units: u32,
+    /// ms from the worker's send of the request during which it may admit
+    /// from the units (its monotonic clock, the daemon's too).
+    pub valid_ms: u32,
+    /// The key's room outside the lease and the share when the lease was
+    /// granted, plus the lease's units left after it.
+    pub remaining: u32,
+}
 
 /// One lease as the daemon holds it: pure state, times passed in (µs on
 /// the daemon's monotonic clock), so that a test can run it on virtual time.
@@ -85,6 +104,31 @@ impl QuotaLease {
         }
         let remaining = self.outside + (self.granted - used - cost);
         Some(Verdict { allowed: true, count: self.limit.saturating_sub(remaining), remaining, retry_after_ms: 0, reset_ms: 0 })
+    }
+
+    /// Hands up to `want` units (at most `MAX_SHARE_UNITS`) to a worker at
+    /// local time `now_us`, for `limit`, if at least `least` are left.
+    /// They are used from now on, timed at the latest time any admission
+    /// from this lease may have (`t0 + life`): the worker's admissions are
+    /// never timed, so each counts as if made at the end of the lease. The
+    /// share is valid until the last µs at which the daemon itself may
+    /// still admit (offset ⌈1.001 · elapsed⌉ ≤ life), less 1 ms for the
+    /// worker's whole-ms clock, and for at most `MAX_SHARE_MS`.
+    pub fn share(&mut self, now_us: u64, limit: u32, want: u32, least: u32) -> Option<WorkerShare> {
+        if limit != self.limit {
+            return None;
+        }
+        let used = self.offsets.len() as u32;
+        let units = want.min(self.granted - used).min(MAX_SHARE_UNITS);
+        let last_us = self.sent_us + u64::from(self.life_ms) * 1_000_000 / 1001;
+        let valid_ms = (last_us.saturating_sub(now_us) / 1000).saturating_sub(1).min(u64::from(MAX_SHARE_MS)) as u32;
+        if units == 0 || units < least || valid_ms < MIN_SHARE_MS {
+            return None;
+        }
+        for _ in 0..units {
+            self.offsets.push(self.life_ms);
+        }
+        Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
     }
 
     /// The scores of the used units, in unit order, for the settle call.
@@ -196,8 +240,7 @@ impl QuotaLeases {
         if life == 0 {
             return Take::Pass;
         }
-        let hash = |s: &RandomState| s.hash_one((spec.key, spec.window_ms));
-        let fp = (u128::from(hash(&self.hashers.0)) << 64) | u128::from(hash(&self.hashers.1));
+        let fp = self.fingerprint(spec);
         let now = self.now_us();
         let mut slot = self.slot(fp);
         if slot.fp != fp {
@@ -228,6 +271,56 @@ impl QuotaLeases {
         }
         slot.refilling = true;
         Take::Lease { fp, want: units_wanted(slot.last_hits.max(slot.hits)) }
+    }
+
+    /// The slot of (key, window): a 128-bit keyed hash no client can aim.
+    fn fingerprint(&self, spec: &LimitSpec<'_>) -> u128 {
+        let hash = |s: &RandomState| s.hash_one((spec.key, spec.window_ms));
+        (u128::from(hash(&self.hashers.0)) << 64) | u128::from(hash(&self.hashers.1))
+    }
+
+    /// Units of the key's lease for a worker (op 10), if the key is hot on
+    /// this host (`HOT_HITS` requests within a lease life, the share units
+    /// handed out counted as requests) and has room to spare; none
+    /// otherwise (the worker decides per request). A lease in hand is
+    /// split (no Redis call); without one, one lease call of cost 0
+    /// reserves units for the key (the same script and bound as a lease
+    /// taken with a request: at most half the room left), and the share
+    /// comes from it. A lease that can no longer share (spent, ending, or
+    /// granted for a limit no longer in force) is settled first.
+    pub(super) async fn share(self: &Arc<Self>, spec: &LimitSpec<'_>, want: u32) -> Result<Option<WorkerShare>, StoreError> {
+        if lease_life_ms(spec.window_ms) == 0 {
+            return Ok(None);
+        }
+        let fp = self.fingerprint(spec);
+        let lease_want = {
+            let now = self.now_us();
+            let mut slot = self.slot(fp);
+            if slot.fp != fp {
+                return Ok(None);
+            }
+            if let Some(lease) = slot.lease.as_mut() {
+                // Half of what was asked at least, or a fresh lease.
+                if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2)) {
+                    slot.hits = slot.hits.saturating_add(share.units);
+                    return Ok(Some(share));
+                }
+                let ended = slot.lease.take().expect("checked above");
+                self.settle(ended, spec.key.into(), spec.window_ms);
+            }
+            let hits = slot.last_hits.max(slot.hits);
+            if slot.refilling || hits < HOT_HITS {
+                return Ok(None);
+            }
+            slot.refilling = true;
+            units_wanted(hits).max(want).min(MAX_LEASE_UNITS)
+        };
+        self.lease(fp, &LimitSpec { cost: 0, ..*spec }, lease_want).await?;
+        let now = self.now_us();
+        let mut slot = self.slot(fp);
+        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1)) else { return Ok(None) };
+        slot.hits = slot.hits.saturating_add(share.units);
+        Ok(Some(share))
     }
 
     /// The request that was to ask for a lease was answered otherwise.
@@ -327,6 +420,33 @@ mod tests {
         assert!(l.admit(254_751, 100, 1).is_none(), "spent");
         // Rounded up to whole ms after t0.
         assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_000, 1_000_002, 1_000_002, 1_000_250]);
+    }
+
+    #[test]
+    fn a_share_takes_the_units_asked_for_scores_them_at_the_lease_end_and_ends_before_the_daemon_may_not_admit() {
+        // Sent at 5 ms local, life 250 ms: the daemon admits until
+        // 5 ms + 249.750 ms (the 1000 ppm margin).
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
+        assert!(l.share(6_000, 99, 8, 1).is_none(), "another limit: an override changed it");
+        assert_eq!(l.share(6_000, 100, 8, 4), Some(WorkerShare { units: 8, valid_ms: 247, remaining: 52 }));
+        assert!(l.share(6_000, 100, 100, 50).is_none(), "12 left, at least 50 asked");
+        assert_eq!(l.share(6_000, 100, 6, 1).map(|s| s.units), Some(6));
+        // 200 ms after the send: valid for 254.750 - 200 - 1 ms, whole ms.
+        assert_eq!(l.share(205_000, 100, 3, 1).map(|s| (s.units, s.valid_ms)), Some((3, 48)));
+        assert!(l.share(250_000, 100, 1, 1).is_none(), "under 5 ms of validity left");
+        assert_eq!(l.used(), 17);
+        assert_eq!(l.admit(250_000, 100, 1).map(|v| v.remaining), Some(42), "the daemon admits from what is left");
+        let scores: Vec<u64> = l.used_scores().collect();
+        assert!(scores[..17].iter().all(|&s| s == 1_000_250), "shared units are scored t0 + life: {scores:?}");
+        // The worker's last admission (before send + valid_ms, send at or
+        // before the daemon's now) is at most the daemon's last local one.
+        for now_us in [5_000u64, 100_000, 200_000, 240_000, 249_000] {
+            if let Some(s) = QuotaLease::new(1, 100, 0, 5_000, 250, 200, 0).share(now_us, 100, 1, 1) {
+                let worker_last_us = now_us + u64::from(s.valid_ms) * 1000;
+                let elapsed = worker_last_us - 5_000;
+                assert!((elapsed + elapsed / 1000).div_ceil(1000) <= 250, "a worker admission at {worker_last_us} µs is beyond t0 + life");
+            }
+        }
     }
 
     #[test]

@@ -37,11 +37,14 @@ use std::sync::Arc;
 
 use crate::protocol::{
     Decision, ErrorCode, FailPolicy, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK,
-    OP_CHECK_POLICY, OP_REFUND,
+    OP_CHECK_POLICY, OP_LEASE_SHARE, OP_REFUND,
 };
+use crate::metrics::METRICS;
+use crate::protocol::Algorithm;
+use crate::window::LimitSpec;
 
 pub(crate) use count::count_undecoded;
-pub use lease::{lease_life_ms, QuotaLease, QuotaLeases, MAX_LEASE_UNITS};
+pub use lease::{lease_life_ms, QuotaLease, QuotaLeases, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
 pub use limiter::{Backend, Limiter};
 
 use count::{account, Charge};
@@ -72,6 +75,7 @@ impl Limiter {
             Request::PolicyLease(r) => Box::pin(self.policy_lease(r)).await,
             Request::Reserve(r) => Box::pin(self.reserve(r)).await,
             Request::Settle(r) => Box::pin(self.settle(r)).await,
+            Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
         };
         account(&response, &charge);
         response
@@ -150,6 +154,40 @@ impl Limiter {
         let Some(limit) = item.limit else { return (if r.release { respond::exempt(r.id, op) } else { respond::shadowed(respond::exempt(r.id, op), &item) }, charge) };
         let response = self.lease(r.id, op, !r.release, &item, limit, &r.lease).await;
         (if r.release { response } else { respond::shadowed(response, &item) }, charge)
+    }
+
+    /// LEASE_SHARE (op 10): units of this daemon's quota lease on the
+    /// policy's key for a worker's shared dict, when the key resolves to a
+    /// plain log window (not exempt, shadow or sharded) and the daemon
+    /// holds a lease for its limit now in force (after overrides). Not a
+    /// decision: nothing is counted but the share metric; the answer is
+    /// `count` units (0: none) valid for `retry_after_ms` from the worker's
+    /// send. A Redis call only when the hot key has no lease in hand.
+    async fn lease_share(&self, r: &PolicyCheckRequest) -> Response {
+        let op = OP_LEASE_SHARE;
+        let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: 1, on_error: r.on_error, local_limit: r.local_limit };
+        let item = match self.resolve(&named, Kind::Check) {
+            Ok(item) => item,
+            Err(rejected) => return rejected.response,
+        };
+        let share = match (item.limit, &self.leases) {
+            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log => {
+                // A Redis error leaves the worker deciding per request.
+                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost).await.ok().flatten()
+            }
+            _ => None,
+        };
+        let share = share.unwrap_or(WorkerShare { units: 0, valid_ms: 0, remaining: 0 });
+        METRICS.lease_share(share.units);
+        Response {
+            decision: Decision::Allowed,
+            source: Source::Redis,
+            count: share.units,
+            remaining: share.remaining,
+            retry_after_ms: share.valid_ms,
+            reset_ms: item.window_ms,
+            ..Response::error(r.id, op, ErrorCode::None, "".into())
+        }
     }
 
     /// Resolves every item of a multi-item check or a refund; the first

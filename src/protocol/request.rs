@@ -11,7 +11,7 @@ use tokio_util::codec::Decoder;
 use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
-    FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN,
+    FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -248,6 +248,10 @@ pub enum Request {
     Reserve(ReserveRequest),
     /// SETTLE (op 9): a reserve's actual cost.
     Settle(SettleRequest),
+    /// LEASE_SHARE (op 10): units of the daemon's quota lease on a policy's
+    /// key for an nginx worker's shared dict; `cost` is the units wanted
+    /// (1..=`MAX_SHARE_UNITS`).
+    LeaseShare(PolicyCheckRequest),
 }
 
 /// What the decoder yields for each complete frame: a request, or a frame
@@ -351,6 +355,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if op == OP_ACQUIRE_POLICY {
         return parse_policy_lease(body, id, bounds);
     }
+    if op == OP_LEASE_SHARE {
+        return parse_lease_share(body, id, bounds);
+    }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
     }
@@ -430,21 +437,10 @@ fn parse_policy_check(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         return parse_reserve(body, id, on_error, n_items, local_limit, bounds);
     }
     if n_items == 1 && flags == 0 {
-        let e = POLICY_HEADER_LEN;
-        let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
-        let name_len = body[e + 6] as usize;
-        if body.len() != fixed + name_len + key_len {
-            return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed));
-        }
-        let item = match parse_item(&body, POLICY_HEADER_LEN, bounds, 1) {
-            Ok((item, _)) => item,
-            Err((code, message)) => return invalid(id, op, code, message),
+        return match one_item(&body, id, op, on_error, local_limit, bounds, |_| None) {
+            Ok(r) => Inbound::Request(Request::PolicyCheck(r)),
+            Err(invalid) => invalid,
         };
-        if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
-            return invalid(id, op, ErrorCode::InvalidLocalLimit, e);
-        }
-        let PolicyItem { cost, name, key, scoped_key } = item;
-        return Inbound::Request(Request::PolicyCheck(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key }));
     }
     let items = match parse_items(&body, POLICY_HEADER_LEN, n_items, bounds, 1) {
         Ok(items) => items,
@@ -781,6 +777,60 @@ pub fn encode_lease_request(id: u32, op: u8, a: &LeaseArgs<'_>, dst: &mut BytesM
     dst.put_u8(a.lease.len() as u8);
     dst.put_slice(a.key);
     dst.put_slice(a.lease);
+}
+
+/// The rest of `parse_request` for op 10 (docs/PROTOCOL.md, section 4g, in
+/// its validation order): CHECK_POLICY's header without flags and exactly
+/// one item, whose cost is the units wanted.
+fn parse_lease_share(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
+    let op = OP_LEASE_SHARE;
+    let fixed = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
+    if body.len() < fixed {
+        return invalid(id, op, ErrorCode::Malformed, format!("lease-share body of {} bytes is shorter than the {fixed} fixed bytes", body.len()));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: none is defined for op {op}"));
+    }
+    let Some(on_error) = FailPolicy::from_wire(body[8]) else {
+        return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
+    };
+    if body[9] != 1 {
+        return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} items in one lease-share request; exactly 1", body[9]));
+    }
+    let units = |item: &PolicyItem| (item.cost > MAX_SHARE_UNITS).then(|| format!("{} units wanted; a share is 1..={MAX_SHARE_UNITS}", item.cost));
+    match one_item(&body, id, op, on_error, be32(&body, 10), bounds, units) {
+        Ok(r) => Inbound::Request(Request::LeaseShare(r)),
+        Err(invalid) => invalid,
+    }
+}
+
+/// The one item of a CHECK_POLICY-shaped body (ops 2 and 10) after its
+/// header: the lengths, the item, `cost_error` (a bound of the op's own on
+/// the cost, `INVALID_COST`), the local limit; in this order.
+fn one_item(body: &Bytes, id: u32, op: u8, on_error: FailPolicy, local_limit: u32, bounds: &Bounds, cost_error: impl Fn(&PolicyItem) -> Option<String>) -> Result<PolicyCheckRequest, Inbound> {
+    let (e, fixed) = (POLICY_HEADER_LEN, POLICY_HEADER_LEN + POLICY_ITEM_LEN);
+    let key_len = u16::from_be_bytes([body[e + 4], body[e + 5]]) as usize;
+    let name_len = body[e + 6] as usize;
+    if body.len() != fixed + name_len + key_len {
+        return Err(invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and key length {key_len} do not match the {} bytes left in the frame", body.len() - fixed)));
+    }
+    let item = parse_item(body, POLICY_HEADER_LEN, bounds, 1).map_err(|(code, message)| invalid(id, op, code, message))?.0;
+    if let Some(e) = cost_error(&item) {
+        return Err(invalid(id, op, ErrorCode::InvalidCost, e));
+    }
+    if let Some(e) = local_limit_error(on_error, local_limit, bounds) {
+        return Err(invalid(id, op, ErrorCode::InvalidLocalLimit, e));
+    }
+    let PolicyItem { cost, name, key, scoped_key } = item;
+    Ok(PolicyCheckRequest { id, on_error, local_limit, cost, name, key, scoped_key })
+}
+
+/// Appends one LEASE_SHARE frame (op 10) to `dst`: `a.cost` is the units wanted.
+pub fn encode_lease_share(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) {
+    let start = dst.len();
+    encode_policy_request(id, a, dst);
+    dst[start + LEN_PREFIX + 1] = OP_LEASE_SHARE;
 }
 
 /// Appends one check-policy request frame (one item) to `dst`.
@@ -1210,6 +1260,7 @@ mod tests {
                             Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
                             Some(Inbound::Request(Request::Reserve(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost >= 1 && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost <= MAX_O1_COST)),
+                            Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
                             None => break,
                         }
                     }
@@ -1250,6 +1301,7 @@ mod tests {
                     Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                     Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
+                    Inbound::Request(Request::LeaseShare(_)) => prop_assert!(false, "a CHECK decoded as a lease share"),
                 }
             }
         }

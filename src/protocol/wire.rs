@@ -26,6 +26,15 @@ pub const FLAG_SETTLE: u16 = 0x0002;
 /// (docs/PROTOCOL.md section 4f). REFUND's layout, one item whose cost is
 /// the actual (0 allowed).
 pub const OP_SETTLE: u8 = 9;
+/// Op code of a worker share of a quota lease (docs/PROTOCOL.md section
+/// 4g, docs/PERFORMANCE.md "Worker shares"): CHECK_POLICY's header and one
+/// item whose cost is the units wanted; answered with the units granted
+/// (`count`) and the ms they are valid for from the worker's send
+/// (`retry_after_ms`).
+pub const OP_LEASE_SHARE: u8 = 10;
+/// Most units one LEASE_SHARE asks for (and is granted): the worker's
+/// shared-dict counter packs them under its deadline (lua/resty/ratelimitd/share.lua).
+pub const MAX_SHARE_UNITS: u32 = 255;
 /// Largest cost of one request, or actual of a settle, on the O(1)
 /// algorithms (GCRA, sliding counter, fixed window): a month of tokens.
 pub const MAX_O1_COST: u32 = 1_000_000_000;

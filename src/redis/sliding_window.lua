@@ -45,65 +45,7 @@
 -- score of each used unit (units 1..u in order): used units are re-scored
 -- (ZADD XX: never recreated once out of the window), unused ones removed.
 -- Returns {rescored, removed}.
--- The key's expiry is only ever extended (PTTL first): a lease's units
--- live until now + life + window, beyond a later admission's window.
-if ARGV[1] == 'L' then
-  local key = KEYS[1]
-  local window, now, base = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
-  local limit, cost, want, life = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-  if now == 0 then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-  local count = redis.call('ZCARD', key)
-  if count + cost > limit then
-    local rank = count + cost - limit - 1
-    local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
-    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    local retry_after, reset = window, window
-    if oldest[2] then
-      retry_after = tonumber(oldest[2]) + window - now
-    end
-    if newest[2] then
-      reset = tonumber(newest[2]) + window - now
-    end
-    local remaining = limit - count
-    if remaining < 0 then
-      remaining = 0
-    end
-    return { 0, count, remaining, retry_after, reset, 0, now }
-  end
-  local args, m = {}, 0
-  for i = 1, cost do
-    args[m + 1] = now
-    args[m + 2] = cost == 1 and base or base .. ':' .. i
-    m = m + 2
-    if m == 1000 or i == cost then
-      redis.call('ZADD', key, unpack(args, 1, m))
-      m = 0
-    end
-  end
-  count = count + cost
-  local granted = math.floor((limit - count) / 2)
-  if granted > want then
-    granted = want
-  end
-  m = 0
-  for u = 1, granted do
-    args[m + 1] = now + life
-    args[m + 2] = base .. '.l' .. u
-    m = m + 2
-    if m == 1000 or u == granted then
-      redis.call('ZADD', key, unpack(args, 1, m))
-      m = 0
-    end
-  end
-  if redis.call('PTTL', key) < window + life then
-    redis.call('PEXPIRE', key, window + life)
-  end
-  return { 1, count + granted, limit - count - granted, 0, window, granted, now }
-end
+-- Mode 'L' runs through the one-key code at the end of this script.
 if ARGV[1] == 'S' then
   local key, base, granted = KEYS[1], ARGV[2], tonumber(ARGV[3])
   local used = #ARGV - 3
@@ -128,73 +70,6 @@ if ARGV[1] == 'S' then
     end
   end
   return { rescored, removed }
-end
-
--- Different keys in one call (cold keys queued at the same moment; one
--- Redis, or keys of one Cluster slot): ARGV[1] 'B', ARGV[2] now (0: Redis
--- TIME), ARGV[3] member base, then per key i: window, limit, cost. Each key
--- is decided exactly as a single call of its own at the same instant would
--- (its member "<base>.k<i>", ":<u>" per unit of cost); a key named twice is
--- decided in order, the first admission counting for the second. Returns
--- per key {allowed, count, remaining, retry_after_ms, reset_ms}, flat.
-if ARGV[1] == 'B' then
-  local now = tonumber(ARGV[2])
-  if now == 0 then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  local base = ARGV[3]
-  local out = {}
-  for i = 1, #KEYS do
-    local key = KEYS[i]
-    local a = 4 + 3 * (i - 1)
-    local window, limit, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-    local count = redis.call('ZCARD', key)
-    if count + cost <= limit then
-      local member = base .. '.k' .. i
-      local args, m = {}, 0
-      for u = 1, cost do
-        args[m + 1] = now
-        args[m + 2] = cost == 1 and member or member .. ':' .. u
-        m = m + 2
-        if m == 1000 or u == cost then
-          redis.call('ZADD', key, unpack(args, 1, m))
-          m = 0
-        end
-      end
-      if redis.call('PTTL', key) < window then
-        redis.call('PEXPIRE', key, window)
-      end
-      count = count + cost
-      out[#out + 1] = 1
-      out[#out + 1] = count
-      out[#out + 1] = limit - count
-      out[#out + 1] = 0
-      out[#out + 1] = window
-    else
-      local rank = count + cost - limit - 1
-      local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
-      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-      local retry_after, reset = window, window
-      if oldest[2] then
-        retry_after = tonumber(oldest[2]) + window - now
-      end
-      if newest[2] then
-        reset = tonumber(newest[2]) + window - now
-      end
-      local remaining = limit - count
-      if remaining < 0 then
-        remaining = 0
-      end
-      out[#out + 1] = 0
-      out[#out + 1] = count
-      out[#out + 1] = remaining
-      out[#out + 1] = retry_after
-      out[#out + 1] = reset
-    end
-  end
-  return out
 end
 
 -- Several keys, all or nothing (CHECK_POLICY with several items, or one
@@ -337,8 +212,11 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
           end
         end
       end
-      if redis.call('PTTL', key) < window then
+      -- See "Expiry" below: counts[i] is 0 only for a key this call made.
+      if counts[i] == 0 then
         redis.call('PEXPIRE', key, window)
+      else
+        redis.call('PEXPIRE', key, window, 'GT')
       end
       if reserve == 0 then
         count = count + cost
@@ -353,11 +231,39 @@ if ARGV[1] == 'm' or ARGV[1] == 'r' or ARGV[1] == 'c' then
   return out
 end
 
+-- Different keys in one call (cold keys queued at the same moment; one
+-- Redis, or keys of one Cluster slot): ARGV[1] 'B', ARGV[2] now (0: Redis
+-- TIME), ARGV[3] member base, then per key i: window, limit, cost. Each key
+-- is decided exactly as a single call of its own at the same instant would
+-- (its member "<base>.k<i>", ":<u>" per unit of cost); a key named twice is
+-- decided in order, the first admission counting for the second. Returns
+-- per key {allowed, count, remaining, retry_after_ms, reset_ms}, flat.
+-- Expiry, in every writing path: a key that existed before the call
+-- (count > 0 after the clean-up) may hold a lease's units, scored up to
+-- life ms ahead and kept by an expiry of now + life + window, so its
+-- expiry is only ever extended (PEXPIRE ... GT); a key the call created
+-- holds none and has no expiry yet (GT would never set one), so it gets a
+-- plain PEXPIRE. One PEXPIRE per admitting call either way, as before
+-- leases: no PTTL.
+
+-- One key and window (a single check, a coalesced batch, or mode 'L'), or
+-- different keys in one call (mode 'B'): request j is decided on its key
+-- exactly as a call of its own at the same instant would decide it.
 local key = KEYS[1]
 local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local base = ARGV[3]
 local n = (#ARGV - 3) / 2
+-- Where request j's fields sit: limit at ARGV[2 + o + s * j], cost next,
+-- and in mode 'B' its window just before (a stride s of 3).
+local lease, batch, o, s = ARGV[1] == 'L', ARGV[1] == 'B', 0, 2
+local want, life = 0, 0
+if lease then
+  window, now, base, n, o = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], 1, 1
+  want, life = tonumber(ARGV[7]), tonumber(ARGV[8])
+elseif batch then
+  now, base, n, s = tonumber(ARGV[2]), ARGV[3], #KEYS, 3
+end
 
 if now == 0 then
   -- One clock for every gateway: the Redis server's, in ms (TIME gives s and us).
@@ -365,31 +271,49 @@ if now == 0 then
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-local count = redis.call('ZCARD', key)
 local out = {}
-local admitted = false
+local count, fresh, admitted, granted = 0, false, false, 0
 
 for j = 1, n do
-  local limit = tonumber(ARGV[2 + 2 * j])
-  local cost = tonumber(ARGV[3 + 2 * j])
-  -- Members stay unique across the batch: "<base>" alone for a lone
-  -- request, "<base>.<j>" for the j-th of a batch; ":<i>" per unit of cost.
+  local limit = tonumber(ARGV[2 + o + s * j])
+  local cost = tonumber(ARGV[3 + o + s * j])
+  if batch or j == 1 then
+    if batch then
+      key, window = KEYS[j], tonumber(ARGV[1 + s * j])
+    end
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+    count = redis.call('ZCARD', key)
+    fresh, admitted = count == 0, false
+  end
+  -- Members stay unique across the call: "<base>" alone for a lone
+  -- request, "<base>.<j>" for the j-th of a batch, "<base>.k<j>" for key
+  -- j of mode 'B'; ":<i>" per unit of cost; a lease's units "<base>.l<u>".
   local member = base
-  if n > 1 then
+  if batch then
+    member = base .. '.k' .. j
+  elseif n > 1 then
     member = base .. '.' .. j
   end
   if count + cost <= limit then
-    if cost == 1 then
+    if lease then
+      -- Mode 'L': at most half the room left after the request.
+      granted = math.min(want, math.floor((limit - count - cost) / 2))
+    end
+    if cost == 1 and granted == 0 then
       redis.call('ZADD', key, now, member)
     else
       -- Sent in chunks: unpack() of a very large table overflows Lua's C stack.
       local args, m = {}, 0
-      for i = 1, cost do
-        args[m + 1] = now
-        args[m + 2] = member .. ':' .. i
+      for i = 1, cost + granted do
+        if i <= cost then
+          args[m + 1] = now
+          args[m + 2] = cost == 1 and member or member .. ':' .. i
+        else
+          args[m + 1] = now + life
+          args[m + 2] = base .. '.l' .. (i - cost)
+        end
         m = m + 2
-        if m == 1000 or i == cost then
+        if m == 1000 or i == cost + granted then
           redis.call('ZADD', key, unpack(args, 1, m))
           m = 0
         end
@@ -399,8 +323,8 @@ for j = 1, n do
     count = count + cost
     -- The newest admission leaves the window exactly `window` ms from now.
     out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = limit - count
+    out[#out + 1] = count + granted
+    out[#out + 1] = limit - count - granted
     out[#out + 1] = 0
     out[#out + 1] = window
   else
@@ -427,10 +351,22 @@ for j = 1, n do
     out[#out + 1] = retry_after
     out[#out + 1] = reset
   end
+  -- Once per key, after its last request (see "Expiry" above).
+  if admitted and (batch or j == n) then
+    local ttl = window
+    if granted > 0 then
+      ttl = window + life
+    end
+    if fresh then
+      redis.call('PEXPIRE', key, ttl)
+    else
+      redis.call('PEXPIRE', key, ttl, 'GT')
+    end
+  end
 end
 
--- Never shortened: a lease's units may outlive this admission's window.
-if admitted and redis.call('PTTL', key) < window then
-  redis.call('PEXPIRE', key, window)
+if lease then
+  out[#out + 1] = granted
+  out[#out + 1] = now
 end
 return out

@@ -98,6 +98,12 @@ impl Nginx {
     pub fn error_log(&self) -> String {
         self.child.log()
     }
+
+    /// Sends `sig` to the master (SIGHUP: a reload, new workers, the shared
+    /// dicts kept).
+    pub fn signal(&self, sig: Signal) {
+        self.child.signal(sig);
+    }
 }
 
 /// The shipped Lua client: `resty/ratelimitd.lua` and its modules under

@@ -82,6 +82,10 @@ local SPECS = {
     -- Policies in shadow mode in ratelimitd.toml: never shown in headers
     -- (the daemon marks them shadow_allowed/shadow_denied; the list is for
     -- an older daemon that marks only refusals).
+    -- Worker shares of the daemon's quota leases (share.lua): the
+    -- lua_shared_dict they are kept in.
+    { "share_dict", function(v) return type(v) == "string" and ngx ~= nil and ngx.shared[v] ~= nil end,
+      "share_dict must be the name of a lua_shared_dict" },
     { "shadow", name_list, "shadow must be a list of policy names (those in shadow mode in ratelimitd.toml)" },
 }
 
@@ -108,7 +112,7 @@ local POLICY_HOLDS = "is not an option of a policy limiter: the limit and algori
 local KINDS = {
     inline = kind({ "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay" }, { key = PER_REQUEST, cost = PER_REQUEST }),
     table_form = kind({ "key", "cost", "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay" }),
-    policy = kind({ "policy", "window_ms", "nodelay", "delay", "shadow" },
+    policy = kind({ "policy", "window_ms", "nodelay", "delay", "shadow", "share_dict" },
                   { limit = POLICY_HOLDS, cost = POLICY_HOLDS, key = POLICY_HOLDS, algorithm = POLICY_HOLDS }),
     multi = kind({ "policy", "policies", "refundable", "settle", "window_ms", "shadow" }, nil, " for a policy limiter"),
     concurrency = kind({ "limit", "lease_ms" }),

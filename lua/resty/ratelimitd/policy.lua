@@ -11,8 +11,10 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
+local share = require "resty.ratelimitd.share"
 
 local char = string.char
+local ngx = ngx
 local next_id, ask = conn.next_id, conn.ask
 local check_policy, policy_item = wire.check_policy, wire.policy_item
 
@@ -21,8 +23,21 @@ local _M = {}
 local Policy, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
 
 function Policy._decide(self, key, cost)
+    -- share_dict: a hot key is admitted from the host's share of the
+    -- daemon's lease, with no round trip (share.lua).
+    local dict = self._share_dict
+    if dict then
+        local res = share.admit(self, dict, key, cost)
+        if res then
+            return res
+        end
+    end
     local id = next_id()
-    return ask(self, check_policy(id, self._header, policy_item(cost, self._name_part, key)), id)
+    local res, err = ask(self, check_policy(id, self._header, policy_item(cost, self._name_part, key)), id)
+    if dict and res and res.decision == "allowed" and res.source == "redis" then
+        share.refill(self, dict, key, res)
+    end
+    return res, err
 end
 
 kind.rate_methods(Policy, checked)
@@ -36,6 +51,8 @@ _M.new = kind.constructor(mt, "policy", "new: ", function(opts, on_error)
         _header = wire.policy_header(0, on_error, 1, opts.local_limit),
         -- After the key length: the name's length and the name.
         _name_part = char(#name) .. name,
+        -- Worker shares of the daemon's quota leases (nil: off).
+        _share_dict = opts.share_dict and ngx.shared[opts.share_dict],
     }
 end)
 

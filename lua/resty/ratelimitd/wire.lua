@@ -149,6 +149,14 @@ function _M.acquire_policy(id, header, cost, name_part, key, lease)
     return head(15 + #item + #lease, 7, id) .. header .. char(#lease) .. item .. lease
 end
 
+-- LEASE_SHARE (op 10, section 4g): CHECK_POLICY's header and one item
+-- whose cost is the units wanted (share.lua).
+_M.OP_LEASE_SHARE = 10
+function _M.lease_share(id, header, units, name_part, key)
+    local item = _M.policy_item(units, name_part, key)
+    return head(14 + #item, 10, id) .. header .. item
+end
+
 -- REFUND (section 4c): version, op, id, flags (0), a reserved byte, then
 -- the handle (item count, the 16 bytes of the daemon's handle, the items).
 function _M.refund(id, handle)

@@ -1,0 +1,272 @@
+//! Worker shares of quota leases (LEASE_SHARE, op 10; docs/PROTOCOL.md 4g,
+//! docs/PERFORMANCE.md "Worker shares") against real daemons and a real
+//! Redis: the documented frame, every hostile variant with its code and the
+//! stream in sync, what gets no share, and workers admitting a hot key from
+//! their shares with Redis's own record audited afterwards: never more than
+//! the limit, every share unit counted.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use common::{Daemon, RedisServer};
+use ratelimitd::client::Client;
+use ratelimitd::protocol::{encode_lease_share, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, Source, MAX_SHARE_UNITS};
+use ratelimitd::MAX_SHARE_MS;
+
+const POLICIES: &str = "[[policy]]\nname = \"order\"\nlimit = 3000\nwindow = \"1m\"\n[policy.overrides]\n\"vip\" = \"unlimited\"\n\
+[[policy]]\nname = \"dry\"\nlimit = 3000\nwindow = \"1m\"\nshadow = true\n\
+[[policy]]\nname = \"hot\"\nlimit = 3000\nwindow = \"1m\"\nshards = 3\n";
+
+fn config(redis: &RedisServer) -> String {
+    format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\nquota_leases = true\n{POLICIES}", redis.url())
+}
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+fn args<'a>(policy: &'a str, key: &'a str, cost: u32) -> PolicyCheckArgs<'a> {
+    PolicyCheckArgs { policy: policy.as_bytes(), key: key.as_bytes(), cost, on_error: FailPolicy::Closed, local_limit: 0 }
+}
+
+/// Enough single checks for the daemon to lease the key (8 within a lease life).
+async fn make_hot(c: &mut Client, policy: &str, key: &str) {
+    for _ in 0..12 {
+        let d = c.check_policy(&args(policy, key, 1)).await.unwrap().decision;
+        assert!(matches!(d, Decision::Allowed | Decision::ShadowAllowed), "{policy}/{key}: {d:?}");
+    }
+}
+
+fn zcard(redis: &RedisServer, pattern: &str) -> u64 {
+    let mut conn = redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query(&mut conn).unwrap();
+    keys.iter().map(|k| redis::cmd("ZCARD").arg(k).query::<u64>(&mut conn).unwrap()).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_share_frames_have_the_documented_bytes_and_hostile_ones_get_their_code() {
+    let redis = RedisServer::start();
+    let d = Daemon::start_config(&config(&redis));
+    let mut c = d.client().await;
+    // docs/PROTOCOL.md section 4g: id 7, fail policy open, one item: 16 units
+    // wanted, policy "order", key "t1".
+    let bytes = hex("0000001c010a000000070000000100000000000000100002056f726465727431");
+    let mut encoded = BytesMut::new();
+    encode_lease_share(7, &PolicyCheckArgs { on_error: FailPolicy::Open, ..args("order", "t1", 16) }, &mut encoded);
+    assert_eq!(&encoded[..], &bytes[..], "the encoder writes the documented bytes");
+
+    // No lease yet: no units, and nothing decided or recorded.
+    c.send_raw(&bytes).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.op, r.decision, r.error, r.count, r.retry_after_ms), (7, 10, Decision::Allowed, ErrorCode::None, 0, 0), "{}", r.message);
+    assert_eq!(zcard(&redis, "*"), 0, "a share request records nothing");
+
+    make_hot(&mut c, "order", "t1").await;
+    c.send_raw(&bytes).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.op, r.decision, r.source, r.error, r.reset_ms), (7, 10, Decision::Allowed, Source::Redis, ErrorCode::None, 60_000), "{}", r.message);
+    assert!((1..=16).contains(&r.count), "units granted from the lease: {}", r.count);
+    assert!((5..=MAX_SHARE_MS).contains(&r.retry_after_ms), "valid for {} ms", r.retry_after_ms);
+
+    let with = |at: usize, b: &[u8]| {
+        let mut v = bytes.clone();
+        v[at..at + b.len()].copy_from_slice(b);
+        v
+    };
+    let unknown = {
+        let mut v = BytesMut::new();
+        encode_lease_share(7, &args("ordr", "t1", 16), &mut v);
+        v.to_vec()
+    };
+    let control = {
+        let mut v = BytesMut::new();
+        encode_lease_share(7, &args("order", "t\x1f1", 16), &mut v);
+        v.to_vec()
+    };
+    let short = {
+        let mut v = bytes[..4 + 18].to_vec();
+        v[..4].copy_from_slice(&18u32.to_be_bytes());
+        v
+    };
+    let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
+        (unknown, ErrorCode::UnknownPolicy),
+        (control, ErrorCode::InvalidKey),
+        (short, ErrorCode::Malformed),
+        (with(4 + 6, &[0, 4]), ErrorCode::UnsupportedFlags),
+        (with(4 + 6, &[0, 1]), ErrorCode::UnsupportedFlags),
+        (with(4 + 8, &[3]), ErrorCode::InvalidPolicy),
+        (with(4 + 9, &[2]), ErrorCode::UnsupportedLimitCount),
+        (with(4 + 9, &[0]), ErrorCode::UnsupportedLimitCount),
+        (with(4 + 14, &0u32.to_be_bytes()), ErrorCode::InvalidCost),
+        (with(4 + 14, &(MAX_SHARE_UNITS + 1).to_be_bytes()), ErrorCode::InvalidCost),
+        (with(4 + 14, &u32::MAX.to_be_bytes()), ErrorCode::InvalidCost),
+        (with(4 + 18, &[2]), ErrorCode::Malformed),
+        (with(4 + 18, &[0xff, 0xff]), ErrorCode::Malformed),
+        (with(4 + 20, &[0]), ErrorCode::Malformed),
+        (with(4 + 20, &[32]), ErrorCode::Malformed),
+        (with(4 + 8, &[2]), ErrorCode::InvalidLocalLimit),
+    ];
+    for (frame, code) in cases {
+        c.send_raw(&frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.op, r.decision, r.error, r.count), (7, 10, Decision::Error, code, 0), "{frame:02x?}: {}", r.message);
+        let after = c.check_policy(&args("order", "after-error", 1)).await.unwrap();
+        assert_eq!(after.decision, Decision::Allowed, "the stream stays in sync");
+    }
+
+    // What never gets a share: an exempt key, a shadow policy, a sharded
+    // one (each shard leases on its own), a key the daemon holds no lease on.
+    for (policy, key) in [("order", "vip"), ("dry", "t1"), ("hot", "t1"), ("order", "cold")] {
+        if key != "cold" {
+            make_hot(&mut c, policy, key).await;
+        }
+        let r = c.lease_share(&args(policy, key, 16)).await.unwrap();
+        assert_eq!((r.decision, r.error, r.count, r.retry_after_ms), (Decision::Allowed, ErrorCode::None, 0, 0), "{policy}/{key}: {}", r.message);
+    }
+}
+
+/// One simulated nginx worker: it admits from its share while the share
+/// has units and time (the shared-dict rule of lua/resty/ratelimitd/share.lua,
+/// timed on the same monotonic clock), else asks the daemon per request,
+/// and asks for a share after an admission.
+struct Tally {
+    attempts: AtomicU64,
+    admitted: AtomicU64,
+    from_shares: AtomicU64,
+    round_trips: AtomicU64,
+    refused: AtomicU64,
+    share_units: AtomicU64,
+    wasted: AtomicU64,
+}
+
+async fn worker(mut c: Client, key: &'static str, until_attempts: u64, t: Arc<Tally>) {
+    let mut share: Option<(u32, Instant)> = None;
+    while t.attempts.fetch_add(1, Ordering::Relaxed) < until_attempts {
+        if let Some((units, deadline)) = share.as_mut() {
+            if *units > 0 && Instant::now() < *deadline {
+                *units -= 1;
+                t.admitted.fetch_add(1, Ordering::Relaxed);
+                t.from_shares.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            t.wasted.fetch_add(u64::from(*units), Ordering::Relaxed);
+            share = None;
+        }
+        t.round_trips.fetch_add(1, Ordering::Relaxed);
+        let r = c.check_policy(&args("order", key, 1)).await.unwrap();
+        if r.decision != Decision::Allowed {
+            t.refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        t.admitted.fetch_add(1, Ordering::Relaxed);
+        let sent = Instant::now();
+        t.round_trips.fetch_add(1, Ordering::Relaxed);
+        let s = c.lease_share(&args("order", key, 64)).await.unwrap();
+        assert_eq!(s.error, ErrorCode::None, "{}", s.message);
+        if s.count > 0 {
+            t.share_units.fetch_add(u64::from(s.count), Ordering::Relaxed);
+            share = Some((s.count, sent + Duration::from_millis(u64::from(s.retry_after_ms))));
+        }
+    }
+    if let Some((units, _)) = share {
+        t.wasted.fetch_add(u64::from(units), Ordering::Relaxed);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_admit_a_hot_key_from_shares_and_redis_never_records_more_than_the_limit() {
+    let redis = RedisServer::start();
+    let (a, b) = (Daemon::start_config(&config(&redis)), Daemon::start_config(&config(&redis)));
+    let t = Arc::new(Tally { attempts: 0.into(), admitted: 0.into(), from_shares: 0.into(), round_trips: 0.into(), refused: 0.into(), share_units: 0.into(), wasted: 0.into() });
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let c = if i % 2 == 0 { a.client().await } else { b.client().await };
+        tasks.push(tokio::spawn(worker(c, "hot-key", 6000, t.clone())));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (admitted, from_shares, trips, units, wasted) = (t.admitted.load(Ordering::Relaxed), t.from_shares.load(Ordering::Relaxed), t.round_trips.load(Ordering::Relaxed), t.share_units.load(Ordering::Relaxed), t.wasted.load(Ordering::Relaxed));
+    let refused = t.refused.load(Ordering::Relaxed);
+    let per_admission = (trips - refused) as f64 / admitted as f64;
+    eprintln!("6000 attempts, limit 3000: admitted {admitted} ({from_shares} from shares of {units} units, {wasted} unused), {trips} daemon round trips ({refused} refused, {per_admission:.3} per admission)");
+    assert!(per_admission < 0.5, "{per_admission} daemon round trips per admission with shares");
+    assert!(admitted <= 3000, "over-admission: {admitted} admitted at a limit of 3000");
+    assert_eq!(units, from_shares + wasted, "every share unit is used or counted unused");
+    assert!(from_shares > 0, "the workers admitted from shares");
+    // Every lease settles within its life (1 s for a 1 min window).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let recorded = zcard(&redis, "*order*hot-key*");
+    assert!(recorded <= 3000, "Redis's record holds {recorded} at a limit of 3000");
+    assert_eq!(recorded, admitted + wasted, "Redis's record is every admission plus the share units no worker used (counted as used)");
+    // Near the limit leases and shares shrink to nothing: the rest of the
+    // limit is admitted exactly, request by request.
+    let mut c = a.client().await;
+    let mut more = 0;
+    while c.check_policy(&args("order", "hot-key", 1)).await.unwrap().decision == Decision::Allowed {
+        more += 1;
+    }
+    assert_eq!(recorded + more, 3000, "after the settles exactly the rest of the limit is admitted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_holding_shares_over_admits_nothing() {
+    let redis = RedisServer::start();
+    let mut a = Daemon::start_config(&config(&redis));
+    let mut c = a.client().await;
+    make_hot(&mut c, "order", "k9").await;
+    let sent = Instant::now();
+    let s = c.lease_share(&args("order", "k9", 64)).await.unwrap();
+    assert!(s.count > 0, "a share: {}", s.message);
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = a.terminate();
+    // The worker admits from its share until its deadline, daemon or not.
+    let deadline = sent + Duration::from_millis(u64::from(s.retry_after_ms));
+    let mut used = 0;
+    while used < s.count && Instant::now() < deadline {
+        used += 1;
+    }
+    let b = Daemon::start_config(&config(&redis));
+    let mut c = b.client().await;
+    let mut more = 0;
+    while c.check_policy(&args("order", "k9", 1)).await.unwrap().decision == Decision::Allowed {
+        more += 1;
+    }
+    let admitted = 12 + u64::from(used) + more;
+    assert!(admitted <= 3000, "over-admission after kill -9 with a share out: {admitted}");
+    let recorded = zcard(&redis, "*order*k9*");
+    assert_eq!(recorded, 3000, "the killed daemon's units (its lease's and the share's) stay counted");
+    eprintln!("killed holding a share of {} units ({used} used by the worker after the kill): then {more} admitted, {} short of the limit until the units leave the window", s.count, 3000 - admitted);
+}
+
+/// A share in hand when Redis goes away (docs/PERFORMANCE.md, "Worker
+/// shares", the Redis outage row): the worker admits from it until its
+/// deadline, with no daemon call; the daemon then answers a share request
+/// with no units (its lease call fails) and checks get the fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_redis_outage_a_share_admits_until_its_deadline_then_the_fail_policy_decides() {
+    let mut redis = RedisServer::start_unix();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 200\nquota_leases = true\n{POLICIES}", redis.url()));
+    let mut c = d.client().await;
+    make_hot(&mut c, "order", "k7").await;
+    let sent = Instant::now();
+    let s = c.lease_share(&args("order", "k7", 64)).await.unwrap();
+    assert!(s.count > 0, "a share: {}", s.message);
+    redis.kill();
+    let deadline = sent + Duration::from_millis(u64::from(s.retry_after_ms));
+    assert!(Instant::now() < deadline, "the share is still valid after the kill (valid {} ms)", s.retry_after_ms);
+    // Past the deadline nothing more is taken from it (the worker's rule);
+    // the daemon gives no new units while Redis is down.
+    tokio::time::sleep(deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(300)).await;
+    let again = c.lease_share(&args("order", "k7", 64)).await.unwrap();
+    assert_eq!((again.error, again.count), (ErrorCode::None, 0), "no units while Redis is down: {}", again.message);
+    // The daemon's own lease was all in the share (the lease for it was
+    // sized to the 64 asked), and the failed share request ended it: the
+    // check goes to Redis, which is down.
+    let r = c.check_policy(&PolicyCheckArgs { on_error: FailPolicy::Closed, ..args("order", "k7", 1) }).await.unwrap();
+    assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{}", r.message);
+}
