@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
+    decode_response, encode_describe, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
     ResponseError, HANDLE_LEN,
 };
 
@@ -112,6 +112,15 @@ impl Client {
     pub async fn settle(&mut self, handle: &[u8; HANDLE_LEN], item: &ItemArgs<'_>) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_settle(id, handle, item, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    /// Sends one DESCRIBE_POLICY (op 8) of `name` (sent as given, valid or
+    /// not) and waits for its answer; `PolicyDescription::from_response`
+    /// reads it.
+    pub async fn describe(&mut self, name: &[u8]) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_describe(id, name, &mut self.wbuf);
         self.round_trip(id).await
     }
 

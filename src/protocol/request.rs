@@ -11,7 +11,7 @@ use tokio_util::codec::Decoder;
 use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
-    FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN,
+    FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -237,6 +237,8 @@ pub enum Request {
     Reserve(PolicyCheckRequest),
     /// SETTLE (op 9): a reserve's actual cost.
     Settle(SettleRequest),
+    /// DESCRIBE_POLICY (op 8): what the configuration says of a name; not a decision.
+    Describe(super::describe::DescribeRequest),
 }
 
 /// What the decoder yields for each complete frame: a request, or a frame
@@ -311,7 +313,7 @@ impl Decoder for RequestCodec {
     }
 }
 
-fn invalid(id: u32, op: u8, code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Inbound {
+pub(super) fn invalid(id: u32, op: u8, code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Inbound {
     Inbound::Invalid { id, op, code, message: message.into() }
 }
 
@@ -339,6 +341,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     }
     if op == OP_ACQUIRE_POLICY {
         return parse_policy_lease(body, id, bounds);
+    }
+    if op == OP_DESCRIBE_POLICY {
+        return super::describe::parse_describe(body, id);
     }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
@@ -1186,6 +1191,8 @@ mod tests {
                             Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && !c.lease.is_empty() && c.scoped_key.len() == 1 + c.name.len() + c.key.len()),
                             Some(Inbound::Request(Request::Reserve(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && c.cost >= 1 && c.cost <= MAX_O1_COST),
                             Some(Inbound::Request(Request::Settle(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty() && c.item.cost <= MAX_O1_COST),
+                            // Hostile bytes never reach the lookup as a name a policy could not have.
+                            Some(Inbound::Request(Request::Describe(d))) => prop_assert!((1..=MAX_POLICY_NAME_LEN).contains(&d.name.len()) && d.name.iter().all(|&b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))),
                             None => break,
                         }
                     }
@@ -1226,6 +1233,7 @@ mod tests {
                     Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                     Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
+                    Inbound::Request(Request::Describe(_)) => prop_assert!(false, "a CHECK decoded as a describe"),
                 }
             }
         }
