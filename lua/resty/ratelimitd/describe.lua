@@ -19,7 +19,7 @@ local conn = require "resty.ratelimitd.conn"
 local log = require "resty.ratelimitd.log"
 
 local ngx = ngx
-local ngx_log, ERR = ngx.log, ngx.ERR
+local ngx_log, ERR, INFO = ngx.log, ngx.ERR, ngx.INFO
 local min = math.min
 local pairs, ipairs, setmetatable, tostring, type = pairs, ipairs, setmetatable, tostring, type
 
@@ -103,6 +103,12 @@ function _M.apply(lim, d)
     if lim._on_described then
         lim:_on_described()
     end
+    -- Per worker, at info level (not kept by Debian's default error_log):
+    -- what this worker's fallback for the policy now counts with.
+    ngx_log(INFO, "ratelimitd: policy \"", name, "\" described by the daemon: ", d.kind, " ", d.algorithm,
+        " limit=", d.limit, " window_ms=", d.window_ms, " on_error=", d.on_error or "-",
+        " local_limit=", d.local_limit or "-", "; this limiter's fallback: on_error=", lim._on_error,
+        " window_ms=", lim._window_ms, " local_limit=", lim._local_limit or "-")
     return true
 end
 
@@ -131,8 +137,9 @@ local function verify_all()
             local names = lim._names or { lim._policy }
             local all_known = true
             for _, name in ipairs(names) do
-                local d, err = seen[name], nil
+                local d = seen[name]
                 if d == nil then
+                    local err
                     d, err = _M.describe(name)
                     if d == nil then
                         return nil, err

@@ -23,7 +23,6 @@ local ngx = ngx
 local ngx_log, INFO = ngx.log, ngx.INFO
 local ngx_exit, ngx_sleep, ngx_header = ngx.exit, ngx.sleep, ngx.header
 local ceil, max = math.ceil, math.max
-local tostring = tostring
 
 local _M = {}
 

@@ -42,7 +42,8 @@ function Policy._decide(self, key, cost)
         local ok, err = describe.now(self)
         h = ok and header(self)
         if not h then
-            return nil, err or ("policy \"" .. self._policy .. "\" has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
+            return nil, err or ("policy \"" .. self._policy
+                .. "\" has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
         end
     end
     local id = next_id()
