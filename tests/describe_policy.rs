@@ -161,8 +161,10 @@ fn nginx_says_each_unknown_policy_name_once_and_a_policy_limiter_falls_back_with
     // A window given in nginx that is not the policy's: said, once.
     let mismatch: Vec<&str> = log.lines().filter(|l| l.contains("window_ms = 1000 in nginx differs from the policy's window of 10000")).collect();
     assert_eq!(mismatch.len(), 1, "{log}");
-    // An inline limiter without on_error: open, said once at error level.
-    assert_eq!(log.lines().filter(|l| l.contains("[error]") && l.contains("inline limiter has no on_error")).count(), 1, "{log}");
+    // Limiters without on_error (nor one in the policy): open, said once each.
+    assert_eq!(log.lines().filter(|l| l.contains("[warn]") && l.contains("inline limiter has no on_error")).count(), 1, "{log}");
+    assert_eq!(log.lines().filter(|l| l.contains("[warn]") && l.contains("policy \"login\" limiter has no on_error")).count(), 1, "{log}");
+    assert!(!log.contains("policy \"pay\" limiter has no on_error"), "pay's policy chose local: {log}");
 
     assert_eq!(status(&nginx.url("/login"), "t1"), 200);
     assert_eq!(status(&nginx.url("/pay"), "t1"), 200);

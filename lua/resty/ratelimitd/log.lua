@@ -6,7 +6,7 @@
 local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
-local ngx_log, ngx_now, ERR = ngx.log, ngx.now, ngx.ERR
+local ngx_log, ngx_now, ERR, WARN = ngx.log, ngx.now, ngx.ERR, ngx.WARN
 
 local _M = {}
 
@@ -45,13 +45,15 @@ local said_default = {}
 --- Says once per host that the limiter `what` fails open because its
 -- location chose no on_error (and, for a policy limiter, neither did the
 -- policy): the default is open, as Envoy's failure_mode_deny = false, and
--- never silent (docs/CONFIG.md, "on_error").
+-- never silent (docs/CONFIG.md, "on_error"). At warn level: a default, not
+-- a fault; each request it lets through unlimited is a fail_open line at
+-- error level (above), which Debian's default error_log keeps.
 function _M.default_on_error(what)
     if said_default[what] or not _M.loud() then
         return
     end
     said_default[what] = true
-    ngx_log(ERR, "ratelimitd: ", what, " limiter has no on_error: when no decision can be had its requests pass",
+    ngx_log(WARN, "ratelimitd: ", what, " limiter has no on_error: when no decision can be had its requests pass",
         " (on_error = \"open\", the default; each is logged as fail_open). Set on_error = \"open\", \"closed\" or \"local\" to choose")
 end
 
