@@ -244,8 +244,9 @@ struct CheckOpts {
     window_ms: u32,
     #[arg(long, default_value_t = 1)]
     cost: u32,
-    /// Fail policy when Redis cannot decide: open, closed or local.
-    #[arg(long, default_value = "closed")]
+    /// Fail policy when Redis cannot decide: open, closed or local. Open
+    /// by default, as in the Lua client (docs/CONFIG.md, "on_error").
+    #[arg(long, default_value = "open")]
     on_error: FailPolicy,
     /// Quota of the local fallback (with --on-error local).
     #[arg(long, default_value_t = 0)]
