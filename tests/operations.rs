@@ -400,3 +400,28 @@ fn a_restart_under_load_without_socket_activation_is_measured() {
     // bound is the gap's requests, not zero (docs/OPERATIONS.md §3).
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers, never a 500: {failed:?}");
 }
+
+#[test]
+fn inspect_and_reset_of_an_inline_key_without_a_window_are_refused_instead_of_scanning_the_whole_redis() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let config = d.config.to_str().unwrap();
+    let scans = || -> bool {
+        let stats: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
+        stats.contains("cmdstat_scan:")
+    };
+    for cmd in ["inspect", "reset"] {
+        let (code, out) = ratelimitd(&[cmd, "--config", config, "--key", "t1"]);
+        assert_eq!(code, 2, "{cmd}: {out}");
+        assert!(out.contains("--key t1 names no window: give --policy NAME (the policy's window), or --window-ms MS"), "{cmd}: {out}");
+    }
+    assert!(!scans(), "refused before any SCAN");
+    // The policy's window, or the inline one named: no SCAN either.
+    assert_eq!(ratelimitd(&["inspect", "--config", config, "--policy", "login", "--key", "t1", "--json"]).0, 0);
+    assert_eq!(ratelimitd(&["inspect", "--config", config, "--key", "t1", "--window-ms", "60000", "--json"]).0, 0);
+    assert!(!scans());
+    // Asked for: every window of the key, found by SCAN.
+    let (code, out) = ratelimitd(&["inspect", "--config", config, "--key", "t1", "--scan", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(scans());
+}
