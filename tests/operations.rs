@@ -381,24 +381,30 @@ fn restart_under_load(activated: bool) -> (u64, Vec<u16>) {
 fn a_socket_activated_restart_under_load_at_the_shipped_timeouts_is_measured() {
     let (sent, failed) = restart_under_load(true);
     eprintln!("socket-activated restart at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
-    // Not zero at the shipped 50 ms read timeout: measured 1, 4, 22 and 24 of
-    // about 1000 (8 clients, a loaded 2-core host). Causes seen in nginx's
-    // log: "receive: connection reset by peer" as the old daemon closes its
-    // connections (not yet explained: the client retries those once), and
-    // requests queued in the socket longer than 50 ms while the new daemon starts. Each gets its
-    // fail policy (closed: 503), never a 500 (docs/OPERATIONS.md §3).
+    // Measured 0 in most runs, up to 9 of about 1000 (8 clients, the debug
+    // build, a 2-core host at load 7-8 from other builds): requests queued
+    // in the socket longer than the 50 ms read timeout while the new daemon
+    // starts ("receive: timeout"), and Redis calls past the 20 ms deadline
+    // under that load. The connections the old daemon closed unanswered are
+    // sent again by the client (conn.lua). Each failure gets its fail policy
+    // (closed: 503), never a 500 (docs/OPERATIONS.md, "Restarts").
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers: {failed:?}");
-    assert!(failed.len() < 200, "{} of {sent} failed", failed.len());
+    assert!(failed.len() <= 50, "{} of {sent} failed", failed.len());
 }
 
 #[test]
 fn a_restart_under_load_without_socket_activation_is_measured() {
     let (sent, failed) = restart_under_load(false);
     eprintln!("restart without socket activation at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
-    // Between the old daemon's exit and the new one's bind, connects are
-    // refused and each request gets its fail policy (closed here: 503): the
-    // bound is the gap's requests, not zero (docs/OPERATIONS.md §3).
+    // Between the old daemon's exit and the new one's bind the socket is
+    // absent: the client tries again for up to connect + read timeout
+    // (70 ms) within 1 s of its last good connect, instead of pausing
+    // connects for 50 ms. Measured 0 to 19 of about 1000 (before: 103 to
+    // 178): a gap longer than 70 ms (the debug build takes 16-36 ms from
+    // exec to bind, plus this harness's 10 ms poll), read timeouts under
+    // load. Each gets its fail policy (closed here: 503), never a 500.
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers, never a 500: {failed:?}");
+    assert!(failed.len() <= 50, "{} of {sent} failed", failed.len());
 }
 
 #[test]
@@ -424,4 +430,39 @@ fn inspect_and_reset_of_an_inline_key_without_a_window_are_refused_instead_of_sc
     let (code, out) = ratelimitd(&["inspect", "--config", config, "--key", "t1", "--scan", "--json"]);
     assert_eq!(code, 0, "{out}");
     assert!(scans());
+}
+
+#[test]
+fn a_socket_activated_daemon_started_while_redis_is_down_answers_queued_requests_at_once() {
+    use command_fds::{CommandFdExt, FdMapping};
+    use ratelimitd::protocol::{Decision, ErrorCode, Source};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ratelimitd.sock");
+    let config = dir.path().join("ratelimitd.toml");
+    // Redis is down: nothing listens on its socket, every connect is refused.
+    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\n[redis]\nurl = \"unix://{}/redis.sock\"\ntimeout_ms = 20\n", socket.display(), dir.path().display())).unwrap();
+    // The socket unit's part: bound and listening before the daemon starts.
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let log = dir.path().join("daemon.log");
+    let fd: std::os::fd::OwnedFd = listener.try_clone().unwrap().into();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.args(["serve", "--config"]).arg(&config).stderr(std::fs::File::create(&log).unwrap());
+    cmd.env("LISTEN_FDS", "1").env_remove("LISTEN_PID").fd_mappings(vec![FdMapping { parent_fd: fd, child_fd: 3 }]).unwrap();
+    let started = Instant::now();
+    let _daemon = common::ChildGuard::spawn("ratelimitd", &mut cmd, Some(log.clone()));
+    // A request queued in the socket as the daemon starts, as nginx's are.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let r = rt.block_on(async {
+        let mut c = ratelimitd::client::Client::connect(&socket).await.unwrap();
+        c.check(&common::args("k", 10, 1000)).await.unwrap()
+    });
+    let answered = started.elapsed();
+    eprintln!("answered {answered:?} after the daemon was started with Redis down");
+    // Its fail policy (closed) at once: the breaker is open until Redis answers.
+    assert_eq!((r.decision, r.source, r.error), (Decision::Denied, Source::FailClosed, ErrorCode::CircuitOpen));
+    // It used to wait READY_WAIT (2 s) for a Redis that refuses. The bound
+    // is the process's start on a loaded 2-core host, not a Redis wait.
+    assert!(answered < Duration::from_millis(1000), "answered after {answered:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    assert!(std::fs::read_to_string(&log).unwrap().contains("redis not reachable yet"));
 }

@@ -120,6 +120,9 @@ pub struct RedisLink {
     wake: Notify,
     /// Wakes requests waiting for a reload.
     loaded: Notify,
+    /// A connection attempt of the supervisor has failed (at least once):
+    /// start-up stops waiting for a Redis that refuses (`wait_first_answer`).
+    attempt_failed: AtomicBool,
     settings: LinkSettings,
     /// The scripts, one per algorithm, in the order given to `start`
     /// (`script_sha(i)`); all are loaded together, so a link is ready
@@ -189,6 +192,7 @@ impl RedisLink {
             reload_wanted: AtomicBool::new(false),
             wake: Notify::new(),
             loaded: Notify::new(),
+            attempt_failed: AtomicBool::new(false),
             settings,
             scripts,
             probe,
@@ -499,6 +503,23 @@ impl RedisLink {
         tokio::time::timeout(limit, wait).await.is_ok()
     }
 
+    /// Waits up to `limit` for the supervisor's first attempt to end: the
+    /// link ready (true), or an attempt failed (a Redis that refuses or
+    /// times out: false at once, not after `limit`).
+    pub async fn wait_first_answer(&self, limit: Duration) -> bool {
+        let wait = async {
+            loop {
+                let done = self.loaded.notified();
+                if self.is_ready() || self.attempt_failed.load(Ordering::Acquire) {
+                    return;
+                }
+                done.await;
+            }
+        };
+        let _ = tokio::time::timeout(limit, wait).await;
+        self.is_ready()
+    }
+
     fn publish_load(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.loaded.notify_waiters();
@@ -627,6 +648,9 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
         // Whatever failed, the next attempt starts from a fresh connection.
         if link.breaker.trip() {
             METRICS.breaker_opened();
+        }
+        if !link.attempt_failed.swap(true, Ordering::AcqRel) {
+            link.loaded.notify_waiters();
         }
         link.reconnect_wanted.store(true, Ordering::Release);
         tokio::select! {
