@@ -90,43 +90,60 @@ local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 -- socket is absent (or refuses) for the few ms between the old daemon's
 -- exit and the new one's bind; with it, connections queue instead. So a
 -- connect that fails at once within RESTART_GRACE of this worker's last
--- successful connect is tried again, after 1, 2, 4, ... ms, for up to
--- connect_timeout + read_timeout (70 ms shipped: what the request may
--- already spend on a daemon that is slow, within the documented worst case
--- of connect + send + 2 x read): the new daemon answers it, where the
--- pause above would have given it (and every request of the worker for
--- 50 ms or more) the fail policy. Past the grace the daemon is gone, not
--- restarting, and connects pause as above. Each failed connect is one of
--- nginx's own "connect() ... failed" lines: at most 8 per request at the
--- shipped timeouts (1+2+...+64 ms), during the grace only.
+-- successful connect is tried again for up to connect_timeout +
+-- read_timeout (70 ms shipped: what the request may already spend on a
+-- daemon that is slow, within the documented worst case of connect + send
+-- + 2 x read): the new daemon answers it, where the pause above would have
+-- given it (and every request of the worker for 50 ms or more) the fail
+-- policy. The worker tries one connect at a time, 1, 2, 4, ... ms apart,
+-- the other requests waiting for it: each failed connect is one of nginx's
+-- own "connect() ... failed" lines, so a gap costs a worker about log2 of
+-- its length in ms, whatever the load. A request that spends its whole
+-- budget ends the grace: the daemon is gone, not restarting, and connects
+-- pause as above.
 local RESTART_GRACE = 1 -- s
 local MAX_FRESH_CLOSED = 2
+local PROBE_FIRST = 0.001 -- s
 local last_connected = -RESTART_GRACE
+-- When the worker's next connect during a restart may be tried, and the
+-- wait after it.
+local probe_at, probe_step = 0, PROBE_FIRST
 -- Phases where the request may wait (ngx.sleep yields).
 local MAY_SLEEP = { rewrite = true, access = true, content = true, timer = true }
 
--- Connects `sock`, trying again within the connect budget when a restart
--- is likely (above): true, or nil and the last error.
+-- Connects `sock`, trying again within the budget when a restart is likely
+-- (above): true, or nil and the last error.
 local function connect(sock)
     local ok, err = sock:connect(settings.socket)
     if ok or err == "timeout" or ngx_now() - last_connected >= RESTART_GRACE or not MAY_SLEEP[get_phase()] then
         return ok, err
     end
     update_time()
-    local deadline = ngx_now() + (settings.connect_timeout + settings.read_timeout) / 1000
-    local pause = 0.001
+    local now = ngx_now()
+    local deadline = now + (settings.connect_timeout + settings.read_timeout) / 1000
+    if probe_at <= now then
+        -- This failure was the worker's try.
+        probe_at = now + probe_step
+        probe_step = probe_step * 2
+    end
     while true do
-        local left = deadline - ngx_now()
-        if left <= 0 then
+        if now >= deadline then
+            -- Not back within a request's budget: gone, not restarting.
+            last_connected = -RESTART_GRACE
             return nil, err
         end
-        sleep(min(pause, left))
-        pause = pause * 2
-        ok, err = sock:connect(settings.socket)
-        if ok or err == "timeout" then
-            return ok, err
+        if now < probe_at then
+            sleep(min(probe_at - now, deadline - now))
+        else
+            probe_at = now + probe_step
+            probe_step = probe_step * 2
+            ok, err = sock:connect(settings.socket)
+            if ok or err == "timeout" then
+                return ok, err
+            end
         end
         update_time()
+        now = ngx_now()
     end
 end
 
@@ -168,6 +185,7 @@ function _M.transact(frame, id)
             connect_error, connect_pause = nil, 0
         end
         last_connected = ngx_now()
+        probe_at, probe_step = 0, PROBE_FIRST
         local reused = (sock:getreusedtimes() or 0) > 0
         head, message, ext = roundtrip(sock, frame, id)
         if head then
