@@ -315,7 +315,7 @@ fn restart_under_load(activated: bool) -> (u64, Vec<u16>) {
     let socket = dir.path().join("ratelimitd.sock");
     let config = dir.path().join("ratelimitd.toml");
     let group = if is_root() { format!("socket_group = \"{WORKER_GROUP}\"\n") } else { String::new() };
-    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0666\"\n{group}[redis]\nurl = \"{}\"\ntimeout_ms = 20\n", socket.display(), redis.url())).unwrap();
+    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0666\"\n{group}[redis]\nurl = \"{}\"\ntimeout = \"20ms\"\n", socket.display(), redis.url())).unwrap();
     let log = dir.path().join("daemon.log");
     // The socket unit's part, for the activated case: bound once, kept across the restart.
     let listener = activated.then(|| {
