@@ -165,7 +165,7 @@ async fn metrics_count_decisions_failures_and_breaker() {
     let r = c.check(&ratelimitd::protocol::CheckArgs { on_error: ratelimitd::protocol::FailPolicy::Open, ..args("m2", 2, 60_000) }).await.unwrap();
     assert_eq!(r.source, Source::FailOpen);
     let text = tokio::task::spawn_blocking(scrape).await.unwrap();
-    assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"), "{text}");
+    assert!(text.contains("ratelimitd_fail_policy_total{on_error=\"open\"} 1"), "{text}");
     assert!(text.contains("ratelimitd_breaker_open 1"), "{text}");
     assert!(text.contains("ratelimitd_breaker_opened_total 1"), "{text}");
 }
