@@ -1,23 +1,13 @@
-//! DESCRIBE_POLICY (op 8, docs/PROTOCOL.md section 4g): a client asks what
-//! the configuration in force says of a policy name. Not a decision: the
-//! answer reuses the response's fixed fields (so every client's decoder
-//! reads it unchanged), with the meanings `PolicyDescription` gives them.
+//! DESCRIBE_POLICY's answer (op 8, docs/PROTOCOL.md section 4g; the
+//! request is `request::DescribeRequest`): what the configuration in force
+//! says of a policy name. Not a decision: the answer reuses the response's
+//! fixed fields (so every client's decoder reads it unchanged), with the
+//! meanings `PolicyDescription` gives them.
 
 use std::borrow::Cow;
 
-use bytes::{BufMut, Bytes, BytesMut};
-
-use super::request::{invalid, Inbound, Request};
 use super::response::Response;
-use super::wire::{Algorithm, Decision, ErrorCode, FailPolicy, PolicyKind, DESCRIBE_HEADER_LEN, MAX_POLICY_NAME_LEN, OP_DESCRIBE_POLICY, VERSION};
-
-/// A validated DESCRIBE_POLICY: the name as sent (not yet looked up).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DescribeRequest {
-    pub id: u32,
-    /// 1..=`MAX_POLICY_NAME_LEN` bytes of `[A-Za-z0-9_.-]`.
-    pub name: Bytes,
-}
+use super::wire::{Algorithm, Decision, ErrorCode, FailPolicy, PolicyKind, OP_DESCRIBE_POLICY};
 
 /// What the daemon says of a policy that exists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,48 +88,13 @@ pub fn unknown_policy_response(id: u32) -> Response {
     Response::error(id, OP_DESCRIBE_POLICY, ErrorCode::UnknownPolicy, Cow::Borrowed("no policy of this name in the configuration in force"))
 }
 
-/// The rest of `parse_request` for op 8, in the validation order of
-/// docs/PROTOCOL.md section 4g.
-pub(super) fn parse_describe(body: Bytes, id: u32) -> Inbound {
-    let op = OP_DESCRIBE_POLICY;
-    if body.len() < DESCRIBE_HEADER_LEN + 1 {
-        return invalid(id, op, ErrorCode::Malformed, format!("describe body of {} bytes is shorter than the {} fixed bytes and a name", body.len(), DESCRIBE_HEADER_LEN));
-    }
-    let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
-        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes none"));
-    }
-    let name_len = body[8] as usize;
-    if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
-        return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
-    }
-    if body.len() != DESCRIBE_HEADER_LEN + name_len {
-        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} does not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
-    }
-    let name = body.slice(DESCRIBE_HEADER_LEN..);
-    if !name.iter().all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
-        return invalid(id, op, ErrorCode::UnknownPolicy, "a policy name is of A-Z a-z 0-9 _ . - only");
-    }
-    Inbound::Request(Request::Describe(DescribeRequest { id, name }))
-}
-
-/// Appends a DESCRIBE_POLICY frame for `name` (not validated: tests send
-/// hostile names with it).
-pub fn encode_describe(id: u32, name: &[u8], dst: &mut BytesMut) {
-    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len());
-    dst.put_u32((DESCRIBE_HEADER_LEN + name.len()) as u32);
-    dst.put_u8(VERSION);
-    dst.put_u8(OP_DESCRIBE_POLICY);
-    dst.put_u32(id);
-    dst.put_u16(0);
-    dst.put_u8(name.len() as u8);
-    dst.put_slice(name);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{decode_response, encode_response, parse_request, Bounds};
+    use crate::protocol::request::{encode_describe, parse_request, Bounds, Inbound, Request};
+    use crate::protocol::response::{decode_response, encode_response};
+    use crate::protocol::wire::MAX_POLICY_NAME_LEN;
+    use bytes::{Bytes, BytesMut};
 
     fn hex(b: &[u8]) -> String {
         b.iter().map(|x| format!("{x:02x}")).collect()

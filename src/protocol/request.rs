@@ -11,7 +11,7 @@ use tokio_util::codec::Decoder;
 use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
-    FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN,
+    FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN, DESCRIBE_HEADER_LEN,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -216,6 +216,14 @@ pub struct PolicyLeaseArgs<'a> {
     pub local_limit: u32,
 }
 
+/// A validated DESCRIBE_POLICY: the name as sent (not yet looked up).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DescribeRequest {
+    pub id: u32,
+    /// 1..=`MAX_POLICY_NAME_LEN` bytes of `[A-Za-z0-9_.-]`.
+    pub name: Bytes,
+}
+
 /// One validated request: what the daemon decides (src/decision/). The
 /// one request model: the decoder yields it, the decision pipeline takes
 /// it; no other enum of the ops exists.
@@ -238,7 +246,7 @@ pub enum Request {
     /// SETTLE (op 9): a reserve's actual cost.
     Settle(SettleRequest),
     /// DESCRIBE_POLICY (op 8): what the configuration says of a name; not a decision.
-    Describe(super::describe::DescribeRequest),
+    Describe(DescribeRequest),
 }
 
 /// What the decoder yields for each complete frame: a request, or a frame
@@ -313,7 +321,7 @@ impl Decoder for RequestCodec {
     }
 }
 
-pub(super) fn invalid(id: u32, op: u8, code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Inbound {
+fn invalid(id: u32, op: u8, code: ErrorCode, message: impl Into<Cow<'static, str>>) -> Inbound {
     Inbound::Invalid { id, op, code, message: message.into() }
 }
 
@@ -343,7 +351,7 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return parse_policy_lease(body, id, bounds);
     }
     if op == OP_DESCRIBE_POLICY {
-        return super::describe::parse_describe(body, id);
+        return parse_describe(body, id);
     }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
@@ -537,6 +545,44 @@ fn parse_refund(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         Ok(items) => Inbound::Request(Request::Refund(RefundRequest { id, handle, items })),
         Err((code, message)) => invalid(id, op, code, message),
     }
+}
+
+/// The rest of `parse_request` for op 8, in the validation order of
+/// docs/PROTOCOL.md section 4g.
+fn parse_describe(body: Bytes, id: u32) -> Inbound {
+    let op = OP_DESCRIBE_POLICY;
+    if body.len() < DESCRIBE_HEADER_LEN + 1 {
+        return invalid(id, op, ErrorCode::Malformed, format!("describe body of {} bytes is shorter than the {} fixed bytes and a name", body.len(), DESCRIBE_HEADER_LEN));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes none"));
+    }
+    let name_len = body[8] as usize;
+    if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
+        return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
+    }
+    if body.len() != DESCRIBE_HEADER_LEN + name_len {
+        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} does not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
+    }
+    let name = body.slice(DESCRIBE_HEADER_LEN..);
+    if !name.iter().all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
+        return invalid(id, op, ErrorCode::UnknownPolicy, "a policy name is of A-Z a-z 0-9 _ . - only");
+    }
+    Inbound::Request(Request::Describe(DescribeRequest { id, name }))
+}
+
+/// Appends a DESCRIBE_POLICY frame for `name` (not validated: tests send
+/// hostile names with it).
+pub fn encode_describe(id: u32, name: &[u8], dst: &mut BytesMut) {
+    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len());
+    dst.put_u32((DESCRIBE_HEADER_LEN + name.len()) as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_DESCRIBE_POLICY);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(name.len() as u8);
+    dst.put_slice(name);
 }
 
 /// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): one item,
