@@ -123,6 +123,9 @@ pub struct RedisLink {
     /// A connection attempt of the supervisor has failed (at least once):
     /// start-up stops waiting for a Redis that refuses (`wait_first_answer`).
     attempt_failed: AtomicBool,
+    /// Told when `attempt_failed` is first set (not `loaded`: its waiters
+    /// take a wake-up for a finished load).
+    failed: Notify,
     settings: LinkSettings,
     /// The scripts, one per algorithm, in the order given to `start`
     /// (`script_sha(i)`); all are loaded together, so a link is ready
@@ -193,6 +196,7 @@ impl RedisLink {
             wake: Notify::new(),
             loaded: Notify::new(),
             attempt_failed: AtomicBool::new(false),
+            failed: Notify::new(),
             settings,
             scripts,
             probe,
@@ -509,11 +513,17 @@ impl RedisLink {
     pub async fn wait_first_answer(&self, limit: Duration) -> bool {
         let wait = async {
             loop {
-                let done = self.loaded.notified();
+                let (loaded, failed) = (self.loaded.notified(), self.failed.notified());
+                tokio::pin!(loaded, failed);
+                loaded.as_mut().enable();
+                failed.as_mut().enable();
                 if self.is_ready() || self.attempt_failed.load(Ordering::Acquire) {
                     return;
                 }
-                done.await;
+                tokio::select! {
+                    _ = loaded => {}
+                    _ = failed => {}
+                }
             }
         };
         let _ = tokio::time::timeout(limit, wait).await;
@@ -650,7 +660,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             METRICS.breaker_opened();
         }
         if !link.attempt_failed.swap(true, Ordering::AcqRel) {
-            link.loaded.notify_waiters();
+            link.failed.notify_waiters();
         }
         link.reconnect_wanted.store(true, Ordering::Release);
         tokio::select! {
