@@ -117,10 +117,11 @@ end
 function _M.now(lim)
     local d, err = _M.describe(lim._policy)
     if d then
+        lim._unknown = nil
         return _M.apply(lim, d)
     end
     if d == false then
-        lim._described = true
+        lim._described, lim._unknown = true, true
         return nil, "UNKNOWN_POLICY: policy \"" .. lim._policy .. "\": " .. tostring(err)
     end
     return nil, err

@@ -53,6 +53,9 @@ end
 local NO_LOCAL_WINDOW = "; local fallback: the policy's window and local_limit are not known yet (the daemon has not"
     .. " described it since this worker started; give window_ms and local_limit in nginx to count locally from the start)"
 
+local NO_LOCAL_QUOTA = "; local fallback: the policy has no local_limit in the daemon and the limiter none in nginx"
+    .. " (on_error = \"local\" needs one of them)"
+
 --- The policy named in lim's failure lines: its policy, or policies (nil
 -- for an inline limiter).
 local function policy_of(lim)
@@ -69,7 +72,7 @@ function _M.one(lim, key, cost, reason)
         -- A policy limiter whose quota and window come from the daemon,
         -- which has not described its policy yet (unreachable since the
         -- worker started): no local window to count in. Open, and said so.
-        log_failure("fail_open", key, reason .. NO_LOCAL_WINDOW, policy)
+        log_failure("fail_open", key, reason .. (lim._described and NO_LOCAL_QUOTA or NO_LOCAL_WINDOW), policy)
         return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = lim._limit }
     end
     if on_error == "open" then

@@ -39,9 +39,17 @@ end
 function Policy._decide(self, key, cost)
     local h = self._header or header(self)
     if not h then
-        local ok, err = describe.now(self)
+        -- A policy described without a local quota stays so until a worker
+        -- restart (no round trip per request); an unknown name is asked
+        -- again (a reload may add it), as a CHECK_POLICY would be.
+        local ok, err = self._described and not self._unknown, nil
+        if not ok then
+            ok, err = describe.now(self)
+        end
         h = ok and header(self)
-        if not h then
+        if not h and self._unknown then
+            return nil, err or ("UNKNOWN_POLICY: policy \"" .. self._policy .. "\" is not in the daemon's configuration")
+        elseif not h then
             return nil, err or ("policy \"" .. self._policy
                 .. "\" has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
         end
