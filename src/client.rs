@@ -7,8 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    encode_lease_share,
-    decode_response, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
+    decode_response, encode_describe, encode_lease_share, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
     ResponseError, HANDLE_LEN,
 };
 
@@ -139,6 +138,15 @@ impl Client {
     pub async fn settle_items(&mut self, handle: &[u8; HANDLE_LEN], items: &[ItemArgs<'_>]) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_settle(id, handle, items, &mut self.wbuf);
+        self.round_trip(id).await
+    }
+
+    /// Sends one DESCRIBE_POLICY (op 8) of `name` (sent as given, valid or
+    /// not) and waits for its answer; `PolicyDescription::from_response`
+    /// reads it.
+    pub async fn describe(&mut self, name: &[u8]) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_describe(id, name, &mut self.wbuf);
         self.round_trip(id).await
     }
 

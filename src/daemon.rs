@@ -74,8 +74,21 @@ pub struct Reload {
     pub set_log_level: SetLogLevel,
 }
 
-/// How long start-up and reload wait for a new Redis link before going on.
+/// How long a reload waits for its new Redis link before going on (the
+/// running backend serves meanwhile), and start-up at most for Redis's
+/// first answer (connections queue in the socket meanwhile).
 const READY_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether `ActiveBackend::start` waits for its Redis link.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Up to `READY_WAIT` for the link to be ready (a reload: the running
+    /// backend serves meanwhile).
+    UntilReady,
+    /// Not at all: start-up binds the socket first, then waits for Redis's
+    /// first answer (`wait_for_redis_at_start`).
+    No,
+}
 
 /// How long the exit waits for multi-item checks to settle across Cluster
 /// slots: a reservation's life, after which nothing is left to do.
@@ -94,15 +107,13 @@ struct ActiveBackend {
 }
 
 impl ActiveBackend {
-    async fn start(cfg: &Config, resolved: &Resolved) -> Result<Self, StartError> {
+    async fn start(cfg: &Config, resolved: &Resolved, wait: Wait) -> Result<Self, StartError> {
         let token = CancellationToken::new();
         let backend = match &cfg.redis {
             Some(r) => {
                 let redis = RedisWindow::start(r, &resolved.redis, token.clone())?;
-                if redis.wait_ready(READY_WAIT).await {
-                    tracing::info!(redis = %r.describe(), sha = redis.script_sha(), timeout_ms = r.timeout.as_millis() as u64, clock = ?r.clock, "redis backend ready");
-                } else {
-                    tracing::warn!(redis = %r.describe(), "redis not reachable yet; serving with each request's fail policy until it is");
+                if wait == Wait::UntilReady {
+                    log_readiness(r, &redis, redis.wait_ready(READY_WAIT).await);
                 }
                 Backend::Redis(redis)
             }
@@ -236,6 +247,26 @@ impl MetricsEndpoint {
     }
 }
 
+fn log_readiness(r: &crate::config::RedisConfig, redis: &RedisWindow, ready: bool) {
+    if ready {
+        tracing::info!(redis = %r.describe(), sha = redis.script_sha(), timeout_ms = r.timeout.as_millis() as u64, clock = ?r.clock, "redis backend ready");
+    } else {
+        tracing::warn!(redis = %r.describe(), "redis not reachable yet; serving with each request's fail policy until it is");
+    }
+}
+
+/// Start-up, with the request socket bound: waits for Redis's first answer
+/// (ready, or refused: not for a Redis that is down), at most `READY_WAIT`
+/// (one that neither answers nor refuses: about `connect_timeout`). The
+/// connections that arrive meanwhile wait in the socket's queue, to be
+/// decided by Redis rather than by their fail policy; a Redis that is down
+/// holds them only as long as it takes to refuse.
+async fn wait_for_redis_at_start(cfg: &Config, active: &ActiveBackend) {
+    if let (Some(r), Backend::Redis(redis)) = (&cfg.redis, &active.backend) {
+        log_readiness(r, redis, redis.wait_first_answer(READY_WAIT).await);
+    }
+}
+
 /// Runs the daemon until a termination signal; returns once drained.
 pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<(), DaemonError> {
     let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signals)?;
@@ -255,7 +286,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let status = Arc::new(ConfigStatus::default());
     status.loaded(cfg.dump());
     tokio::spawn(crate::top_refused::TOP_REFUSED.rotate_every_slot(background.clone()));
-    let mut active = ActiveBackend::start(&cfg, &resolved).await?;
+    let mut active = ActiveBackend::start(&cfg, &resolved, Wait::No).await?;
     let s = &cfg.server;
     if !cfg.policies.is_empty() {
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
@@ -290,15 +321,17 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             (l, None)
         }
         None => {
-            // Bound only now: until the script is loaded (or the wait is
-            // over), clients get "connection refused" and apply their own
-            // fail policy at once, instead of queueing in the backlog.
+            // Bound before Redis's first answer (below), so that a restart
+            // leaves the socket absent only from the old daemon's exit to
+            // this line: the Lua client tries again within its connect
+            // budget meanwhile (docs/OPERATIONS.md, "Restarts").
             let mut bound = BoundSocket::bind(&s.listen, s.socket_mode, resolved.socket_gid)?;
             let l = bound.take_listener().expect("fresh socket");
             tracing::info!(socket = %bound.path().display(), mode = format_args!("{:04o}", s.socket_mode), group = s.socket_group.as_deref().unwrap_or("-"), "listening");
             (l, Some(bound))
         }
     };
+    wait_for_redis_at_start(&cfg, &active).await;
     let settings = ServerSettings::from(s);
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
@@ -419,7 +452,7 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
     // Always a fresh link when Redis is configured: secrets and certificate
     // files may have changed behind the same paths.
     if new.redis.is_some() || current.redis.is_some() {
-        match ActiveBackend::start(&new, resolved).await {
+        match ActiveBackend::start(&new, resolved, Wait::UntilReady).await {
             Ok(fresh) if fresh.is_ready() || !active.is_ready() => {
                 let old = std::mem::replace(active, fresh);
                 old.retire(current.server.shutdown_grace);

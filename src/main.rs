@@ -192,13 +192,31 @@ struct TargetOpts {
     /// Without it, the key of inline checks.
     #[arg(long)]
     policy: Option<String>,
-    /// Only the window of this length; without it, every window of the key
-    /// (inline checks only: a policy has one window).
+    /// Only the window of this length (inline checks only: a policy has
+    /// one window).
     #[arg(long, conflicts_with = "policy")]
     window_ms: Option<u32>,
+    /// Every window of an inline key, of any length: found with SCAN over
+    /// the whole Redis (its cost grows with the keyspace). Without it, an
+    /// inline key needs --window-ms.
+    #[arg(long, conflicts_with_all = ["policy", "window_ms"])]
+    scan: bool,
 }
 
 impl TargetOpts {
+    /// An inline key without its window would be found by scanning the
+    /// whole Redis: done only when asked for with --scan.
+    fn refuse_unbounded_scan(&self) -> anyhow::Result<()> {
+        if self.policy.is_none() && self.window_ms.is_none() && !self.scan {
+            anyhow::bail!(
+                "--key {} names no window: give --policy NAME (the policy's window), or --window-ms MS (the inline window's length); \
+                 --scan finds every window of the key by scanning the whole Redis",
+                ratelimitd::terminal::escape(&self.key)
+            );
+        }
+        Ok(())
+    }
+
     fn target(&self) -> ratelimitd::admin::Target<'_> {
         match &self.policy {
             Some(policy) => ratelimitd::admin::Target::Policy { policy, key: &self.key },
@@ -244,8 +262,9 @@ struct CheckOpts {
     window_ms: u32,
     #[arg(long, default_value_t = 1)]
     cost: u32,
-    /// Fail policy when Redis cannot decide: open, closed or local.
-    #[arg(long, default_value = "closed")]
+    /// Fail policy when Redis cannot decide: open, closed or local. Open
+    /// by default, as in the Lua client (docs/CONFIG.md, "on_error").
+    #[arg(long, default_value = "open")]
     on_error: FailPolicy,
     /// Quota of the local fallback (with --on-error local).
     #[arg(long, default_value_t = 0)]
@@ -342,6 +361,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { config, target, json } if admin_listen(&config)?.is_some() => {
+            target.refuse_unbounded_scan()?;
             let reply = admin_call(&config, "GET", &format!("/v1/keys?{}", target.query()), None)?;
             if json {
                 println!("{}", json_ascii_safe(&serde_json::to_string(&reply)?));
@@ -364,6 +384,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Reset { config, target } if admin_listen(&config)?.is_some() => {
+            target.refuse_unbounded_scan()?;
             let reply = admin_call(&config, "DELETE", &format!("/v1/keys?{}", target.query()), None)?;
             let deleted = reply["deleted"].as_array().cloned().unwrap_or_default();
             if deleted.is_empty() {
@@ -413,6 +434,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Inspect { config, target, json } => {
+            target.refuse_unbounded_scan()?;
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
             let windows = runtime()?.block_on(ratelimitd::admin::inspect(redis, &resolved.redis, &cfg.policies, target.target()))?;
@@ -443,6 +465,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Reset { config, target } => {
+            target.refuse_unbounded_scan()?;
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
             let deleted = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &cfg.policies, target.target()))?;

@@ -300,9 +300,9 @@ impl Metrics {
         for (e, n) in ErrorCode::ALL.iter().zip(&self.errors).filter(|(e, _)| **e != ErrorCode::None) {
             let _ = writeln!(out, "ratelimitd_errors_total{{code=\"{}\"}} {}", e.as_str(), get(n));
         }
-        let _ = writeln!(out, "# HELP ratelimitd_fail_policy_total Requests decided by their fail policy because Redis could not, by policy.\n# TYPE ratelimitd_fail_policy_total counter");
+        let _ = writeln!(out, "# HELP ratelimitd_fail_policy_total Requests decided by their fail policy (on_error) because Redis could not, by on_error.\n# TYPE ratelimitd_fail_policy_total counter");
         for (p, n) in FailPolicy::ALL.iter().zip(&self.fail_policy) {
-            let _ = writeln!(out, "ratelimitd_fail_policy_total{{policy=\"{}\"}} {}", p.as_str(), get(n));
+            let _ = writeln!(out, "ratelimitd_fail_policy_total{{on_error=\"{}\"}} {}", p.as_str(), get(n));
         }
         let _ = writeln!(out, "# HELP ratelimitd_redis_call_seconds Time of one decision's Redis call (EVALSHA, with a NOSCRIPT reload if any).\n# TYPE ratelimitd_redis_call_seconds histogram");
         let mut cumulative = 0;
@@ -458,7 +458,7 @@ mod tests {
         assert!(text.contains("ratelimitd_decisions_total{decision=\"allowed\",source=\"fail_open\"} 1"), "{text}");
         assert!(text.contains("ratelimitd_errors_total{code=\"CIRCUIT_OPEN\"} 1"));
         assert!(text.contains("ratelimitd_decisions_total{decision=\"denied\",source=\"denial_cache\"} 1"), "{text}");
-        assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"));
+        assert!(text.contains("ratelimitd_fail_policy_total{on_error=\"open\"} 1"));
         assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"0.0005\"} 1"));
         assert!(text.contains("ratelimitd_redis_call_seconds_bucket{le=\"+Inf\"} 2"));
         assert!(text.contains("ratelimitd_redis_call_seconds_count 2"));

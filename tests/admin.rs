@@ -69,7 +69,7 @@ async fn inspect_and_reset_address_a_policys_window_by_name_and_key_as_top_shows
     assert!(text.contains("key:          gw:{\\x0aper_tenanttenant-a}:60000ms\n") && text.contains("admissions:   5\n"), "{text}");
 
     // The inline key of the same name is another window: nothing there.
-    let out = run(&d, &["reset", "--key", "tenant-a"]);
+    let out = run(&d, &["reset", "--key", "tenant-a", "--scan"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "tenant-a: no such key");
     assert_eq!(inspect_json(&d, &["--policy", "per_tenant", "--key", "tenant-a"])[0]["members"], 5, "an inline reset leaves the policy's window alone");
 

@@ -645,7 +645,7 @@ async fn inspect_and_reset_see_every_algorithm() {
         }
     }
     let bin = env!("CARGO_BIN_EXE_ratelimitd");
-    let out = std::process::Command::new(bin).args(["inspect", "--config"]).arg(&d.config).args(["--key", "t1", "--json"]).output().unwrap();
+    let out = std::process::Command::new(bin).args(["inspect", "--config"]).arg(&d.config).args(["--key", "t1", "--scan", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let seen: Vec<(String, u64)> = all.as_array().unwrap().iter().map(|w| (w["algorithm"].as_str().unwrap().to_string(), w["in_window"].as_u64().unwrap())).collect();

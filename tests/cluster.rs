@@ -778,12 +778,12 @@ async fn inspect_and_reset_on_the_cluster() {
         c.check(&args("order:t1", 10, 60_000)).await.unwrap();
     }
     c.check(&args("order:t1", 10, 1000)).await.unwrap();
-    let out = std::process::Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--json"]).output().unwrap();
+    let out = std::process::Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--scan", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let found: Vec<(u64, u64)> = all.as_array().unwrap().iter().map(|w| (w["window_ms"].as_u64().unwrap(), w["members"].as_u64().unwrap())).collect();
     assert_eq!(found, [(1000, 1), (60_000, 3)], "{all}");
-    let out = std::process::Command::new(BIN).args(["reset", "--config"]).arg(&d.config).args(["--key", "order:t1"]).output().unwrap();
+    let out = std::process::Command::new(BIN).args(["reset", "--config"]).arg(&d.config).args(["--key", "order:t1", "--scan"]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ratelimitd:{order:t1}:1000ms: deleted\nratelimitd:{order:t1}:60000ms: deleted", "{}", String::from_utf8_lossy(&out.stderr));
     // The denial cache is not involved: 3 of 10 were used, none refused.
     let r = c.check(&args("order:t1", 10, 60_000)).await.unwrap();

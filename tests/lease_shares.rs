@@ -1,4 +1,4 @@
-//! Worker shares of quota leases (LEASE_SHARE, op 10; docs/PROTOCOL.md 4g,
+//! Worker shares of quota leases (LEASE_SHARE, op 10; docs/PROTOCOL.md 4h,
 //! docs/PERFORMANCE.md "Worker shares") against real daemons and a real
 //! Redis: the documented frame, every hostile variant with its code and the
 //! stream in sync, what gets no share, and workers admitting a hot key from
@@ -52,7 +52,7 @@ async fn lease_share_frames_have_the_documented_bytes_and_hostile_ones_get_their
     let redis = RedisServer::start();
     let d = Daemon::start_config(&config(&redis));
     let mut c = d.client().await;
-    // docs/PROTOCOL.md section 4g: id 7, fail policy open, one item: 16 units
+    // docs/PROTOCOL.md section 4h: id 7, fail policy open, one item: 16 units
     // wanted, policy "order", key "t1".
     let bytes = hex("0000001c010a000000070000000100000000000000100002056f726465727431");
     let mut encoded = BytesMut::new();

@@ -303,7 +303,7 @@ fn a_client_abort_after_every_redirect_kind_releases_the_lease() {
     // Each redirect kind ends at the slow upstream.
     let nginx = Nginx::start(&format!(
         r#"{snippet}
-init_worker_by_lua_block {{ conns = assert(require("resty.ratelimitd").concurrency{{ limit = 1, lease_ms = 30000 }}) }}
+init_worker_by_lua_block {{ conns = assert(require("resty.ratelimitd").concurrency{{ limit = 1, lease_ms = 30000, on_error = "closed" }}) }}
 server {{
     listen 127.0.0.1:{{PORT:up}};
     location / {{ content_by_lua_block {{ ngx.sleep(5) ngx.say("late") }} }}

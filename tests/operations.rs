@@ -315,7 +315,7 @@ fn restart_under_load(activated: bool) -> (u64, Vec<u16>) {
     let socket = dir.path().join("ratelimitd.sock");
     let config = dir.path().join("ratelimitd.toml");
     let group = if is_root() { format!("socket_group = \"{WORKER_GROUP}\"\n") } else { String::new() };
-    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0666\"\n{group}[redis]\nurl = \"{}\"\ntimeout_ms = 20\n", socket.display(), redis.url())).unwrap();
+    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\nsocket_mode = \"0666\"\n{group}[redis]\nurl = \"{}\"\ntimeout = \"20ms\"\n", socket.display(), redis.url())).unwrap();
     let log = dir.path().join("daemon.log");
     // The socket unit's part, for the activated case: bound once, kept across the restart.
     let listener = activated.then(|| {
@@ -381,22 +381,92 @@ fn restart_under_load(activated: bool) -> (u64, Vec<u16>) {
 fn a_socket_activated_restart_under_load_at_the_shipped_timeouts_is_measured() {
     let (sent, failed) = restart_under_load(true);
     eprintln!("socket-activated restart at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
-    // Not zero at the shipped 50 ms read timeout: measured 1, 4, 22 and 24 of
-    // about 1000 (8 clients, a loaded 2-core host). Causes seen in nginx's
-    // log: "receive: connection reset by peer" as the old daemon closes its
-    // connections (not yet explained: the client retries those once), and
-    // requests queued in the socket longer than 50 ms while the new daemon starts. Each gets its
-    // fail policy (closed: 503), never a 500 (docs/OPERATIONS.md §3).
+    // Measured 0 of about 1020 in 10 of 10 runs (8 clients, the debug
+    // build, a 2-core host at load 7-10 from other builds); while the fix
+    // was under way, up to 9: requests queued in the socket longer than the
+    // 50 ms read timeout while the new daemon starts ("receive: timeout"),
+    // and Redis calls past the 20 ms deadline under that load. The connections the old daemon closed unanswered are
+    // sent again by the client (conn.lua). Each failure gets its fail policy
+    // (closed: 503), never a 500 (docs/OPERATIONS.md, "Restarts").
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers: {failed:?}");
-    assert!(failed.len() < 200, "{} of {sent} failed", failed.len());
+    assert!(failed.len() <= 50, "{} of {sent} failed", failed.len());
 }
 
 #[test]
 fn a_restart_under_load_without_socket_activation_is_measured() {
     let (sent, failed) = restart_under_load(false);
     eprintln!("restart without socket activation at the shipped timeouts: {} of {sent} requests failed ({:?})", failed.len(), &failed[..failed.len().min(10)]);
-    // Between the old daemon's exit and the new one's bind, connects are
-    // refused and each request gets its fail policy (closed here: 503): the
-    // bound is the gap's requests, not zero (docs/OPERATIONS.md §3).
+    // Between the old daemon's exit and the new one's bind the socket is
+    // absent: the client tries again for up to connect + read timeout
+    // (70 ms) within 1 s of its last good connect, instead of pausing
+    // connects for 50 ms. Measured 0 of about 1025 in 7 of 10 runs, 1, 3
+    // and 303 in the others (before: 103 to 178 of about 1090): a gap
+    // longer than 70 ms (the debug build takes 16-36 ms from exec to bind
+    // on this host, plus this harness's 10 ms poll; the 303 was a load
+    // spike, load average 10 on 2 cores, that kept the new daemon from its
+    // socket for about a second), and read timeouts under load. The bound
+    // below leaves room for such a spike; docs/OPERATIONS.md §3 has the
+    // arithmetic. Each failure is its fail policy (closed: 503), never a 500.
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers, never a 500: {failed:?}");
+    assert!(failed.len() * 2 < sent as usize, "{} of {sent} failed", failed.len());
+}
+
+#[test]
+fn inspect_and_reset_of_an_inline_key_without_a_window_are_refused_instead_of_scanning_the_whole_redis() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let config = d.config.to_str().unwrap();
+    let scans = || -> bool {
+        let stats: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
+        stats.contains("cmdstat_scan:")
+    };
+    for cmd in ["inspect", "reset"] {
+        let (code, out) = ratelimitd(&[cmd, "--config", config, "--key", "t1"]);
+        assert_eq!(code, 2, "{cmd}: {out}");
+        assert!(out.contains("--key t1 names no window: give --policy NAME (the policy's window), or --window-ms MS"), "{cmd}: {out}");
+    }
+    assert!(!scans(), "refused before any SCAN");
+    // The policy's window, or the inline one named: no SCAN either.
+    assert_eq!(ratelimitd(&["inspect", "--config", config, "--policy", "login", "--key", "t1", "--json"]).0, 0);
+    assert_eq!(ratelimitd(&["inspect", "--config", config, "--key", "t1", "--window-ms", "60000", "--json"]).0, 0);
+    assert!(!scans());
+    // Asked for: every window of the key, found by SCAN.
+    let (code, out) = ratelimitd(&["inspect", "--config", config, "--key", "t1", "--scan", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(scans());
+}
+
+#[test]
+fn a_socket_activated_daemon_started_while_redis_is_down_answers_queued_requests_at_once() {
+    use command_fds::{CommandFdExt, FdMapping};
+    use ratelimitd::protocol::{Decision, ErrorCode, Source};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ratelimitd.sock");
+    let config = dir.path().join("ratelimitd.toml");
+    // Redis is down: nothing listens on its socket, every connect is refused.
+    std::fs::write(&config, format!("[server]\nlisten = \"{}\"\n[redis]\nurl = \"unix://{}/redis.sock\"\ntimeout_ms = 20\n", socket.display(), dir.path().display())).unwrap();
+    // The socket unit's part: bound and listening before the daemon starts.
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let log = dir.path().join("daemon.log");
+    let fd: std::os::fd::OwnedFd = listener.try_clone().unwrap().into();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ratelimitd"));
+    cmd.args(["serve", "--config"]).arg(&config).stderr(std::fs::File::create(&log).unwrap());
+    cmd.env("LISTEN_FDS", "1").env_remove("LISTEN_PID").fd_mappings(vec![FdMapping { parent_fd: fd, child_fd: 3 }]).unwrap();
+    let started = Instant::now();
+    let _daemon = common::ChildGuard::spawn("ratelimitd", &mut cmd, Some(log.clone()));
+    // A request queued in the socket as the daemon starts, as nginx's are.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let r = rt.block_on(async {
+        let mut c = ratelimitd::client::Client::connect(&socket).await.unwrap();
+        c.check(&common::args("k", 10, 1000)).await.unwrap()
+    });
+    let answered = started.elapsed();
+    eprintln!("answered {answered:?} after the daemon was started with Redis down");
+    // Its fail policy (closed) at once: the breaker is open until Redis answers.
+    assert_eq!((r.decision, r.source, r.error), (Decision::Denied, Source::FailClosed, ErrorCode::CircuitOpen));
+    // It used to wait READY_WAIT (2 s) for a Redis that refuses. The bound
+    // is the process's start on a loaded 2-core host, not a Redis wait.
+    assert!(answered < Duration::from_millis(1000), "answered after {answered:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    assert!(std::fs::read_to_string(&log).unwrap().contains("redis not reachable yet"));
 }

@@ -170,7 +170,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     assert_eq!(statuses(&a, &nginx.url("/typo-closed"), "t3", 2), [503; 2]);
     wait_until("the unknown policy logged by nginx", Duration::from_secs(5), || nginx.error_log().contains("ratelimitd: unknown_policy"));
     let log = nginx.error_log();
-    assert!(log.contains("policy 'ordr': no policy named 'ordr'"), "{log}");
+    assert!(log.contains("unknown_policy policy=ordr key=t3 reason=\"no policy named 'ordr'"), "the line names the policy: {log}");
     for line in log.lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")) {
         assert!(line.contains("unknown_policy") || line.contains("fail_open") || line.contains("fail_closed"), "unexpected error: {line}");
     }

@@ -165,7 +165,7 @@ async fn metrics_count_decisions_failures_and_breaker() {
     let r = c.check(&ratelimitd::protocol::CheckArgs { on_error: ratelimitd::protocol::FailPolicy::Open, ..args("m2", 2, 60_000) }).await.unwrap();
     assert_eq!(r.source, Source::FailOpen);
     let text = tokio::task::spawn_blocking(scrape).await.unwrap();
-    assert!(text.contains("ratelimitd_fail_policy_total{policy=\"open\"} 1"), "{text}");
+    assert!(text.contains("ratelimitd_fail_policy_total{on_error=\"open\"} 1"), "{text}");
     assert!(text.contains("ratelimitd_breaker_open 1"), "{text}");
     assert!(text.contains("ratelimitd_breaker_opened_total 1"), "{text}");
 }
@@ -222,11 +222,11 @@ async fn inspect_and_reset_use_the_daemons_keys() {
     assert!(v["ttl_ms"].as_i64().unwrap() > 59_000);
     // Without --window-ms: every window of the key, found by SCAN.
     c.check(&args("order:t1", 10, 1000)).await.unwrap();
-    let out = Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--json"]).output().unwrap();
+    let out = Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "order:t1", "--scan", "--json"]).output().unwrap();
     let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let windows: Vec<u64> = all.as_array().unwrap().iter().map(|w| w["window_ms"].as_u64().unwrap()).collect();
     assert_eq!(windows, [1000, 60_000]);
-    let out = Command::new(BIN).args(["reset", "--config"]).arg(&d.config).args(["--key", "order:t1"]).output().unwrap();
+    let out = Command::new(BIN).args(["reset", "--config"]).arg(&d.config).args(["--key", "order:t1", "--scan"]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "gw:{order:t1}:1000ms: deleted\ngw:{order:t1}:60000ms: deleted");
     let r = c.check(&args("order:t1", 10, 60_000)).await.unwrap();
     assert_eq!((r.decision, r.count), (Decision::Allowed, 1), "the quota is whole again");

@@ -115,7 +115,8 @@ fn tenant_api_example_through_nginx() {
     let down = get(&a, &nginx.url("/api/orders"), &[("X-Tenant-Id", "t3")]);
     assert_eq!((down.status, down.header("Retry-After"), down.header("RateLimit")), (503, "1", ""));
     assert!(!down.body.contains("quota-exceeded"));
-    wait_until("the fail-closed logged", Duration::from_secs(5), || nginx.error_log().contains("ratelimitd: fail_closed key=127.0.0.1,t3,all,t3"));
+    // The line names the limiter's policies (issue 27), then the keys.
+    wait_until("the fail-closed logged", Duration::from_secs(5), || nginx.error_log().lines().any(|l| l.contains("ratelimitd: fail_closed policy=") && l.contains(" key=127.0.0.1,t3,all,t3 ")));
 }
 
 /// The daemon unreachable: a multi-policy limiter with on_error = "local"

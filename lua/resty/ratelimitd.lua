@@ -43,6 +43,8 @@
 --   refund       refund() of a refundable check
 --   settle       settle() of a reserve: the actual cost after the response
 --   concurrency  concurrency limits: enter() and leave()
+--   describe     what the daemon says of the policy names used (DESCRIBE_POLICY)
+--   limiters     build{}: each limiter on its own, names verified at worker start
 
 local config = require "resty.ratelimitd.config"
 local options = require "resty.ratelimitd.options"
@@ -106,6 +108,13 @@ _M.refund = refund.refund
 --- Settles a reserve (new{ policy(ies) = ..., settle = true }) to the actual
 -- cost (resty/ratelimitd/settle.lua).
 _M.settle = settle.settle
+
+--- For init_worker_by_lua*, when limiters are made with new() and not
+-- with resty.ratelimitd.limiters.build{} (which does it): asks the daemon,
+-- in a timer, about every policy name this worker's limiters use; unknown
+-- names are logged (one error line each), policy limiters take their
+-- policy's window and local quota. Returns true, or nil and why not.
+_M.verify_policies = require("resty.ratelimitd.describe").schedule
 
 --- For log_by_lua*: releases the request's concurrency leases.
 _M.leave = concurrency.leave

@@ -9,18 +9,18 @@ local function check(kind, opts)
 end
 
 describe("options", function()
-    it("accepts good options and defaults on_error to closed", function()
-        assert.equals("closed", check("inline", { limit = 10, window_ms = 1000 }))
+    it("accepts good options and defaults on_error to open (docs/CONFIG.md, on_error)", function()
+        assert.equals("open", check("inline", { limit = 10, window_ms = 1000 }))
         assert.equals("local", check("inline", { limit = 10, window_ms = 1000, on_error = "local", local_limit = 3, dry_run = false }))
         assert.equals("open", check("policy", { policy = "order", on_error = "open", nodelay = true, shadow = { "order" } }))
-        assert.equals("closed", check("multi", { policies = { "a", "b" }, refundable = true, header_style = "draft" }))
-        assert.equals("closed", check("multi", { policy = "tokens", settle = true }))
-        assert.equals("closed", check("multi", { policies = { "tokens_minute", "tokens_month" }, settle = true }))
+        assert.equals("open", check("multi", { policies = { "a", "b" }, refundable = true, header_style = "draft" }))
+        assert.equals("open", check("multi", { policy = "tokens", settle = true }))
+        assert.equals("open", check("multi", { policies = { "tokens_minute", "tokens_month" }, settle = true }))
         local err = check("multi", { policy = "a", settle = true, refundable = true })
         assert.matches("without refundable", err, 1, true)
-        assert.equals("closed", check("concurrency", { limit = 2, lease_ms = 1000 }))
-        assert.equals("closed", check("concurrency_policy", { policy = "uploads" }))
-        assert.equals("closed", check("table_form", { key = "k", cost = 2, limit = 10, window_ms = 1000 }))
+        assert.equals("open", check("concurrency", { limit = 2, lease_ms = 1000 }))
+        assert.equals("open", check("concurrency_policy", { policy = "uploads" }))
+        assert.equals("open", check("table_form", { key = "k", cost = 2, limit = 10, window_ms = 1000 }))
     end)
 
     it("says what is wrong with a value, the same for every kind", function()
@@ -53,8 +53,14 @@ describe("options", function()
         assert.equals("limit is not an option of a policy limiter: the limit and algorithm are the policy's, in ratelimitd.toml; key and cost are given per request",
                       check("policy", { policy = "order", limit = 5 }))
         assert.equals("policy must be a name of 1 to 31 characters A-Z a-z 0-9 _ . -", check("policy", { policy = "bad name" }))
+        -- A policy limiter's fallback takes the policy's window and local
+        -- quota from the daemon (DESCRIBE_POLICY); a multi-item one still
+        -- needs its own window.
+        assert.equals("local", check("policy", { policy = "order", on_error = "local", local_limit = 5 }))
+        assert.equals("local", check("policy", { policy = "order", on_error = "local" }))
         assert.equals("on_error = 'local' needs window_ms: the window of this client's own fallback quota",
-                      check("policy", { policy = "order", on_error = "local", local_limit = 5 }))
+                      check("multi", { policies = { "a", "b" }, on_error = "local", local_limit = 5 }))
+        assert.equals("on_error = 'local' needs a positive integer local_limit", check("inline", { limit = 1, window_ms = 1000, on_error = "local" }))
         assert.equals("shadow must be a list of policy names (those in shadow mode in ratelimitd.toml)", check("policy", { policy = "order", shadow = "order" }))
         assert.equals("unknown option 'algorithm' for a policy limiter", check("multi", { policies = { "a" }, algorithm = "gcra" }))
         assert.equals("policy 'a' is listed twice", check("multi", { policies = { "a", "b", "a" } }))

@@ -84,12 +84,15 @@ pub(super) enum OverrideValue {
 pub(super) struct DenialCacheSection {
     pub enabled: bool,
     pub slots: usize,
-    pub max_ms: u64,
+    /// `max_age = "1s"`; `max_ms` is its old spelling.
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub max_age: Option<String>,
+    pub max_ms: Option<u64>,
 }
 
 impl Default for DenialCacheSection {
     fn default() -> Self {
-        Self { enabled: true, slots: 16_384, max_ms: 1000 }
+        Self { enabled: true, slots: 16_384, max_age: None, max_ms: None }
     }
 }
 
@@ -125,10 +128,20 @@ pub(super) struct ServerSection {
     pub socket_group: Option<String>,
     pub max_connections: usize,
     pub max_in_flight_per_connection: usize,
-    pub shutdown_grace_ms: u64,
-    pub idle_timeout_ms: u64,
-    pub frame_timeout_ms: u64,
-    pub write_timeout_ms: u64,
+    /// Durations with their unit ("5s"); the `*_ms` numbers are their old
+    /// spelling, read with a deprecation line.
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub shutdown_grace: Option<String>,
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub idle_timeout: Option<String>,
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub frame_timeout: Option<String>,
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub write_timeout: Option<String>,
+    pub shutdown_grace_ms: Option<u64>,
+    pub idle_timeout_ms: Option<u64>,
+    pub frame_timeout_ms: Option<u64>,
+    pub write_timeout_ms: Option<u64>,
     pub worker_threads: usize,
 }
 
@@ -140,10 +153,14 @@ impl Default for ServerSection {
             socket_group: None,
             max_connections: 4096,
             max_in_flight_per_connection: 128,
-            shutdown_grace_ms: 5000,
-            idle_timeout_ms: 300_000,
-            frame_timeout_ms: 2000,
-            write_timeout_ms: 2000,
+            shutdown_grace: None,
+            idle_timeout: None,
+            frame_timeout: None,
+            write_timeout: None,
+            shutdown_grace_ms: None,
+            idle_timeout_ms: None,
+            frame_timeout_ms: None,
+            write_timeout_ms: None,
             worker_threads: 1,
         }
     }
@@ -161,8 +178,13 @@ pub(super) struct RedisSection {
     pub tls_ca_file: Option<PathBuf>,
     pub tls_cert_file: Option<PathBuf>,
     pub tls_key_file: Option<PathBuf>,
-    pub timeout_ms: u64,
-    pub connect_timeout_ms: u64,
+    /// `timeout = "20ms"`; `timeout_ms` is its old spelling.
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub timeout: Option<String>,
+    #[serde(deserialize_with = "optional_duration_text")]
+    pub connect_timeout: Option<String>,
+    pub timeout_ms: Option<u64>,
+    pub connect_timeout_ms: Option<u64>,
     pub breaker_failures: u32,
     pub min_in_flight: u32,
     pub max_in_flight: u32,
@@ -185,8 +207,10 @@ impl Default for RedisSection {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
-            timeout_ms: 20,
-            connect_timeout_ms: 250,
+            timeout: None,
+            connect_timeout: None,
+            timeout_ms: None,
+            connect_timeout_ms: None,
             breaker_failures: 5,
             min_in_flight: 16,
             max_in_flight: 1024,
@@ -256,4 +280,9 @@ fn duration_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Er
         Text::Text(s) => s,
         Text::Number(n) => n.to_string(),
     })
+}
+
+/// `duration_text` of a field that may be absent.
+fn optional_duration_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    duration_text(d).map(Some)
 }

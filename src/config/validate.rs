@@ -29,7 +29,7 @@ impl Default for RedisConfig {
     /// The defaults of an empty `[redis]` table.
     fn default() -> Self {
         let mut p = Problems::default();
-        redis_config(file::RedisSection::default(), &mut p).expect("the defaults are valid")
+        redis_config(file::RedisSection::default(), &mut p, &mut Vec::new()).expect("the defaults are valid")
     }
 }
 
@@ -70,8 +70,9 @@ impl Config {
     /// Turns the file's values into typed ones, reporting every bad field.
     fn from_file(path: &Path, f: file::File) -> Result<Self, ConfigError> {
         let mut p = Problems::default();
-        let server = server_config(f.server, &mut p);
-        let redis = f.redis.and_then(|r| redis_config(r, &mut p));
+        let mut deprecated = Vec::new();
+        let server = server_config(f.server, &mut p, &mut deprecated);
+        let redis = f.redis.and_then(|r| redis_config(r, &mut p, &mut deprecated));
         let limits = limits_config(f.limits, &mut p);
         if !valid_log_filter(&f.log.level) {
             p.add("log.level", format!("'{}' is not error, warn, info, debug, trace or a filter such as \"ratelimitd=debug\"", f.log.level));
@@ -83,8 +84,7 @@ impl Config {
             MetricsConfig { listen: m.listen }
         });
         let log = LogConfig { level: f.log.level, format: f.log.format };
-        let denial_cache = denial_cache_config(f.denial_cache, &mut p);
-        let mut deprecated = Vec::new();
+        let denial_cache = denial_cache_config(f.denial_cache, &mut p, &mut deprecated);
         let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
         let admin = admin_config(f.admin, &mut p);
         p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated })
@@ -105,7 +105,47 @@ fn at_least_one<T: PartialEq + Default>(p: &mut Problems, field: &'static str, v
     v
 }
 
-fn server_config(s: file::ServerSection, p: &mut Problems) -> ServerConfig {
+/// A duration written with its unit (`new = "20ms"`), or by its old name in
+/// milliseconds (`old = 20`: read, with a deprecation line), or `default_ms`:
+/// the name the file used (for the problems below) and the milliseconds.
+/// Both names at once is a problem of its own.
+fn duration_ms(p: &mut Problems, deprecated: &mut Vec<String>, new: (&'static str, Option<String>), old: (&'static str, Option<u64>), default_ms: u64) -> (&'static str, u64) {
+    let ((new_name, new_text), (old_name, old_ms)) = (new, old);
+    match (new_text, old_ms) {
+        (Some(_), Some(_)) => {
+            p.add(new_name, format!("give {new_name} only ({old_name} is its old spelling)"));
+            (new_name, default_ms)
+        }
+        (Some(text), None) => match parse_duration(&text) {
+            Ok(d) => (new_name, u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            Err(e) => {
+                p.add(new_name, e);
+                (new_name, default_ms)
+            }
+        },
+        (None, Some(ms)) => {
+            deprecated.push(format!("{old_name} is the old spelling of {new_name}, a duration with its unit: write {} = \"{}\"", new_name.rsplit('.').next().unwrap_or(new_name), duration_text_of(ms)));
+            (old_name, ms)
+        }
+        (None, None) => (new_name, default_ms),
+    }
+}
+
+/// `ms` in the largest unit that divides it: 300000 is "5m", 250 "250ms".
+pub fn duration_text_of(ms: u64) -> String {
+    for (unit, per) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)] {
+        if ms > 0 && ms % per == 0 {
+            return format!("{}{unit}", ms / per);
+        }
+    }
+    format!("{ms}ms")
+}
+
+fn server_config(s: file::ServerSection, p: &mut Problems, deprecated: &mut Vec<String>) -> ServerConfig {
+    let (_, shutdown_grace_ms) = duration_ms(p, deprecated, ("server.shutdown_grace", s.shutdown_grace), ("server.shutdown_grace_ms", s.shutdown_grace_ms), 5000);
+    let (idle_field, idle_timeout_ms) = duration_ms(p, deprecated, ("server.idle_timeout", s.idle_timeout), ("server.idle_timeout_ms", s.idle_timeout_ms), 300_000);
+    let (frame_field, frame_timeout_ms) = duration_ms(p, deprecated, ("server.frame_timeout", s.frame_timeout), ("server.frame_timeout_ms", s.frame_timeout_ms), 2000);
+    let (write_field, write_timeout_ms) = duration_ms(p, deprecated, ("server.write_timeout", s.write_timeout), ("server.write_timeout_ms", s.write_timeout_ms), 2000);
     if s.listen.as_os_str().is_empty() {
         p.add("server.listen", "must be a socket path");
     }
@@ -130,10 +170,10 @@ fn server_config(s: file::ServerSection, p: &mut Problems) -> ServerConfig {
         socket_group: s.socket_group,
         max_connections: at_least_one(p, "server.max_connections", s.max_connections),
         max_in_flight_per_connection: at_least_one(p, "server.max_in_flight_per_connection", s.max_in_flight_per_connection),
-        shutdown_grace: Duration::from_millis(s.shutdown_grace_ms),
-        idle_timeout: Duration::from_millis(at_least_one(p, "server.idle_timeout_ms", s.idle_timeout_ms)),
-        frame_timeout: Duration::from_millis(at_least_one(p, "server.frame_timeout_ms", s.frame_timeout_ms)),
-        write_timeout: Duration::from_millis(at_least_one(p, "server.write_timeout_ms", s.write_timeout_ms)),
+        shutdown_grace: Duration::from_millis(shutdown_grace_ms),
+        idle_timeout: Duration::from_millis(at_least_one(p, idle_field, idle_timeout_ms)),
+        frame_timeout: Duration::from_millis(at_least_one(p, frame_field, frame_timeout_ms)),
+        write_timeout: Duration::from_millis(at_least_one(p, write_field, write_timeout_ms)),
         worker_threads: in_range(p, "server.worker_threads", s.worker_threads as u64, MAX_WORKER_THREADS) as usize,
     }
 }
@@ -166,7 +206,7 @@ fn secret_source(p: &mut Problems, file_field: &'static str, file: Option<PathBu
 }
 
 /// `None` only when the section had errors (they are in `p`).
-fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> {
+fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<String>) -> Option<RedisConfig> {
     let before = p.0.len();
     let target = match (r.sentinel, r.cluster) {
         (Some(_), Some(_)) => {
@@ -243,8 +283,10 @@ fn redis_config(r: file::RedisSection, p: &mut Problems) -> Option<RedisConfig> 
     };
     let password = secret_source(p, "redis.password_file", r.password_file, r.password_env);
     let breaker_failures = in_range(p, "redis.breaker_failures", r.breaker_failures.into(), 1000) as u32;
-    let timeout = Duration::from_millis(in_range(p, "redis.timeout_ms", r.timeout_ms, 10_000));
-    let connect_timeout = Duration::from_millis(in_range(p, "redis.connect_timeout_ms", r.connect_timeout_ms, 60_000));
+    let (timeout_field, timeout_ms) = duration_ms(p, deprecated, ("redis.timeout", r.timeout), ("redis.timeout_ms", r.timeout_ms), 20);
+    let (connect_field, connect_timeout_ms) = duration_ms(p, deprecated, ("redis.connect_timeout", r.connect_timeout), ("redis.connect_timeout_ms", r.connect_timeout_ms), 250);
+    let timeout = Duration::from_millis(in_range(p, timeout_field, timeout_ms, 10_000));
+    let connect_timeout = Duration::from_millis(in_range(p, connect_field, connect_timeout_ms, 60_000));
     let min_in_flight = in_range(p, "redis.min_in_flight", r.min_in_flight.into(), MAX_IN_FLIGHT) as u32;
     let max_in_flight = in_range(p, "redis.max_in_flight", r.max_in_flight.into(), MAX_IN_FLIGHT) as u32;
     if min_in_flight > max_in_flight && max_in_flight > 0 && u64::from(min_in_flight) <= MAX_IN_FLIGHT {
@@ -288,12 +330,13 @@ fn limits_config(l: file::LimitsSection, p: &mut Problems) -> LimitsConfig {
     }
 }
 
-fn denial_cache_config(d: file::DenialCacheSection, p: &mut Problems) -> DenialCacheConfig {
+fn denial_cache_config(d: file::DenialCacheSection, p: &mut Problems, deprecated: &mut Vec<String>) -> DenialCacheConfig {
     if !(64..=1 << 24).contains(&d.slots) || !d.slots.is_power_of_two() {
         p.add("denial_cache.slots", format!("{} is not a power of two from 64 to 16777216", d.slots));
     }
-    in_range(p, "denial_cache.max_ms", d.max_ms, 60_000);
-    DenialCacheConfig { enabled: d.enabled, slots: d.slots, max_age: Duration::from_millis(d.max_ms) }
+    let (field, max_ms) = duration_ms(p, deprecated, ("denial_cache.max_age", d.max_age), ("denial_cache.max_ms", d.max_ms), 1000);
+    in_range(p, field, max_ms, 60_000);
+    DenialCacheConfig { enabled: d.enabled, slots: d.slots, max_age: Duration::from_millis(max_ms) }
 }
 
 fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
@@ -738,10 +781,37 @@ mod tests {
     }
 
     #[test]
+    fn durations_have_units_and_the_old_ms_fields_are_read_with_a_deprecation_line() {
+        let c = parse("[server]\nidle_timeout = \"5m\"\nframe_timeout = \"500ms\"\nwrite_timeout = \"1s\"\nshutdown_grace = \"3s\"\n[redis]\nurl = \"redis://127.0.0.1\"\ntimeout = \"35ms\"\nconnect_timeout = \"1s\"\n[denial_cache]\nmax_age = \"250ms\"\n").unwrap();
+        assert_eq!((c.server.idle_timeout, c.server.frame_timeout, c.server.write_timeout, c.server.shutdown_grace), (Duration::from_secs(300), Duration::from_millis(500), Duration::from_secs(1), Duration::from_secs(3)));
+        assert_eq!(c.denial_cache.max_age, Duration::from_millis(250));
+        assert!(c.deprecated.is_empty(), "{:?}", c.deprecated);
+        let r = redis_of(c);
+        assert_eq!((r.timeout, r.connect_timeout), (Duration::from_millis(35), Duration::from_secs(1)));
+
+        let c = parse("[server]\nidle_timeout_ms = 300000\n[redis]\nurl = \"redis://127.0.0.1\"\ntimeout_ms = 20\n").unwrap();
+        assert_eq!(c.server.idle_timeout, Duration::from_secs(300));
+        assert_eq!(
+            c.deprecated,
+            [
+                "server.idle_timeout_ms is the old spelling of server.idle_timeout, a duration with its unit: write idle_timeout = \"5m\"",
+                "redis.timeout_ms is the old spelling of redis.timeout, a duration with its unit: write timeout = \"20ms\"",
+            ]
+        );
+
+        let e = parse("[redis]\nurl = \"redis://127.0.0.1\"\ntimeout = \"20ms\"\ntimeout_ms = 20\nconnect_timeout = 250\n[server]\nframe_timeout = \"0ms\"\n").unwrap_err().to_string();
+        assert!(e.contains("redis.timeout: give redis.timeout only (redis.timeout_ms is its old spelling)"), "{e}");
+        assert!(e.contains("redis.connect_timeout: 250 has no unit: write \"250ms\""), "{e}");
+        assert!(e.contains("server.frame_timeout: must be at least 1"), "{e}");
+        assert_eq!(duration_text_of(1500), "1500ms");
+        assert_eq!(duration_text_of(86_400_000), "1d");
+    }
+
+    #[test]
     fn unknown_fields_are_named() {
-        let e = parse("[redis]\nurl = \"redis://127.0.0.1\"\ntimeout = 5\n").unwrap_err().to_string();
+        let e = parse("[redis]\nurl = \"redis://127.0.0.1\"\ntimout = \"5ms\"\n").unwrap_err().to_string();
         assert!(e.starts_with("test.toml: line 3:"), "{e}");
-        assert!(e.contains("unknown field `timeout`"), "{e}");
+        assert!(e.contains("unknown field `timout`"), "{e}");
         let e = parse("[sever]\n").unwrap_err().to_string();
         assert!(e.contains("unknown field `sever`"), "{e}");
     }

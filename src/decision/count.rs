@@ -25,6 +25,8 @@ pub(super) enum Charge<'a> {
     Refund { removed: u64 },
     /// A SETTLE carried out in Redis (`matched`: its reserve was found).
     Settle { matched: bool },
+    /// A DESCRIBE_POLICY answered: no decision, counted nowhere.
+    Described,
 }
 
 impl<'a> Charge<'a> {
@@ -51,6 +53,7 @@ pub(super) fn account(r: &Response, charge: &Charge<'_>) {
             METRICS.settled(*matched);
             return;
         }
+        Charge::Described => return,
         Charge::Nobody => {}
         Charge::Unknown => count_unknown(),
         Charge::One { policy, top } => {

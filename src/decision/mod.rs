@@ -36,7 +36,7 @@ mod settle;
 use std::sync::Arc;
 
 use crate::protocol::{
-    Decision, ErrorCode, FailPolicy, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK,
+    unknown_policy_response, DescribeRequest, PolicyDescription, PolicyKind, Decision, ErrorCode, FailPolicy, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK,
     OP_CHECK_POLICY, OP_LEASE_SHARE, OP_REFUND,
 };
 use crate::metrics::METRICS;
@@ -76,9 +76,27 @@ impl Limiter {
             Request::Reserve(r) => Box::pin(self.reserve(r)).await,
             Request::Settle(r) => Box::pin(self.settle(r)).await,
             Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
+            Request::Describe(r) => (self.describe(r), Charge::Described),
         };
         account(&response, &charge);
         response
+    }
+
+    /// DESCRIBE_POLICY (op 8): the configuration in force's policy of that
+    /// name, or UNKNOWN_POLICY. Not a decision: no store asked, nothing
+    /// counted as one, nothing logged (the client logs an unknown name).
+    fn describe(&self, r: &DescribeRequest) -> Response {
+        let Some(p) = self.policies.get(&r.name) else { return unknown_policy_response(r.id) };
+        PolicyDescription {
+            kind: if p.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
+            algorithm: p.algorithm,
+            limit: p.limit,
+            window_ms: p.lease_ms.unwrap_or(p.window_ms),
+            on_error: p.fail_policy,
+            local_limit: p.local_limit.unwrap_or(0),
+            shadow: p.shadow,
+        }
+        .to_response(r.id)
     }
 
     /// CHECK_POLICY of one item: resolved, then decided exactly as a CHECK

@@ -11,7 +11,7 @@ use tokio_util::codec::Decoder;
 use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
-    FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE,
+    FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN, DESCRIBE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -227,6 +227,14 @@ pub struct PolicyLeaseArgs<'a> {
     pub local_limit: u32,
 }
 
+/// A validated DESCRIBE_POLICY: the name as sent (not yet looked up).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DescribeRequest {
+    pub id: u32,
+    /// 1..=`MAX_POLICY_NAME_LEN` bytes of `[A-Za-z0-9_.-]`.
+    pub name: Bytes,
+}
+
 /// One validated request: what the daemon decides (src/decision/). The
 /// one request model: the decoder yields it, the decision pipeline takes
 /// it; no other enum of the ops exists.
@@ -252,6 +260,8 @@ pub enum Request {
     /// key for an nginx worker's shared dict; `cost` is the units wanted
     /// (1..=`MAX_SHARE_UNITS`).
     LeaseShare(PolicyCheckRequest),
+    /// DESCRIBE_POLICY (op 8): what the configuration says of a name; not a decision.
+    Describe(DescribeRequest),
 }
 
 /// What the decoder yields for each complete frame: a request, or a frame
@@ -357,6 +367,9 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     }
     if op == OP_LEASE_SHARE {
         return parse_lease_share(body, id, bounds);
+    }
+    if op == OP_DESCRIBE_POLICY {
+        return parse_describe(body, id);
     }
     if op != OP_CHECK {
         return invalid(id, op, ErrorCode::UnknownOp, format!("unknown op {op}"));
@@ -539,6 +552,44 @@ fn parse_refund(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         Ok(items) => Inbound::Request(Request::Refund(RefundRequest { id, handle, items })),
         Err((code, message)) => invalid(id, op, code, message),
     }
+}
+
+/// The rest of `parse_request` for op 8, in the validation order of
+/// docs/PROTOCOL.md section 4g.
+fn parse_describe(body: Bytes, id: u32) -> Inbound {
+    let op = OP_DESCRIBE_POLICY;
+    if body.len() < DESCRIBE_HEADER_LEN + 1 {
+        return invalid(id, op, ErrorCode::Malformed, format!("describe body of {} bytes is shorter than the {} fixed bytes and a name", body.len(), DESCRIBE_HEADER_LEN));
+    }
+    let flags = u16::from_be_bytes([body[6], body[7]]);
+    if flags != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes none"));
+    }
+    let name_len = body[8] as usize;
+    if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
+        return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
+    }
+    if body.len() != DESCRIBE_HEADER_LEN + name_len {
+        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} does not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
+    }
+    let name = body.slice(DESCRIBE_HEADER_LEN..);
+    if !name.iter().all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
+        return invalid(id, op, ErrorCode::UnknownPolicy, "a policy name is of A-Z a-z 0-9 _ . - only");
+    }
+    Inbound::Request(Request::Describe(DescribeRequest { id, name }))
+}
+
+/// Appends a DESCRIBE_POLICY frame for `name` (not validated: tests send
+/// hostile names with it).
+pub fn encode_describe(id: u32, name: &[u8], dst: &mut BytesMut) {
+    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len());
+    dst.put_u32((DESCRIBE_HEADER_LEN + name.len()) as u32);
+    dst.put_u8(VERSION);
+    dst.put_u8(OP_DESCRIBE_POLICY);
+    dst.put_u32(id);
+    dst.put_u16(0);
+    dst.put_u8(name.len() as u8);
+    dst.put_slice(name);
 }
 
 /// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): 1..=
@@ -779,7 +830,7 @@ pub fn encode_lease_request(id: u32, op: u8, a: &LeaseArgs<'_>, dst: &mut BytesM
     dst.put_slice(a.lease);
 }
 
-/// The rest of `parse_request` for op 10 (docs/PROTOCOL.md, section 4g, in
+/// The rest of `parse_request` for op 10 (docs/PROTOCOL.md, section 4h, in
 /// its validation order): CHECK_POLICY's header without flags and exactly
 /// one item, whose cost is the units wanted.
 fn parse_lease_share(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
@@ -1261,6 +1312,8 @@ mod tests {
                             Some(Inbound::Request(Request::Reserve(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost >= 1 && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
+                            // Hostile bytes never reach the lookup as a name a policy could not have.
+                            Some(Inbound::Request(Request::Describe(d))) => prop_assert!((1..=MAX_POLICY_NAME_LEN).contains(&d.name.len()) && d.name.iter().all(|&b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))),
                             None => break,
                         }
                     }
@@ -1302,6 +1355,7 @@ mod tests {
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                     Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
                     Inbound::Request(Request::LeaseShare(_)) => prop_assert!(false, "a CHECK decoded as a lease share"),
+                    Inbound::Request(Request::Describe(_)) => prop_assert!(false, "a CHECK decoded as a describe"),
                 }
             }
         }

@@ -27,7 +27,7 @@ pub const FLAG_SETTLE: u16 = 0x0002;
 /// the actual (0 allowed).
 pub const OP_SETTLE: u8 = 9;
 /// Op code of a worker share of a quota lease (docs/PROTOCOL.md section
-/// 4g, docs/PERFORMANCE.md "Worker shares"): CHECK_POLICY's header and one
+/// 4h, docs/PERFORMANCE.md "Worker shares"): CHECK_POLICY's header and one
 /// item whose cost is the units wanted; answered with the units granted
 /// (`count`) and the ms they are valid for from the worker's send
 /// (`retry_after_ms`).
@@ -63,6 +63,14 @@ pub const MAX_LEASE_ID_LEN: usize = 64;
 /// ACQUIRE_POLICY (section 4e): a lease of a named concurrency policy; with
 /// `FLAG_RELEASE`, its release.
 pub const OP_ACQUIRE_POLICY: u8 = 7;
+/// DESCRIBE_POLICY (docs/PROTOCOL.md section 4g): what the daemon's
+/// configuration in force says of a policy name (exists? kind, algorithm,
+/// limit, window, on_error, local quota), so that a client can verify the
+/// names it uses and take a policy's window instead of repeating it.
+pub const OP_DESCRIBE_POLICY: u8 = 8;
+/// Bytes of a DESCRIBE_POLICY body before the name: version, op, id,
+/// flags, name length.
+pub const DESCRIBE_HEADER_LEN: usize = 9;
 /// Op 7's flag: release the lease instead of acquiring it.
 pub const FLAG_RELEASE: u16 = 0x0001;
 /// Op 7's fixed bytes: the 14 of CHECK_POLICY's header, the lease id's
@@ -296,6 +304,15 @@ wire_enum! {
         /// Fixed windows aligned to multiples of the window since the epoch
         /// (a UTC minute, hour or day): O(1) per key.
         Fixed = 4 => "fixed",
+    }
+}
+
+wire_enum! {
+    /// What a named policy limits (DESCRIBE_POLICY's answer): a rate,
+    /// decided by CHECK_POLICY, or concurrent leases, by ACQUIRE_POLICY.
+    pub enum PolicyKind: u8 {
+        Rate = 0 => "rate",
+        Concurrency = 1 => "concurrency",
     }
 }
 

@@ -120,6 +120,12 @@ pub struct RedisLink {
     wake: Notify,
     /// Wakes requests waiting for a reload.
     loaded: Notify,
+    /// A connection attempt of the supervisor has failed (at least once):
+    /// start-up stops waiting for a Redis that refuses (`wait_first_answer`).
+    attempt_failed: AtomicBool,
+    /// Told when `attempt_failed` is first set (not `loaded`: its waiters
+    /// take a wake-up for a finished load).
+    failed: Notify,
     settings: LinkSettings,
     /// The scripts, one per algorithm, in the order given to `start`
     /// (`script_sha(i)`); all are loaded together, so a link is ready
@@ -189,6 +195,8 @@ impl RedisLink {
             reload_wanted: AtomicBool::new(false),
             wake: Notify::new(),
             loaded: Notify::new(),
+            attempt_failed: AtomicBool::new(false),
+            failed: Notify::new(),
             settings,
             scripts,
             probe,
@@ -499,6 +507,29 @@ impl RedisLink {
         tokio::time::timeout(limit, wait).await.is_ok()
     }
 
+    /// Waits up to `limit` for the supervisor's first attempt to end: the
+    /// link ready (true), or an attempt failed (a Redis that refuses or
+    /// times out: false at once, not after `limit`).
+    pub async fn wait_first_answer(&self, limit: Duration) -> bool {
+        let wait = async {
+            loop {
+                let (loaded, failed) = (self.loaded.notified(), self.failed.notified());
+                tokio::pin!(loaded, failed);
+                loaded.as_mut().enable();
+                failed.as_mut().enable();
+                if self.is_ready() || self.attempt_failed.load(Ordering::Acquire) {
+                    return;
+                }
+                tokio::select! {
+                    _ = loaded => {}
+                    _ = failed => {}
+                }
+            }
+        };
+        let _ = tokio::time::timeout(limit, wait).await;
+        self.is_ready()
+    }
+
     fn publish_load(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.loaded.notify_waiters();
@@ -627,6 +658,9 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
         // Whatever failed, the next attempt starts from a fresh connection.
         if link.breaker.trip() {
             METRICS.breaker_opened();
+        }
+        if !link.attempt_failed.swap(true, Ordering::AcqRel) {
+            link.failed.notify_waiters();
         }
         link.reconnect_wanted.store(true, Ordering::Release);
         tokio::select! {

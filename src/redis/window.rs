@@ -163,6 +163,12 @@ impl RedisWindow {
         self.link.wait_ready(limit).await
     }
 
+    /// Waits up to `limit` for the link's first attempt: ready (true), or
+    /// failed (false, as soon as it has).
+    pub async fn wait_first_answer(&self, limit: Duration) -> bool {
+        self.link.wait_first_answer(limit).await
+    }
+
     /// The Redis key for a client key.
     fn window_key<'a>(&'a self, key: &'a [u8], window_ms: u32, algorithm: Algorithm) -> WindowKey<'a> {
         WindowKey { prefix: &self.key_prefix, key, window_ms, algorithm }

@@ -119,6 +119,7 @@ local new_policy = kind.constructor(mt, "concurrency_policy", "concurrency: ", f
     local name = opts.policy
     return {
         _policy = name,
+        _kind_wanted = "concurrency",
         _window_ms = opts.lease_ms,
         _acquire_header = wire.policy_header(0, on_error, 1, opts.local_limit),
         _release_header = wire.policy_header(wire.FLAG_RELEASE, on_error, 1, opts.local_limit),

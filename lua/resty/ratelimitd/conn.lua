@@ -1,14 +1,15 @@
 -- resty.ratelimitd.conn: one request/response exchange with the daemon
--- over a pooled cosocket: connect (with a pause after connects that fail at
+-- over a pooled cosocket: connect (tried again within the connect budget
+-- during a daemon restart, paused after connects that keep failing at
 -- once), send, read the response, pool the connection only after a clean
--- exchange, and send once more when a pooled connection turns out closed.
+-- exchange, and send once more when the daemon closed it unanswered.
 
 local wire = require "resty.ratelimitd.wire"
 local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
 local tcp = ngx.socket.tcp
-local ngx_now = ngx.now
+local ngx_now, update_time, sleep, get_phase = ngx.now, ngx.update_time, ngx.sleep, ngx.get_phase
 local sub = string.sub
 local max, min = math.max, math.min
 local tostring = tostring
@@ -85,13 +86,75 @@ local CLOSED_BEFORE_READ = {
 local CONNECT_RETRY_MIN, CONNECT_RETRY_MAX = 0.05, 1 -- s
 local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 
+-- A daemon restart is not a missing daemon. Without socket activation the
+-- socket is absent (or refuses) for the few ms between the old daemon's
+-- exit and the new one's bind; with it, connections queue instead. So a
+-- connect that fails at once within RESTART_GRACE of this worker's last
+-- successful connect is tried again for up to connect_timeout +
+-- read_timeout (70 ms shipped: what the request may already spend on a
+-- daemon that is slow, within the documented worst case of connect + send
+-- + 2 x read): the new daemon answers it, where the pause above would have
+-- given it (and every request of the worker for 50 ms or more) the fail
+-- policy. The worker tries one connect at a time, 1, 2, 4, ... ms apart,
+-- the other requests waiting for it: each failed connect is one of nginx's
+-- own "connect() ... failed" lines, so a gap costs a worker about log2 of
+-- its length in ms, whatever the load. A request that spends its whole
+-- budget ends the grace: the daemon is gone, not restarting, and connects
+-- pause as above.
+local RESTART_GRACE = 1 -- s
+local MAX_FRESH_CLOSED = 2
+local PROBE_FIRST = 0.001 -- s
+local last_connected = -RESTART_GRACE
+-- When the worker's next connect during a restart may be tried, and the
+-- wait after it.
+local probe_at, probe_step = 0, PROBE_FIRST
+-- Phases where the request may wait (ngx.sleep yields).
+local MAY_SLEEP = { rewrite = true, access = true, content = true, timer = true }
+
+-- Connects `sock`, trying again within the budget when a restart is likely
+-- (above): true, or nil and the last error.
+local function connect(sock)
+    local ok, err = sock:connect(settings.socket)
+    if ok or err == "timeout" or ngx_now() - last_connected >= RESTART_GRACE or not MAY_SLEEP[get_phase()] then
+        return ok, err
+    end
+    update_time()
+    local now = ngx_now()
+    local deadline = now + (settings.connect_timeout + settings.read_timeout) / 1000
+    if probe_at <= now then
+        -- This failure was the worker's try.
+        probe_at = now + probe_step
+        probe_step = probe_step * 2
+    end
+    while true do
+        if now >= deadline then
+            -- Not back within a request's budget: gone, not restarting.
+            last_connected = -RESTART_GRACE
+            return nil, err
+        end
+        if now < probe_at then
+            sleep(min(probe_at - now, deadline - now))
+        else
+            probe_at = now + probe_step
+            probe_step = probe_step * 2
+            ok, err = sock:connect(settings.socket)
+            if ok or err == "timeout" then
+                return ok, err
+            end
+        end
+        update_time()
+        now = ngx_now()
+    end
+end
+
 --- Sends `frame` (request `id`) and reads its answer on a pooled
 -- connection: the response's prefix and fixed fields (32 bytes), its
 -- message and its extension (or nil); or nil and an error. A socket is
 -- pooled only after a clean exchange, never after an error or a timeout.
 function _M.transact(frame, id)
     local sock, head, message, ext, err
-    for attempt = 1, 2 do
+    local fresh_closed = 0
+    for attempt = 1, settings.pool_size + MAX_FRESH_CLOSED do
         sock, err = tcp()
         if not sock then
             return nil, "socket: " .. tostring(err)
@@ -107,10 +170,11 @@ function _M.transact(frame, id)
         end
         sock:settimeouts(settings.connect_timeout, settings.send_timeout, settings.read_timeout)
         local ok
-        ok, err = sock:connect(settings.socket)
+        ok, err = connect(sock)
         if not ok then
             err = "connect: " .. err
-            if err ~= "connect: timeout" then
+            -- During a likely restart each request tries on its own (above).
+            if err ~= "connect: timeout" and ngx_now() - last_connected >= RESTART_GRACE then
                 connect_pause = min(max(connect_pause * 2, CONNECT_RETRY_MIN), CONNECT_RETRY_MAX)
                 connect_retry_at = ngx_now() + connect_pause
                 connect_error = err
@@ -120,6 +184,8 @@ function _M.transact(frame, id)
         if connect_error then
             connect_error, connect_pause = nil, 0
         end
+        last_connected = ngx_now()
+        probe_at, probe_step = 0, PROBE_FIRST
         local reused = (sock:getreusedtimes() or 0) > 0
         head, message, ext = roundtrip(sock, frame, id)
         if head then
@@ -127,10 +193,24 @@ function _M.transact(frame, id)
         end
         err = message
         sock:close()
-        -- A pooled connection that the daemon closed while it sat idle (a
-        -- daemon restart) fails at once; the request was never read, so it
-        -- is sent once more on a fresh connection. Timeouts are not retried.
-        if attempt == 2 or not reused or not CLOSED_BEFORE_READ[err] then
+        -- A connection the daemon closed without answering fails at once:
+        -- a pooled one it closed while it sat idle (after a restart, every
+        -- pooled one: the next attempt takes the next from the pool), or a
+        -- fresh one a stopping daemon accepted as it stopped. The daemon
+        -- answers every request it has read before it closes (PROTOCOL.md
+        -- section 8), so this one was never decided: it is sent again, on
+        -- the next pooled connection or a fresh one, until MAX_FRESH_CLOSED
+        -- fresh ones were closed too. Timeouts are not retried.
+        if not CLOSED_BEFORE_READ[err] then
+            return nil, err
+        end
+        if not reused then
+            fresh_closed = fresh_closed + 1
+            if fresh_closed == MAX_FRESH_CLOSED then
+                return nil, err
+            end
+        end
+        if attempt == settings.pool_size + MAX_FRESH_CLOSED then
             return nil, err
         end
     end

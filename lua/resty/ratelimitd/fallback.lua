@@ -50,23 +50,44 @@ local function local_decision(key, cost, limit, window)
              remaining = limit - weighted - cur, retry_after_ms = 0, reset_ms = reset_ms, limit = limit }
 end
 
+local NO_LOCAL_WINDOW = "; local fallback: the policy's window and local_limit are not known yet (the daemon has not"
+    .. " described it since this worker started; give window_ms and local_limit in nginx to count locally from the start)"
+
+local NO_LOCAL_QUOTA = "; local fallback: the policy has no local_limit in the daemon and the limiter none in nginx"
+    .. " (on_error = \"local\" needs one of them)"
+
+--- The policy named in lim's failure lines: its policy, or policies (nil
+-- for an inline limiter).
+local function policy_of(lim)
+    return lim._policy_label or lim._policy
+end
+_M.policy_of = policy_of
+
 --- The location's policy for one key (`lim`: _on_error, _limit,
 -- _local_limit, _window_ms), logged with `reason`.
 function _M.one(lim, key, cost, reason)
     local on_error = lim._on_error
+    local policy = policy_of(lim)
+    if on_error == "local" and not (lim._local_limit and lim._window_ms) then
+        -- A policy limiter whose quota and window come from the daemon,
+        -- which has not described its policy yet (unreachable since the
+        -- worker started): no local window to count in. Open, and said so.
+        log_failure("fail_open", key, reason .. (lim._described and NO_LOCAL_QUOTA or NO_LOCAL_WINDOW), policy)
+        return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = lim._limit }
+    end
     if on_error == "open" then
-        log_failure("fail_open", key, reason)
+        log_failure("fail_open", key, reason, policy)
         return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = lim._limit }
     end
     if on_error == "local" then
         local res, err = local_decision(key, cost, lim._local_limit, lim._window_ms)
         if res then
-            log_failure("local_fallback", key, reason)
+            log_failure("local_fallback", key, reason, policy)
             return res
         end
         reason = reason .. "; local fallback: " .. err
     end
-    log_failure("fail_closed", key, reason)
+    log_failure("fail_closed", key, reason, policy)
     return { allowed = false, decision = "denied", source = "lua_fail_closed", limit = lim._limit,
              retry_after_ms = 1000 }
 end
@@ -93,13 +114,13 @@ function _M.many(lim, keys, costs, reason)
             if not res then
                 return _M.one(lim, label, 1, reason .. "; local fallback: " .. err)
             end
-            log_failure("local_fallback", label, reason)
+            log_failure("local_fallback", label, reason, policy_of(lim))
             res.policy = names[i]
             return res
         end
         taken[#taken + 1] = { key, costs[i] }
     end
-    log_failure("local_fallback", label, reason)
+    log_failure("local_fallback", label, reason, policy_of(lim))
     return { allowed = true, decision = "allowed", source = "lua_local", limit = lim._local_limit }
 end
 

@@ -17,12 +17,12 @@ local settings = require("resty.ratelimitd.config").settings
 local headers = require "resty.ratelimitd.headers"
 local log_failure = require("resty.ratelimitd.log").failure
 local UNKNOWN_POLICY = require("resty.ratelimitd.wire").UNKNOWN_POLICY
+local policy_of = require("resty.ratelimitd.fallback").policy_of
 
 local ngx = ngx
 local ngx_log, INFO = ngx.log, ngx.INFO
 local ngx_exit, ngx_sleep, ngx_header = ngx.exit, ngx.sleep, ngx.header
 local ceil, max = math.ceil, math.max
-local tostring = tostring
 
 local _M = {}
 
@@ -99,7 +99,7 @@ function _M.enforce(lim, beh, key, cost, lease)
         -- The daemon's configuration has no policy of this name (a typo, or
         -- a reload that removed it): a configuration error, logged as such
         -- at error level; until it is fixed the location's on_error decides.
-        log_failure("unknown_policy", lim:_label(key), "policy '" .. tostring(lim._policy) .. "': " .. res.message)
+        log_failure("unknown_policy", lim:_label(key), res.message, policy_of(lim))
         res = lim:_fallback(key, cost, "UNKNOWN_POLICY")
     elseif res.decision == "error" and res.error_code < 30 then
         -- The daemon refused the request as invalid (codes 1-29: a limit,
@@ -108,7 +108,7 @@ function _M.enforce(lim, beh, key, cost, lease)
         -- so on_error does not decide (with "open" it would pass every
         -- request unlimited): the request gets its own status, 500 by
         -- default, and the error is logged as such.
-        log_failure("invalid_request", lim:_label(key), res.error .. ": " .. res.message)
+        log_failure("invalid_request", lim:_label(key), res.error .. ": " .. res.message, policy_of(lim))
         log_outcome(lim, res, "ERROR")
         if beh.dry_run then
             return res
@@ -119,7 +119,7 @@ function _M.enforce(lim, beh, key, cost, lease)
         -- windows are full: LOCAL_CAPACITY): decided by the policy.
         res = lim:_fallback(key, cost, res.error .. ": " .. res.message)
     elseif DAEMON_FAIL[res.source] then
-        log_failure(DAEMON_FAIL[res.source], lim:_label(key), res.error .. ": " .. res.message)
+        log_failure(DAEMON_FAIL[res.source], lim:_label(key), res.error .. ": " .. res.message, policy_of(lim))
     end
     -- A policy's window is the daemon's (in the items of a multi-item
     -- answer); window_ms of a policy limiter is its own fallback's, for its
@@ -137,7 +137,7 @@ function _M.enforce(lim, beh, key, cost, lease)
         -- should see, no headers, no refusal. PASSED_SHADOW only when the
         -- policy would have refused.
         if res.decision == "shadow_denied" then
-            ngx_log(INFO, "ratelimitd: shadow policy '", lim._policy, "' would deny key=", key, " source=", res.source)
+            ngx_log(INFO, "ratelimitd: shadow_denied policy=", lim._policy, " key=", key, " source=", res.source)
             log_outcome(lim, res, "PASSED_SHADOW")
         else
             log_outcome(lim, res, FAIL_OPEN[res.source] and "FAIL_OPEN" or "PASSED")
@@ -163,7 +163,7 @@ function _M.enforce(lim, beh, key, cost, lease)
         return res
     end
     if beh.dry_run then
-        ngx_log(INFO, "ratelimitd: dry_run would deny key=", lim:_label(key), " source=", res.source)
+        ngx_log(INFO, "ratelimitd: dry_run would deny policy=", policy_of(lim) or "-", " key=", lim:_label(key), " source=", res.source)
         log_outcome(lim, res, "REJECTED_DRY_RUN")
         return res
     end

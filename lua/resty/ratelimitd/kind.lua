@@ -6,6 +6,8 @@
 local http = require "resty.ratelimitd.http"
 local fallback = require "resty.ratelimitd.fallback"
 local options = require "resty.ratelimitd.options"
+local describe = require "resty.ratelimitd.describe"
+local log = require "resty.ratelimitd.log"
 local key_args = require("resty.ratelimitd.key").args
 
 local error, getmetatable, setmetatable = error, getmetatable, setmetatable
@@ -73,10 +75,22 @@ function _M.constructor(mt, spec, prefix, build)
         end
         local lim = build(opts, on_error)
         lim._on_error = on_error
+        -- Not chosen by the location: a policy's own on_error may replace
+        -- it once the daemon has described the policy (describe.lua).
+        lim._on_error_defaulted = opts.on_error == nil
         lim._local_limit = opts.local_limit
         -- Policies in shadow mode: never in the headers (headers.lua).
         lim._shadow = options.name_set(opts.shadow)
-        return options.copy_behaviour(setmetatable(lim, mt), opts)
+        lim = options.copy_behaviour(setmetatable(lim, mt), opts)
+        if lim._policy then
+            describe.register(lim)
+        end
+        -- A policy limiter says it once its policy is described: the
+        -- policy's own on_error may be the choice.
+        if opts.on_error == nil and not lim._policy then
+            log.default_on_error(spec)
+        end
+        return lim
     end
 end
 

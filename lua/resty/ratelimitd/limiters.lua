@@ -16,9 +16,15 @@
 -- on_error = "open" (the location's own choice for "no decision"); each
 -- request it sees logs `limiter_not_built` (rate-limited like the client's
 -- other failure lines); its check() returns nil and the reason.
+-- Then the policy names the limiters use are checked against the daemon
+-- (DESCRIBE_POLICY, in a timer right after the worker starts): an unknown
+-- name is one error line (`ratelimitd: policy "login" is not in the
+-- daemon's configuration ...`), and a policy limiter takes the window and
+-- local quota of its own fallback from its policy.
 
 local ratelimitd = require "resty.ratelimitd"
 local log = require "resty.ratelimitd.log"
+local describe = require "resty.ratelimitd.describe"
 
 local ngx = ngx
 local ngx_log, CRIT, ngx_exit = ngx.log, ngx.CRIT, ngx.exit
@@ -62,6 +68,13 @@ function _M.build(specs)
             failed = failed + 1
             out[name] = broken(tostring(name), spec, ok and tostring(err) or tostring(lim))
         end
+    end
+    -- The policy names they use, checked against the daemon right after
+    -- the worker starts (describe.lua): one error line per unknown name.
+    -- In init_by_lua (no timers) the workers' init_worker must ask for it.
+    local scheduled, why = describe.schedule()
+    if not scheduled and ngx.get_phase() ~= "init" then
+        ngx_log(CRIT, "ratelimitd: the policy names of the limiters cannot be verified: ", why)
     end
     return out, failed
 end

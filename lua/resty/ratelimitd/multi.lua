@@ -110,6 +110,8 @@ _M.new = kind.constructor(mt, "multi", "new: ", function(opts, on_error)
         _names = names,
         _n = #names,
         _policy = names[1],
+        -- What its failure lines name.
+        _policy_label = table.concat(names, ","),
         _window_ms = opts.window_ms,
         -- settle = true: the check reserves its cost (PROTOCOL.md 4f, settle.lua).
         _header = wire.policy_header(opts.settle and 2 or (opts.refundable and wire.FLAG_REFUNDABLE or 0), on_error, #names, opts.local_limit),

@@ -15,6 +15,13 @@ local MAX_POLICY_NAME_LEN, MAX_POLICY_ITEMS = wire.MAX_POLICY_NAME_LEN, wire.MAX
 
 local _M = {}
 
+-- The fail policy of a limiter whose location chose none: open, with one
+-- line at error level when the limiter is made (log.default_on_error), as
+-- Envoy's failure_mode_deny = false. The same default in ratelimitd.toml
+-- (a policy without on_error takes the request's) and `ratelimitd query`.
+local DEFAULT_ON_ERROR = "open"
+_M.DEFAULT_ON_ERROR = DEFAULT_ON_ERROR
+
 local function positive_int(v)
     return type(v) == "number" and v >= 1 and v <= 4294967295 and floor(v) == v
 end
@@ -122,8 +129,10 @@ local KINDS = {
 
 -- The rules between options, per kind: the first broken one's message.
 local function rules(k, opts)
-    local on_error = opts.on_error or "closed"
-    if on_error == "local" and opts.local_limit == nil then
+    local on_error = opts.on_error or DEFAULT_ON_ERROR
+    -- A policy limiter takes its local quota (and window) from the
+    -- policy when nginx does not give them (describe.lua).
+    if on_error == "local" and opts.local_limit == nil and k ~= "policy" then
         return "on_error = 'local' needs a positive integer local_limit"
     end
     if k == "inline" or k == "table_form" then
@@ -137,7 +146,7 @@ local function rules(k, opts)
             return "nodelay and delay apply to algorithm = 'gcra' only"
         end
     elseif k == "policy" or k == "multi" then
-        if on_error == "local" and opts.window_ms == nil then
+        if k == "multi" and on_error == "local" and opts.window_ms == nil then
             return "on_error = 'local' needs window_ms: the window of this client's own fallback quota"
         end
         if k == "multi" and opts.policy ~= nil and opts.policies ~= nil then
@@ -170,7 +179,8 @@ local function rules(k, opts)
 end
 
 --- Checks `opts` for a limiter of kind `k`: the fail policy's name
--- (on_error, "closed" by default), or nil and the first problem.
+-- (on_error, "open" by default: docs/CONFIG.md says why), or nil and the
+-- first problem.
 function _M.check(k, opts)
     local spec = KINDS[k]
     for name in pairs(opts) do
@@ -192,7 +202,7 @@ function _M.check(k, opts)
     if err then
         return nil, err
     end
-    return opts.on_error or "closed"
+    return opts.on_error or DEFAULT_ON_ERROR
 end
 
 --- The behaviour options of `opts` copied onto the limiter `lim`, under

@@ -2,9 +2,12 @@
 -- one item): the daemon holds its limit, window, algorithm, overrides and
 -- allowlist (docs/POLICIES.md); the frame carries the name, the key and
 -- the cost. The location's on_error decides when the daemon gives no
--- decision, and when the name is unknown to it. With on_error = "local",
--- local_limit is the per-host quota and window_ms the window of this
--- client's own fallback (the daemon's fallback uses the policy's window).
+-- decision, and when the name is unknown to it; without one, the policy's
+-- own on_error (as the daemon describes it), else open.
+-- With on_error = "local", local_limit is the per-host quota and window_ms
+-- the window of this client's own fallback; both default to the policy's,
+-- which the limiter asks the daemon for (DESCRIBE_POLICY, describe.lua)
+-- when the worker starts, or at its first request.
 -- No denial cache here: it is keyed by limit and window, which the daemon
 -- holds and a reload may change; the daemon's own cache applies.
 
@@ -12,6 +15,7 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
 local share = require "resty.ratelimitd.share"
+local describe = require "resty.ratelimitd.describe"
 
 local char = string.char
 local ngx = ngx
@@ -21,6 +25,18 @@ local check_policy, policy_item = wire.check_policy, wire.policy_item
 local _M = {}
 
 local Policy, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
+
+-- The frame's constant header: flags, the location's on_error, one item,
+-- its local quota. nil while on_error is "local" and the quota is not
+-- known (neither given in nginx nor yet described by the daemon).
+local function header(self)
+    local on_error, local_limit = self._on_error, self._local_limit
+    if on_error == "local" and not local_limit then
+        return nil
+    end
+    self._header = wire.policy_header(0, on_error, 1, local_limit)
+    return self._header
+end
 
 function Policy._decide(self, key, cost)
     -- share_dict: a hot key is admitted from the host's share of the
@@ -32,23 +48,48 @@ function Policy._decide(self, key, cost)
             return res
         end
     end
+    local h = self._header or header(self)
+    if not h then
+        -- A policy described without a local quota stays so until a worker
+        -- restart (no round trip per request); an unknown name is asked
+        -- again (a reload may add it), as a CHECK_POLICY would be.
+        local ok, err = self._described and not self._unknown, nil
+        if not ok then
+            ok, err = describe.now(self)
+        end
+        h = ok and header(self)
+        if not h and self._unknown then
+            return nil, err or ("UNKNOWN_POLICY: policy \"" .. self._policy .. "\" is not in the daemon's configuration")
+        elseif not h then
+            return nil, err or ("policy \"" .. self._policy
+                .. "\" has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
+        end
+    end
     local id = next_id()
-    local res, err = ask(self, check_policy(id, self._header, policy_item(cost, self._name_part, key)), id)
+    local res, err = ask(self, check_policy(id, h, policy_item(cost, self._name_part, key)), id)
     if dict and res and res.decision == "allowed" and res.source == "redis" then
         share.refill(self, dict, key, res)
     end
     return res, err
 end
 
+-- A description changed on_error or the local quota: the header is built
+-- again at the next request.
+function Policy._on_described(self)
+    self._header = nil
+end
+
 kind.rate_methods(Policy, checked)
 
 --- new{ policy = name, ... }: the limiter, or nil and a message.
-_M.new = kind.constructor(mt, "policy", "new: ", function(opts, on_error)
+_M.new = kind.constructor(mt, "policy", "new: ", function(opts)
     local name = opts.policy
     return {
         _policy = name,
         _window_ms = opts.window_ms,
-        _header = wire.policy_header(0, on_error, 1, opts.local_limit),
+        _window_given = opts.window_ms ~= nil,
+        _takes_description = true,
+        _kind_wanted = "rate",
         -- After the key length: the name's length and the name.
         _name_part = char(#name) .. name,
         -- Worker shares of the daemon's quota leases (nil: off).

@@ -1,5 +1,5 @@
 -- resty.ratelimitd.share: worker shares of the daemon's quota leases
--- (docs/PERFORMANCE.md "Worker shares", docs/PROTOCOL.md 4g). A policy
+-- (docs/PERFORMANCE.md "Worker shares", docs/PROTOCOL.md 4h). A policy
 -- limiter with share_dict = "<lua_shared_dict>" admits a hot key from units
 -- the daemon handed to this host's workers (LEASE_SHARE, op 10), with no
 -- socket round trip: one atomic incr in the shared dict, no lock.
@@ -129,9 +129,15 @@ function _M.refill(lim, dict, key, res)
             return
         end
     end
+    -- The policy's frame header is built at its first request; a description
+    -- that arrived meanwhile clears it (policy.lua): no refill this time.
+    local header = lim._header
+    if not header then
+        return
+    end
     local id = next_id()
     local sent_ms = floor(mono_us() / 1000)
-    local head = transact(wire.lease_share(id, lim._header, WANT, lim._name_part, key), id)
+    local head = transact(wire.lease_share(id, header, WANT, lim._name_part, key), id)
     -- No units, an error (a daemon older than op 10 answers UNKNOWN_OP) or
     -- no answer: not again for NOTHING_S, so that such a daemon costs one
     -- extra round trip per key and host every NOTHING_S, not per request.

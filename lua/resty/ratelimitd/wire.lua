@@ -7,7 +7,7 @@ local bit = require "bit"
 local band, rshift = bit.band, bit.rshift
 local byte, char, sub = string.byte, string.char, string.sub
 local floor = math.floor
-local tostring, ipairs = tostring, ipairs
+local tostring, ipairs, pairs = tostring, ipairs, pairs
 
 local _M = {}
 
@@ -18,6 +18,9 @@ _M.OP_ACQUIRE, _M.OP_RELEASE = 5, 6
 -- ACQUIRE_POLICY (section 4e): a lease of a named concurrency policy; with
 -- the flag 0x0001, its release.
 _M.OP_ACQUIRE_POLICY, _M.FLAG_RELEASE = 7, 1
+-- DESCRIBE_POLICY (section 4g): what the daemon's configuration says of a
+-- policy name; the answer is in the response's fixed fields.
+_M.OP_DESCRIBE_POLICY = 8
 _M.FLAG_REFUNDABLE = 1
 _M.MAX_POLICY_ITEMS = 8
 _M.MAX_POLICY_NAME_LEN = 31
@@ -149,7 +152,7 @@ function _M.acquire_policy(id, header, cost, name_part, key, lease)
     return head(15 + #item + #lease, 7, id) .. header .. char(#lease) .. item .. lease
 end
 
--- LEASE_SHARE (op 10, section 4g): CHECK_POLICY's header and one item
+-- LEASE_SHARE (op 10, section 4h): CHECK_POLICY's header and one item
 -- whose cost is the units wanted (share.lua).
 _M.OP_LEASE_SHARE = 10
 function _M.lease_share(id, header, units, name_part, key)
@@ -162,6 +165,48 @@ end
 function _M.refund(id, handle)
     local body = char(VERSION, 3) .. u32(id) .. char(0, 0, 0) .. handle
     return u32(#body) .. body
+end
+
+-- DESCRIBE_POLICY of `name`: version, op, id, flags (0), the name's length
+-- and the name.
+function _M.describe(id, name)
+    return head(9 + #name, 8, id) .. char(0, 0, #name) .. name
+end
+
+local KIND = { [0] = "rate", [1] = "concurrency" }
+local ALGORITHM_NAME = {}
+for name, v in pairs(ALGORITHM) do
+    ALGORITHM_NAME[v] = name
+end
+local ON_ERROR_NAME = { [0] = "open", [1] = "closed", [2] = "local" }
+
+-- The answer to a DESCRIBE_POLICY (`h` as check_head accepted it): a table
+-- { kind, algorithm, limit, window_ms, on_error (nil: the location's),
+-- local_limit (nil: none), shadow }; false and the daemon's message for a
+-- name it does not have; nil and an error for any other answer.
+function _M.description(h, message)
+    local code = be16(h, 29)
+    if code == _M.UNKNOWN_POLICY then
+        return false, message
+    end
+    if byte(h, 6) ~= 8 or byte(h, 11) ~= 0 or code ~= 0 then
+        return nil, (ERROR_NAME[code] or tostring(code)) .. ": " .. (message or "")
+    end
+    -- reset_ms's four bytes: kind, algorithm, on_error (255: none), flags.
+    local kind, algorithm, on_error, flags = byte(h, 25, 28)
+    if not KIND[kind] or not ALGORITHM_NAME[algorithm] or (on_error ~= 255 and not ON_ERROR_NAME[on_error]) then
+        return nil, "malformed description"
+    end
+    local local_limit = be32(h, 17)
+    return {
+        kind = KIND[kind],
+        algorithm = ALGORITHM_NAME[algorithm],
+        limit = be32(h, 13),
+        window_ms = be32(h, 21),
+        on_error = ON_ERROR_NAME[on_error],
+        local_limit = local_limit > 0 and local_limit or nil,
+        shadow = band(flags, 1) == 1,
+    }
 end
 
 -- Checks the length prefix and the fixed fields of a response (`h`, 32

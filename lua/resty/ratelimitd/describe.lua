@@ -1,0 +1,215 @@
+-- resty.ratelimitd.describe: asks the daemon what its configuration says
+-- of the policy names this worker's limiters use (DESCRIBE_POLICY, op 8,
+-- docs/PROTOCOL.md section 4g), so that
+--   * a name the daemon lacks (a typo, a rename) is said loudly in
+--     error.log when the worker starts, not found by the first 503;
+--   * a policy limiter takes its window and local quota from the policy:
+--     window_ms and local_limit need not be repeated in nginx (given, they
+--     win, and a window that differs from the policy's is logged).
+-- Every limiter that names policies registers here when it is made;
+-- schedule() (called by limiters.build, or by verify_policies() from
+-- init_worker_by_lua) describes them in a timer right after the worker
+-- starts, and again with a back-off while the daemon cannot be reached.
+-- A policy limiter that must know its local quota before it can send its
+-- first request (on_error = "local" without local_limit) describes its
+-- policy itself if the timer has not yet (one round trip, once).
+
+local wire = require "resty.ratelimitd.wire"
+local conn = require "resty.ratelimitd.conn"
+local log = require "resty.ratelimitd.log"
+
+local ngx = ngx
+local ngx_log, ERR, INFO = ngx.log, ngx.ERR, ngx.INFO
+local min = math.min
+local pairs, ipairs, setmetatable, tostring, type = pairs, ipairs, setmetatable, tostring, type
+
+local _M = {}
+
+-- Every limiter naming policies in this worker, with the name it was built
+-- under (weak keys: a limiter dropped is not verified).
+local registered = setmetatable({}, { __mode = "k" })
+
+local RETRY_MIN, RETRY_MAX = 1, 30 -- s between two attempts while the daemon is unreachable
+
+--- Registers `lim` (fields _policy, or _names for several) for verification.
+function _M.register(lim)
+    registered[lim] = true
+end
+
+-- One line per host, not one per worker (log.lua).
+local loud = log.loud
+
+--- The daemon's description of policy `name` (a table, wire.description),
+-- false and the daemon's message for a name it does not have, or nil and
+-- an error (daemon unreachable, a bad answer).
+function _M.describe(name)
+    local id = conn.next_id()
+    local head, message = conn.transact(wire.describe(id, name), id)
+    if not head then
+        return nil, message
+    end
+    return wire.description(head, message)
+end
+
+-- What a limiter calls itself in a log line.
+local function label(lim)
+    if lim._policy then
+        return "policy \"" .. lim._policy .. "\""
+    end
+    return "policies \"" .. table.concat(lim._names or {}, ",") .. "\""
+end
+
+-- Says (once per host) when the daemon's policy is of the other kind than
+-- the limiter naming it.
+local function check_kind(lim, name, d)
+    local wanted = lim._kind_wanted or "rate"
+    if d.kind ~= wanted and loud() then
+        ngx_log(ERR, "ratelimitd: policy \"", name, "\" is a ", d.kind, " policy in the daemon, used by a ",
+            wanted, " limiter: its requests get WRONG_POLICY_KIND (",
+            d.kind == "concurrency" and "use ratelimitd.concurrency{ policy = ... }" or "use ratelimitd.new{ policy = ... }", ")")
+    end
+end
+
+--- Applies `d`, the description of its policy, to a limiter: a policy
+-- limiter (lim._takes_description) takes the window and local quota of its
+-- own fallback when nginx did not give them, and the policy's on_error
+-- when the location set none. Returns true.
+function _M.apply(lim, d)
+    local name = lim._policy
+    check_kind(lim, name, d)
+    lim._described = true
+    if not lim._takes_description then
+        return true
+    end
+    if lim._window_given then
+        if lim._window_ms ~= d.window_ms and loud() then
+            ngx_log(ERR, "ratelimitd: policy \"", name, "\": window_ms = ", lim._window_ms,
+                " in nginx differs from the policy's window of ", d.window_ms,
+                " ms in the daemon; nginx's is used for the client's own fallback only (drop window_ms to take the policy's)")
+        end
+    else
+        lim._window_ms = d.window_ms
+    end
+    if lim._local_limit == nil then
+        lim._local_limit = d.local_limit
+    end
+    if lim._on_error_defaulted then
+        if d.on_error then
+            lim._on_error = d.on_error
+        else
+            log.default_on_error("policy \"" .. name .. "\"")
+        end
+    end
+    if lim._on_described then
+        lim:_on_described()
+    end
+    -- Per worker, at info level (not kept by Debian's default error_log):
+    -- what this worker's fallback for the policy now counts with.
+    ngx_log(INFO, "ratelimitd: policy \"", name, "\" described by the daemon: ", d.kind, " ", d.algorithm,
+        " limit=", d.limit, " window_ms=", d.window_ms, " on_error=", d.on_error or "-",
+        " local_limit=", d.local_limit or "-", "; this limiter's fallback: on_error=", lim._on_error,
+        " window_ms=", lim._window_ms, " local_limit=", lim._local_limit or "-")
+    return true
+end
+
+--- Describes lim's policy now (a request of a limiter the timer has not
+-- reached): true, or nil and an error.
+function _M.now(lim)
+    local d, err = _M.describe(lim._policy)
+    if d then
+        lim._unknown = nil
+        return _M.apply(lim, d)
+    end
+    if d == false then
+        lim._described, lim._unknown = true, true
+        return nil, "UNKNOWN_POLICY: policy \"" .. lim._policy .. "\": " .. tostring(err)
+    end
+    return nil, err
+end
+
+local running = false
+
+-- Describes every registered limiter not yet described; true when none is
+-- left (or nil and the error that stopped it: the daemon is unreachable).
+local function verify_all()
+    local seen = {}
+    for lim in pairs(registered) do
+        if not lim._described then
+            local names = lim._names or { lim._policy }
+            local all_known = true
+            for _, name in ipairs(names) do
+                local d = seen[name]
+                if d == nil then
+                    local err
+                    d, err = _M.describe(name)
+                    if d == nil then
+                        return nil, err
+                    end
+                    seen[name] = d
+                    if d == false and loud() then
+                        -- One line per unknown name.
+                        ngx_log(ERR, "ratelimitd: policy \"", name, "\" is not in the daemon's configuration (",
+                            tostring(err), "): every request of its limiter gets the location's on_error until the daemon has it",
+                            " (ratelimitd check-config --nginx says which names nginx uses)")
+                    end
+                end
+                if d == false then
+                    all_known = false
+                elseif not lim._names then
+                    _M.apply(lim, d)
+                else
+                    check_kind(lim, name, d)
+                end
+            end
+            lim._described = true
+            if not all_known then
+                lim._unknown = true
+            end
+        end
+    end
+    return true
+end
+
+local function timer(premature, delay)
+    if premature then
+        running = false
+        return
+    end
+    local ok, err = verify_all()
+    if ok then
+        running = false
+        return
+    end
+    if loud() and delay == RETRY_MIN then
+        ngx_log(ERR, "ratelimitd: cannot verify the policy names of this worker's limiters yet (", tostring(err),
+            "): retrying every ", RETRY_MIN, " to ", RETRY_MAX, " s")
+    end
+    local next_delay = min(delay * 2, RETRY_MAX)
+    local ok2, terr = ngx.timer.at(delay, timer, next_delay)
+    if not ok2 then
+        running = false
+        ngx_log(ERR, "ratelimitd: cannot schedule the policy verification: ", tostring(terr))
+    end
+end
+
+--- Describes the registered limiters in a timer (from init_worker_by_lua,
+-- or later): true, or nil and why not (in init_by_lua there are no timers:
+-- the workers' init_worker must call it).
+function _M.schedule()
+    if running then
+        return true
+    end
+    if type(ngx.get_phase) == "function" and ngx.get_phase() == "init" then
+        return nil, "no timers in init_by_lua: call require(\"resty.ratelimitd\").verify_policies() from init_worker_by_lua"
+    end
+    local ok, err = ngx.timer.at(0, timer, RETRY_MIN)
+    if not ok then
+        return nil, err
+    end
+    running = true
+    return true
+end
+
+_M.label = label
+
+return _M
