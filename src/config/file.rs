@@ -63,12 +63,24 @@ pub(super) struct PolicySection {
     /// Hot-key shards: the key's quota split over this many windows.
     #[serde(default)]
     pub shards: Option<i64>,
+    /// The penalty box: `{ after = N, within = "W", ban = "D" }`.
+    #[serde(default)]
+    pub penalty: Option<PenaltySection>,
     /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
     /// stable order.
     #[serde(default)]
     pub overrides: std::collections::BTreeMap<String, OverrideValue>,
     #[serde(default)]
     pub allowlist: Vec<String>,
+}
+
+/// A policy's `penalty = { after = N, within = "W", ban = "D" }` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PenaltySection {
+    pub after: i64,
+    pub within: String,
+    pub ban: String,
 }
 
 /// An override as written: a number or a word (only "unlimited" is valid).

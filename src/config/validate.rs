@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, AdminConfig, AdminListen, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
-    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
+    redacted_url, AdminConfig, AdminListen, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
+    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
 
@@ -461,9 +461,43 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             p.add("policy.shards", format!("policy '{name}': shards are not supported with algorithm = \"concurrency\" (one key's leases are one set)"));
         }
         let shards = if concurrency { 1 } else { policy_shards(p, &name, s.shards, limit, &overrides) };
-        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, overrides });
+        let penalty = s.penalty.as_ref().and_then(|pen| policy_penalty(p, &name, pen, concurrency, algorithm, shards, bounds));
+        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, penalty, overrides });
     }
     out
+}
+
+/// `penalty = { after = N, within = "W", ban = "D" }`: N in
+/// 1..=`MAX_PENALTY_AFTER`, W and D durations within `limits.max_window_ms`;
+/// a rate policy of algorithm log, unsharded (the ban is decided in the
+/// log's call, in the key's Cluster slot: a sharded key has no one slot).
+fn policy_penalty(p: &mut Problems, name: &str, pen: &file::PenaltySection, concurrency: bool, algorithm: Algorithm, shards: u32, bounds: &Bounds) -> Option<Penalty> {
+    let before = p.0.len();
+    if concurrency {
+        p.add("policy.penalty", format!("policy '{name}': penalty is not supported with algorithm = \"{CONCURRENCY}\" (a lease is released, not refused for good)"));
+    } else if algorithm != Algorithm::Log {
+        p.add("policy.penalty", format!("policy '{name}': penalty needs algorithm = \"log\" (it is decided in the log's script), not \"{}\"", algorithm.as_str()));
+    }
+    if shards > 1 {
+        p.add("policy.penalty", format!("policy '{name}': penalty is not supported with shards = {shards} (a ban lives in the key's one Cluster slot)"));
+    }
+    if pen.after < 1 || pen.after > i64::from(MAX_PENALTY_AFTER) {
+        p.add("policy.penalty", format!("policy '{name}': penalty.after {} is outside 1..={MAX_PENALTY_AFTER} (refusals within `within` that engage a ban)", pen.after));
+    }
+    let mut ms = |what: &str, text: &str| match parse_duration(text) {
+        Ok(d) if !d.is_zero() && d.as_millis() <= u128::from(bounds.max_window_ms) => d.as_millis() as u32,
+        Ok(_) => {
+            p.add("policy.penalty", format!("policy '{name}': penalty.{what} {text} is outside 1ms..={}ms (limits.max_window_ms)", bounds.max_window_ms));
+            0
+        }
+        Err(e) => {
+            p.add("policy.penalty", format!("policy '{name}': penalty.{what}: {e}"));
+            0
+        }
+    };
+    let within_ms = ms("within", &pen.within);
+    let ban_ms = ms("ban", &pen.ban);
+    (p.0.len() == before).then_some(Penalty { after: pen.after as u32, within_ms, ban_ms })
 }
 
 /// A `fixed` policy's calendar window: `window = "month"` and/or a
