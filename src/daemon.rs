@@ -153,7 +153,7 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
             }
             Backend::Local => (None, true),
         };
-        Live { breaker_open, backend_ready, policies: current.limiter.policies().clone() }
+        Live { breaker_open, backend_ready, policies: current.limiter.policies().clone(), live_overrides: current.limiter.live_overrides().clone() }
     })
 }
 

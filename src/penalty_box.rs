@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::Instant;
 
@@ -44,9 +44,19 @@ pub struct PenaltyBox {
     hasher: RandomState,
     epoch: Instant,
     len: AtomicUsize,
+    /// Bumped by every lift: a ban learnt by a request sent before a lift
+    /// is not cached (Redis may have answered before the lift deleted it).
+    lifts: AtomicU64,
     /// The memory backend's strikes: per key, the times of its refusals
     /// within the penalty's `within` (ns since the epoch).
     strikes: Mutex<HashMap<Box<[u8]>, VecDeque<u64>>>,
+}
+
+/// When a request was sent, and the lifts then (`PenaltyBox::ticket`).
+#[derive(Clone, Copy, Debug)]
+pub struct BanTicket {
+    pub sent_ns: u64,
+    lifts: u64,
 }
 
 /// The process's table (the request path, the admin API, `top`).
@@ -71,6 +81,7 @@ impl PenaltyBox {
             hasher: RandomState::new(),
             epoch: Instant::now(),
             len: AtomicUsize::new(0),
+            lifts: AtomicU64::new(0),
             strikes: Mutex::new(HashMap::new()),
         }
     }
@@ -78,6 +89,11 @@ impl PenaltyBox {
     /// Now, on the table's clock (ns since its epoch).
     pub fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Taken when a request is sent, for `ban`: now and the lifts so far.
+    pub fn ticket(&self) -> BanTicket {
+        BanTicket { sent_ns: self.now_ns(), lifts: self.lifts.load(Ordering::Acquire) }
     }
 
     fn shard(&self, key: &[u8]) -> &ArcSwap<Shard> {
@@ -98,12 +114,16 @@ impl PenaltyBox {
         (end > now).then(|| (end - now).div_ceil(MS).min(u64::from(u32::MAX)) as u32)
     }
 
-    /// Records that `key` is banned for `ms` from `sent_ns` (when the
-    /// request that learnt it was sent; the table's clock). Less 1 ms for
-    /// Redis's millisecond floor: it never outlives Redis's ban.
-    pub fn ban(&self, key: &[u8], sent_ns: u64, ms: u32) {
+    /// Records that `key` is banned for `ms` from when the request that
+    /// learnt it was sent (`ticket`). Less 1 ms for Redis's millisecond
+    /// floor: it never outlives Redis's ban. Not recorded if a ban was
+    /// lifted since the request was sent.
+    pub fn ban(&self, key: &[u8], ticket: BanTicket, ms: u32) {
         let Some(life) = (u64::from(ms) * MS).checked_sub(MS).filter(|&l| l > 0) else { return };
-        let end = sent_ns + life;
+        if self.lifts.load(Ordering::Acquire) != ticket.lifts {
+            return;
+        }
+        let end = ticket.sent_ns + life;
         if self.len.load(Ordering::Relaxed) >= MAX_CACHED_BANS {
             self.sweep();
             if self.len.load(Ordering::Relaxed) >= MAX_CACHED_BANS {
@@ -123,6 +143,7 @@ impl PenaltyBox {
 
     /// Drops `key`'s ban from the table (and its strikes); whether it held one.
     pub fn lift(&self, key: &[u8]) -> bool {
+        self.lifts.fetch_add(1, Ordering::AcqRel);
         self.strikes.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
         let shard = self.shard(key);
         if !shard.load().contains_key(key) {
@@ -207,7 +228,7 @@ mod tests {
     fn a_ban_answers_until_its_end_and_a_lift_ends_it_at_once() {
         let b = PenaltyBox::new();
         assert_eq!(b.banned_ms(b"k"), None);
-        b.ban(b"k", b.now_ns(), 10_000);
+        b.ban(b"k", b.ticket(), 10_000);
         let left = b.banned_ms(b"k").unwrap();
         assert!((9_000..10_000).contains(&left), "{left}");
         assert_eq!(b.banned_ms(b"k2"), None, "another key is not banned");
@@ -221,8 +242,11 @@ mod tests {
     #[test]
     fn a_ban_ends_no_later_than_the_one_it_was_learnt_from() {
         let b = PenaltyBox::new();
+        std::thread::sleep(std::time::Duration::from_millis(35));
         // Learnt from a request sent 30 ms ago: 30 ms (and 1) are gone.
-        b.ban(b"k", b.now_ns().saturating_sub(30 * MS), 50);
+        let mut t = b.ticket();
+        t.sent_ns = t.sent_ns.saturating_sub(30 * MS);
+        b.ban(b"k", t, 50);
         let left = b.banned_ms(b"k").unwrap_or(0);
         assert!(left <= 20, "{left}");
         std::thread::sleep(std::time::Duration::from_millis(25));
@@ -230,8 +254,13 @@ mod tests {
         b.sweep();
         assert!(b.is_empty());
         // A ban of 1 ms is never cached (its margin takes it all).
-        b.ban(b"short", b.now_ns(), 1);
+        b.ban(b"short", b.ticket(), 1);
         assert_eq!(b.banned_ms(b"short"), None);
+        // Learnt by a request sent before a lift: not cached.
+        let before = b.ticket();
+        b.lift(b"other");
+        b.ban(b"k", before, 10_000);
+        assert_eq!(b.banned_ms(b"k"), None);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! applies (`store`). docs/ADMIN.md is the reference. `client` is the
 //! command line's side (`ratelimitd inspect|reset|override`).
 
+pub mod bans;
 pub mod client;
 mod server;
 pub mod store;

@@ -900,6 +900,32 @@ mod tests {
     }
 
     #[test]
+    fn a_penalty_box_is_n_refusals_within_w_ban_d_on_an_unsharded_log_policy() {
+        let policy = |extra: &str| format!("[[policy]]\nname = \"login\"\nlimit = 5\nwindow = \"1m\"\n{extra}\n");
+        assert_eq!(parse(&policy("")).unwrap().policies[0].penalty, None, "no penalty by default");
+        let p = parse(&policy("penalty = { after = 3, within = \"10m\", ban = \"1h\" }")).unwrap().policies[0].penalty;
+        assert_eq!(p, Some(Penalty { after: 3, within_ms: 600_000, ban_ms: 3_600_000 }));
+        for (bad, says) in [
+            ("penalty = { after = 0, within = \"1m\", ban = \"1m\" }", "penalty.after 0 is outside 1..=10000"),
+            ("penalty = { after = 10001, within = \"1m\", ban = \"1m\" }", "penalty.after 10001 is outside 1..=10000"),
+            ("penalty = { after = 3, within = \"0s\", ban = \"1m\" }", "penalty.within 0s is outside 1ms..="),
+            ("penalty = { after = 3, within = \"1m\", ban = \"soon\" }", "penalty.ban: 'soon' is not a duration"),
+            ("penalty = { after = 3, within = \"1m\", ban = \"400d\" }", "penalty.ban 400d is outside 1ms..="),
+            ("penalty = { after = 3, within = \"1m\", ban = \"1m\" }\nalgorithm = \"gcra\"", "penalty needs algorithm = \"log\""),
+            ("penalty = { after = 3, within = \"1m\", ban = \"1m\" }\nshards = 2", "penalty is not supported with shards = 2"),
+        ] {
+            let e = parse(&policy(bad)).unwrap_err().to_string();
+            assert!(e.contains(&format!("policy.penalty: policy 'login': {says}")), "{bad}: {e}");
+        }
+        let e = parse("[[policy]]\nname = \"c\"\nlimit = 5\nalgorithm = \"concurrency\"\nlease = \"30s\"\npenalty = { after = 3, within = \"1m\", ban = \"1m\" }\n").unwrap_err().to_string();
+        assert!(e.contains("penalty is not supported with algorithm = \"concurrency\""), "{e}");
+        let e = parse(&policy("penalty = { after = 3, within = \"1m\", ban = \"1m\", forever = true }")).unwrap_err().to_string();
+        assert!(e.contains("forever"), "an unknown field is named: {e}");
+        let e = parse(&policy("penalty = { after = 3, ban = \"1m\" }")).unwrap_err().to_string();
+        assert!(e.contains("within"), "a missing field is named: {e}");
+    }
+
+    #[test]
     fn shards_are_1_to_64_and_at_most_every_limit() {
         let policy = |extra: &str| format!("[[policy]]\nname = \"hot\"\nlimit = 100\nwindow = \"1s\"\n{extra}\n");
         assert_eq!(parse(&policy("")).unwrap().policies[0].shards, 1, "default: one window");

@@ -30,10 +30,10 @@ impl Limiter {
             return verdict_response(id, op, source, banned(left));
         }
         let spec = LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: item.cost };
-        let sent = BANS.now_ns();
+        let sent = BANS.ticket();
         let answer = match &self.backend {
             Backend::Local => self.local.check(&spec, item.algorithm).map_err(NoVerdict::Full).map(|v| {
-                if !v.allowed && BANS.strike(item.key, sent, penalty.after, penalty.within_ms) {
+                if !v.allowed && BANS.strike(item.key, sent.sent_ns, penalty.after, penalty.within_ms) {
                     BANS.ban(item.key, sent, penalty.ban_ms.saturating_add(1));
                     policy.penalty_counters.bans.fetch_add(1, Ordering::Relaxed);
                     policy.penalty_counters.banned.fetch_add(1, Ordering::Relaxed);
@@ -47,11 +47,16 @@ impl Limiter {
                         BANS.ban(item.key, sent, state.banned_ms);
                         policy.penalty_counters.banned.fetch_add(1, Ordering::Relaxed);
                     }
-                    if state.engaged {
+                    if let Some(ends_at_ms) = state.engaged {
                         policy.penalty_counters.bans.fetch_add(1, Ordering::Relaxed);
-                        if let Some(suppressed) = self.failure_log.permit() {
-                            tracing::info!(policy = %policy.name, ban_ms = penalty.ban_ms, shadow = item.shadow, suppressed, "penalty box: a key was banned");
-                        }
+                        // Listed by the admin API: one write per ban, off the request path.
+                        let (redis, scoped) = (redis.clone(), item.key.clone());
+                        tokio::spawn(async move {
+                            let index = redis.penalty_index_key();
+                            if let Err(e) = redis.note_ban(&index, &scoped, ends_at_ms).await {
+                                tracing::debug!(error = %e, "could not add a ban to the admin index");
+                            }
+                        });
                     }
                     Ok((Source::Redis, v))
                 }

@@ -30,4 +30,4 @@ pub use connector::{Connector, ConnectorError, LinkConnection};
 pub use shard::shard_key;
 pub use multi::{MultiAsk, RefundItem, RESERVATION_LIFE};
 pub use keys::WindowKey;
-pub use window::{BatchAsk, LeaseGrant, PenaltyState, RedisWindow, StartError, BAN_SUFFIX, STRIKES_SUFFIX};
+pub use window::{BatchAsk, LeaseGrant, RedisWindow, StartError};

@@ -17,9 +17,9 @@
 -- ARGV[7]  within, ms
 -- ARGV[8]  ban, ms
 -- Returns {allowed (1|0), count, remaining, retry_after_ms, reset_ms,
--- banned_ms, engaged (1|0)}: banned_ms > 0 while the key is banned (the
--- request was refused for it, nothing recorded; retry_after_ms is the ban's
--- end), engaged 1 when this refusal engaged the ban.
+-- banned_ms, engaged}: banned_ms > 0 while the key is banned (the request
+-- was refused for it, nothing recorded; retry_after_ms is the ban's end);
+-- engaged: the ban's end (Unix ms) when this refusal engaged it, else 0.
 --
 -- A banned key's requests record nothing and are no strikes. A refusal by
 -- the window is one strike whatever its cost; the `after`-th strike within
@@ -92,7 +92,7 @@ if redis.call('ZCARD', strikes) >= after then
   if reset < ban then
     reset = ban
   end
-  return { 0, count, 0, ban, reset, ban, 1 }
+  return { 0, count, 0, ban, reset, ban, now + ban }
 end
 redis.call('PEXPIRE', strikes, within)
 return { 0, count, remaining, retry_after, reset, 0, 0 }

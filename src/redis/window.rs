@@ -98,8 +98,9 @@ pub struct PenaltyState {
     /// > 0: the key is banned for this many ms more (the request was
     /// refused for it).
     pub banned_ms: u32,
-    /// This request's refusal engaged the ban.
-    pub engaged: bool,
+    /// This request's refusal engaged the ban, which ends then (Unix ms,
+    /// the script's clock).
+    pub engaged: Option<u64>,
 }
 
 impl WindowKey<'_> {
@@ -435,7 +436,24 @@ impl RedisWindow {
             .arg(within_ms)
             .arg(ban_ms);
         let r: (i64, i64, i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
-        Ok((verdict(r.0, r.1, r.2, r.3, r.4), PenaltyState { banned_ms: r.5.clamp(0, i64::from(u32::MAX)) as u32, engaged: r.6 == 1 }))
+        Ok((verdict(r.0, r.1, r.2, r.3, r.4), PenaltyState { banned_ms: r.5.clamp(0, i64::from(u32::MAX)) as u32, engaged: (r.6 > 0).then_some(r.6 as u64) }))
+    }
+
+    /// The fleet's index of bans, `<key_prefix>admin:bans`.
+    pub fn penalty_index_key(&self) -> Vec<u8> {
+        let mut k = self.key_prefix.to_vec();
+        k.extend_from_slice(b"admin:bans");
+        k
+    }
+
+    /// Adds a ban this daemon's request engaged to the fleet's index of
+    /// bans (`admin_api::bans`), so that the admin API lists it: once per
+    /// ban, off the request path.
+    pub async fn note_ban(&self, index_key: &[u8], scoped: &[u8], ends_at_ms: u64) -> Result<(), StoreError> {
+        let mut cmd = redis::Cmd::with_capacity(4, 32 + index_key.len() + scoped.len());
+        cmd.arg("ZADD").arg(index_key).arg(ends_at_ms).arg(scoped);
+        let _: i64 = self.link.eval(&cmd).await?;
+        Ok(())
     }
 
     /// Decides `asks` in one call, in order, each exactly as a call of its
