@@ -32,6 +32,13 @@ fn stem<'a>(key_prefix: &'a str, scoped: &'a [u8]) -> WindowKey<'a> {
     WindowKey { prefix: key_prefix.as_bytes(), key: scoped, window_ms: 0, algorithm: crate::protocol::Algorithm::Log }
 }
 
+/// Redis's clock, in Unix ms (as `store`'s; this module is below it:
+/// `store::refresh` applies the lifts).
+async fn redis_now_ms(conn: &mut LinkConnection) -> Result<u64, redis::RedisError> {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(secs * 1000 + micros / 1000)
+}
+
 /// One ban in force.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ban {
@@ -48,20 +55,20 @@ pub async fn get(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> 
         return Ok(None);
     }
     let end: Option<u64> = conn.get(&key).await?;
-    let now = super::store::redis_now_ms(conn).await?;
+    let now = redis_now_ms(conn).await?;
     Ok(Some(Ban { ends_at_ms: end.unwrap_or(now + left as u64), left_ms: left as u64 }))
 }
 
 /// The key's refusals counted towards a ban within `within_ms` of now.
 pub async fn strikes(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8], within_ms: u32) -> Result<u64, redis::RedisError> {
-    let now = super::store::redis_now_ms(conn).await?;
+    let now = redis_now_ms(conn).await?;
     conn.zcount(stem(key_prefix, scoped).strikes_key(), format!("({}", now.saturating_sub(u64::from(within_ms))), "+inf").await
 }
 
 /// The bans in the index not ended by Redis's clock (ended ones are
 /// deleted from it), each as (scoped key, end in Unix ms), and the time.
 pub async fn list(conn: &mut LinkConnection, key_prefix: &str) -> Result<(u64, Vec<(Vec<u8>, u64)>), redis::RedisError> {
-    let now = super::store::redis_now_ms(conn).await?;
+    let now = redis_now_ms(conn).await?;
     let index = index_key(key_prefix);
     let _: u64 = conn.zrembyscore(&index, "-inf", now).await?;
     let entries: Vec<(Vec<u8>, f64)> = conn.zrangebyscore_withscores(&index, format!("({now}"), "+inf").await?;
