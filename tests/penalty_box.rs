@@ -247,3 +247,35 @@ async fn a_penalty_policy_in_a_multi_item_check_is_refused_loudly_and_bad_ban_re
     let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("*penalty*").query(&mut conn).unwrap();
     assert!(keys.is_empty(), "bad requests wrote {keys:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_lists_shows_and_lifts_bans_through_the_api() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), Some(dir.path()), false);
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd")).arg(args[0]).arg("--config").arg(&d.config).args(&args[1..]).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    };
+    let (ok, out) = run(&["ban", "list"]);
+    assert!(ok && out.contains("no key is banned"), "{out}");
+    let mut c = d.client().await;
+    for _ in 0..4 {
+        c.check_policy(&login("login", "cli user")).await.unwrap();
+    }
+    let (ok, out) = run(&["ban", "show", "--policy", "login", "--key", "cli user"]);
+    assert!(ok && out.contains("not banned; 2 of 3 refusals within 10000 ms"), "{out}");
+    assert_eq!(c.check_policy(&login("login", "cli user")).await.unwrap().retry_after_ms, 3000, "the third refusal bans");
+    // The ban's index is written off the request path: give it a moment.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (ok, out) = run(&["ban", "list"]);
+    assert!(ok && out.contains("login cli user banned until "), "{out}");
+    let (ok, out) = run(&["ban", "lift", "--policy", "login", "--key", "cli user"]);
+    assert!(ok && out.contains("ban lifted"), "{out}");
+    let (ok, out) = run(&["ban", "lift", "--policy", "login", "--key", "cli user"]);
+    assert!(!ok && out.contains("404") && out.contains("is not banned"), "{out}");
+    // The window (1 s) still holds its 2 admissions: refused by it, not by a ban.
+    let r = c.check_policy(&login("login", "cli user")).await.unwrap();
+    assert_eq!(r.source, Source::Redis, "{r:?}");
+    assert!(r.retry_after_ms <= 1000, "the window's refusal, not the ban's: {r:?}");
+}
