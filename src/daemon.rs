@@ -270,8 +270,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
     let _admin_listener_guard = match &cfg.admin.listen {
         Some(listen) => {
-            let listener = admin_api::bind(listen).await.map_err(DaemonError::Admin)?;
-            tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), "serving the admin API");
+            let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await.map_err(DaemonError::Admin)?;
+            tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), tls = cfg.admin.tls.is_some(), "serving the admin API");
             let token = background.child_token();
             tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), token.clone()));
             Some(token.drop_guard())

@@ -629,7 +629,11 @@ fn admin_call(path: &std::path::Path, method: &str, target: &str, body: Option<&
     let cfg = Config::load(path)?;
     let listen = cfg.admin.listen.ok_or_else(|| anyhow::anyhow!("{}: no [admin] listen: the admin API is off", path.display()))?;
     let token = [&cfg.admin.token_file, &cfg.admin.read_token_file].into_iter().flatten().find_map(|f| client::read_token(f).ok());
-    let reply = client::request(&listen, token.as_deref(), method, target, body)?;
+    let tls = match (&listen, &cfg.admin.tls) {
+        (ratelimitd::config::AdminListen::Tcp(_), Some(t)) => Some(ratelimitd::admin_api::tls::client_config(t)?),
+        _ => None,
+    };
+    let reply = client::request_with(&listen, tls, token.as_deref(), method, target, body)?;
     if reply.status != 200 {
         anyhow::bail!("admin API: {} {}", reply.status, escape(reply.body["error"].as_str().unwrap_or("(no message)")));
     }

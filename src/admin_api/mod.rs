@@ -10,5 +10,6 @@ pub mod client;
 mod server;
 pub mod store;
 pub mod time;
+pub mod tls;
 
 pub use server::{bind, serve, AdminListener, View};

@@ -29,7 +29,7 @@ use super::bans;
 use super::store::{self, Stored, MAX_OVERRIDES};
 use super::time::{format_utc, parse_utc};
 use crate::admin::{self, AdminError, Inspection, Target};
-use crate::config::{parse_duration, AdminListen, Config, PolicyConfig, PolicyLimit, RedisSecrets};
+use crate::config::{parse_duration, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
 use crate::live_overrides::{scoped_key, split_scoped, LiveOverrides};
 use crate::metrics::{AdminOp, AdminResult, METRICS};
 use crate::policies::shard_limit;
@@ -50,7 +50,8 @@ pub struct View {
 /// A bound admin listener.
 pub enum AdminListener {
     Unix { listener: tokio::net::UnixListener, path: PathBuf },
-    Tcp(tokio::net::TcpListener),
+    /// With `tls`, every connection is a TLS one (handshake in its task).
+    Tcp { listener: tokio::net::TcpListener, tls: Option<tokio_rustls::TlsAcceptor> },
 }
 
 impl Drop for AdminListener {
@@ -62,8 +63,8 @@ impl Drop for AdminListener {
 }
 
 /// Binds `listen`: a socket file of its mode (a stale one replaced), or a
-/// TCP address.
-pub async fn bind(listen: &AdminListen) -> std::io::Result<AdminListener> {
+/// TCP address, with `tls` when given (its files read now).
+pub async fn bind(listen: &AdminListen, tls: Option<&AdminTls>) -> std::io::Result<AdminListener> {
     match listen {
         AdminListen::Unix { path, mode } => {
             use std::os::unix::fs::PermissionsExt;
@@ -76,7 +77,13 @@ pub async fn bind(listen: &AdminListen) -> std::io::Result<AdminListener> {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode))?;
             Ok(AdminListener::Unix { listener, path: path.clone() })
         }
-        AdminListen::Tcp(addr) => Ok(AdminListener::Tcp(tokio::net::TcpListener::bind(addr).await?)),
+        AdminListen::Tcp(addr) => {
+            let tls = match tls {
+                Some(t) => Some(tokio_rustls::TlsAcceptor::from(super::tls::server_config(t).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?)),
+                None => None,
+            };
+            Ok(AdminListener::Tcp { listener: tokio::net::TcpListener::bind(addr).await?, tls })
+        }
     }
 }
 
@@ -102,7 +109,27 @@ pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, li
             }
         };
         let state = state.clone();
+        let tls = match &listener {
+            AdminListener::Tcp { tls, .. } => tls.clone(),
+            AdminListener::Unix { .. } => None,
+        };
         tokio::spawn(async move {
+            // The handshake here, not in the accept loop: a slow or silent
+            // peer holds only its own task, for 10 s at most.
+            let stream: Box<dyn Stream> = match tls {
+                None => stream,
+                Some(acceptor) => match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => Box::new(s),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, peer, "admin TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(peer, "admin TLS handshake timed out");
+                        return;
+                    }
+                },
+            };
             let service = service_fn(move |req| {
                 let state = state.clone();
                 let peer = peer.clone();
@@ -127,7 +154,7 @@ async fn accept(listener: &AdminListener) -> std::io::Result<(Box<dyn Stream>, S
             let peer = s.peer_cred().map(|c| format!("uid:{}/pid:{}", c.uid(), c.pid().unwrap_or(0))).unwrap_or_else(|_| "unix-peer".into());
             Ok((Box::new(s), peer))
         }
-        AdminListener::Tcp(listener) => {
+        AdminListener::Tcp { listener, .. } => {
             let (s, addr) = listener.accept().await?;
             Ok((Box::new(s), addr.to_string()))
         }

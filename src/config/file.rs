@@ -115,11 +115,16 @@ pub(super) struct AdminSection {
     pub token_file: Option<PathBuf>,
     pub read_token_file: Option<PathBuf>,
     pub overrides_refresh: String,
+    /// TLS on a TCP listener: the certificate chain and its key (PEM).
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// The CA the command line trusts for the API (default: `tls_cert_file`).
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 impl Default for AdminSection {
     fn default() -> Self {
-        Self { listen: None, socket_mode: "0600".into(), token_file: None, read_token_file: None, overrides_refresh: "1s".into() }
+        Self { listen: None, socket_mode: "0600".into(), token_file: None, read_token_file: None, overrides_refresh: "1s".into(), tls_cert_file: None, tls_key_file: None, tls_ca_file: None }
     }
 }
 

@@ -402,11 +402,24 @@ pub struct AdminConfig {
     pub read_token_file: Option<PathBuf>,
     /// How often the overrides are read from Redis (also without `listen`).
     pub overrides_refresh: Duration,
+    /// TLS on a TCP listener (a token is still required).
+    pub tls: Option<AdminTls>,
+}
+
+/// `[admin] tls_cert_file`, `tls_key_file` (PEM; read when the listener is
+/// bound) and `tls_ca_file` (the command line's trust; the daemon does not
+/// read it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminTls {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    /// `None`: the command line trusts `cert_file` (a self-signed certificate).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        Self { listen: None, token_file: None, read_token_file: None, overrides_refresh: Duration::from_secs(1) }
+        Self { listen: None, token_file: None, read_token_file: None, overrides_refresh: Duration::from_secs(1), tls: None }
     }
 }
 

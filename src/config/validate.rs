@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, AdminConfig, AdminListen, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
+    redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
@@ -307,7 +307,7 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
     let listen = a.listen.map(|l| match l.parse::<SocketAddr>() {
         Ok(addr) => {
             if a.token_file.is_none() {
-                p.add("admin.listen", format!("{addr} is a TCP address: set admin.token_file (a bearer token is required on TCP; TLS is not built in, put a TLS proxy in front beyond loopback)"));
+                p.add("admin.listen", format!("{addr} is a TCP address: set admin.token_file (a bearer token is required on TCP, with or without TLS; add admin.tls_cert_file and tls_key_file beyond loopback)"));
             }
             AdminListen::Tcp(addr)
         }
@@ -328,7 +328,25 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
             Duration::from_secs(1)
         }
     };
-    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh }
+    let tcp = matches!(listen, Some(AdminListen::Tcp(_)));
+    let tls = match (a.tls_cert_file, a.tls_key_file) {
+        (Some(cert_file), Some(key_file)) if tcp => Some(AdminTls { cert_file, key_file, ca_file: a.tls_ca_file }),
+        (Some(_), Some(_)) => {
+            p.add("admin.tls_cert_file", "TLS is for a TCP listener (admin.listen = \"host:port\"); a Unix socket is protected by its mode");
+            None
+        }
+        (None, None) => {
+            if a.tls_ca_file.is_some() {
+                p.add("admin.tls_ca_file", "is the command line's trust for a TLS listener: set admin.tls_cert_file and tls_key_file too");
+            }
+            None
+        }
+        _ => {
+            p.add("admin.tls_cert_file", "give both admin.tls_cert_file and admin.tls_key_file (PEM), or neither");
+            None
+        }
+    };
+    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh, tls }
 }
 
 /// A duration such as "500ms", "1s", "2m", "1h" or "1d": a whole number and
@@ -755,6 +773,21 @@ mod tests {
         assert!(e.contains("admin.listen") && e.contains("token_file"), "{e}");
         let e = parse("[admin]\nlisten = \"admin.sock\"\noverrides_refresh = \"1ms\"\n").unwrap_err().to_string();
         assert!(e.contains("absolute socket path") && e.contains("admin.overrides_refresh"), "{e}");
+    }
+
+    #[test]
+    fn tls_is_for_a_tcp_listener_with_both_files_and_still_a_token() {
+        let c = parse("[admin]\nlisten = \"0.0.0.0:9465\"\ntoken_file = \"/etc/t\"\ntls_cert_file = \"/etc/c.pem\"\ntls_key_file = \"/etc/k.pem\"\n").unwrap();
+        assert_eq!(c.admin.tls, Some(AdminTls { cert_file: "/etc/c.pem".into(), key_file: "/etc/k.pem".into(), ca_file: None }));
+        for (bad, field, says) in [
+            ("listen = \"0.0.0.0:9465\"\ntls_cert_file = \"/c\"\ntls_key_file = \"/k\"", "admin.listen", "a bearer token is required on TCP, with or without TLS"),
+            ("listen = \"/run/a.sock\"\ntls_cert_file = \"/c\"\ntls_key_file = \"/k\"", "admin.tls_cert_file", "TLS is for a TCP listener"),
+            ("listen = \"127.0.0.1:9465\"\ntoken_file = \"/t\"\ntls_cert_file = \"/c\"", "admin.tls_cert_file", "give both"),
+            ("listen = \"127.0.0.1:9465\"\ntoken_file = \"/t\"\ntls_ca_file = \"/ca\"", "admin.tls_ca_file", "set admin.tls_cert_file and tls_key_file too"),
+        ] {
+            let e = parse(&format!("[admin]\n{bad}\n")).unwrap_err().to_string();
+            assert!(e.contains(&format!("{field}: ")) && e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]
