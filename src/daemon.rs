@@ -185,14 +185,22 @@ fn log_deprecated(cfg: &Config) {
 }
 
 /// Keeps the policies' use clock (`policies::use_clock`) at seconds since
-/// start, plus one.
+/// start, plus one; and sweeps the penalty box every 10 s.
 async fn run_use_clock(shutdown: CancellationToken) {
     let start = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tick.tick() => crate::policies::tick_use_clock(start.elapsed().as_secs() + 1),
+            _ = tick.tick() => {
+                let secs = start.elapsed().as_secs();
+                crate::policies::tick_use_clock(secs + 1);
+                // The penalty box's ended bans and stale strikes (memory
+                // backend; with Redis the admin refresher sweeps too).
+                if secs % 10 == 9 {
+                    crate::penalty_box::BANS.sweep();
+                }
+            }
         }
     }
 }

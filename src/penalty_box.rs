@@ -33,6 +33,11 @@ const SHARDS: usize = 64;
 /// Most bans held in the table.
 pub const MAX_CACHED_BANS: usize = 100_000;
 
+/// Most keys whose refusals the memory backend counts at once: a flood of
+/// keys refused once each fills it; beyond it, once the stale ones are
+/// dropped, a new key's refusal is not counted (no ban for it).
+pub const MAX_STRIKE_KEYS: usize = 100_000;
+
 const MS: u64 = 1_000_000;
 
 type Shard = HashMap<Box<[u8]>, u64>;
@@ -48,8 +53,26 @@ pub struct PenaltyBox {
     /// is not cached (Redis may have answered before the lift deleted it).
     lifts: AtomicU64,
     /// The memory backend's strikes: per key, the times of its refusals
-    /// within the penalty's `within` (ns since the epoch).
-    strikes: Mutex<HashMap<Box<[u8]>, VecDeque<u64>>>,
+    /// within the penalty's `within` (ns since the epoch), and that `within`.
+    strikes: Mutex<HashMap<Box<[u8]>, Strikes>>,
+}
+
+/// One key's refusals on the memory backend.
+#[derive(Debug, Default)]
+struct Strikes {
+    times: VecDeque<u64>,
+    within_ns: u64,
+}
+
+impl Strikes {
+    /// Drops the strikes older than `within` at `now`; whether any is left.
+    fn prune(&mut self, now_ns: u64) -> bool {
+        let horizon = now_ns.saturating_sub(self.within_ns);
+        while self.times.front().is_some_and(|&t| t <= horizon) {
+            self.times.pop_front();
+        }
+        !self.times.is_empty()
+    }
 }
 
 /// When a request was sent, and the lifts then (`PenaltyBox::ticket`).
@@ -161,7 +184,9 @@ impl PenaltyBox {
         removed
     }
 
-    /// Drops the bans that have ended.
+    /// Drops the bans that have ended, and the memory backend's strikes
+    /// that have left their window (the daemon calls it every 10 s, and the
+    /// admin refresher at each read).
     pub fn sweep(&self) {
         let now = self.now_ns();
         for shard in self.shards.iter() {
@@ -177,7 +202,7 @@ impl PenaltyBox {
             self.len.fetch_sub(dropped, Ordering::Relaxed);
         }
         let mut strikes = self.strikes.lock().unwrap_or_else(|e| e.into_inner());
-        strikes.retain(|_, times| !times.is_empty());
+        strikes.retain(|_, s| s.prune(now));
     }
 
     /// Every ban in force, with its ms left (for `top` and the admin API).
@@ -197,13 +222,17 @@ impl PenaltyBox {
     /// cleared, and the caller bans the key).
     pub fn strike(&self, key: &[u8], now_ns: u64, after: u32, within_ms: u32) -> bool {
         let mut strikes = self.strikes.lock().unwrap_or_else(|e| e.into_inner());
-        let times = strikes.entry(key.into()).or_default();
-        let horizon = now_ns.saturating_sub(u64::from(within_ms) * MS);
-        while times.front().is_some_and(|&t| t <= horizon) {
-            times.pop_front();
+        if strikes.len() >= MAX_STRIKE_KEYS && !strikes.contains_key(key) {
+            strikes.retain(|_, s| s.prune(now_ns));
+            if strikes.len() >= MAX_STRIKE_KEYS {
+                return false;
+            }
         }
-        times.push_back(now_ns);
-        if times.len() >= after as usize {
+        let s = strikes.entry(key.into()).or_default();
+        s.within_ns = u64::from(within_ms) * MS;
+        s.prune(now_ns);
+        s.times.push_back(now_ns);
+        if s.times.len() >= after as usize {
             strikes.remove(key);
             return true;
         }
@@ -264,5 +293,12 @@ mod tests {
         assert!(!s(1000));
         assert!(s(1050), "three within 1 s: 100, 1000, 1050");
         assert!(!s(1060), "cleared when the ban engaged");
+        // Swept once they have left their window.
+        b.sweep();
+        assert_eq!(b.strikes.lock().unwrap().len(), 1);
+        let late = b.now_ns() + 3000 * MS;
+        assert!(!b.strike(b"other", late, 3, 1000));
+        b.strikes.lock().unwrap().retain(|_, s| s.prune(late));
+        assert_eq!(b.strikes.lock().unwrap().len(), 1, "only the fresh key's strike is left");
     }
 }

@@ -112,6 +112,8 @@ async fn a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another
     assert_eq!((&bans[0]["policy"], &bans[0]["key"]), (&json!("login"), &json!("u1")));
     let one = call(dir.path(), "GET", "/v1/bans?policy=login&key=u1");
     assert_eq!(one.body["banned"], json!(true), "{:?}", one.body);
+    let peek = call(dir.path(), "GET", "/v1/keys?policy=login&key=u1");
+    assert!(peek.body["banned_for_ms"].as_u64().is_some_and(|ms| ms > 0 && ms <= 3000), "the peek shows the ban: {:?}", peek.body);
     let one = call(dir.path(), "GET", "/v1/bans?policy=login&key=u2");
     assert_eq!((&one.body["banned"], &one.body["strikes"]), (&json!(false), &json!(0)), "{:?}", one.body);
 

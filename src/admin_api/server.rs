@@ -379,7 +379,7 @@ async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result
     let shards = windows.len().max(1) as u32;
     let windows: Vec<Value> = windows.iter().map(|w| window_json(w, limit, shards)).collect();
     let total = |f: &str| windows.iter().filter_map(|w| w.get(f).and_then(Value::as_u64)).sum::<u64>();
-    Ok(Answer::ok(json!({
+    let mut answer = json!({
         "policy": name,
         "key": key,
         "limit": limit_json(limit),
@@ -387,7 +387,14 @@ async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result
         "count": total("count"),
         "remaining": if limit == PolicyLimit::Unlimited { Value::Null } else { json!(total("remaining")) },
         "windows": windows,
-    })))
+    });
+    // A penalty box's key: its ban too (read-only: GET, PTTL).
+    if p.penalty.is_some() {
+        let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
+        let ban = bans::get(&mut conn, &redis.key_prefix, &scoped_key(name, key.as_bytes())).await.map_err(Answer::redis)?;
+        answer["banned_for_ms"] = json!(ban.map(|b| b.left_ms));
+    }
+    Ok(Answer::ok(answer))
 }
 
 /// One window with what it means for the key: counted, remaining, and in
