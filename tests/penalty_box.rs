@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::redis_cluster::RedisCluster;
-use common::{Daemon, RedisServer};
+use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
 use ratelimitd::admin_api::client::{request, Reply};
 use ratelimitd::config::AdminListen;
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, PolicyCheckArgs, Source};
@@ -280,4 +280,56 @@ async fn the_command_line_lists_shows_and_lifts_bans_through_the_api() {
     let r = c.check_policy(&login("login", "cli user")).await.unwrap();
     assert_eq!(r.source, Source::Redis, "{r:?}");
     assert!(r.retry_after_ms <= 1000, "the window's refusal, not the ban's: {r:?}");
+}
+
+/// Through nginx and the shipped Lua client: a 429 from the window says
+/// Retry-After within the window (1 s); the refusal that bans and every one
+/// after say the ban's end (30 s), also on a second nginx with a daemon of
+/// its own sharing the Redis.
+#[test]
+fn through_nginx_the_retry_after_of_a_banned_key_is_the_bans_end() {
+    const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+    let redis = RedisServer::start_unix();
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let policy = "[[policy]]\nname = \"login\"\nlimit = 2\nwindow = \"1s\"\npenalty = { after = 2, within = \"1m\", ban = \"30s\" }\n";
+    let daemon = || Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{policy}", redis.url()));
+    let site = r#"
+init_worker_by_lua_block {
+    login = assert(require("resty.ratelimitd").new{ policy = "login" })
+}
+server {
+    listen 127.0.0.1:{PORT};
+    location /login {
+        access_by_lua_block { login:limit(ngx.var.arg_user) }
+        content_by_lua_block { ngx.say("ok") }
+    }
+}
+"#;
+    let gateway = |d: &Daemon| {
+        let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+        Nginx::start(&format!("{snippet}\n{site}"))
+    };
+    let (d1, d2) = (daemon(), daemon());
+    let (n1, n2) = (gateway(&d1), gateway(&d2));
+    let a = common::http::agent();
+    let retry = |r: &common::http::Reply| r.headers.get("Retry-After").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let statuses: Vec<u16> = (0..2).map(|_| common::http::get(&a, &n1.url("/login?user=eve"), &[]).status).collect();
+    assert_eq!(statuses, [200, 200]);
+    let first = common::http::get(&a, &n1.url("/login?user=eve"), &[]);
+    assert_eq!((first.status, retry(&first)), (429, Some(1)), "the window's refusal: {:?}", first.headers);
+    let banning = common::http::get(&a, &n1.url("/login?user=eve"), &[]);
+    assert_eq!((banning.status, retry(&banning)), (429, Some(30)), "the refusal that bans: {:?}", banning.headers);
+    std::thread::sleep(Duration::from_millis(1100));
+    // The window is empty again; the ban is not, on the other gateway too.
+    for n in [&n1, &n2] {
+        let r = common::http::get(&a, &n.url("/login?user=eve"), &[]);
+        assert_eq!(r.status, 429, "{:?}", r.headers);
+        let s = retry(&r).unwrap();
+        assert!((27..=29).contains(&s), "Retry-After {s}: the ban's end");
+    }
+    assert_eq!(common::http::get(&a, &n2.url("/login?user=bob"), &[]).status, 200, "another user");
+    for n in [&n1, &n2] {
+        let log = n.error_log();
+        assert!(!log.contains("[error]") && !log.contains("[crit]"), "{log}");
+    }
 }
