@@ -61,7 +61,7 @@ fn evalsha_in(info: &str) -> u64 {
     info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).and_then(|rest| rest.split(',').next()).and_then(|n| n.parse().ok()).unwrap_or(0)
 }
 
-async fn a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another(redis: &str, evalsha_calls: Calls) {
+async fn a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another(what: &str, redis: &str, evalsha_calls: Calls) {
     let dir = tempfile::tempdir().unwrap();
     let a = daemon(redis, Some(dir.path()), true);
     let b = daemon(redis, None, false);
@@ -103,6 +103,7 @@ async fn a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another
         assert_eq!((r.decision, r.source), (Decision::Denied, Source::DenialCache), "{r:?}");
     }
     assert_eq!(evalsha_calls(), before, "a banned key's requests made Redis calls");
+    eprintln!("{what}: 20 requests of a banned key on the other daemon, EVALSHA calls in Redis before and after: {before} and {}", evalsha_calls());
 
     // Listed by the admin API, fleet-wide; one key's state with its strikes.
     let list = call(dir.path(), "GET", "/v1/bans");
@@ -138,7 +139,7 @@ async fn a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another
         assert!(lifted.elapsed() < LIFT_BOUND, "B still refuses {:?} after the lift: {r:?}", lifted.elapsed());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    eprintln!("lift applied by the other daemon after {:?} (bound {LIFT_BOUND:?})", lifted.elapsed());
+    eprintln!("{what}: lift applied by the other daemon after {:?} (bound {LIFT_BOUND:?})", lifted.elapsed());
     assert!(a.log().contains("op=\"ban_lift\""), "the lift is an audited write: {}", a.log());
     assert_eq!(call(dir.path(), "GET", "/v1/bans").body["bans"], json!([]));
     assert_eq!(call(dir.path(), "DELETE", "/v1/bans?policy=login&key=u1").status, 404, "lifted already");
@@ -157,7 +158,7 @@ fn single_calls(redis: &RedisServer) -> Calls {
 async fn on_one_redis_a_ban_engages_after_n_refusals_and_another_daemon_honours_it_from_its_cache() {
     let redis = RedisServer::start_unix();
     let calls = single_calls(&redis);
-    a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another(&format!("[redis]\nurl = \"{}\"", redis.url()), calls).await;
+    a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another("one redis", &format!("[redis]\nurl = \"{}\"", redis.url()), calls).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +167,7 @@ async fn on_a_cluster_a_ban_engages_after_n_refusals_and_another_daemon_honours_
     let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
     let c = cluster.clone();
     let calls: Calls = Box::new(move || c.primaries().iter().map(|&p| evalsha_in(&c.cli(p, &["INFO", "commandstats"]))).sum());
-    a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another(&format!("[redis]\ncluster = [{}]", seeds.join(", ")), calls).await;
+    a_ban_engages_after_n_refusals_on_one_daemon_and_is_honoured_by_another("cluster", &format!("[redis]\ncluster = [{}]", seeds.join(", ")), calls).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
