@@ -95,7 +95,7 @@ pub const STRIKES_SUFFIX: &[u8] = b":penalty:strikes";
 /// What the penalty box's script answered besides the window's verdict.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PenaltyState {
-    /// > 0: the key is banned for this many ms more (the request was
+    /// Not 0: the key is banned for this many ms more (the request was
     /// refused for it).
     pub banned_ms: u32,
     /// This request's refusal engaged the ban, which ends then (Unix ms,
