@@ -34,7 +34,8 @@ impl Limiter {
         let answer = match &self.backend {
             Backend::Local => self.local.check(&spec, item.algorithm).map_err(NoVerdict::Full).map(|v| {
                 if !v.allowed && BANS.strike(item.key, sent.sent_ns, penalty.after, penalty.within_ms) {
-                    BANS.ban(item.key, sent, penalty.ban_ms.saturating_add(1));
+                    // The ban itself (no Redis to outlive): from now, whatever was lifted meanwhile.
+                    BANS.ban(item.key, BANS.ticket(), penalty.ban_ms.saturating_add(1));
                     policy.penalty_counters.bans.fetch_add(1, Ordering::Relaxed);
                     policy.penalty_counters.banned.fetch_add(1, Ordering::Relaxed);
                     return (Source::Memory, Verdict { remaining: 0, retry_after_ms: penalty.ban_ms, reset_ms: v.reset_ms.max(penalty.ban_ms), ..v });
