@@ -164,7 +164,7 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
             }
             Backend::Local => (None, true),
         };
-        Live { breaker_open, backend_ready, policies: current.limiter.policies().clone() }
+        Live { breaker_open, backend_ready, policies: current.limiter.policies().clone(), live_overrides: current.limiter.live_overrides().clone() }
     })
 }
 
@@ -196,14 +196,22 @@ fn log_deprecated(cfg: &Config) {
 }
 
 /// Keeps the policies' use clock (`policies::use_clock`) at seconds since
-/// start, plus one.
+/// start, plus one; and sweeps the penalty box every 10 s.
 async fn run_use_clock(shutdown: CancellationToken) {
     let start = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tick.tick() => crate::policies::tick_use_clock(start.elapsed().as_secs() + 1),
+            _ = tick.tick() => {
+                let secs = start.elapsed().as_secs();
+                crate::policies::tick_use_clock(secs + 1);
+                // The penalty box's ended bans and stale strikes (memory
+                // backend; with Redis the admin refresher sweeps too).
+                if secs % 10 == 9 {
+                    crate::penalty_box::BANS.sweep();
+                }
+            }
         }
     }
 }
@@ -301,8 +309,8 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
     let _admin_listener_guard = match &cfg.admin.listen {
         Some(listen) => {
-            let listener = admin_api::bind(listen).await.map_err(DaemonError::Admin)?;
-            tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), "serving the admin API");
+            let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await.map_err(DaemonError::Admin)?;
+            tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), tls = cfg.admin.tls.is_some(), "serving the admin API");
             let token = background.child_token();
             tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), token.clone()));
             Some(token.drop_guard())

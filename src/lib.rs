@@ -15,6 +15,7 @@
 //! | counters | `top_refused` | the keys refused most in the last minute: sharded space-saving summaries, rotated every 10 s |
 //! | settings | `config` | the file's schema, typed values and pure validation; `preflight` for secrets, TLS files, the group |
 //! | refusals | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit; told by the store of what it removes |
+//! | refusals | `penalty_box` | the penalty box's bans this daemon knows: Redis's cached until their end, the memory backend's own, lifted by the admin API |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window; cold keys batched across keys), `shard` (hot-key shard keys) |
 //! | policies | `policies`, `live_overrides` | the configured `[[policy]]` tables by name, overrides, per-policy counters; the admin API's overrides in force |
@@ -42,6 +43,7 @@ mod local_store;
 mod log_limit;
 mod metrics;
 mod metrics_server;
+mod penalty_box;
 mod policies;
 pub mod protocol;
 mod redis;

@@ -90,6 +90,14 @@ enum Command {
         #[command(subcommand)]
         action: OverrideAction,
     },
+    /// List, show or lift the penalty box's bans (through the admin API,
+    /// `[admin] listen`): a lift applies on every daemon sharing the Redis.
+    Ban {
+        #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
+        config: PathBuf,
+        #[command(subcommand)]
+        action: BanAction,
+    },
     /// A live view of a running daemon (like top): decisions per second per
     /// policy and outcome, Redis latency, breaker, in-flight requests, the
     /// keys refused most in the last minute. Reads GET /top.json on the
@@ -174,6 +182,31 @@ enum OverrideAction {
     },
     /// Remove an override: the file's limit applies again.
     Delete {
+        #[arg(long)]
+        policy: String,
+        #[arg(long)]
+        key: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum BanAction {
+    /// The bans in force (every daemon's, from Redis).
+    List {
+        #[arg(long)]
+        policy: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One key: banned or not, until when, its refusals counted so far.
+    Show {
+        #[arg(long)]
+        policy: String,
+        #[arg(long)]
+        key: String,
+    },
+    /// Lift a key's ban (and forget its refusals counted so far).
+    Lift {
         #[arg(long)]
         policy: String,
         #[arg(long)]
@@ -433,6 +466,43 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Ban { config, action } => {
+            use ratelimitd::admin_api::client::encode;
+            match action {
+                BanAction::List { policy, json } => {
+                    let path = match &policy {
+                        Some(p) => format!("/v1/bans?policy={}", encode(p)),
+                        None => "/v1/bans".to_string(),
+                    };
+                    let reply = admin_call(&config, "GET", &path, None)?;
+                    if json {
+                        println!("{}", json_ascii_safe(&serde_json::to_string(&reply)?));
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    let all = reply["bans"].as_array().cloned().unwrap_or_default();
+                    if all.is_empty() {
+                        println!("no key is banned");
+                    }
+                    for b in all {
+                        let s = |f: &str| escape(b[f].as_str().unwrap_or("-")).into_owned();
+                        println!("{} {} banned until {} ({} ms left)", s("policy"), s("key"), s("ends_at"), b["ends_in_ms"]);
+                    }
+                }
+                BanAction::Show { policy, key } => {
+                    let reply = admin_call(&config, "GET", &format!("/v1/bans?policy={}&key={}", encode(&policy), encode(&key)), None)?;
+                    let state = match reply["ban"]["ends_at"].as_str() {
+                        Some(end) => format!("banned until {end} ({} ms left)", reply["ban"]["ends_in_ms"]),
+                        None => "not banned".to_string(),
+                    };
+                    println!("policy {} key {}: {state}; {} of {} refusals within {} ms counted towards a ban of {} ms", escape(&policy), escape(&key), reply["strikes"], reply["after"], reply["within_ms"], reply["ban_ms"]);
+                }
+                BanAction::Lift { policy, key } => {
+                    let reply = admin_call(&config, "DELETE", &format!("/v1/bans?policy={}&key={}", encode(&policy), encode(&key)), None)?;
+                    println!("policy {} key {}: ban lifted (it ran until {}); every daemon within {} ms", escape(&policy), escape(&key), reply["lifted"]["ends_at"].as_str().unwrap_or("?"), reply["applies_within_ms"]);
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Inspect { config, target, json } => {
             target.refuse_unbounded_scan()?;
             let (cfg, resolved) = load_for_admin(&config)?;
@@ -597,7 +667,11 @@ fn admin_call(path: &std::path::Path, method: &str, target: &str, body: Option<&
     let cfg = Config::load(path)?;
     let listen = cfg.admin.listen.ok_or_else(|| anyhow::anyhow!("{}: no [admin] listen: the admin API is off", path.display()))?;
     let token = [&cfg.admin.token_file, &cfg.admin.read_token_file].into_iter().flatten().find_map(|f| client::read_token(f).ok());
-    let reply = client::request(&listen, token.as_deref(), method, target, body)?;
+    let tls = match (&listen, &cfg.admin.tls) {
+        (ratelimitd::config::AdminListen::Tcp(_), Some(t)) => Some(ratelimitd::admin_api::tls::client_config(t)?),
+        _ => None,
+    };
+    let reply = client::request_with(&listen, tls, token.as_deref(), method, target, body)?;
     if reply.status != 200 {
         anyhow::bail!("admin API: {} {}", reply.status, escape(reply.body["error"].as_str().unwrap_or("(no message)")));
     }

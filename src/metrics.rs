@@ -366,10 +366,14 @@ pub enum AdminOp {
     OverrideList,
     OverrideSet,
     OverrideDelete,
+    /// GET /v1/bans: the penalty box's bans, or one key's.
+    BanList,
+    /// DELETE /v1/bans: a ban lifted.
+    BanLift,
 }
 
 impl AdminOp {
-    pub const ALL: [AdminOp; 5] = [Self::Peek, Self::Reset, Self::OverrideList, Self::OverrideSet, Self::OverrideDelete];
+    pub const ALL: [AdminOp; 7] = [Self::Peek, Self::Reset, Self::OverrideList, Self::OverrideSet, Self::OverrideDelete, Self::BanList, Self::BanLift];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -378,6 +382,8 @@ impl AdminOp {
             Self::OverrideList => "override_list",
             Self::OverrideSet => "override_set",
             Self::OverrideDelete => "override_delete",
+            Self::BanList => "ban_list",
+            Self::BanLift => "ban_lift",
         }
     }
 }

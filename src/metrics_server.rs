@@ -32,6 +32,8 @@ pub struct Live {
     /// closed, or the in-memory backend.
     pub backend_ready: bool,
     pub policies: Arc<Policies>,
+    /// The admin API's overrides in force (`top` shows them).
+    pub live_overrides: Arc<crate::live_overrides::LiveOverrides>,
 }
 
 /// The configuration in force and the outcome of the reloads, for
@@ -146,7 +148,7 @@ pub async fn serve(listener: TcpListener, breaker_state: BreakerState, status: A
                 async move {
                     let path = req.uri().path();
                     let resp = if path == "/top.json" {
-                        let doc = crate::top_snapshot::build(live.breaker_open, &live.policies);
+                        let doc = crate::top_snapshot::build(live.breaker_open, &live.policies, &live.live_overrides);
                         Response::builder().header("content-type", "application/json").body(Full::new(Bytes::from(serde_json::to_vec(&doc).expect("plain data serializes"))))
                     } else if path == "/metrics" {
                         Response::builder()

@@ -13,7 +13,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::config::{PolicyConfig, PolicyLimit};
+use crate::config::{Penalty, PolicyConfig, PolicyLimit};
 use crate::protocol::{Algorithm, FailPolicy};
 
 /// What happened to one policy request; each request counts in exactly one.
@@ -133,6 +133,15 @@ impl PolicyCounters {
     }
 }
 
+/// A penalty box's counters (docs/METRICS: `ratelimitd_penalty_*`).
+#[derive(Debug, Default)]
+pub struct PenaltyCounters {
+    /// Bans this daemon's requests engaged (shadow policies' too).
+    pub bans: AtomicU64,
+    /// Requests refused because their key was banned (by Redis or the cache).
+    pub banned: AtomicU64,
+}
+
 /// One policy, ready for the request path.
 #[derive(Debug)]
 pub struct Policy {
@@ -149,6 +158,10 @@ pub struct Policy {
     /// Hot-key shards: 1 (one window per key) or the key's quota split over
     /// this many windows (`redis::shard_key`).
     pub shards: u32,
+    /// The penalty box: ban a key refused `after` times within `within`.
+    pub penalty: Option<Penalty>,
+    /// Kept across reloads, by name, as `counters`.
+    pub penalty_counters: Arc<PenaltyCounters>,
     /// Where this daemon's next sharded request starts (round robin, from a
     /// random shard, so daemons do not all begin on the same one).
     next_shard: AtomicU32,
@@ -203,6 +216,7 @@ impl Policies {
         let mut by_name = HashMap::with_capacity(configs.len());
         for c in configs {
             let counters = previous.and_then(|p| p.get(c.name.as_bytes())).map_or_else(Default::default, |p| p.counters.clone());
+            let penalty_counters = previous.and_then(|p| p.get(c.name.as_bytes())).map_or_else(Default::default, |p| p.penalty_counters.clone());
             by_name.insert(Box::from(c.name.as_bytes()), list.len());
             list.push(Policy {
                 name: c.name.as_str().into(),
@@ -216,6 +230,8 @@ impl Policies {
                 algorithm: c.algorithm,
                 lease_ms: c.lease_ms,
                 shards: c.shards,
+                penalty: c.penalty,
+                penalty_counters,
                 next_shard: AtomicU32::new(random_u32()),
                 overrides: c.overrides.iter().map(|(k, v)| (Box::from(k.as_bytes()), *v)).collect(),
                 counters,
@@ -264,6 +280,17 @@ impl Policies {
                 let _ = writeln!(out, "ratelimitd_policy_requests_total{{policy=\"{}\",outcome=\"{}\"}} {}", p.name, o.as_str(), p.counters.get(o));
             }
         }
+        let penalized = || self.list.iter().filter(|p| p.penalty.is_some());
+        if penalized().next().is_some() {
+            let _ = writeln!(out, "# HELP ratelimitd_penalty_bans_total Bans of the penalty box engaged by this daemon's requests, by policy (a shadow policy's too: recorded, never enforced).\n# TYPE ratelimitd_penalty_bans_total counter");
+            for p in penalized() {
+                let _ = writeln!(out, "ratelimitd_penalty_bans_total{{policy=\"{}\"}} {}", p.name, p.penalty_counters.bans.load(Ordering::Relaxed));
+            }
+            let _ = writeln!(out, "# HELP ratelimitd_penalty_banned_requests_total Requests refused because their key was banned (by Redis, the ban cache or the memory backend), by policy.\n# TYPE ratelimitd_penalty_banned_requests_total counter");
+            for p in penalized() {
+                let _ = writeln!(out, "ratelimitd_penalty_banned_requests_total{{policy=\"{}\"}} {}", p.name, p.penalty_counters.banned.load(Ordering::Relaxed));
+            }
+        }
     }
 }
 
@@ -285,6 +312,7 @@ mod tests {
             algorithm: Algorithm::Log,
             lease_ms: None,
             shards: 1,
+            penalty: None,
             overrides: BTreeMap::from([("big".into(), PolicyLimit::Limit(50)), ("free".into(), PolicyLimit::Unlimited)]),
         }
     }

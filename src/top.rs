@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::terminal::{escape, json_ascii_safe};
-use crate::top_snapshot::{TopDoc, TopRefusedDoc, FORMAT};
+use crate::top_snapshot::{BanDoc, OverrideDoc, TopDoc, TopRefusedDoc, FORMAT};
 
 /// Connect, send and read deadlines of one fetch.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
@@ -106,6 +106,10 @@ pub struct View {
     pub unknown_policy_per_s: f64,
     pub unknown_policy_total: u64,
     pub top_refused: TopRefusedDoc,
+    pub bans: Vec<BanDoc>,
+    pub bans_known: usize,
+    pub overrides: Vec<OverrideDoc>,
+    pub overrides_in_force: usize,
 }
 
 /// The quantile `q` of the calls counted in `delta` (per bucket).
@@ -166,6 +170,10 @@ impl View {
             unknown_policy_per_s: rate(old.unknown_policy_requests, new.unknown_policy_requests),
             unknown_policy_total: new.unknown_policy_requests,
             top_refused: new.top_refused.clone(),
+            bans: new.bans.clone(),
+            bans_known: new.bans_known,
+            overrides: new.overrides.clone(),
+            overrides_in_force: new.overrides_in_force,
         }
     }
 
@@ -261,6 +269,24 @@ impl View {
         if t.keys.is_empty() {
             line("(none)".into());
         }
+        // The penalty box and the admin API's overrides: shown when there are any.
+        if self.bans_known > 0 {
+            line(String::new());
+            line(format!("BANNED KEYS (penalty box), known to this daemon: {}", self.bans_known));
+            line(format!("{:>9}  {:<16}KEY", "ENDS IN", "POLICY"));
+            for b in self.bans.iter().take(keys) {
+                line(format!("{:>8}s  {:<16}{}", b.ends_in_ms.div_ceil(1000), escape(&b.policy), escape(&b.key)));
+            }
+        }
+        if self.overrides_in_force > 0 {
+            line(String::new());
+            line(format!("OVERRIDES IN FORCE (admin API): {}", self.overrides_in_force));
+            line(format!("{:>11}  {:<24}  {:<16}KEY", "LIMIT", "UNTIL (UTC)", "POLICY"));
+            for o in self.overrides.iter().take(keys) {
+                let limit = o.limit.map_or("unlimited".to_string(), |l| l.to_string());
+                line(format!("{limit:>11}  {:<24}  {:<16}{}", crate::admin_api::time::format_utc(o.expires_at_ms), escape(&o.policy), escape(&o.key)));
+            }
+        }
         out
     }
 }
@@ -330,7 +356,29 @@ mod tests {
             policies: vec![PolicyCounts { name: "order".into(), limit: 5, window_ms: 1000, shadow: false, outcomes: BTreeMap::from([("admitted".into(), admitted)]) }],
             unknown_policy_requests: 0,
             top_refused: TopRefusedDoc { window_ms: 0, recorded: 0, skipped: 0, k: 64, keys: vec![] },
+            bans: vec![],
+            bans_known: 0,
+            overrides: vec![],
+            overrides_in_force: 0,
         }
+    }
+
+    #[test]
+    fn bans_and_overrides_in_force_are_shown_escaped_and_only_when_there_are_any() {
+        let plain = View::between(&doc(1000, 1, 1, [0, 0, 0]), &doc(2000, 2, 2, [0, 0, 0])).render("a", 10, usize::MAX);
+        assert!(!plain.contains("BANNED") && !plain.contains("OVERRIDES"), "{plain}");
+        let mut new = doc(2000, 2, 2, [0, 0, 0]);
+        new.bans = vec![BanDoc { policy: "login".into(), key: "1.2.3.4\u{1b}[2J".into(), ends_in_ms: 59_001 }];
+        new.bans_known = 1;
+        new.overrides = vec![OverrideDoc { policy: "per_tenant".into(), key: "tenant-x".into(), limit: Some(5000), expires_at_ms: 1_796_547_600_000 }, OverrideDoc { policy: "per_tenant".into(), key: "vip".into(), limit: None, expires_at_ms: 1_796_547_600_000 }];
+        new.overrides_in_force = 2;
+        let text = View::between(&doc(1000, 1, 1, [0, 0, 0]), &new).render("a", 10, usize::MAX);
+        assert!(text.contains("BANNED KEYS (penalty box), known to this daemon: 1"), "{text}");
+        assert!(text.contains("60s  login"), "{text}");
+        assert!(!text.contains('\u{1b}'), "a client's key never reaches the terminal raw: {text}");
+        assert!(text.contains("OVERRIDES IN FORCE (admin API): 2"), "{text}");
+        assert!(text.contains("5000  2026-12-06T09:00:00.000Z  per_tenant      tenant-x"), "{text}");
+        assert!(text.contains("unlimited  2026-12-06T09:00:00.000Z  per_tenant      vip"), "{text}");
     }
 
     #[test]

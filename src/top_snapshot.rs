@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::PolicyLimit;
+use crate::live_overrides::{split_scoped, LiveOverrides};
 use crate::metrics::METRICS;
 use crate::policies::{self, Outcome, Policies};
 use crate::top_refused::{uptime_ms, TopKey, K, KEY_BYTES, TOP_REFUSED};
@@ -38,6 +40,41 @@ pub struct TopDoc {
     /// CHECK_POLICY requests naming a policy that is not configured.
     pub unknown_policy_requests: u64,
     pub top_refused: TopRefusedDoc,
+    /// The penalty box's bans this daemon knows (its cache of Redis's, or
+    /// the memory backend's), longest first, at most `K`; absent from a
+    /// daemon that predates them.
+    #[serde(default)]
+    pub bans: Vec<BanDoc>,
+    /// Bans this daemon knows in all (`bans` shows the first `K`).
+    #[serde(default)]
+    pub bans_known: usize,
+    /// The admin API's overrides in force on this daemon, soonest expiry
+    /// first, at most `K`.
+    #[serde(default)]
+    pub overrides: Vec<OverrideDoc>,
+    /// Overrides in force in all.
+    #[serde(default)]
+    pub overrides_in_force: usize,
+}
+
+/// A key in the penalty box.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct BanDoc {
+    pub policy: String,
+    pub key: String,
+    /// What is left of the ban, ms (this daemon's cache: never later than Redis's).
+    pub ends_in_ms: u64,
+}
+
+/// A key running under an admin API override.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct OverrideDoc {
+    pub policy: String,
+    pub key: String,
+    /// `None`: unlimited.
+    pub limit: Option<u32>,
+    /// Unix ms, Redis's clock.
+    pub expires_at_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -121,10 +158,48 @@ fn refused_key(k: &TopKey) -> RefusedKey {
     }
 }
 
+/// The bans this daemon knows, longest first, at most `K`, and how many.
+fn bans() -> (Vec<BanDoc>, usize) {
+    let mut all = crate::penalty_box::BANS.entries();
+    let known = all.len();
+    all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let docs = all
+        .iter()
+        .take(K)
+        .filter_map(|(scoped, left)| {
+            let (policy, key) = split_scoped(scoped)?;
+            Some(BanDoc { policy: policy.to_string(), key: text(key), ends_in_ms: u64::from(*left) })
+        })
+        .collect();
+    (docs, known)
+}
+
+/// The overrides in force, soonest expiry first, at most `K`, and how many.
+fn overrides(live: &LiveOverrides) -> (Vec<OverrideDoc>, usize) {
+    let mut all = live.entries();
+    let n = all.len();
+    all.sort_by(|a, b| a.1.expires_at_ms.cmp(&b.1.expires_at_ms).then_with(|| a.0.cmp(&b.0)));
+    let docs = all
+        .iter()
+        .take(K)
+        .filter_map(|(scoped, o)| {
+            let (policy, key) = split_scoped(scoped)?;
+            let limit = match o.limit {
+                PolicyLimit::Limit(l) => Some(l),
+                PolicyLimit::Unlimited => None,
+            };
+            Some(OverrideDoc { policy: policy.to_string(), key: text(key), limit, expires_at_ms: o.expires_at_ms })
+        })
+        .collect();
+    (docs, n)
+}
+
 /// The document now.
-pub fn build(breaker_open: Option<bool>, policies: &Policies) -> TopDoc {
+pub fn build(breaker_open: Option<bool>, policies: &Policies, live: &LiveOverrides) -> TopDoc {
     let f = METRICS.figures();
     let top = TOP_REFUSED.snapshot(K);
+    let (bans, bans_known) = bans();
+    let (overrides, overrides_in_force) = overrides(live);
     TopDoc {
         format: FORMAT,
         uptime_ms: uptime_ms(),
@@ -147,6 +222,10 @@ pub fn build(breaker_open: Option<bool>, policies: &Policies) -> TopDoc {
             .collect(),
         unknown_policy_requests: policies::unknown_requests(),
         top_refused: TopRefusedDoc { window_ms: top.window_ms, recorded: top.recorded, skipped: top.skipped, k: K, keys: top.keys.iter().map(refused_key).collect() },
+        bans,
+        bans_known,
+        overrides,
+        overrides_in_force,
     }
 }
 
@@ -167,7 +246,7 @@ mod tests {
 
     #[test]
     fn document_round_trips_through_json() {
-        let doc = build(Some(false), &Policies::default());
+        let doc = build(Some(false), &Policies::default(), &LiveOverrides::default());
         let text = serde_json::to_string(&doc).unwrap();
         assert_eq!(serde_json::from_str::<TopDoc>(&text).unwrap(), doc);
         assert_eq!(doc.redis_latency.counts.len(), doc.redis_latency.bounds_us.len() + 1);

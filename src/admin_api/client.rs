@@ -3,6 +3,7 @@
 
 use std::io::{Read, Write};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::AdminListen;
@@ -39,13 +40,29 @@ pub fn encode(s: &str) -> String {
 
 /// Sends `method path` with `body` (JSON, if any) and `token` (bearer, if any).
 pub fn request(listen: &AdminListen, token: Option<&str>, method: &str, path: &str, body: Option<&str>) -> Result<Reply, ClientError> {
+    request_with(listen, None, token, method, path, body)
+}
+
+/// `request`, over TLS with `tls` on a TCP listener (`admin_api::tls::client_config`):
+/// the server's certificate must be valid for the listener's IP address.
+pub fn request_with(listen: &AdminListen, tls: Option<Arc<rustls::ClientConfig>>, token: Option<&str>, method: &str, path: &str, body: Option<&str>) -> Result<Reply, ClientError> {
     let at = match listen {
         AdminListen::Unix { path, .. } => path.display().to_string(),
         AdminListen::Tcp(a) => a.to_string(),
     };
     let mut stream: Box<dyn ReadWrite> = match listen {
         AdminListen::Unix { path, .. } => Box::new(std::os::unix::net::UnixStream::connect(path).map_err(|err| ClientError::Connect { at: at.clone(), err })?),
-        AdminListen::Tcp(a) => Box::new(std::net::TcpStream::connect_timeout(a, Duration::from_secs(5)).map_err(|err| ClientError::Connect { at: at.clone(), err })?),
+        AdminListen::Tcp(a) => {
+            let tcp = std::net::TcpStream::connect_timeout(a, Duration::from_secs(5)).map_err(|err| ClientError::Connect { at: at.clone(), err })?;
+            match tls {
+                None => Box::new(tcp),
+                Some(cfg) => {
+                    let name = rustls::pki_types::ServerName::IpAddress(a.ip().into());
+                    let conn = rustls::ClientConnection::new(cfg, name).map_err(|e| ClientError::Connect { at: at.clone(), err: std::io::Error::other(e) })?;
+                    Box::new(rustls::StreamOwned::new(conn, tcp))
+                }
+            }
+        }
     };
     stream.timeouts(Duration::from_secs(30));
     let body = body.unwrap_or("");
@@ -86,6 +103,12 @@ impl ReadWrite for std::os::unix::net::UnixStream {
     fn timeouts(&mut self, t: Duration) {
         let _ = self.set_read_timeout(Some(t));
         let _ = self.set_write_timeout(Some(t));
+    }
+}
+
+impl ReadWrite for rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream> {
+    fn timeouts(&mut self, t: Duration) {
+        self.sock.timeouts(t);
     }
 }
 

@@ -5,9 +5,11 @@
 //! applies (`store`). docs/ADMIN.md is the reference. `client` is the
 //! command line's side (`ratelimitd inspect|reset|override`).
 
+pub mod bans;
 pub mod client;
 mod server;
 pub mod store;
 pub mod time;
+pub mod tls;
 
 pub use server::{bind, serve, AdminListener, View};

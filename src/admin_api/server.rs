@@ -25,10 +25,11 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::bans;
 use super::store::{self, Stored, MAX_OVERRIDES};
 use super::time::{format_utc, parse_utc};
 use crate::admin::{self, AdminError, Inspection, Target};
-use crate::config::{parse_duration, AdminListen, Config, PolicyConfig, PolicyLimit, RedisSecrets};
+use crate::config::{parse_duration, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
 use crate::live_overrides::{scoped_key, split_scoped, LiveOverrides};
 use crate::metrics::{AdminOp, AdminResult, METRICS};
 use crate::policies::shard_limit;
@@ -49,7 +50,8 @@ pub struct View {
 /// A bound admin listener.
 pub enum AdminListener {
     Unix { listener: tokio::net::UnixListener, path: PathBuf },
-    Tcp(tokio::net::TcpListener),
+    /// With `tls`, every connection is a TLS one (handshake in its task).
+    Tcp { listener: tokio::net::TcpListener, tls: Option<tokio_rustls::TlsAcceptor> },
 }
 
 impl Drop for AdminListener {
@@ -61,8 +63,8 @@ impl Drop for AdminListener {
 }
 
 /// Binds `listen`: a socket file of its mode (a stale one replaced), or a
-/// TCP address.
-pub async fn bind(listen: &AdminListen) -> std::io::Result<AdminListener> {
+/// TCP address, with `tls` when given (its files read now).
+pub async fn bind(listen: &AdminListen, tls: Option<&AdminTls>) -> std::io::Result<AdminListener> {
     match listen {
         AdminListen::Unix { path, mode } => {
             use std::os::unix::fs::PermissionsExt;
@@ -75,7 +77,13 @@ pub async fn bind(listen: &AdminListen) -> std::io::Result<AdminListener> {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode))?;
             Ok(AdminListener::Unix { listener, path: path.clone() })
         }
-        AdminListen::Tcp(addr) => Ok(AdminListener::Tcp(tokio::net::TcpListener::bind(addr).await?)),
+        AdminListen::Tcp(addr) => {
+            let tls = match tls {
+                Some(t) => Some(tokio_rustls::TlsAcceptor::from(super::tls::server_config(t).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?)),
+                None => None,
+            };
+            Ok(AdminListener::Tcp { listener: tokio::net::TcpListener::bind(addr).await?, tls })
+        }
     }
 }
 
@@ -101,7 +109,27 @@ pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, li
             }
         };
         let state = state.clone();
+        let tls = match &listener {
+            AdminListener::Tcp { tls, .. } => tls.clone(),
+            AdminListener::Unix { .. } => None,
+        };
         tokio::spawn(async move {
+            // The handshake here, not in the accept loop: a slow or silent
+            // peer holds only its own task, for 10 s at most.
+            let stream: Box<dyn Stream> = match tls {
+                None => stream,
+                Some(acceptor) => match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => Box::new(s),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, peer, "admin TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(peer, "admin TLS handshake timed out");
+                        return;
+                    }
+                },
+            };
             let service = service_fn(move |req| {
                 let state = state.clone();
                 let peer = peer.clone();
@@ -126,7 +154,7 @@ async fn accept(listener: &AdminListener) -> std::io::Result<(Box<dyn Stream>, S
             let peer = s.peer_cred().map(|c| format!("uid:{}/pid:{}", c.uid(), c.pid().unwrap_or(0))).unwrap_or_else(|_| "unix-peer".into());
             Ok((Box::new(s), peer))
         }
-        AdminListener::Tcp(listener) => {
+        AdminListener::Tcp { listener, .. } => {
             let (s, addr) = listener.accept().await?;
             Ok((Box::new(s), addr.to_string()))
         }
@@ -237,14 +265,16 @@ async fn handle(state: &State, peer: &str, req: Request<hyper::body::Incoming>) 
         (&Method::GET, "/v1/overrides") => Some(AdminOp::OverrideList),
         (&Method::PUT, "/v1/overrides") => Some(AdminOp::OverrideSet),
         (&Method::DELETE, "/v1/overrides") => Some(AdminOp::OverrideDelete),
+        (&Method::GET, "/v1/bans") => Some(AdminOp::BanList),
+        (&Method::DELETE, "/v1/bans") => Some(AdminOp::BanLift),
         _ => None,
     };
     let answer = match op {
-        None => Answer::err(StatusCode::NOT_FOUND, "no such endpoint: GET|DELETE /v1/keys, GET|PUT|DELETE /v1/overrides (docs/ADMIN.md)"),
+        None => Answer::err(StatusCode::NOT_FOUND, "no such endpoint: GET|DELETE /v1/keys, GET|PUT|DELETE /v1/overrides, GET|DELETE /v1/bans (docs/ADMIN.md)"),
         Some(op) => {
             let answer = match scope(&view.config, &req) {
                 Err(a) => a,
-                Ok(Scope::Read) if !matches!(op, AdminOp::Peek | AdminOp::OverrideList) => Answer::err(StatusCode::FORBIDDEN, "this token has the read scope only"),
+                Ok(Scope::Read) if !matches!(op, AdminOp::Peek | AdminOp::OverrideList | AdminOp::BanList) => Answer::err(StatusCode::FORBIDDEN, "this token has the read scope only"),
                 Ok(scope) => {
                     // One word (no spaces): the peer and how it was let in.
                     let how = if view.config.admin.token_file.is_none() && view.config.admin.read_token_file.is_none() { "socket" } else if scope == Scope::Write { "write-token" } else { "read-token" };
@@ -274,6 +304,8 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
             Err(_) => Err(Answer::err(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is larger than {MAX_BODY} bytes, or was cut"))),
         },
         AdminOp::OverrideDelete => delete(view, &q, who).await,
+        AdminOp::BanList => ban_list(view, &q).await,
+        AdminOp::BanLift => ban_lift(view, &q, who).await,
     };
     result.unwrap_or_else(|a| a)
 }
@@ -347,7 +379,7 @@ async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result
     let shards = windows.len().max(1) as u32;
     let windows: Vec<Value> = windows.iter().map(|w| window_json(w, limit, shards)).collect();
     let total = |f: &str| windows.iter().filter_map(|w| w.get(f).and_then(Value::as_u64)).sum::<u64>();
-    Ok(Answer::ok(json!({
+    let mut answer = json!({
         "policy": name,
         "key": key,
         "limit": limit_json(limit),
@@ -355,7 +387,14 @@ async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result
         "count": total("count"),
         "remaining": if limit == PolicyLimit::Unlimited { Value::Null } else { json!(total("remaining")) },
         "windows": windows,
-    })))
+    });
+    // A penalty box's key: its ban too (read-only: GET, PTTL).
+    if p.penalty.is_some() {
+        let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
+        let ban = bans::get(&mut conn, &redis.key_prefix, &scoped_key(name, key.as_bytes())).await.map_err(Answer::redis)?;
+        answer["banned_for_ms"] = json!(ban.map(|b| b.left_ms));
+    }
+    Ok(Answer::ok(answer))
 }
 
 /// One window with what it means for the key: counted, remaining, and in
@@ -533,4 +572,95 @@ async fn delete(view: &View, q: &HashMap<String, String>, who: &str) -> Result<A
     let after_limit = cfg.policies.iter().find(|p| p.name == *name).map(|p| p.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(p.limit)));
     tracing::info!(who, op = "override_delete", policy = %name, key = %escape_bytes(key.as_bytes()), before = ?before.as_ref().map(Stored::policy_limit), after = ?after_limit, "admin write");
     Ok(Answer::ok(json!({ "deleted": before.as_ref().map(|s| stored_json(s, now)), "limit_now": after_limit.map(limit_json) })))
+}
+
+/// A policy with a penalty box, or why not.
+fn penalized<'a>(cfg: &'a Config, name: &str) -> Result<(&'a PolicyConfig, crate::config::Penalty), Answer> {
+    let p = policy(cfg, name)?;
+    let penalty = p.penalty.ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, format!("policy {name:?} has no penalty box (penalty = {{ after, within, ban }})")))?;
+    Ok((p, penalty))
+}
+
+fn ban_json(policy: &str, key: &[u8], ends_at_ms: u64, now_ms: u64) -> Value {
+    json!({ "policy": policy, "key": String::from_utf8_lossy(key), "ends_at": format_utc(ends_at_ms), "ends_in_ms": ends_at_ms.saturating_sub(now_ms) })
+}
+
+/// GET /v1/bans[?policy=][&key=]: with a key, its ban (or none) and its
+/// strikes; else every ban in force (the fleet's index in Redis; without
+/// Redis, the memory backend's).
+async fn ban_list(view: &View, q: &HashMap<String, String>) -> Result<Answer, Answer> {
+    let cfg = &view.config;
+    if let Some(name) = q.get("policy") {
+        penalized(cfg, name)?;
+    }
+    let Some(redis) = cfg.redis.as_ref() else {
+        let bans: Vec<Value> = crate::penalty_box::BANS
+            .entries()
+            .into_iter()
+            .filter_map(|(scoped, left)| {
+                let (policy, key) = split_scoped(&scoped)?;
+                let wanted = q.get("policy").map_or(true, |p| p == policy) && q.get("key").map_or(true, |k| k.as_bytes() == key);
+                wanted.then(|| json!({ "policy": policy, "key": String::from_utf8_lossy(key), "ends_in_ms": left }))
+            })
+            .collect();
+        return Ok(Answer::ok(json!({ "bans": bans, "scope": "this daemon (memory backend)" })));
+    };
+    let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
+    if let Some(key) = q.get("key") {
+        let name = q.get("policy").ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, "a key needs its 'policy'"))?;
+        key_ok(cfg, key)?;
+        let (_, penalty) = penalized(cfg, name)?;
+        let scoped = scoped_key(name, key.as_bytes());
+        let ban = bans::get(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?;
+        let strikes = bans::strikes(&mut conn, &redis.key_prefix, &scoped, penalty.within_ms).await.map_err(Answer::redis)?;
+        let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
+        return Ok(Answer::ok(json!({
+            "policy": name,
+            "key": key,
+            "banned": ban.is_some(),
+            "ban": ban.map(|b| ban_json(name, key.as_bytes(), b.ends_at_ms, now)),
+            "strikes": strikes,
+            "after": penalty.after,
+            "within_ms": penalty.within_ms,
+            "ban_ms": penalty.ban_ms,
+        })));
+    }
+    let (now, listed) = bans::list(&mut conn, &redis.key_prefix).await.map_err(Answer::redis)?;
+    let bans: Vec<Value> = listed
+        .iter()
+        .filter_map(|(scoped, end)| {
+            let (policy, key) = split_scoped(scoped)?;
+            q.get("policy").map_or(true, |p| p == policy).then(|| ban_json(policy, key, *end, now))
+        })
+        .collect();
+    Ok(Answer::ok(json!({ "now": format_utc(now), "bans": bans })))
+}
+
+/// DELETE /v1/bans?policy=&key=: the ban and the key's strikes deleted,
+/// and every daemon's cache of it dropped within one refresh.
+async fn ban_lift(view: &View, q: &HashMap<String, String>, who: &str) -> Result<Answer, Answer> {
+    let cfg = &view.config;
+    let name = q.get("policy").ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, "missing parameter 'policy'"))?;
+    let key = checked_key(cfg, q)?;
+    penalized(cfg, name)?;
+    let scoped = scoped_key(name, key.as_bytes());
+    let Some(redis) = cfg.redis.as_ref() else {
+        let was = crate::penalty_box::BANS.banned_ms(&scoped);
+        crate::penalty_box::BANS.lift(&scoped);
+        tracing::info!(who, op = "ban_lift", policy = %name, key = %escape_bytes(key.as_bytes()), before_ends_in_ms = ?was, after = "not banned", "admin write");
+        return match was {
+            Some(left) => Ok(Answer::ok(json!({ "lifted": { "policy": name, "key": key, "ends_in_ms": left } }))),
+            None => Err(Answer::err(StatusCode::NOT_FOUND, format!("policy {name:?} key {key:?} is not banned"))),
+        };
+    };
+    let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
+    let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
+    let before = bans::lift(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?;
+    // This daemon at once; the others at their next refresh.
+    crate::penalty_box::BANS.lift(&scoped);
+    tracing::info!(who, op = "ban_lift", policy = %name, key = %escape_bytes(key.as_bytes()), before_ends_at = ?before.as_ref().map(|b| format_utc(b.ends_at_ms)), after = "not banned", "admin write");
+    match before {
+        Some(b) => Ok(Answer::ok(json!({ "lifted": ban_json(name, key.as_bytes(), b.ends_at_ms, now), "applies_within_ms": cfg.admin.overrides_refresh.as_millis() as u64 }))),
+        None => Err(Answer::err(StatusCode::NOT_FOUND, format!("policy {name:?} key {key:?} is not banned (its strikes, if any, were cleared)"))),
+    }
 }

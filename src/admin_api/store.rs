@@ -116,13 +116,23 @@ pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOver
     let mut conn: Option<LinkConnection> = None;
     // Redis's time at the last read, and this host's then.
     let mut last: Option<(u64, Instant)> = None;
+    // The last lift of a ban seen (`admin_api::bans`); `None` until read.
+    let mut last_lift: Option<u64> = None;
     loop {
         let read = async {
             if conn.is_none() {
                 conn = Some(connect(&cfg, &secrets).await?);
             }
             let c = conn.as_mut().expect("just connected");
-            Ok::<_, AdminError>(read_all(c, &cfg.key_prefix).await?)
+            let overrides = read_all(c, &cfg.key_prefix).await?;
+            // Bans lifted since the last read leave this daemon's cache.
+            let (lifted, seq) = super::bans::lifts_after(c, &cfg.key_prefix, last_lift).await?;
+            for scoped in lifted {
+                crate::penalty_box::BANS.lift(&scoped);
+            }
+            last_lift = Some(seq);
+            crate::penalty_box::BANS.sweep();
+            Ok::<_, AdminError>(overrides)
         }
         .await;
         let wait = match read {

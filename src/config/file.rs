@@ -63,12 +63,24 @@ pub(super) struct PolicySection {
     /// Hot-key shards: the key's quota split over this many windows.
     #[serde(default)]
     pub shards: Option<i64>,
+    /// The penalty box: `{ after = N, within = "W", ban = "D" }`.
+    #[serde(default)]
+    pub penalty: Option<PenaltySection>,
     /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
     /// stable order.
     #[serde(default)]
     pub overrides: std::collections::BTreeMap<String, OverrideValue>,
     #[serde(default)]
     pub allowlist: Vec<String>,
+}
+
+/// A policy's `penalty = { after = N, within = "W", ban = "D" }` as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PenaltySection {
+    pub after: i64,
+    pub within: String,
+    pub ban: String,
 }
 
 /// An override as written: a number or a word (only "unlimited" is valid).
@@ -106,11 +118,16 @@ pub(super) struct AdminSection {
     pub token_file: Option<PathBuf>,
     pub read_token_file: Option<PathBuf>,
     pub overrides_refresh: String,
+    /// TLS on a TCP listener: the certificate chain and its key (PEM).
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// The CA the command line trusts for the API (default: `tls_cert_file`).
+    pub tls_ca_file: Option<PathBuf>,
 }
 
 impl Default for AdminSection {
     fn default() -> Self {
-        Self { listen: None, socket_mode: "0600".into(), token_file: None, read_token_file: None, overrides_refresh: "1s".into() }
+        Self { listen: None, socket_mode: "0600".into(), token_file: None, read_token_file: None, overrides_refresh: "1s".into(), tls_cert_file: None, tls_key_file: None, tls_ca_file: None }
     }
 }
 

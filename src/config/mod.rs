@@ -20,8 +20,8 @@ mod reserve;
 mod validate;
 
 pub use model::{
-    redacted_url, AdminConfig, AdminListen, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
-    ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
+    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
+    ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 pub use nginx_names::{nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
 pub use reserve::reserve_refusal;

@@ -119,10 +119,30 @@ pub struct PolicyConfig {
     /// many windows in different Cluster slots; 1..=`MAX_SHARDS` and at
     /// most the policy's limit and every override's. 1: one window.
     pub shards: u32,
+    /// The penalty box (docs/POLICIES.md): a key refused `after` times
+    /// within `within_ms` is banned for `ban_ms`. Log, unsharded, rate
+    /// policies only.
+    pub penalty: Option<Penalty>,
     /// Exact keys with another limit, or none; the allowlist's keys are
     /// here as `Unlimited`.
     pub overrides: BTreeMap<String, PolicyLimit>,
 }
+
+/// A policy's penalty box: `after` refusals of one key within `within_ms`
+/// ban the key for `ban_ms` (every request refused, fleet-wide).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Penalty {
+    /// Refusals that engage a ban: 1..=`MAX_PENALTY_AFTER`.
+    pub after: u32,
+    /// The window the refusals are counted in, ms.
+    pub within_ms: u32,
+    /// How long a ban lasts, ms.
+    pub ban_ms: u32,
+}
+
+/// Most refusals a penalty may wait for (each is a member of the key's
+/// strike set in Redis).
+pub const MAX_PENALTY_AFTER: u32 = 10_000;
 
 /// Most shards a `[[policy]]` may split a key over: each is a Redis call
 /// when the shards before it refuse.
@@ -382,11 +402,24 @@ pub struct AdminConfig {
     pub read_token_file: Option<PathBuf>,
     /// How often the overrides are read from Redis (also without `listen`).
     pub overrides_refresh: Duration,
+    /// TLS on a TCP listener (a token is still required).
+    pub tls: Option<AdminTls>,
+}
+
+/// `[admin] tls_cert_file`, `tls_key_file` (PEM; read when the listener is
+/// bound) and `tls_ca_file` (the command line's trust; the daemon does not
+/// read it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminTls {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    /// `None`: the command line trusts `cert_file` (a self-signed certificate).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        Self { listen: None, token_file: None, read_token_file: None, overrides_refresh: Duration::from_secs(1) }
+        Self { listen: None, token_file: None, read_token_file: None, overrides_refresh: Duration::from_secs(1), tls: None }
     }
 }
 

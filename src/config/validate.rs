@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{
-    redacted_url, AdminConfig, AdminListen, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
-    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_SHARDS,
+    redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
+    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
 
@@ -350,7 +350,7 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
     let listen = a.listen.map(|l| match l.parse::<SocketAddr>() {
         Ok(addr) => {
             if a.token_file.is_none() {
-                p.add("admin.listen", format!("{addr} is a TCP address: set admin.token_file (a bearer token is required on TCP; TLS is not built in, put a TLS proxy in front beyond loopback)"));
+                p.add("admin.listen", format!("{addr} is a TCP address: set admin.token_file (a bearer token is required on TCP, with or without TLS; add admin.tls_cert_file and tls_key_file beyond loopback)"));
             }
             AdminListen::Tcp(addr)
         }
@@ -371,7 +371,25 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
             Duration::from_secs(1)
         }
     };
-    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh }
+    let tcp = matches!(listen, Some(AdminListen::Tcp(_)));
+    let tls = match (a.tls_cert_file, a.tls_key_file) {
+        (Some(cert_file), Some(key_file)) if tcp => Some(AdminTls { cert_file, key_file, ca_file: a.tls_ca_file }),
+        (Some(_), Some(_)) => {
+            p.add("admin.tls_cert_file", "TLS is for a TCP listener (admin.listen = \"host:port\"); a Unix socket is protected by its mode");
+            None
+        }
+        (None, None) => {
+            if a.tls_ca_file.is_some() {
+                p.add("admin.tls_ca_file", "is the command line's trust for a TLS listener: set admin.tls_cert_file and tls_key_file too");
+            }
+            None
+        }
+        _ => {
+            p.add("admin.tls_cert_file", "give both admin.tls_cert_file and admin.tls_key_file (PEM), or neither");
+            None
+        }
+    };
+    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh, tls }
 }
 
 /// A duration such as "500ms", "1s", "2m", "1h" or "1d": a whole number and
@@ -504,9 +522,43 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
             p.add("policy.shards", format!("policy '{name}': shards are not supported with algorithm = \"concurrency\" (one key's leases are one set)"));
         }
         let shards = if concurrency { 1 } else { policy_shards(p, &name, s.shards, limit, &overrides) };
-        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, overrides });
+        let penalty = s.penalty.as_ref().and_then(|pen| policy_penalty(p, &name, pen, concurrency, algorithm, shards, bounds));
+        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, penalty, overrides });
     }
     out
+}
+
+/// `penalty = { after = N, within = "W", ban = "D" }`: N in
+/// 1..=`MAX_PENALTY_AFTER`, W and D durations within `limits.max_window_ms`;
+/// a rate policy of algorithm log, unsharded (the ban is decided in the
+/// log's call, in the key's Cluster slot: a sharded key has no one slot).
+fn policy_penalty(p: &mut Problems, name: &str, pen: &file::PenaltySection, concurrency: bool, algorithm: Algorithm, shards: u32, bounds: &Bounds) -> Option<Penalty> {
+    let before = p.0.len();
+    if concurrency {
+        p.add("policy.penalty", format!("policy '{name}': penalty is not supported with algorithm = \"{CONCURRENCY}\" (a lease is released, not refused for good)"));
+    } else if algorithm != Algorithm::Log {
+        p.add("policy.penalty", format!("policy '{name}': penalty needs algorithm = \"log\" (it is decided in the log's script), not \"{}\"", algorithm.as_str()));
+    }
+    if shards > 1 {
+        p.add("policy.penalty", format!("policy '{name}': penalty is not supported with shards = {shards} (a ban lives in the key's one Cluster slot)"));
+    }
+    if pen.after < 1 || pen.after > i64::from(MAX_PENALTY_AFTER) {
+        p.add("policy.penalty", format!("policy '{name}': penalty.after {} is outside 1..={MAX_PENALTY_AFTER} (refusals within `within` that engage a ban)", pen.after));
+    }
+    let mut ms = |what: &str, text: &str| match parse_duration(text) {
+        Ok(d) if !d.is_zero() && d.as_millis() <= u128::from(bounds.max_window_ms) => d.as_millis() as u32,
+        Ok(_) => {
+            p.add("policy.penalty", format!("policy '{name}': penalty.{what} {text} is outside 1ms..={}ms (limits.max_window_ms)", bounds.max_window_ms));
+            0
+        }
+        Err(e) => {
+            p.add("policy.penalty", format!("policy '{name}': penalty.{what}: {e}"));
+            0
+        }
+    };
+    let within_ms = ms("within", &pen.within);
+    let ban_ms = ms("ban", &pen.ban);
+    (p.0.len() == before).then_some(Penalty { after: pen.after as u32, within_ms, ban_ms })
 }
 
 /// A `fixed` policy's calendar window: `window = "month"` and/or a
@@ -767,6 +819,21 @@ mod tests {
     }
 
     #[test]
+    fn tls_is_for_a_tcp_listener_with_both_files_and_still_a_token() {
+        let c = parse("[admin]\nlisten = \"0.0.0.0:9465\"\ntoken_file = \"/etc/t\"\ntls_cert_file = \"/etc/c.pem\"\ntls_key_file = \"/etc/k.pem\"\n").unwrap();
+        assert_eq!(c.admin.tls, Some(AdminTls { cert_file: "/etc/c.pem".into(), key_file: "/etc/k.pem".into(), ca_file: None }));
+        for (bad, field, says) in [
+            ("listen = \"0.0.0.0:9465\"\ntls_cert_file = \"/c\"\ntls_key_file = \"/k\"", "admin.listen", "a bearer token is required on TCP, with or without TLS"),
+            ("listen = \"/run/a.sock\"\ntls_cert_file = \"/c\"\ntls_key_file = \"/k\"", "admin.tls_cert_file", "TLS is for a TCP listener"),
+            ("listen = \"127.0.0.1:9465\"\ntoken_file = \"/t\"\ntls_cert_file = \"/c\"", "admin.tls_cert_file", "give both"),
+            ("listen = \"127.0.0.1:9465\"\ntoken_file = \"/t\"\ntls_ca_file = \"/ca\"", "admin.tls_ca_file", "set admin.tls_cert_file and tls_key_file too"),
+        ] {
+            let e = parse(&format!("[admin]\n{bad}\n")).unwrap_err().to_string();
+            assert!(e.contains(&format!("{field}: ")) && e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn metrics_only_on_loopback() {
         assert!(parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").is_ok());
         assert!(parse("[metrics]\nlisten = \"[::1]:9464\"\n").is_ok());
@@ -933,6 +1000,32 @@ mod tests {
             assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), [field], "{extra}: {e}");
             assert!(e.to_string().contains(text), "{extra}: {e}");
         }
+    }
+
+    #[test]
+    fn a_penalty_box_is_n_refusals_within_w_ban_d_on_an_unsharded_log_policy() {
+        let policy = |extra: &str| format!("[[policy]]\nname = \"login\"\nlimit = 5\nwindow = \"1m\"\n{extra}\n");
+        assert_eq!(parse(&policy("")).unwrap().policies[0].penalty, None, "no penalty by default");
+        let p = parse(&policy("penalty = { after = 3, within = \"10m\", ban = \"1h\" }")).unwrap().policies[0].penalty;
+        assert_eq!(p, Some(Penalty { after: 3, within_ms: 600_000, ban_ms: 3_600_000 }));
+        for (bad, says) in [
+            ("penalty = { after = 0, within = \"1m\", ban = \"1m\" }", "penalty.after 0 is outside 1..=10000"),
+            ("penalty = { after = 10001, within = \"1m\", ban = \"1m\" }", "penalty.after 10001 is outside 1..=10000"),
+            ("penalty = { after = 3, within = \"0s\", ban = \"1m\" }", "penalty.within 0s is outside 1ms..="),
+            ("penalty = { after = 3, within = \"1m\", ban = \"soon\" }", "penalty.ban: 'soon' is not a duration"),
+            ("penalty = { after = 3, within = \"1m\", ban = \"400d\" }", "penalty.ban 400d is outside 1ms..="),
+            ("penalty = { after = 3, within = \"1m\", ban = \"1m\" }\nalgorithm = \"gcra\"", "penalty needs algorithm = \"log\""),
+            ("penalty = { after = 3, within = \"1m\", ban = \"1m\" }\nshards = 2", "penalty is not supported with shards = 2"),
+        ] {
+            let e = parse(&policy(bad)).unwrap_err().to_string();
+            assert!(e.contains(&format!("policy.penalty: policy 'login': {says}")), "{bad}: {e}");
+        }
+        let e = parse("[[policy]]\nname = \"c\"\nlimit = 5\nalgorithm = \"concurrency\"\nlease = \"30s\"\npenalty = { after = 3, within = \"1m\", ban = \"1m\" }\n").unwrap_err().to_string();
+        assert!(e.contains("penalty is not supported with algorithm = \"concurrency\""), "{e}");
+        let e = parse(&policy("penalty = { after = 3, within = \"1m\", ban = \"1m\", forever = true }")).unwrap_err().to_string();
+        assert!(e.contains("forever"), "an unknown field is named: {e}");
+        let e = parse(&policy("penalty = { after = 3, ban = \"1m\" }")).unwrap_err().to_string();
+        assert!(e.contains("within"), "a missing field is named: {e}");
     }
 
     #[test]

@@ -29,6 +29,9 @@ impl Limiter {
     /// Decides one item with a limit: its window, or its shards. Never
     /// fails: store errors become the fail policy's response.
     pub(super) async fn check_item(&self, id: u32, op: u8, item: &Item<'_>, limit: u32) -> Response {
+        if let Some(penalty) = item.policy.and_then(|p| p.penalty) {
+            return self.check_penalized(id, op, item, limit, penalty).await;
+        }
         if item.shards > 1 {
             return self.check_shards(id, op, item, limit).await;
         }

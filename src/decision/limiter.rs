@@ -84,6 +84,11 @@ impl Limiter {
         Self { leases, ..self }
     }
 
+    /// The admin API's overrides this limiter reads.
+    pub fn live_overrides(&self) -> &Arc<LiveOverrides> {
+        &self.live_overrides
+    }
+
     pub fn backend(&self) -> &Backend {
         &self.backend
     }

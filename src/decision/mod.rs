@@ -28,6 +28,7 @@ mod execute;
 mod lease;
 mod limiter;
 mod multi;
+mod penalty;
 mod plan;
 mod resolve;
 mod respond;
@@ -268,6 +269,7 @@ mod tests {
             algorithm: crate::protocol::Algorithm::Log,
             lease_ms: None,
             shards: 1,
+            penalty: None,
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
         Arc::new(Policies::build(&[order], None))
@@ -307,7 +309,7 @@ mod tests {
     #[tokio::test]
     async fn sharded_policy_admits_exactly_its_limit() {
         use crate::config::PolicyConfig;
-        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, lease_ms: None, shards: 3, overrides: Default::default() };
+        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, lease_ms: None, shards: 3, penalty: None, overrides: Default::default() };
         let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None))));
         let mut admitted = 0;
         for n in 0..25 {

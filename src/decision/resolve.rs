@@ -142,6 +142,13 @@ impl Limiter {
             let msg = format!("policy '{}' uses algorithm {}: several policies in one request, refundable checks and refunds need algorithm log", policy.name, policy.algorithm.as_str());
             return reject(ErrorCode::UnsupportedCombination, msg);
         }
+        // A ban is decided in the single check's script (src/redis/penalty.lua)
+        // and counts the refusals of one key: several items all or nothing,
+        // and refunds, have no place for it.
+        if matches!(kind, Kind::Multi | Kind::Refund) && policy.penalty.is_some() {
+            let msg = format!("policy '{}' has a penalty box: check it alone, not with other policies in one request, refundable or refunded", policy.name);
+            return reject(ErrorCode::UnsupportedCombination, msg);
+        }
         // Settle moves one counter by the difference: only the O(1)
         // algorithms have one (the rule check-config applies too).
         if matches!(kind, Kind::Reserve | Kind::Settle) {

@@ -293,7 +293,7 @@ mod tests {
 
     fn policy(name: &str, algorithm: Algorithm, shards: u32, limit: u32) -> PolicyConfig {
         let overrides = [("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect();
-        PolicyConfig { name: name.into(), limit, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, overrides }
+        PolicyConfig { name: name.into(), limit, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, penalty: None, overrides }
     }
 
     fn item(name: &str, key: &str, cost: u32) -> PolicyItem {

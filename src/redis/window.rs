@@ -34,6 +34,12 @@ pub const SLIDING_COUNTER_SOURCE: &str = include_str!("sliding_counter.lua");
 /// Concurrency leases (ACQUIRE and RELEASE): a script of their own.
 pub const CONCURRENCY_SOURCE: &str = include_str!("concurrency.lua");
 pub const FIXED_SOURCE: &str = include_str!("fixed_window.lua");
+/// The penalty box's: the log's single check, the ban and the strikes.
+pub const PENALTY_SOURCE: &str = include_str!("penalty.lua");
+
+/// The link's index of the penalty box's script: after the algorithms' and
+/// the leases'.
+const PENALTY_SCRIPT: usize = Algorithm::ALL.len() + 1;
 
 /// The script of each algorithm; the link holds them in `Algorithm::ALL`
 /// order, so `Algorithm::index` names its SHA there.
@@ -64,7 +70,54 @@ impl ToRedisArgs for LeaseKey<'_> {
     }
 }
 
+/// A Redis key of a key's penalty box: the stem, then `suffix`
+/// (`:penalty:ban`, `:penalty:strikes`), so in the key's Cluster slot.
+#[derive(Clone, Copy, Debug)]
+struct PenaltyKey<'a>(WindowKey<'a>, &'static [u8]);
+
+impl PenaltyKey<'_> {
+    fn write_into(&self, w: &mut impl Write) -> std::io::Result<()> {
+        self.0.write_stem(w).and_then(|()| w.write_all(self.1))
+    }
+}
+
+impl ToRedisArgs for PenaltyKey<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let _ = self.write_into(&mut out.writer_for_next_arg());
+    }
+}
+
+/// The suffix of a key's ban.
+pub const BAN_SUFFIX: &[u8] = b":penalty:ban";
+/// The suffix of a key's strikes (refusals counted towards a ban).
+pub const STRIKES_SUFFIX: &[u8] = b":penalty:strikes";
+
+/// What the penalty box's script answered besides the window's verdict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PenaltyState {
+    /// Not 0: the key is banned for this many ms more (the request was
+    /// refused for it).
+    pub banned_ms: u32,
+    /// This request's refusal engaged the ban, which ends then (Unix ms,
+    /// the script's clock).
+    pub engaged: Option<u64>,
+}
+
 impl WindowKey<'_> {
+    /// The Redis key of this key's ban (admin tools).
+    pub fn ban_key(self) -> Vec<u8> {
+        let mut v = Vec::new();
+        PenaltyKey(self, BAN_SUFFIX).write_into(&mut v).expect("writing to a Vec cannot fail");
+        v
+    }
+
+    /// The Redis key of this key's strikes (admin tools).
+    pub fn strikes_key(self) -> Vec<u8> {
+        let mut v = Vec::new();
+        PenaltyKey(self, STRIKES_SUFFIX).write_into(&mut v).expect("writing to a Vec cannot fail");
+        v
+    }
+
     /// The Redis key of this key's concurrency leases (admin tools; the
     /// window and algorithm are not part of it).
     pub fn lease_key(self) -> Vec<u8> {
@@ -129,7 +182,8 @@ impl RedisWindow {
         let script = Script::new(SCRIPT_SOURCE);
         let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
         // The algorithms' scripts in `Algorithm::ALL` order, then the leases'.
-        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([CONCURRENCY_SOURCE]).collect();
+        // The algorithms' scripts, the leases' and the penalty box's.
+        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([CONCURRENCY_SOURCE, PENALTY_SOURCE]).collect();
         let link = RedisLink::start(connector, &sources, probe, LinkSettings::from(cfg), shutdown);
         Ok(Arc::new(Self {
             multi: Arc::new(Reservations::new(link.clone(), cfg.key_prefix.as_bytes())),
@@ -363,6 +417,49 @@ impl RedisWindow {
             .arg(cost);
         let (allowed, count, remaining, retry_after_ms, reset_ms): (i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
         Ok(verdict(allowed, count, remaining, retry_after_ms, reset_ms))
+    }
+
+    /// Decides one request of a policy with a penalty box (the log), in a
+    /// call of its own (never coalesced, no quota lease): the key's ban is
+    /// read, the window decided and a refusal counted as a strike in the
+    /// same atomic call (src/redis/penalty.lua).
+    pub async fn check_penalized(&self, spec: &LimitSpec<'_>, after: u32, within_ms: u32, ban_ms: u32) -> Result<(Verdict, PenaltyState), StoreError> {
+        let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
+        let stem = self.window_key(spec.key, 0, Algorithm::Log);
+        let mut cmd = redis::Cmd::with_capacity(14, 160 + 3 * (self.key_prefix.len() + spec.key.len()));
+        cmd.arg("EVALSHA")
+            .arg(self.link.script_sha(PENALTY_SCRIPT))
+            .arg(3)
+            .arg(self.window_key(spec.key, spec.window_ms, Algorithm::Log))
+            .arg(PenaltyKey(stem, BAN_SUFFIX))
+            .arg(PenaltyKey(stem, STRIKES_SUFFIX))
+            .arg(spec.window_ms)
+            .arg(self.now_arg())
+            .arg(member)
+            .arg(spec.limit)
+            .arg(spec.cost)
+            .arg(after)
+            .arg(within_ms)
+            .arg(ban_ms);
+        let r: (i64, i64, i64, i64, i64, i64, i64) = self.link.eval(&cmd).await?;
+        Ok((verdict(r.0, r.1, r.2, r.3, r.4), PenaltyState { banned_ms: r.5.clamp(0, i64::from(u32::MAX)) as u32, engaged: (r.6 > 0).then_some(r.6 as u64) }))
+    }
+
+    /// The fleet's index of bans, `<key_prefix>admin:bans`.
+    pub fn penalty_index_key(&self) -> Vec<u8> {
+        let mut k = self.key_prefix.to_vec();
+        k.extend_from_slice(b"admin:bans");
+        k
+    }
+
+    /// Adds a ban this daemon's request engaged to the fleet's index of
+    /// bans (`admin_api::bans`), so that the admin API lists it: once per
+    /// ban, off the request path.
+    pub async fn note_ban(&self, index_key: &[u8], scoped: &[u8], ends_at_ms: u64) -> Result<(), StoreError> {
+        let mut cmd = redis::Cmd::with_capacity(4, 32 + index_key.len() + scoped.len());
+        cmd.arg("ZADD").arg(index_key).arg(ends_at_ms).arg(scoped);
+        let _: i64 = self.link.eval(&cmd).await?;
+        Ok(())
     }
 
     /// Decides `asks` in one call, in order, each exactly as a call of its

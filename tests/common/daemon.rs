@@ -47,6 +47,12 @@ impl Daemon {
         Self::launch(rest, None).unwrap_or_else(|why| panic!("{why}"))
     }
 
+    /// `start_config` that returns why the daemon did not start (it exited
+    /// first, say, when a port in `rest` was taken) instead of panicking.
+    pub fn try_start_config(rest: &str) -> Result<Self, String> {
+        Self::launch(rest, None)
+    }
+
     /// Like `start_config`, and serving metrics on a loopback port of its
     /// own (a `[metrics]` table is appended to `rest`): the daemon exits when
     /// the port is taken as it binds, and is then started on another.

@@ -1,0 +1,119 @@
+//! The penalty box's bans in Redis, as the admin API lists and lifts them.
+//!
+//! A ban is one key in its key's slot, `<stem>:penalty:ban` (value: its end,
+//! Unix ms on the script's clock; PTTL: what is left), set by
+//! src/redis/penalty.lua. So that they can be listed without a SCAN of
+//! every node, the daemon whose request engaged a ban adds it to the
+//! index `<key_prefix>admin:bans` (a ZSET: scoped key, scored by its end),
+//! once per ban. A lift deletes the ban and the key's strikes, takes it
+//! out of the index and appends it to `<key_prefix>admin:lifts` (a ZSET
+//! scored by a sequence number, the last `MAX_LIFTS_KEPT` kept): every
+//! daemon reads the lifts after its last one with its overrides
+//! (`store::refresh`) and drops them from its ban cache.
+
+use redis::AsyncCommands;
+
+use crate::redis::{LinkConnection, WindowKey};
+
+/// Lifts kept in `admin:lifts` for daemons to catch up with.
+pub const MAX_LIFTS_KEPT: isize = 1000;
+
+/// The index of the fleet's bans.
+pub fn index_key(key_prefix: &str) -> String {
+    format!("{key_prefix}admin:bans")
+}
+
+/// The lifts, in order.
+pub fn lifts_key(key_prefix: &str) -> String {
+    format!("{key_prefix}admin:lifts")
+}
+
+fn stem<'a>(key_prefix: &'a str, scoped: &'a [u8]) -> WindowKey<'a> {
+    WindowKey { prefix: key_prefix.as_bytes(), key: scoped, window_ms: 0, algorithm: crate::protocol::Algorithm::Log }
+}
+
+/// Redis's clock, in Unix ms (as `store`'s; this module is below it:
+/// `store::refresh` applies the lifts).
+async fn redis_now_ms(conn: &mut LinkConnection) -> Result<u64, redis::RedisError> {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(secs * 1000 + micros / 1000)
+}
+
+/// One ban in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ban {
+    /// Unix ms (Redis's clock) at which it ends.
+    pub ends_at_ms: u64,
+    pub left_ms: u64,
+}
+
+/// `scoped`'s ban, if one is in force.
+pub async fn get(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<Option<Ban>, redis::RedisError> {
+    let key = stem(key_prefix, scoped).ban_key();
+    let left: i64 = conn.pttl(&key).await?;
+    if left <= 0 {
+        return Ok(None);
+    }
+    let end: Option<u64> = conn.get(&key).await?;
+    let now = redis_now_ms(conn).await?;
+    Ok(Some(Ban { ends_at_ms: end.unwrap_or(now + left as u64), left_ms: left as u64 }))
+}
+
+/// The key's refusals counted towards a ban within `within_ms` of now.
+pub async fn strikes(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8], within_ms: u32) -> Result<u64, redis::RedisError> {
+    let now = redis_now_ms(conn).await?;
+    conn.zcount(stem(key_prefix, scoped).strikes_key(), format!("({}", now.saturating_sub(u64::from(within_ms))), "+inf").await
+}
+
+/// The bans in the index not ended by Redis's clock (ended ones are
+/// deleted from it), each as (scoped key, end in Unix ms), and the time.
+pub async fn list(conn: &mut LinkConnection, key_prefix: &str) -> Result<(u64, Vec<(Vec<u8>, u64)>), redis::RedisError> {
+    let now = redis_now_ms(conn).await?;
+    let index = index_key(key_prefix);
+    let _: u64 = conn.zrembyscore(&index, "-inf", now).await?;
+    let entries: Vec<(Vec<u8>, f64)> = conn.zrangebyscore_withscores(&index, format!("({now}"), "+inf").await?;
+    Ok((now, entries.into_iter().map(|(k, s)| (k, s as u64)).collect()))
+}
+
+/// Lifts `scoped`'s ban: deletes it and its strikes, takes it out of the
+/// index and publishes the lift to the fleet. Returns the ban it lifted.
+pub async fn lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<Option<Ban>, redis::RedisError> {
+    let before = get(conn, key_prefix, scoped).await?;
+    let k = stem(key_prefix, scoped);
+    // Both in the key's slot: one DEL.
+    let _: u64 = conn.del(&[k.ban_key(), k.strikes_key()]).await?;
+    let _: u64 = conn.zrem(index_key(key_prefix), scoped).await?;
+    publish_lift(conn, key_prefix, scoped).await?;
+    Ok(before)
+}
+
+/// Appends a lift of `scoped` to `admin:lifts` with the next sequence
+/// number (atomic: one script on one key), keeping the last
+/// `MAX_LIFTS_KEPT`.
+async fn publish_lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<u64, redis::RedisError> {
+    let script = redis::Script::new(
+        "local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+         local seq = (tonumber(top[2]) or 0) + 1
+         redis.call('ZADD', KEYS[1], seq, ARGV[1])
+         redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(tonumber(ARGV[2]) + 1))
+         return seq",
+    );
+    script.key(lifts_key(key_prefix)).arg(scoped).arg(MAX_LIFTS_KEPT).invoke_async(conn).await
+}
+
+/// The lifts after sequence number `after` (`None`: none, only the last
+/// number, for a daemon that starts), and the last number.
+pub async fn lifts_after(conn: &mut LinkConnection, key_prefix: &str, after: Option<u64>) -> Result<(Vec<Vec<u8>>, u64), redis::RedisError> {
+    let key = lifts_key(key_prefix);
+    match after {
+        None => {
+            let top: Vec<(Vec<u8>, f64)> = conn.zrevrange_withscores(&key, 0, 0).await?;
+            Ok((Vec::new(), top.first().map_or(0, |(_, s)| *s as u64)))
+        }
+        Some(after) => {
+            let new: Vec<(Vec<u8>, f64)> = conn.zrangebyscore_withscores(&key, format!("({after}"), "+inf").await?;
+            let last = new.last().map_or(after, |(_, s)| *s as u64);
+            Ok((new.into_iter().map(|(k, _)| k).collect(), last))
+        }
+    }
+}
