@@ -19,7 +19,8 @@ use ratelimitd::MAX_SHARE_MS;
 
 const POLICIES: &str = "[[policy]]\nname = \"order\"\nlimit = 3000\nwindow = \"1m\"\n[policy.overrides]\n\"vip\" = \"unlimited\"\n\
 [[policy]]\nname = \"dry\"\nlimit = 3000\nwindow = \"1m\"\nshadow = true\n\
-[[policy]]\nname = \"hot\"\nlimit = 3000\nwindow = \"1m\"\nshards = 3\n";
+[[policy]]\nname = \"hot\"\nlimit = 3000\nwindow = \"1m\"\nshards = 3\n\
+[[policy]]\nname = \"strikes\"\nlimit = 3000\nwindow = \"1m\"\npenalty = { after = 5, within = \"1m\", ban = \"1m\" }\n";
 
 fn config(redis: &RedisServer) -> String {
     format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\nquota_leases = true\n{POLICIES}", redis.url())
@@ -119,8 +120,9 @@ async fn lease_share_frames_have_the_documented_bytes_and_hostile_ones_get_their
     }
 
     // What never gets a share: an exempt key, a shadow policy, a sharded
-    // one (each shard leases on its own), a key the daemon holds no lease on.
-    for (policy, key) in [("order", "vip"), ("dry", "t1"), ("hot", "t1"), ("order", "cold")] {
+    // one (each shard leases on its own), a penalty-box policy (each refusal
+    // is a strike Redis must see), a key the daemon holds no lease on.
+    for (policy, key) in [("order", "vip"), ("dry", "t1"), ("hot", "t1"), ("strikes", "t1"), ("order", "cold")] {
         if key != "cold" {
             make_hot(&mut c, policy, key).await;
         }

@@ -177,7 +177,7 @@ impl Limiter {
 
     /// LEASE_SHARE (op 10): units of this daemon's quota lease on the
     /// policy's key for a worker's shared dict, when the key resolves to a
-    /// plain log window (not exempt, shadow or sharded) and the daemon
+    /// plain log window (not exempt, shadow, sharded or penalized) and the daemon
     /// holds a lease for its limit now in force (after overrides). Not a
     /// decision: nothing is counted but the share metric; the answer is
     /// `count` units (0: none) valid for `retry_after_ms` from the worker's
@@ -190,7 +190,9 @@ impl Limiter {
             Err(rejected) => return rejected.response,
         };
         let share = match (item.limit, &self.leases) {
-            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log => {
+            // A penalty policy's refusals must reach Redis (each one is a strike), so
+            // its keys are never leased, to the daemon or to a worker.
+            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.penalty.is_none()) => {
                 // A Redis error leaves the worker deciding per request.
                 leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost).await.ok().flatten()
             }
