@@ -170,6 +170,83 @@ async fn opposite_item_orders_never_cross() {
     assert_eq!(nobody, 0, "trials that admitted nobody although both windows were empty");
 }
 
+/// Case 1, three slots and more (docs/PROTOCOL.md 4b, "Crossing
+/// requests"): limit 1 on every item, 8 clients each sending one check over
+/// `slots` slots at once, in rotated and reversed item orders. Of crossing
+/// requests that could each be admitted alone, at least one is: every trial
+/// admits exactly one, and the windows hold exactly it.
+/// With `roomy_lowest`, the item of the lowest slot has room for all 8
+/// (limit 8): every request gets past it, and the crossing happens on the
+/// later slots only.
+async fn crossing_requests_over(clients: usize, slots: usize, trials: usize, roomy_lowest: bool) {
+    let cluster = RedisCluster::start();
+    let names = ["a", "b", "c", "d", "e"];
+    let list: Vec<(&str, u32)> = names[..slots].iter().enumerate().map(|(i, n)| (*n, if roomy_lowest && i == 0 { 8 } else { 1 })).collect();
+    let d = cluster_daemon(&cluster, "timeout_ms = 2000", &policies(&list));
+    let prim = cluster.primaries();
+    let mut nobody = Vec::new();
+    let mut took = Vec::new();
+    for trial in 0..trials {
+        let mut keys: Vec<String> = (0..slots).map(|i| key_on(&cluster, names[i], &format!("t{trial}k{i}_"), prim[i % 3], |_| true)).collect();
+        if roomy_lowest {
+            let lowest = (1..slots).map(|i| slot_of(names[i], &keys[i])).min().unwrap();
+            keys[0] = key_on(&cluster, names[0], &format!("t{trial}k0_"), prim[0], |s| s < lowest);
+        }
+        let mut tasks = Vec::new();
+        for n in 0..clients {
+            let mut c = d.client().await;
+            let keys = keys.clone();
+            tasks.push(tokio::spawn(async move {
+                // Rotated by n, reversed for odd n: every pair of clients
+                // disagrees on the order of some slots.
+                let mut order: Vec<usize> = (0..slots).map(|i| (i + n) % slots).collect();
+                if n % 2 == 1 {
+                    order.reverse();
+                }
+                let items: Vec<ItemArgs<'_>> = order.iter().map(|&i| item(names[i], &keys[i], 1)).collect();
+                let started = Instant::now();
+                let r = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
+                (r, started.elapsed())
+            }));
+        }
+        let mut admitted = 0;
+        for t in tasks {
+            let (r, elapsed) = t.await.unwrap();
+            assert_eq!(r.error, ErrorCode::None, "{r:?}");
+            admitted += (r.decision == Decision::Allowed) as u32;
+            took.push(elapsed);
+        }
+        if admitted == 0 {
+            nobody.push(trial);
+        }
+        assert!(admitted <= 1, "trial {trial}: {admitted} admitted over a limit of 1");
+        for (i, k) in keys.iter().enumerate().skip(usize::from(roomy_lowest)) {
+            assert_eq!(zcard(&cluster, names[i], k), u64::from(admitted), "trial {trial}: window {} holds exactly what was admitted", names[i]);
+        }
+    }
+    took.sort();
+    eprintln!("{slots} slots (roomy lowest: {roomy_lowest}), {trials} trials of {clients} crossing requests: {} admitted nobody; per request p50 {:?} p99 {:?} max {:?}", nobody.len(), took[took.len() / 2], took[took.len() * 99 / 100], took[took.len() - 1]);
+    assert!(nobody.is_empty(), "trials {nobody:?} admitted nobody although every window was empty");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_requests_over_three_slots_admit_one() {
+    crossing_requests_over(8, 3, 40, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_requests_over_five_slots_admit_one() {
+    crossing_requests_over(8, 5, 30, false).await;
+}
+
+/// The case PROTOCOL.md 4b admitted before: requests that all pass the
+/// lowest slot cross on the later ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_requests_past_a_roomy_lowest_slot_admit_one() {
+    crossing_requests_over(2, 3, 60, true).await;
+    crossing_requests_over(8, 4, 30, true).await;
+}
+
 /// Case 2: a check dropped half-way (its client gone while a slot's primary
 /// is slow, and the connection handler dropping the decision) leaves no
 /// reservation in the first slot.
