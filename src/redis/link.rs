@@ -774,8 +774,17 @@ async fn replace_stalled(link: &RedisLink, connector: &Connector, conn_cfg: &Asy
                 tracing::warn!(replaced_before = suppressed, "the redis cluster connection answered nothing while calls waited, and no primary answered a PING through it: replaced by a fresh one (redis-rs stalled in a slot-map refresh); the calls waiting were sent again");
             }
         }
-        Ok(Err(e)) => tracing::warn!(error = %e, "the redis cluster connection looks stalled, and a fresh one could not be made; keeping the old one"),
-        Err(_) => tracing::warn!("the redis cluster connection looks stalled, and a fresh one could not be made in time; keeping the old one"),
+        failed => {
+            // Not probed again before another `stall_limit` of silence.
+            link.last_replaced_us.fetch_max(link.in_flight.micros(Instant::now()), Ordering::Relaxed);
+            if let Some(suppressed) = link.stall_log.permit() {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no fresh connection within {limit:?}"),
+                };
+                tracing::warn!(%error, suppressed, "the redis cluster connection looks stalled, and a fresh one could not be made; keeping the old one");
+            }
+        }
     }
 }
 
