@@ -119,10 +119,6 @@ pub struct RedisLink {
     /// A cluster connection stalled (see `watch_cluster`): replace it
     /// without opening the breaker.
     replace_wanted: AtomicBool,
-    /// Bumped when a stalled cluster connection was replaced; calls waiting
-    /// on the old one are sent again on the new one (`replaced`).
-    replacements: AtomicU64,
-    replaced: Notify,
     /// When a stalled connection was last replaced, or a stall probe
     /// answered (same clock as `last_reply_us`).
     last_replaced_us: AtomicU64,
@@ -199,8 +195,6 @@ impl RedisLink {
             reconnect_wanted: AtomicBool::new(true),
             reload_wanted: AtomicBool::new(false),
             replace_wanted: AtomicBool::new(false),
-            replacements: AtomicU64::new(0),
-            replaced: Notify::new(),
             last_replaced_us: AtomicU64::new(0),
             stall_log: RateLimitedLog::new(LOG_INTERVAL),
             wake: Notify::new(),
@@ -281,12 +275,7 @@ impl RedisLink {
         };
         let attempt = async {
             let seen = self.generation();
-            let first = if conn_is_cluster {
-                self.query_unless_replaced(cmd, &mut conn).await
-            } else {
-                cmd.query_async::<T>(&mut conn).await
-            };
-            let first = match first {
+            let first = match cmd.query_async::<T>(&mut conn).await {
                 Err(e) if is_redirect(&e) => follow_redirect(cmd, e, &mut conn).await,
                 other => other,
             };
@@ -341,35 +330,6 @@ impl RedisLink {
             Err(_) => {
                 self.record_timeout(&permit, now, took);
                 Err(StoreError::Timeout(self.settings.timeout))
-            }
-        }
-    }
-
-    /// `cmd` on a cluster connection; if the connection is replaced as
-    /// stalled while the call waits (`watch_cluster`), the call is sent
-    /// again on the new one (`conn` becomes it). The first copy may have
-    /// run: as for a connection found dead, that is on the side of refusing
-    /// (a reservation's, confirmation's or take-back's members are named,
-    /// so their second copy changes nothing).
-    async fn query_unless_replaced<T: FromRedisValue>(&self, cmd: &Cmd, conn: &mut LinkConnection) -> Result<T, RedisError> {
-        let replaced = self.replaced.notified();
-        tokio::pin!(replaced);
-        replaced.as_mut().enable();
-        let seen = self.replacements.load(Ordering::Acquire);
-        let mut first = conn.clone();
-        tokio::select! {
-            r = cmd.query_async::<T>(&mut first) => r,
-            _ = async {
-                while self.replacements.load(Ordering::Acquire) == seen {
-                    replaced.as_mut().await;
-                    replaced.set(self.replaced.notified());
-                }
-            } => {
-                *conn = match &*self.conn.load() {
-                    Some(c) => (**c).clone(),
-                    None => return Err(RedisError::from(std::io::Error::other("no connection"))),
-                };
-                cmd.query_async::<T>(conn).await
             }
         }
     }
@@ -721,8 +681,10 @@ const STALL_LIMIT_MAX: Duration = Duration::from_millis(100);
 /// first answers: a healthy connection with slow nodes answers it; a
 /// stalled one cannot. No answer: the supervisor builds a fresh cluster
 /// connection beside the old one and puts it in place (the breaker is not
-/// touched; if that fails, nothing changes), and the calls waiting on the
-/// old one are sent again on it (`query_unless_replaced`).
+/// touched; if that fails, nothing changes). The calls already waiting on
+/// the old one get their deadline's timeout (re-sending them would need a
+/// wake-up registered per call on the request path); the next ones go to
+/// the new connection.
 async fn watch_cluster(link: std::sync::Weak<RedisLink>, shutdown: CancellationToken) {
     loop {
         tokio::select! {
@@ -767,11 +729,9 @@ async fn replace_stalled(link: &RedisLink, connector: &Connector, conn_cfg: &Asy
         Ok(Ok(conn)) => {
             link.conn.store(Some(Arc::new(conn)));
             link.last_replaced_us.fetch_max(link.in_flight.micros(Instant::now()), Ordering::Relaxed);
-            link.replacements.fetch_add(1, Ordering::AcqRel);
-            link.replaced.notify_waiters();
             METRICS.script_loaded();
             if let Some(suppressed) = link.stall_log.permit() {
-                tracing::warn!(replaced_before = suppressed, "the redis cluster connection answered nothing while calls waited, and no primary answered a PING through it: replaced by a fresh one (redis-rs stalled in a slot-map refresh); the calls waiting were sent again");
+                tracing::warn!(replaced_before = suppressed, "the redis cluster connection answered nothing while calls waited, and no primary answered a PING through it: replaced by a fresh one (redis-rs stalled in a slot-map refresh)");
             }
         }
         failed => {
