@@ -590,6 +590,8 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             if needs_link {
                 link.reconnect_wanted.store(false, Ordering::Release);
                 link.reload_wanted.store(false, Ordering::Release);
+                // A fresh connection replaces a stalled one too.
+                link.replace_wanted.store(false, Ordering::Release);
                 let mut conn = connector.connect(&conn_cfg).await?;
                 load_script(&link, &mut conn).await?;
                 if conn.is_cluster() {
