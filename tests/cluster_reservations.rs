@@ -170,6 +170,83 @@ async fn opposite_item_orders_never_cross() {
     assert_eq!(nobody, 0, "trials that admitted nobody although both windows were empty");
 }
 
+/// Case 1, three slots and more (docs/PROTOCOL.md 4b, "Crossing
+/// requests"): limit 1 on every item, 8 clients each sending one check over
+/// `slots` slots at once, in rotated and reversed item orders. Of crossing
+/// requests that could each be admitted alone, at least one is: every trial
+/// admits exactly one, and the windows hold exactly it.
+/// With `roomy_lowest`, the item of the lowest slot has room for all 8
+/// (limit 8): every request gets past it, and the crossing happens on the
+/// later slots only.
+async fn crossing_requests_over(clients: usize, slots: usize, trials: usize, roomy_lowest: bool) {
+    let cluster = RedisCluster::start();
+    let names = ["a", "b", "c", "d", "e"];
+    let list: Vec<(&str, u32)> = names[..slots].iter().enumerate().map(|(i, n)| (*n, if roomy_lowest && i == 0 { 8 } else { 1 })).collect();
+    let d = cluster_daemon(&cluster, "timeout_ms = 2000", &policies(&list));
+    let prim = cluster.primaries();
+    let mut nobody = Vec::new();
+    let mut took = Vec::new();
+    for trial in 0..trials {
+        let mut keys: Vec<String> = (0..slots).map(|i| key_on(&cluster, names[i], &format!("t{trial}k{i}_"), prim[i % 3], |_| true)).collect();
+        if roomy_lowest {
+            let lowest = (1..slots).map(|i| slot_of(names[i], &keys[i])).min().unwrap();
+            keys[0] = key_on(&cluster, names[0], &format!("t{trial}k0_"), prim[0], |s| s < lowest);
+        }
+        let mut tasks = Vec::new();
+        for n in 0..clients {
+            let mut c = d.client().await;
+            let keys = keys.clone();
+            tasks.push(tokio::spawn(async move {
+                // Rotated by n, reversed for odd n: every pair of clients
+                // disagrees on the order of some slots.
+                let mut order: Vec<usize> = (0..slots).map(|i| (i + n) % slots).collect();
+                if n % 2 == 1 {
+                    order.reverse();
+                }
+                let items: Vec<ItemArgs<'_>> = order.iter().map(|&i| item(names[i], &keys[i], 1)).collect();
+                let started = Instant::now();
+                let r = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
+                (r, started.elapsed())
+            }));
+        }
+        let mut admitted = 0;
+        for t in tasks {
+            let (r, elapsed) = t.await.unwrap();
+            assert_eq!(r.error, ErrorCode::None, "{r:?}");
+            admitted += (r.decision == Decision::Allowed) as u32;
+            took.push(elapsed);
+        }
+        if admitted == 0 {
+            nobody.push(trial);
+        }
+        assert!(admitted <= 1, "trial {trial}: {admitted} admitted over a limit of 1");
+        for (i, k) in keys.iter().enumerate().skip(usize::from(roomy_lowest)) {
+            assert_eq!(zcard(&cluster, names[i], k), u64::from(admitted), "trial {trial}: window {} holds exactly what was admitted", names[i]);
+        }
+    }
+    took.sort();
+    eprintln!("{slots} slots (roomy lowest: {roomy_lowest}), {trials} trials of {clients} crossing requests: {} admitted nobody; per request p50 {:?} p99 {:?} max {:?}", nobody.len(), took[took.len() / 2], took[took.len() * 99 / 100], took[took.len() - 1]);
+    assert!(nobody.is_empty(), "trials {nobody:?} admitted nobody although every window was empty");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_requests_over_three_slots_admit_one() {
+    crossing_requests_over(8, 3, 40, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_requests_over_five_slots_admit_one() {
+    crossing_requests_over(8, 5, 30, false).await;
+}
+
+/// The case PROTOCOL.md 4b admitted before: requests that all pass the
+/// lowest slot cross on the later ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_requests_past_a_roomy_lowest_slot_admit_one() {
+    crossing_requests_over(2, 3, 60, true).await;
+    crossing_requests_over(8, 4, 30, true).await;
+}
+
 /// Case 2: a check dropped half-way (its client gone while a slot's primary
 /// is slow, and the connection handler dropping the decision) leaves no
 /// reservation in the first slot.
@@ -372,14 +449,17 @@ async fn move_slot(cluster: &RedisCluster, slot: u16, from: u16, to: u16, ask_ms
     }
 }
 
-/// Case 5: plain checks during manual slot moves (IMPORTING, MIGRATING,
-/// MIGRATE, then SETSLOT NODE) of a slot where 16 clients each check a key
-/// of their own (one hash tag), with other clients busy on the destination
-/// primary: every request is decided by Redis (ASK followed), none gets
-/// an error. Many calls redirected at once to one node are what redis-rs's
-/// own ASK handling loses (see `follow_redirect` in src/redis/link.rs).
-/// Then multi-item checks in both orders while the slot of one of their
-/// items moves back: no member is left behind.
+/// Case 5: plain checks and multi-item checks at once during manual slot
+/// moves (IMPORTING, MIGRATING, MIGRATE, then SETSLOT NODE) of a slot where
+/// 16 clients each check a key of their own (one hash tag), other clients
+/// busy on the destination primary, and 8 clients send multi-item checks in
+/// both orders over a key of the moving slot and a slot of the third
+/// primary, while the slot moves there and back: every plain check is
+/// decided by Redis (ASK followed), none gets an error or waits out its
+/// deadline; no member is left behind. Many calls redirected at once to one
+/// node are what redis-rs's own ASK handling loses, and every `MOVED` it
+/// meets stops the whole connection for a slot-map refresh (see
+/// `follow_redirect` in src/redis/link.rs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     let cluster = RedisCluster::start();
@@ -409,27 +489,12 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
             }
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    for tag in &tags {
-        move_slot(&cluster, key_slot(tag.as_bytes()), src, dst, 600).await;
-        eprintln!("slot {} moved at {:?}", key_slot(tag.as_bytes()), t0.elapsed());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks.drain(..) {
-        t.await.unwrap();
-    }
-    let errors = errors.lock().unwrap().clone();
-    eprintln!("{} slot moves, {} checks, {} not decided by Redis", tags.len(), count.load(Ordering::Relaxed), errors.len());
-    assert!(errors.is_empty(), "{} checks got an error during the moves, e.g. {:?}", errors.len(), &errors[..errors.len().min(5)]);
-
-    // Multi-item checks, both orders, over the first moved slot (moved
-    // back now) and a slot of the third primary.
+    // Multi-item checks, both orders, over a key of the first moving slot
+    // and a slot of the third primary, at the same time.
     let key_a = format!("{{{}}}multi", tags[0]);
     let key_b = key_on(&cluster, "b", "kb", prim[2], |_| true);
-    let stop = Arc::new(AtomicBool::new(false));
     let admitted = Arc::new(AtomicU32::new(0));
-    let failed = Arc::new(AtomicU32::new(0));
+    let failed = Arc::new(std::sync::Mutex::new(HashMap::<String, u32>::new()));
     for n in 0..8 {
         let mut c = d.client().await;
         let (ka, kb, stop, admitted, failed) = (key_a.clone(), key_b.clone(), stop.clone(), admitted.clone(), failed.clone());
@@ -438,24 +503,35 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
                 let items = if n % 2 == 0 { [item("a", &ka, 1), item("b", &kb, 1)] } else { [item("b", &kb, 1), item("a", &ka, 1)] };
                 let r = c.check_multi(FailPolicy::Closed, 0, false, &items).await.unwrap();
                 match (r.decision, r.error) {
-                    (Decision::Allowed, ErrorCode::None) => admitted.fetch_add(1, Ordering::Relaxed),
-                    _ => failed.fetch_add(1, Ordering::Relaxed),
+                    (Decision::Allowed, ErrorCode::None) => {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => *failed.lock().unwrap().entry(format!("{:?}/{:?} {}", r.decision, r.error, r.message)).or_default() += 1,
                 };
             }
         }));
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
+    for tag in &tags {
+        move_slot(&cluster, key_slot(tag.as_bytes()), src, dst, 600).await;
+        eprintln!("slot {} moved at {:?}", key_slot(tag.as_bytes()), t0.elapsed());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     move_slot(&cluster, key_slot(tags[0].as_bytes()), dst, src, 600).await;
+    eprintln!("slot {} moved back at {:?}", key_slot(tags[0].as_bytes()), t0.elapsed());
     tokio::time::sleep(Duration::from_millis(200)).await;
     stop.store(true, Ordering::Relaxed);
-    for t in tasks {
+    for t in tasks.drain(..) {
         t.await.unwrap();
     }
-    let (admitted, failed) = (u64::from(admitted.load(Ordering::Relaxed)), failed.load(Ordering::Relaxed));
-    eprintln!("multi-item checks across the move back: {admitted} admitted, {failed} failed");
+    let errors = errors.lock().unwrap().clone();
+    let (admitted, failed) = (u64::from(admitted.load(Ordering::Relaxed)), failed.lock().unwrap().clone());
+    eprintln!("3 slot moves, {} plain checks, {} not decided by Redis; multi-item checks: {admitted} admitted, failed {failed:?}", count.load(Ordering::Relaxed), errors.len());
+    assert!(errors.is_empty(), "{} plain checks got an error during the moves, e.g. {:?}\n{}", errors.len(), &errors[..errors.len().min(5)], d.log());
+    assert!(admitted >= 100, "multi-item checks went on during the moves: {admitted} admitted, failed {failed:?}");
     // Past any reservation's life: exactly the admitted ones stay.
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert_eq!((zcard(&cluster, "a", &key_a), zcard(&cluster, "b", &key_b)), (admitted, admitted), "the windows hold exactly the admitted multi-item checks ({failed} failed)");
+    assert_eq!((zcard(&cluster, "a", &key_a), zcard(&cluster, "b", &key_b)), (admitted, admitted), "the windows hold exactly the admitted multi-item checks (failed: {failed:?})");
 }
 
 /// Case 6: a REFUND of a 3-slot handle (costs 2, 1, 3) with the second

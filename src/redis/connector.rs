@@ -140,18 +140,26 @@ impl Connector {
 /// The cluster client: AUTH/ACL and TLS as for a single Redis, the link's
 /// timeouts, and Nagle off on every node's connection.
 ///
-/// redis-rs retries a command itself after MOVED/ASK, a lost node
-/// connection or `TRYAGAIN`/`CLUSTERDOWN`, refreshing the slot map; the
-/// link's own deadline (`redis.timeout_ms`) still bounds every request, so
-/// those retries only ever use what is left of it. The response timeout is
-/// the floor of the supervisor's work (SCRIPT LOAD, probe), as for a
-/// single connection.
+/// redis-rs retries nothing itself (`retries(0)`): a redirect comes back
+/// to the link, which follows `ASK` with `ASKING` and the command in one
+/// pipeline and `MOVED` to the node named (`follow_redirect` in link.rs).
+/// redis-rs's own `ASK` handling sends `ASKING` and the command as two
+/// requests: under load another call's command consumes the one-shot flag,
+/// the importing node answers `MOVED`, and every `MOVED` makes redis-rs
+/// refresh its slot map inside its one polling loop, where no call in
+/// flight is polled; under mixed traffic during a slot move that refresh
+/// was seen to never complete (see `watch_cluster` in link.rs). Its other
+/// retries (`TRYAGAIN`, `CLUSTERDOWN`) sleep at least 1.28 s, past any
+/// deadline of ours. It still refreshes its slot map after a `MOVED` and
+/// reconnects a lost node. The response timeout is the floor of the
+/// supervisor's work (SCRIPT LOAD, probe), as for a single connection.
 fn cluster_client(c: &ClusterConfig, cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<ClusterClient, RedisError> {
     let scheme = if c.tls { "rediss" } else { "redis" };
     let seeds: Vec<String> = c.seeds.iter().map(|hp| format!("{scheme}://{hp}")).collect();
     let mut b = ClusterClient::builder(seeds)
         .connection_timeout(cfg.connect_timeout)
         .response_timeout(cfg.timeout.max(std::time::Duration::from_secs(1)))
+        .retries(0)
         .tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
     if let Some(u) = &cfg.username {
         b = b.username(u);

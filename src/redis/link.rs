@@ -116,6 +116,13 @@ pub struct RedisLink {
     generation: AtomicU64,
     reconnect_wanted: AtomicBool,
     reload_wanted: AtomicBool,
+    /// A cluster connection stalled (see `watch_cluster`): replace it
+    /// without opening the breaker.
+    replace_wanted: AtomicBool,
+    /// When a stalled connection was last replaced, or a stall probe
+    /// answered (same clock as `last_reply_us`).
+    last_replaced_us: AtomicU64,
+    stall_log: RateLimitedLog,
     /// Wakes the supervisor.
     wake: Notify,
     /// Wakes requests waiting for a reload.
@@ -193,6 +200,9 @@ impl RedisLink {
             generation: AtomicU64::new(0),
             reconnect_wanted: AtomicBool::new(true),
             reload_wanted: AtomicBool::new(false),
+            replace_wanted: AtomicBool::new(false),
+            last_replaced_us: AtomicU64::new(0),
+            stall_log: RateLimitedLog::new(LOG_INTERVAL),
             wake: Notify::new(),
             loaded: Notify::new(),
             attempt_failed: AtomicBool::new(false),
@@ -214,6 +224,9 @@ impl RedisLink {
                 None => false,
             };
             tokio::spawn(SentinelConnector::watch_switches(s.switch_watch(), on_switch, shutdown.clone()));
+        }
+        if matches!(connector, Connector::Cluster { .. }) {
+            tokio::spawn(watch_cluster(Arc::downgrade(&link), shutdown.clone()));
         }
         tokio::spawn(supervise(link.clone(), connector, shutdown));
         link
@@ -567,6 +580,13 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
     loop {
         let needs_link = link.reconnect_wanted.load(Ordering::Acquire) || link.breaker.is_open();
         let needs_load = link.reload_wanted.load(Ordering::Acquire);
+        if !needs_link && link.replace_wanted.swap(false, Ordering::AcqRel) {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = replace_stalled(&link, &connector, &conn_cfg, probe_limit) => {}
+            }
+            continue;
+        }
         if !needs_link && !needs_load {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -601,6 +621,8 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             if needs_link {
                 link.reconnect_wanted.store(false, Ordering::Release);
                 link.reload_wanted.store(false, Ordering::Release);
+                // A fresh connection replaces a stalled one too.
+                link.replace_wanted.store(false, Ordering::Release);
                 let mut conn = connector.connect(&conn_cfg).await?;
                 load_script(&link, &mut conn).await?;
                 if conn.is_cluster() {
@@ -668,6 +690,97 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// How often `watch_cluster` looks, and how long the cluster connection
+/// may answer nothing while calls of ours wait before it is probed.
+const STALL_CHECK: Duration = Duration::from_millis(10);
+const STALL_LIMIT_MIN: Duration = Duration::from_millis(25);
+const STALL_LIMIT_MAX: Duration = Duration::from_millis(100);
+
+/// Watches a cluster link for a stalled connection, and has it replaced.
+///
+/// Why: redis-rs 1.8's cluster connection refreshes its slot map after
+/// every `MOVED` (a slot move's hand-over) inside its one polling loop,
+/// and while the refresh runs no call in flight is polled
+/// (`ClusterConnInner::poll_flush` waits on `poll_recover`). The refresh
+/// takes the connection map's write lock (a fair tokio `RwLock`): a call
+/// that was granted that lock while queued behind another writer, but is
+/// not polled any more, holds it for ever, and the refresh waits for it.
+/// Seen during slot moves under mixed traffic: "beginning slot refresh"
+/// with no "slot refresh complete", every call of the daemon timing out
+/// until the breaker replaced the connection 2.5 s later (the class of
+/// valkey-glide #2643 and #3946, redis-rs #882). The symptom is all this
+/// tells us from outside: calls in flight and no answer to any of them for
+/// `stall_limit`. Then one `PING` to every primary, answered when the
+/// first answers: a healthy connection with slow nodes answers it; a
+/// stalled one cannot. No answer: the supervisor builds a fresh cluster
+/// connection beside the old one and puts it in place (the breaker is not
+/// touched; if that fails, nothing changes). The calls already waiting on
+/// the old one get their deadline's timeout (re-sending them would need a
+/// wake-up registered per call on the request path); the next ones go to
+/// the new connection.
+async fn watch_cluster(link: std::sync::Weak<RedisLink>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(STALL_CHECK) => {}
+        }
+        let Some(link) = link.upgrade() else { return };
+        let stall_limit = (link.settings.timeout / 5).clamp(STALL_LIMIT_MIN, STALL_LIMIT_MAX);
+        if link.in_flight.current() == 0 || link.breaker.is_open() || link.replace_wanted.load(Ordering::Acquire) {
+            continue;
+        }
+        let now = link.in_flight.micros(Instant::now());
+        let quiet_since = link.last_reply_us.load(Ordering::Relaxed).max(link.last_replaced_us.load(Ordering::Relaxed));
+        if now.saturating_sub(quiet_since) < stall_limit.as_micros() as u64 {
+            continue;
+        }
+        let Some(conn) = link.conn.load_full() else { continue };
+        let LinkConnection::Cluster(mut cluster) = (*conn).clone() else { return };
+        let ping = redis::cmd("PING");
+        let routing = redis::cluster_routing::RoutingInfo::MultiNode((redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters, Some(redis::cluster_routing::ResponsePolicy::OneSucceeded)));
+        let answered = tokio::time::timeout(stall_limit, cluster.route_command(ping, routing)).await.is_ok_and(|r| r.is_ok());
+        if answered {
+            // Alive: note it, so a slow node is not probed every check.
+            link.last_replaced_us.fetch_max(link.in_flight.micros(Instant::now()), Ordering::Relaxed);
+            continue;
+        }
+        link.replace_wanted.store(true, Ordering::Release);
+        link.wake.notify_one();
+    }
+}
+
+/// Builds a fresh cluster connection and puts it in place of a stalled one
+/// (`watch_cluster`); on failure the old one stays, and the breaker is not
+/// touched.
+async fn replace_stalled(link: &RedisLink, connector: &Connector, conn_cfg: &AsyncConnectionConfig, limit: Duration) {
+    let fresh = async {
+        let mut conn = connector.connect(conn_cfg).await?;
+        load_script(link, &mut conn).await?;
+        Ok::<_, RedisError>(conn)
+    };
+    match tokio::time::timeout(limit, fresh).await {
+        Ok(Ok(conn)) => {
+            link.conn.store(Some(Arc::new(conn)));
+            link.last_replaced_us.fetch_max(link.in_flight.micros(Instant::now()), Ordering::Relaxed);
+            METRICS.script_loaded();
+            if let Some(suppressed) = link.stall_log.permit() {
+                tracing::warn!(replaced_before = suppressed, "the redis cluster connection answered nothing while calls waited, and no primary answered a PING through it: replaced by a fresh one (redis-rs stalled in a slot-map refresh)");
+            }
+        }
+        failed => {
+            // Not probed again before another `stall_limit` of silence.
+            link.last_replaced_us.fetch_max(link.in_flight.micros(Instant::now()), Ordering::Relaxed);
+            if let Some(suppressed) = link.stall_log.permit() {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no fresh connection within {limit:?}"),
+                };
+                tracing::warn!(%error, suppressed, "the redis cluster connection looks stalled, and a fresh one could not be made; keeping the old one");
+            }
+        }
     }
 }
 

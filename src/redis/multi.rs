@@ -13,12 +13,14 @@
 //! and the reservations are confirmed (their members re-scored to the
 //! call's time: a normal admission from then on). When a group refused
 //! and none of ours held anything, the request is refused; when some
-//! reserved, they are taken back (ZREM) and, two requests over the same
-//! slots having maybe refused each other, the groups are tried once more in
-//! one global order: the lowest slot alone, then the others at once (of two
-//! requests only one gets past the lowest slot; a later slot that refuses
-//! it then, maybe for the loser's reservation whose take-back is on its
-//! way, is asked again twice, 2 ms apart). When a call failed, the
+//! reserved, they are taken back (ZREM) and, requests over the same slots
+//! having maybe refused each other, the groups are tried once more in one
+//! global order, one after another by ascending slot, what is reserved
+//! kept while the next is asked, a slot that refuses asked again up to 4
+//! times, 1 to 8 ms apart (another request's first-round reservation may
+//! be what refused it, its take-back on the way). Of requests crossing
+//! each other one gets through (docs/PROTOCOL.md 4b, "Crossing
+//! requests", has the proof). When a call failed, the
 //! request gets the error and the groups that reserved, or may have, are
 //! taken back. The work runs in a task of its own that the request only
 //! awaits: a request dropped half-way (a client gone, a connection closed
@@ -64,10 +66,11 @@ pub const RESERVATION_LIFE: Duration = Duration::from_secs(2);
 /// Pause between tries of a confirmation or take-back that failed.
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
-/// In the ordered second try, with the lowest slot held: how many more
-/// times a later slot that refused is asked again, and the pause before.
-const LATER_SLOT_RETRIES: usize = 2;
-const LATER_SLOT_PAUSE: Duration = Duration::from_millis(2);
+/// In the ordered try: how many more times a slot that refused is asked
+/// again, and the first pause (doubled each time: 1 + 2 + 4 + 8 = 15 ms
+/// in all, the `W` of docs/PROTOCOL.md 4b), within the request's deadline.
+const ORDERED_RETRIES: usize = 4;
+const ORDERED_FIRST_PAUSE: Duration = Duration::from_millis(1);
 
 /// One item of an all-or-nothing call (`check_multi`).
 #[derive(Clone, Copy, Debug, Default)]
@@ -236,7 +239,7 @@ impl Reservations {
 
     /// Reserves every slot group at once; when some reserved and another
     /// refused, takes them back and tries once more in the global order
-    /// (the lowest slot alone, then the others at once). Answers on `tx`,
+    /// (one group after another by ascending slot). Answers on `tx`,
     /// then confirms or takes back.
     async fn decide_across_slots(self: Arc<Self>, items: Vec<Item>, groups: Vec<Vec<usize>>, base: Base, now_ms: u64, deadline: Instant, tx: oneshot::Sender<Answer>) {
         let started = Instant::now();
@@ -260,38 +263,35 @@ impl Reservations {
             let _ = tx.send(Ok((false, verdicts)));
             return self.take_back_rest(&items, pending, base, started).await;
         }
-        // Some slots reserved and another refused: two requests may have
-        // refused each other. Once more, the lowest slot first: of two
-        // requests over the same slots only one gets past it.
-        let first = self.reserve(&items, &all[..1], base, now_ms, deadline, &mut verdicts).await;
-        if !first.complete() {
-            let pending = self.take_back_once(&items, &first.to_take_back(), base).await;
-            let _ = tx.send(Ok((false, verdicts)));
-            return self.take_back_rest(&items, pending, base, started).await;
-        }
-        // Past the lowest slot, nobody over the same slots can get in our
-        // way for long: a later slot refused may be the loser's
-        // reservation, its take-back on the way. Those slots are tried
-        // again a few times, what is held kept.
-        let mut held = first.held;
-        let mut todo: Vec<&Vec<usize>> = all[1..].to_vec();
-        let mut attempt = 0;
-        loop {
-            let round = self.reserve(&items, &todo, base, now_ms, deadline, &mut verdicts).await;
-            held.extend(round.held.iter().copied());
-            if round.complete() {
-                return self.admit(&items, &held, verdicts, base, started, tx).await;
+        // Some slots reserved and another refused: requests over the same
+        // slots may have refused each other. The ordered try: one group
+        // after another in ascending slot order, each kept while the next
+        // is asked, a refusing one asked again a few times (a first-round
+        // reservation of another request, its take-back on the way, may be
+        // what refused it). Of crossing requests one gets through (the
+        // proof is in docs/PROTOCOL.md 4b, "Crossing requests").
+        let mut held: Vec<(&Vec<usize>, i64)> = Vec::with_capacity(all.len());
+        for group in &all {
+            let mut pause = ORDERED_FIRST_PAUSE;
+            let mut retries = 0;
+            loop {
+                let round = self.reserve(&items, std::slice::from_ref(group), base, now_ms, deadline, &mut verdicts).await;
+                held.extend(round.held.iter().copied());
+                if round.complete() {
+                    break;
+                }
+                if round.failure.is_some() || retries == ORDERED_RETRIES || Instant::now() + pause >= deadline {
+                    let back: Vec<&Vec<usize>> = held.iter().map(|(g, _)| *g).chain(round.unsure.iter().copied()).collect();
+                    let pending = self.take_back_once(&items, &back, base).await;
+                    let _ = tx.send(Ok((false, verdicts)));
+                    return self.take_back_rest(&items, pending, base, started).await;
+                }
+                retries += 1;
+                tokio::time::sleep(pause).await;
+                pause *= 2;
             }
-            if round.failure.is_some() || attempt == LATER_SLOT_RETRIES || Instant::now() + LATER_SLOT_PAUSE >= deadline {
-                let back: Vec<&Vec<usize>> = held.iter().map(|(g, _)| *g).chain(round.unsure.iter().copied()).collect();
-                let pending = self.take_back_once(&items, &back, base).await;
-                let _ = tx.send(Ok((false, verdicts)));
-                return self.take_back_rest(&items, pending, base, started).await;
-            }
-            todo = round.refused;
-            attempt += 1;
-            tokio::time::sleep(LATER_SLOT_PAUSE).await;
         }
+        self.admit(&items, &held, verdicts, base, started, tx).await
     }
 
     /// One round: reserves `groups` at once within `deadline`, filling

@@ -80,7 +80,10 @@ impl Daemon {
         let log = dir.path().join("daemon.log");
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
         let mut cmd = Command::new(BIN);
-        cmd.args(["serve", "--config"]).arg(config).env("RUST_LOG", "ratelimitd=debug").stderr(file);
+        // DAEMON_RUST_LOG: another filter for a run that needs more (e.g.
+        // `ratelimitd=debug,redis=debug` for redis-rs's cluster recovery).
+        let filter = std::env::var("DAEMON_RUST_LOG").unwrap_or_else(|_| "ratelimitd=debug".into());
+        cmd.args(["serve", "--config"]).arg(config).env("RUST_LOG", filter).stderr(file);
         ChildGuard::spawn("ratelimitd", &mut cmd, Some(log))
     }
 

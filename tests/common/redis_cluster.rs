@@ -293,6 +293,56 @@ impl RedisCluster {
             .collect()
     }
 
+    /// Moves `slot` from the primary `from` to `to` as `redis-cli --cluster
+    /// reshard` does (IMPORTING, MIGRATING, MIGRATE of its keys, SETSLOT NODE
+    /// on every primary), with `ask_ms` between the MIGRATE and the
+    /// hand-over (the keys on `to`, the slot still `from`'s: every request
+    /// meets `ASK`). Blocks the calling thread.
+    pub fn move_slot(&self, slot: u16, from: u16, to: u16, ask_ms: u64) {
+        let id = |p: u16| self.cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+        let ok = |out: String| assert_eq!(out.trim(), "OK", "{out}");
+        let slot = slot.to_string();
+        let (from_id, to_id) = (id(from), id(to));
+        ok(self.cli(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]));
+        ok(self.cli(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]));
+        loop {
+            let keys = self.cli(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+            let keys: Vec<&str> = keys.lines().filter(|l| !l.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let to_port = to.to_string();
+            let mut migrate = vec!["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
+            migrate.extend(keys.iter().copied());
+            ok(self.cli(from, &migrate));
+        }
+        std::thread::sleep(Duration::from_millis(ask_ms));
+        for p in self.primaries() {
+            ok(self.cli(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]));
+        }
+    }
+
+    /// The primary serving `slot` now (from `CLUSTER NODES` of a live node).
+    pub fn owner(&self, slot: u16) -> u16 {
+        self.primaries().into_iter().find(|&p| self.slot_ranges(p).iter().any(|&(a, b)| a <= slot && slot <= b)).expect("every slot is served")
+    }
+
+    /// Waits until every live replica has every write its primary has
+    /// (replication offsets equal), so a primary killed now loses nothing.
+    pub fn wait_replicated(&self, limit: Duration) -> bool {
+        let caught_up = || {
+            self.primaries().into_iter().all(|p| match cli_output(p, &self.access, &["INFO", "replication"]) {
+                Some(info) => {
+                    let offset = info.lines().find_map(|l| l.trim().strip_prefix("master_repl_offset:")).and_then(|o| o.parse::<u64>().ok());
+                    let replicas: Vec<u64> = info.lines().filter(|l| l.starts_with("slave") && l.contains("ip=")).filter_map(|l| l.split(',').find_map(|f| f.strip_prefix("offset=")).and_then(|o| o.trim().parse().ok())).collect();
+                    offset.is_some_and(|o| replicas.iter().all(|&r| r == o))
+                }
+                None => false,
+            })
+        };
+        poll(limit, None, caught_up) == Waited::Ready
+    }
+
     /// SIGKILL the node on `port`.
     pub fn kill(&mut self, port: u16) {
         let i = self.ports.iter().position(|&p| p == port).expect("a node of this cluster");

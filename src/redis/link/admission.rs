@@ -144,6 +144,12 @@ impl InFlightLimit {
         self.min
     }
 
+    /// Calls of ours in flight now.
+    #[inline]
+    pub fn current(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     /// The current limit.
     #[inline]
     pub fn limit(&self) -> u32 {
