@@ -127,8 +127,9 @@ pub struct RedisLink {
     wake: Notify,
     /// Wakes requests waiting for a reload.
     loaded: Notify,
-    /// A connection attempt of the supervisor has failed (at least once):
-    /// start-up stops waiting for a Redis that refuses (`wait_first_answer`).
+    /// A connection attempt of the supervisor has failed with an answer
+    /// (refused, or an error reply; not a timeout): start-up stops waiting
+    /// for such a Redis (`wait_first_answer`).
     attempt_failed: AtomicBool,
     /// Told when `attempt_failed` is first set (not `loaded`: its waiters
     /// take a wake-up for a finished load).
@@ -358,6 +359,14 @@ impl RedisLink {
             METRICS.breaker_opened();
         }
         self.want_reconnect();
+    }
+
+    /// A connection attempt failed with an answer (refused, or an error
+    /// reply), not a timeout: start-up stops waiting (`wait_first_answer`).
+    fn answered_no(&self) {
+        if !self.attempt_failed.swap(true, Ordering::AcqRel) {
+            self.failed.notify_waiters();
+        }
     }
 
     pub fn breaker_open(&self) -> bool {
@@ -670,7 +679,16 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             }
             Ok(Err(e)) => {
                 failures += 1;
-                log_probe_failure(&target, failures, &e.to_string());
+                let reason = e.to_string();
+                log_probe_failure(&target, failures, &reason);
+                // Start-up stops waiting for a Redis that answered (refused
+                // the connection, or said no), not for one that timed out:
+                // a slow first connection (a TLS Cluster's handshakes) is
+                // tried again within READY_WAIT before any request is
+                // decided by its fail policy.
+                if !(e.is_timeout() || reason.contains("timed out")) {
+                    link.answered_no();
+                }
             }
             Err(_) => {
                 failures += 1;
@@ -680,9 +698,6 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
         // Whatever failed, the next attempt starts from a fresh connection.
         if link.breaker.trip() {
             METRICS.breaker_opened();
-        }
-        if !link.attempt_failed.swap(true, Ordering::AcqRel) {
-            link.failed.notify_waiters();
         }
         link.reconnect_wanted.store(true, Ordering::Release);
         tokio::select! {
