@@ -127,6 +127,37 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
 }
 
 #[test]
+fn a_reload_removing_a_policy_nginx_described_at_worker_start_is_refused_before_its_first_request() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    // `spare` is named by a limiter built at worker start, and never asked a decision.
+    let nginx = Nginx::start(&format!(
+        "{snippet}\ninit_worker_by_lua_block {{ spare = require(\"resty.ratelimitd.limiters\").build{{ spare = {{ policy = \"spare\", on_error = \"open\" }} }} }}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"
+    ));
+    wait_until("nginx described spare", Duration::from_secs(10), || nginx.error_log().contains("policy \"spare\" described by the daemon"));
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_policy_requests_total{policy=\"spare\",outcome=\"admitted\"} "), 0.0, "spare decided nothing");
+    let original = d.config_text();
+
+    let without_spare = original.replace("name = \"spare\"", "name = \"spare2\"");
+    d.rewrite_config(&without_spare);
+    d.signal(Signal::SIGHUP);
+    wait_until("reload refused", Duration::from_secs(5), || d.log().contains("configuration reload refused"));
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("configuration reload refused")).unwrap();
+    assert!(line.contains("spare (no request yet, named by nginx: described") && !line.contains("login"), "{line}");
+    assert!(!log.contains("configuration reloaded"), "{log}");
+    let (_, text) = body(&d.metrics_url());
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
+
+    // SIGUSR1 forces it.
+    d.signal(Signal::SIGUSR1);
+    wait_until("forced reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
+    assert!(d.log().contains("forced reload removes policies in use"), "{}", d.log());
+}
+
+#[test]
 fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);
