@@ -9,11 +9,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::http::agent;
+use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 use ratelimitd::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, PolicyDescription, PolicyKind, OP_DESCRIBE_POLICY};
-
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -50,8 +49,7 @@ lease = "30s"
 "#;
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
+    common::ops::daemon(redis, POLICIES)
 }
 
 async fn describe(c: &mut ratelimitd::client::Client, name: &str) -> Option<PolicyDescription> {
@@ -125,25 +123,15 @@ async fn hostile_describe_frames_get_their_codes_and_the_stream_stays_in_sync() 
 }
 
 fn gateway(socket: &std::path::Path, limiters: &str, locations: &str) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    Nginx::start(&format!(
-        "{snippet}\ninit_worker_by_lua_block {{\n limiters = require(\"resty.ratelimitd.limiters\").build{{\n{limiters}\n }}\n}}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{locations}\n}}\n"
-    ))
+    common::ops::gateway(socket, &format!("init_worker_by_lua_block {{\n limiters = require(\"resty.ratelimitd.limiters\").build{{\n{limiters}\n }}\n}}"), locations)
 }
 
 fn location(path: &str, limiter: &str) -> String {
     format!("location {path} {{ access_by_lua_block {{ limiters.{limiter}:limit(ngx.var.http_x_tenant_id or \"-\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n")
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
 fn status(url: &str, tenant: &str) -> u16 {
-    let mut r = agent().get(url).header("X-Tenant-Id", tenant).call().unwrap();
-    let _ = r.body_mut().read_to_string();
-    r.status().as_u16()
+    common::http::get(&agent(), url, &[("X-Tenant-Id", tenant)]).status
 }
 
 #[test]

@@ -8,10 +8,10 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
+use common::http::agent;
+use common::ops::{metrics, sample, snippet, SNIPPET};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 use nix::sys::signal::Signal;
-
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -36,40 +36,24 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    // Loaded CI machines stall processes: these tests are about reloads.
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
+    common::ops::gateway(socket, "", LOCATIONS)
 }
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+    common::ops::daemon_with_metrics(redis, POLICIES)
 }
 
 fn status(url: &str) -> u16 {
-    let mut r = agent().get(url).header("X-Tenant-Id", "t1").call().unwrap();
-    let _ = r.body_mut().read_to_string();
-    r.status().as_u16()
+    common::http::get(&agent(), url, &[("X-Tenant-Id", "t1")]).status
 }
 
 fn body(url: &str) -> (u16, String) {
-    let mut r = agent().get(url).call().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    let r = common::http::get(&agent(), url, &[]);
+    (r.status, r.body)
 }
 
 fn endpoint(d: &Daemon, path: &str) -> String {
     d.metrics_url().replace("/metrics", path)
-}
-
-/// The value of the sample `line_start` (name and labels) in `text`.
-fn sample(text: &str, line_start: &str) -> f64 {
-    let line = text.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start} in\n{text}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
 fn config_hash(text: &str) -> String {
@@ -83,7 +67,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     let d = daemon(&redis);
     let nginx = gateway(&d.socket);
     assert_eq!(status(&nginx.url("/login")), 200);
-    let (_, first) = body(&d.metrics_url());
+    let first = metrics(&d);
     let original = d.config_text();
 
     // Rename `login` (in use) and drop `spare` (never used): refused, for `login` only.
@@ -98,7 +82,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     assert!(!log.contains("configuration reloaded"), "{log}");
     // The old configuration serves on: /login still decided by its policy.
     assert_eq!(status(&nginx.url("/login")), 200);
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 0.0);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 0.0);
@@ -109,7 +93,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     d.rewrite_config(&original.replace("name = \"spare\"", "name = \"spare2\""));
     d.signal(Signal::SIGHUP);
     wait_until("reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
     assert_ne!(config_hash(&text), config_hash(&first));
@@ -121,7 +105,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     wait_until("forced reload applied", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
     assert!(d.log().contains("forced reload removes policies in use"), "{}", d.log());
     assert_eq!(status(&nginx.url("/login")), 503);
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 2.0);
     assert_eq!(sample(&text, "ratelimitd_policy_unknown_requests_total "), 1.0);
 }
@@ -130,13 +114,11 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
 fn a_reload_removing_a_policy_nginx_described_at_worker_start_is_refused_before_its_first_request() {
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     // `spare` is named by a limiter built at worker start, and never asked a decision.
-    let nginx = Nginx::start(&format!(
-        "{snippet}\ninit_worker_by_lua_block {{ spare = require(\"resty.ratelimitd.limiters\").build{{ spare = {{ policy = \"spare\", on_error = \"open\" }} }} }}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"
-    ));
+    let init = "init_worker_by_lua_block { spare = require(\"resty.ratelimitd.limiters\").build{ spare = { policy = \"spare\", on_error = \"open\" } } }";
+    let nginx = common::ops::gateway(&d.socket, init, LOCATIONS);
     wait_until("nginx described spare", Duration::from_secs(10), || nginx.error_log().contains("policy \"spare\" described by the daemon"));
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_policy_requests_total{policy=\"spare\",outcome=\"admitted\"} "), 0.0, "spare decided nothing");
     let original = d.config_text();
 
@@ -148,7 +130,7 @@ fn a_reload_removing_a_policy_nginx_described_at_worker_start_is_refused_before_
     let line = log.lines().find(|l| l.contains("configuration reload refused")).unwrap();
     assert!(line.contains("spare (no request yet, named by nginx: described") && !line.contains("login"), "{line}");
     assert!(!log.contains("configuration reloaded"), "{log}");
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
 
     // SIGUSR1 forces it.
@@ -167,7 +149,7 @@ fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
     assert_eq!(code, 200);
     assert!(dump.contains("name: \"login\"") && dump.contains("limit: 100"), "{dump}");
 
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, &format!("ratelimitd_build_info{{version=\"{}\",protocol=\"1\"}} ", env!("CARGO_PKG_VERSION"))), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
     let loaded = sample(&text, "ratelimitd_config_last_reload_success_timestamp_seconds ");
@@ -277,7 +259,7 @@ fn a_limiter_that_cannot_be_built_answers_500_in_its_own_location_while_the_othe
     const EXAMPLE: &str = include_str!("../nginx/example.conf");
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let snippet = snippet(&d.socket);
     // The shipped example with one mistake: `pay` fails over to `local` without its quota.
     assert!(EXAMPLE.contains("            local_limit = 10,\n"));
     let example = EXAMPLE.replacen("            local_limit = 10,\n", "", 1).replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replacen("server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};", 1);

@@ -184,6 +184,31 @@ function _M.now(lim)
     return nil, err
 end
 
+--- The frame header of a policy limiter: build(lim), which is nil while
+-- on_error is "local" and the local quota, to come from the daemon, is not
+-- known; then described now, once (an unknown name asked
+-- again: a reload may add it, as a CHECK_POLICY would be). The header, or
+-- nil and why not.
+function _M.header(lim, build)
+    local h = build(lim)
+    if h then
+        return h
+    end
+    local ok, err = lim._described and not lim._unknown, nil
+    if not ok then
+        ok, err = _M.now(lim)
+    end
+    h = ok and build(lim)
+    if h then
+        return h
+    end
+    local which = lim._names and ("a policy of \"" .. table.concat(lim._names, ",") .. "\"") or ("policy \"" .. lim._policy .. "\"")
+    if lim._unknown then
+        return nil, err or ("UNKNOWN_POLICY: " .. which .. " is not in the daemon's configuration")
+    end
+    return nil, err or (which .. " has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
+end
+
 local running = false
 
 -- Describes every registered limiter not yet described; true when none is

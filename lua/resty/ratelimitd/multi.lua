@@ -110,20 +110,13 @@ function Multi._on_described(self)
 end
 
 function Multi._decide(self, keys, costs)
-    local h = self._header or header(self)
+    local h, err = self._header, nil
     if not h then
-        -- As policy.lua: described once (an unknown name asked again).
-        local ok, err = self._described and not self._unknown, nil
-        if not ok then
-            ok, err = describe.now(self)
-        end
-        h = ok and header(self)
-        if not h and self._unknown then
-            return nil, err or ("UNKNOWN_POLICY: a policy of \"" .. self._policy_label .. "\" is not in the daemon's configuration")
-        elseif not h then
-            return nil, err or ("a policy of \"" .. self._policy_label
-                .. "\" has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml for each policy")
-        end
+        -- Built once; described first if it must be (describe.header).
+        h, err = describe.header(self, header)
+    end
+    if not h then
+        return nil, err
     end
     local body = items(self, keys, costs)
     local id = next_id()
