@@ -483,3 +483,89 @@ fn a_socket_activated_daemon_started_while_redis_is_down_answers_queued_requests
     assert!(answered < Duration::from_millis(1000), "answered after {answered:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
     assert!(std::fs::read_to_string(&log).unwrap().contains("redis not reachable yet"));
 }
+
+/// The shell lines of docs/OPERATIONS.md's first day ("Start here" and §1)
+/// that run `ratelimitd` or `curl`, as an operator copies them: without
+/// `sudo ` and without the trailing comment; each with the comment line
+/// under it, if any (the output the doc shows).
+fn first_day_commands(doc: &str) -> Vec<(String, Option<String>)> {
+    let first_day = &doc[doc.find("## Start here").unwrap()..doc.find("\n## 2. ").unwrap()];
+    let mut out = Vec::new();
+    for block in first_day.split("```").skip(1).step_by(2).filter(|b| b.starts_with("sh\n")) {
+        let lines: Vec<&str> = block.lines().skip(1).collect();
+        for (i, line) in lines.iter().enumerate() {
+            let line = line.strip_prefix("sudo ").unwrap_or(line);
+            if line.starts_with("ratelimitd ") || line.starts_with("curl ") {
+                let command = line.split(" #").next().unwrap().trim().to_string();
+                let shown = lines.get(i + 1).and_then(|l| l.strip_prefix("# ")).map(str::to_string);
+                out.push((command, shown));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_first_day_commands_of_operations_md_work_with_the_package_config() {
+    const PACKAGE: &str = include_str!("../debian/ratelimitd.toml");
+    const DOC: &str = include_str!("../docs/OPERATIONS.md");
+    // The package's config as installed, but for the socket, Redis and the
+    // metrics port (the test's own; the doc's 9464 is checked below).
+    assert!(PACKAGE.contains("[server]\n") && PACKAGE.contains("\nlisten = \"/run/ratelimitd/ratelimitd.sock\"\n"));
+    assert!(PACKAGE.contains("\n[metrics]\nlisten = \"127.0.0.1:9464\"\n"), "metrics on loopback in the package's config");
+    let redis = RedisServer::start_unix();
+    let mut config = PACKAGE.replacen("[server]\n", "", 1).replacen("listen = \"/run/ratelimitd/ratelimitd.sock\"\n", "", 1).replacen("[metrics]\nlisten = \"127.0.0.1:9464\"\n", "", 1);
+    config = config.replacen("url = \"redis://127.0.0.1:6379/0\"", &format!("url = \"{}\"", redis.url()), 1);
+    if !is_root() {
+        config = config.replacen(&format!("socket_group = \"{WORKER_GROUP}\"\n"), "", 1);
+    }
+    let d = Daemon::start_config_with_metrics(&config);
+    // (The harness's own `shutdown_grace_ms` line aside.)
+    let old_spellings: Vec<String> = d.log().lines().filter(|l| l.contains("old spelling") && !l.contains("deprecated=server.shutdown_grace_ms")).map(str::to_string).collect();
+    assert!(old_spellings.is_empty(), "the package's config uses no old spelling: {old_spellings:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let nginx_conf = dir.path().join("nginx.conf");
+    std::fs::write(dir.path().join("ratelimitd.conf"), SNIPPET).unwrap();
+    std::fs::write(&nginx_conf, format!("events {{}}\nhttp {{\n include {}/ratelimitd.conf;\n}}\n", dir.path().display())).unwrap();
+
+    let commands = first_day_commands(DOC);
+    assert!(commands.len() >= 5, "{commands:?}");
+    let mut ran = Vec::new();
+    for (command, shown) in &commands {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        match words[0] {
+            "curl" if command.contains("http://127.0.0.1:9464/") => {
+                let path = &command[command.find("http://127.0.0.1:9464").unwrap() + "http://127.0.0.1:9464".len()..];
+                let (code, text) = body(&endpoint(&d, path));
+                assert_eq!((code, text.as_str()), (200, "ok\n"), "{command}");
+            }
+            // Through nginx and the example server: tests/rock.rs and tests/nginx.rs.
+            "curl" => assert!(command.contains("http://localhost/order"), "a first-day command this test does not know: {command}"),
+            _ => {
+                let mut args: Vec<String> = words[1..].iter().map(|w| w.to_string()).collect();
+                for a in args.iter_mut().filter(|a| *a == "/etc/nginx/nginx.conf") {
+                    *a = nginx_conf.display().to_string();
+                }
+                match args[0].as_str() {
+                    "query" => args.extend(["--socket".to_string(), d.socket.display().to_string()]),
+                    _ => args.extend(["--config".to_string(), d.config.display().to_string()]),
+                }
+                let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(&args).output().unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(out.status.success(), "{command}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+                if let Some(shown) = shown {
+                    // The doc's output, but for the reset time (ms the run takes).
+                    let stable = shown.split(" reset_ms=").next().unwrap();
+                    assert!(stdout.starts_with(stable), "{command}: the doc shows {shown:?}, the daemon says {stdout:?}");
+                }
+            }
+        }
+        ran.push(words[..2].join(" "));
+    }
+    for needed in ["ratelimitd query", "ratelimitd reset", "ratelimitd check-config", "curl -s"] {
+        assert!(ran.iter().any(|r| r == needed), "{needed} not among {ran:?}");
+    }
+    // `systemctl reload ratelimitd` is SIGHUP; `systemctl kill -s USR1` the forced reload.
+    let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/ratelimitd.service")).unwrap();
+    assert!(unit.contains("\nExecReload=/bin/kill -HUP $MAINPID\n"), "{unit}");
+}
