@@ -168,22 +168,28 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
     })
 }
 
-/// A policy that decided a request within this long is "in use": a reload
+/// A policy that decided a request, or that nginx described (named at a
+/// worker's start, DESCRIBE_POLICY), within this long is "in use": a reload
 /// that removes (or renames) it is refused unless forced (SIGUSR1), since
 /// every location naming it would get UNKNOWN_POLICY from then on.
 pub const POLICY_IN_USE_WINDOW: Duration = Duration::from_secs(15 * 60);
 
 /// The policies in force that `new` no longer has and that decided a
-/// request within `POLICY_IN_USE_WINDOW`, with how many seconds ago.
-fn removed_in_use(running: &Policies, new: &Config) -> Vec<(String, u64)> {
+/// request or were described within `POLICY_IN_USE_WINDOW`, each with what
+/// makes it in use ("last request 3s ago", "described to nginx 40s ago").
+fn removed_in_use(running: &Policies, new: &Config) -> Vec<(String, String)> {
     let now = crate::policies::use_clock();
+    let recent = |at: u64| (at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs()).then(|| now.saturating_sub(at));
     running
         .iter()
         .filter(|p| !new.policies.iter().any(|c| *c.name == *p.name))
         .filter_map(|p| {
-            let used = p.counters.last_used();
-            let ago = now.saturating_sub(used);
-            (used != 0 && ago <= POLICY_IN_USE_WINDOW.as_secs()).then(|| (p.name.to_string(), ago))
+            let why = match (recent(p.counters.last_used()), recent(p.counters.last_described())) {
+                (Some(ago), _) => format!("last request {ago}s ago"),
+                (None, Some(ago)) => format!("no request yet, named by nginx: described {ago}s ago"),
+                (None, None) => return None,
+            };
+            Some((p.name.to_string(), why))
         })
         .collect()
 }
@@ -392,11 +398,11 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
             if !in_use.is_empty() && !force {
                 METRICS.reloaded(false);
                 status.reload_failed(true);
-                let list = in_use.iter().map(|(name, ago)| format!("{} (last request {ago}s ago)", crate::terminal::escape(name))).collect::<Vec<_>>().join(", ");
+                let list = in_use.iter().map(|(name, why)| format!("{} ({why})", crate::terminal::escape(name))).collect::<Vec<_>>().join(", ");
                 tracing::error!(
                     policies = %list,
                     window_s = POLICY_IN_USE_WINDOW.as_secs(),
-                    "configuration reload refused: it removes or renames policies that decided requests in the last {} minutes, and the locations naming them would get UNKNOWN_POLICY; still serving with the previous configuration. Rename in nginx first, or keep both names until nginx is reloaded; to remove them anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)",
+                    "configuration reload refused: it removes or renames policies that decided requests or that nginx described in the last {} minutes, and the locations naming them would get UNKNOWN_POLICY; still serving with the previous configuration. Rename in nginx first, or keep both names until nginx is reloaded; to remove them anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)",
                     POLICY_IN_USE_WINDOW.as_secs() / 60
                 );
                 notify_systemd(&[sd_notify::NotifyState::Status("configuration reload refused: it removes policies in use; still serving with the previous configuration"), sd_notify::NotifyState::Ready]);

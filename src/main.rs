@@ -267,6 +267,9 @@ impl TargetOpts {
         if let Some(w) = self.window_ms {
             q += &format!("&window_ms={w}");
         }
+        if self.scan {
+            q += "&scan=1";
+        }
         q
     }
 

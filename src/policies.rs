@@ -109,6 +109,10 @@ pub fn use_clock() -> u64 {
 pub struct PolicyCounters {
     outcomes: [AtomicU64; Outcome::ALL.len()],
     last_used: AtomicU64,
+    /// The use clock when nginx last described this policy (DESCRIBE_POLICY
+    /// at worker start): nginx names it, so a reload must not drop it even
+    /// before its first request.
+    last_described: AtomicU64,
 }
 
 impl PolicyCounters {
@@ -126,6 +130,20 @@ impl PolicyCounters {
     /// (since the daemon started).
     pub fn last_used(&self) -> u64 {
         self.last_used.load(Ordering::Relaxed)
+    }
+
+    /// Marks the policy as named by a client (a DESCRIBE_POLICY): in use
+    /// for the reload refusal as a decided request is.
+    pub fn described(&self) {
+        let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
+        if self.last_described.load(Ordering::Relaxed) != now {
+            self.last_described.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// The use clock when a client last described this policy; 0: never.
+    pub fn last_described(&self) -> u64 {
+        self.last_described.load(Ordering::Relaxed)
     }
 
     pub fn get(&self, o: Outcome) -> u64 {

@@ -284,3 +284,36 @@ async fn after_a_reload_the_api_knows_the_new_policies() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_key_without_a_window_is_refused_with_a_400_and_no_scan_runs_unless_scan_1_asks_for_it() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), Some(dir.path()), "");
+    let scans = || -> u64 {
+        let stats: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
+        stats.lines().find_map(|l| l.strip_prefix("cmdstat_scan:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+    };
+    let w = None;
+    for method in ["GET", "DELETE"] {
+        let reply = call(dir.path(), w, method, "/v1/keys?key=tenant-a", None);
+        assert_eq!(reply.status, 400, "{method}: {reply:?}");
+        let error = reply.body["error"].as_str().unwrap_or("");
+        assert!(error.contains("key tenant-a names no window: give policy=NAME") && error.contains("scan=1"), "{method}: {error}");
+        for bad in ["/v1/keys?key=tenant-a&scan=yes", "/v1/keys?key=tenant-a&scan=1&window_ms=60000"] {
+            assert_eq!(call(dir.path(), w, method, bad, None).status, 400, "{method} {bad}");
+        }
+    }
+    assert_eq!(scans(), 0, "refused before any SCAN");
+    // A window named, or the policy's: answered without a SCAN.
+    assert_eq!(call(dir.path(), w, "GET", "/v1/keys?key=tenant-a&window_ms=60000", None).status, 200);
+    assert_eq!(call(dir.path(), w, "GET", "/v1/keys?policy=per_tenant&key=tenant-a", None).status, 200);
+    assert_eq!(scans(), 0);
+    // Asked for: every window of the key, by SCAN; the CLI's --scan sends scan=1.
+    assert_eq!(call(dir.path(), w, "GET", "/v1/keys?key=tenant-a&scan=1", None).status, 200);
+    let after_get = scans();
+    assert!(after_get > 0);
+    let out = Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "tenant-a", "--scan", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(scans() > after_get);
+}

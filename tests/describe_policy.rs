@@ -9,11 +9,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::http::agent;
+use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 use ratelimitd::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, PolicyDescription, PolicyKind, OP_DESCRIBE_POLICY};
-
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -27,6 +26,13 @@ limit = 1000
 window = "60s"
 on_error = "local"
 local_limit = 2
+
+[[policy]]
+name = "basket"
+limit = 1000
+window = "30s"
+on_error = "local"
+local_limit = 3
 
 [[policy]]
 name = "search.v2"
@@ -43,8 +49,7 @@ lease = "30s"
 "#;
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
+    common::ops::daemon(redis, POLICIES)
 }
 
 async fn describe(c: &mut ratelimitd::client::Client, name: &str) -> Option<PolicyDescription> {
@@ -71,11 +76,15 @@ async fn the_daemon_describes_each_policy_in_force_and_a_reload_changes_the_answ
     assert_eq!((unknown.decision, unknown.error), (Decision::Error, ErrorCode::UnknownPolicy));
     assert!(!unknown.message.contains("logins"), "the name sent is not echoed: {}", unknown.message);
 
-    // Nothing decided: no decision counted, no policy marked as used (a
-    // reload may still drop `login`, which only described requests named).
+    // Nothing decided, but `login` is named by a client: in use for the
+    // reload refusal (docs/OPERATIONS.md), so a rename needs SIGUSR1.
     let text = d.config_text();
     d.rewrite_config(&text.replace("name = \"login\"", "name = \"logins\""));
     d.signal(Signal::SIGHUP);
+    wait_until("reload refused", Duration::from_secs(5), || d.log().contains("configuration reload refused"));
+    assert!(d.log().contains("login (no request yet, named by nginx: described"), "{}", d.log());
+    assert_eq!(describe(&mut c, "login").await.map(|p| p.limit), Some(100), "the old configuration serves on");
+    d.signal(Signal::SIGUSR1);
     wait_until("reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
     // The same connection, the frames after the reload: the new configuration.
     assert_eq!(describe(&mut c, "login").await, None);
@@ -114,25 +123,15 @@ async fn hostile_describe_frames_get_their_codes_and_the_stream_stays_in_sync() 
 }
 
 fn gateway(socket: &std::path::Path, limiters: &str, locations: &str) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    Nginx::start(&format!(
-        "{snippet}\ninit_worker_by_lua_block {{\n limiters = require(\"resty.ratelimitd.limiters\").build{{\n{limiters}\n }}\n}}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{locations}\n}}\n"
-    ))
+    common::ops::gateway(socket, &format!("init_worker_by_lua_block {{\n limiters = require(\"resty.ratelimitd.limiters\").build{{\n{limiters}\n }}\n}}"), locations)
 }
 
 fn location(path: &str, limiter: &str) -> String {
     format!("location {path} {{ access_by_lua_block {{ limiters.{limiter}:limit(ngx.var.http_x_tenant_id or \"-\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n")
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
 fn status(url: &str, tenant: &str) -> u16 {
-    let mut r = agent().get(url).header("X-Tenant-Id", tenant).call().unwrap();
-    let _ = r.body_mut().read_to_string();
-    r.status().as_u16()
+    common::http::get(&agent(), url, &[("X-Tenant-Id", tenant)]).status
 }
 
 #[test]
@@ -181,4 +180,38 @@ fn nginx_says_each_unknown_policy_name_once_and_a_policy_limiter_falls_back_with
     let log = nginx.error_log();
     assert!(log.contains("local_fallback policy=pay key=t2"), "the failure line names the policy: {log}");
     assert!(!log.contains("attempt to"), "{log}");
+}
+
+#[test]
+fn a_multi_policy_limiter_falls_back_with_each_policys_own_window_and_quota_from_the_daemon() {
+    let redis = RedisServer::start_unix();
+    let mut d = daemon(&redis);
+    // Neither window_ms nor local_limit in nginx; `given` repeats a window that is not pay's.
+    let limiters = r#"
+        both = { policies = { "pay", "basket" }, on_error = "local" },
+        given = { policies = { "pay", "basket" }, on_error = "local", window_ms = 1000 },
+    "#;
+    let locations = "location /both { access_by_lua_block { limiters.both:limit({ ngx.var.arg_p, ngx.var.arg_b }) } content_by_lua_block { ngx.say(\"ok\") } }\n";
+    let nginx = gateway(&d.socket, limiters, locations);
+    wait_until("both workers described pay and basket", Duration::from_secs(10), || nginx.error_log().matches("policies \"pay,basket\" described by the daemon").count() == 4);
+    let log = nginx.error_log();
+    assert!(log.contains("policies \"pay,basket\" described by the daemon; this limiter's fallback: on_error=local window_ms=60000,30000 local_limit=2,3"), "{log}");
+    assert!(log.contains("window_ms=1000,1000 local_limit=2,3"), "nginx's window wins for every policy: {log}");
+    // The mismatch: once per policy whose window differs, not once per worker.
+    for (name, window) in [("pay", 60000), ("basket", 30000)] {
+        let line = format!("policy \"{name}\": window_ms = 1000 in nginx differs from the policy's window of {window} ms");
+        assert_eq!(log.matches(&line).count(), 1, "{line}: {log}");
+    }
+    // Through the daemon: the frame carries a valid local quota.
+    let url = |p: &str, b: &str| format!("{}?p={p}&b={b}", nginx.url("/both"));
+    assert_eq!(status(&url("warm", "warm"), "-"), 200, "{}", nginx.error_log());
+
+    // The daemon gone: each policy counts in this host's own window with
+    // its own quota (pay 2, basket 3), all or nothing.
+    d.terminate();
+    let got: Vec<u16> = [("x", "y"), ("x", "y"), ("x", "z"), ("w", "y"), ("v", "y")].iter().map(|(p, b)| status(&url(p, b), "-")).collect();
+    assert_eq!(got, [200, 200, 429, 200, 429], "pay's key x refused at its 3rd, basket's key y at its 4th");
+    let log = nginx.error_log();
+    assert!(log.contains("local_fallback policy=pay,basket key=x,y"), "{log}");
+    assert!(!log.contains("attempt to") && !log.contains("fail_open"), "{log}");
 }

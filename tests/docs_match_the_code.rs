@@ -155,10 +155,20 @@ fn every_error_code_the_docs_quote_with_its_number_has_that_number() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
-/// Where and at which level a message is logged: (file, level, the macro
-/// call's text up to the message), for every `"message"` in src/ inside a
-/// `tracing` macro call.
-fn logged(message: &str) -> Vec<(String, String, String)> {
+/// One `tracing` macro call in src/: the module it is in, its level, where
+/// it starts in its file, and its text from the macro's name to the `;`
+/// that ends the statement (a `;` inside a string literal does not).
+struct LogCall {
+    file: usize,
+    module: String,
+    level: &'static str,
+    start: usize,
+    text: String,
+}
+
+/// The one reader of the daemon's log calls: every `error!(` ... `trace!(`
+/// in every `.rs` file under src/.
+fn log_calls() -> Vec<LogCall> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -171,16 +181,47 @@ fn logged(message: &str) -> Vec<(String, String, String)> {
     }
     let mut files = Vec::new();
     walk(&root().join("src"), &mut files);
+    files.sort();
+    let mut out = Vec::new();
+    for (file, f) in files.iter().enumerate() {
+        let text = std::fs::read_to_string(f).unwrap();
+        let module = f.strip_prefix(root().join("src")).unwrap().with_extension("").display().to_string().replace('/', "::");
+        for level in ["error", "warn", "info", "debug", "trace"] {
+            for (start, _) in text.match_indices(&format!("{level}!(")) {
+                let (mut inside, mut escaped, mut end) = (false, false, text.len());
+                for (i, c) in text[start..].char_indices() {
+                    match (inside, c) {
+                        (true, _) if escaped => escaped = false,
+                        (true, '\\') => escaped = true,
+                        (true, '"') => inside = false,
+                        (false, '"') => inside = true,
+                        (false, ';') => {
+                            end = start + i;
+                            break;
+                        }
+                        _ => {}
+                    }
+                }
+                out.push(LogCall { file, module: module.clone(), level, start, text: text[start..end].to_string() });
+            }
+        }
+    }
+    out
+}
+
+/// Where and at which level a message is logged: (module, level, the macro
+/// call's text up to the message), for every `"message"` in src/ inside a
+/// `tracing` macro call (the nearest call before it, when one statement
+/// holds several).
+fn logged(message: &str) -> Vec<(String, String, String)> {
+    let calls = log_calls();
     let quoted = format!("\"{message}\"");
     let mut out = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
-        for (at, _) in text.match_indices(&quoted) {
-            let statement = &text[text[..at].rfind(';').map_or(0, |s| s + 1)..at];
-            let found = ["error", "warn", "info", "debug", "trace"].iter().filter_map(|l| statement.rfind(&format!("{l}!(")).map(|p| (p, *l))).max();
-            if let Some((p, level)) = found {
-                let module = f.strip_prefix(root().join("src")).unwrap().with_extension("").display().to_string().replace('/', "::");
-                out.push((module, level.to_uppercase(), statement[p..].to_string()));
+    for call in &calls {
+        for (at, _) in call.text.match_indices(&quoted) {
+            let nearer = calls.iter().any(|c| c.file == call.file && c.start > call.start && c.start < call.start + at);
+            if !nearer {
+                out.push((call.module.clone(), call.level.to_uppercase(), call.text[..at].to_string()));
             }
         }
     }
@@ -266,48 +307,29 @@ fn the_log_lines_the_docs_quote_are_the_daemons() {
     assert!(wrong.is_empty(), "log lines in the docs that the daemon does not write:\n{}", wrong.join("\n"));
 }
 
-/// Every string literal inside a `tracing` macro call in src/: the
-/// messages the daemon logs.
+/// Every string literal of 20 characters or more inside a `tracing` macro
+/// call in src/: the messages the daemon logs.
 fn all_messages() -> Vec<String> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                out.push(p);
-            }
-        }
-    }
-    let mut files = Vec::new();
-    walk(&root().join("src"), &mut files);
     let mut out = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
-        for level in ["error!(", "warn!(", "info!(", "debug!(", "trace!("] {
-            for (at, _) in text.match_indices(level) {
-                // The call's string literals, up to the `;` that ends it.
-                let (mut literal, mut inside, mut escaped) = (String::new(), false, false);
-                for c in text[at..].chars() {
-                    match (inside, c) {
-                        (true, _) if escaped => {
-                            literal.push(c);
-                            escaped = false;
-                        }
-                        (true, '\\') => escaped = true,
-                        (true, '"') => {
-                            inside = false;
-                            if literal.len() >= 20 {
-                                out.push(std::mem::take(&mut literal));
-                            }
-                            literal.clear();
-                        }
-                        (true, c) => literal.push(c),
-                        (false, '"') => inside = true,
-                        (false, ';') => break,
-                        _ => {}
-                    }
+    for call in log_calls() {
+        let (mut literal, mut inside, mut escaped) = (String::new(), false, false);
+        for c in call.text.chars() {
+            match (inside, c) {
+                (true, _) if escaped => {
+                    literal.push(c);
+                    escaped = false;
                 }
+                (true, '\\') => escaped = true,
+                (true, '"') => {
+                    inside = false;
+                    if literal.len() >= 20 {
+                        out.push(std::mem::take(&mut literal));
+                    }
+                    literal.clear();
+                }
+                (true, c) => literal.push(c),
+                (false, '"') => inside = true,
+                _ => {}
             }
         }
     }

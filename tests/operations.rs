@@ -8,10 +8,10 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
+use common::http::agent;
+use common::ops::{metrics, sample, snippet, SNIPPET};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 use nix::sys::signal::Signal;
-
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -36,40 +36,24 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    // Loaded CI machines stall processes: these tests are about reloads.
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
+    common::ops::gateway(socket, "", LOCATIONS)
 }
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+    common::ops::daemon_with_metrics(redis, POLICIES)
 }
 
 fn status(url: &str) -> u16 {
-    let mut r = agent().get(url).header("X-Tenant-Id", "t1").call().unwrap();
-    let _ = r.body_mut().read_to_string();
-    r.status().as_u16()
+    common::http::get(&agent(), url, &[("X-Tenant-Id", "t1")]).status
 }
 
 fn body(url: &str) -> (u16, String) {
-    let mut r = agent().get(url).call().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+    let r = common::http::get(&agent(), url, &[]);
+    (r.status, r.body)
 }
 
 fn endpoint(d: &Daemon, path: &str) -> String {
     d.metrics_url().replace("/metrics", path)
-}
-
-/// The value of the sample `line_start` (name and labels) in `text`.
-fn sample(text: &str, line_start: &str) -> f64 {
-    let line = text.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start} in\n{text}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
 fn config_hash(text: &str) -> String {
@@ -83,7 +67,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     let d = daemon(&redis);
     let nginx = gateway(&d.socket);
     assert_eq!(status(&nginx.url("/login")), 200);
-    let (_, first) = body(&d.metrics_url());
+    let first = metrics(&d);
     let original = d.config_text();
 
     // Rename `login` (in use) and drop `spare` (never used): refused, for `login` only.
@@ -98,7 +82,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     assert!(!log.contains("configuration reloaded"), "{log}");
     // The old configuration serves on: /login still decided by its policy.
     assert_eq!(status(&nginx.url("/login")), 200);
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 0.0);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 0.0);
@@ -109,7 +93,7 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     d.rewrite_config(&original.replace("name = \"spare\"", "name = \"spare2\""));
     d.signal(Signal::SIGHUP);
     wait_until("reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
     assert_ne!(config_hash(&text), config_hash(&first));
@@ -121,9 +105,38 @@ fn a_reload_renaming_a_policy_in_use_is_refused_with_its_reason_and_sigusr1_forc
     wait_until("forced reload applied", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
     assert!(d.log().contains("forced reload removes policies in use"), "{}", d.log());
     assert_eq!(status(&nginx.url("/login")), 503);
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 2.0);
     assert_eq!(sample(&text, "ratelimitd_policy_unknown_requests_total "), 1.0);
+}
+
+#[test]
+fn a_reload_removing_a_policy_nginx_described_at_worker_start_is_refused_before_its_first_request() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    // `spare` is named by a limiter built at worker start, and never asked a decision.
+    let init = "init_worker_by_lua_block { spare = require(\"resty.ratelimitd.limiters\").build{ spare = { policy = \"spare\", on_error = \"open\" } } }";
+    let nginx = common::ops::gateway(&d.socket, init, LOCATIONS);
+    wait_until("nginx described spare", Duration::from_secs(10), || nginx.error_log().contains("policy \"spare\" described by the daemon"));
+    let text = metrics(&d);
+    assert_eq!(sample(&text, "ratelimitd_policy_requests_total{policy=\"spare\",outcome=\"admitted\"} "), 0.0, "spare decided nothing");
+    let original = d.config_text();
+
+    let without_spare = original.replace("name = \"spare\"", "name = \"spare2\"");
+    d.rewrite_config(&without_spare);
+    d.signal(Signal::SIGHUP);
+    wait_until("reload refused", Duration::from_secs(5), || d.log().contains("configuration reload refused"));
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("configuration reload refused")).unwrap();
+    assert!(line.contains("spare (no request yet, named by nginx: described") && !line.contains("login"), "{line}");
+    assert!(!log.contains("configuration reloaded"), "{log}");
+    let text = metrics(&d);
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"policy_in_use\"} "), 1.0);
+
+    // SIGUSR1 forces it.
+    d.signal(Signal::SIGUSR1);
+    wait_until("forced reload applied", Duration::from_secs(5), || d.log().contains("configuration reloaded"));
+    assert!(d.log().contains("forced reload removes policies in use"), "{}", d.log());
 }
 
 #[test]
@@ -136,7 +149,7 @@ fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
     assert_eq!(code, 200);
     assert!(dump.contains("name: \"login\"") && dump.contains("limit: 100"), "{dump}");
 
-    let (_, text) = body(&d.metrics_url());
+    let text = metrics(&d);
     assert_eq!(sample(&text, &format!("ratelimitd_build_info{{version=\"{}\",protocol=\"1\"}} ", env!("CARGO_PKG_VERSION"))), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_last_reload_successful "), 1.0);
     let loaded = sample(&text, "ratelimitd_config_last_reload_success_timestamp_seconds ");
@@ -246,7 +259,7 @@ fn a_limiter_that_cannot_be_built_answers_500_in_its_own_location_while_the_othe
     const EXAMPLE: &str = include_str!("../nginx/example.conf");
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let snippet = snippet(&d.socket);
     // The shipped example with one mistake: `pay` fails over to `local` without its quota.
     assert!(EXAMPLE.contains("            local_limit = 10,\n"));
     let example = EXAMPLE.replacen("            local_limit = 10,\n", "", 1).replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replacen("server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};", 1);
@@ -469,4 +482,90 @@ fn a_socket_activated_daemon_started_while_redis_is_down_answers_queued_requests
     // is the process's start on a loaded 2-core host, not a Redis wait.
     assert!(answered < Duration::from_millis(1000), "answered after {answered:?}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
     assert!(std::fs::read_to_string(&log).unwrap().contains("redis not reachable yet"));
+}
+
+/// The shell lines of docs/OPERATIONS.md's first day ("Start here" and §1)
+/// that run `ratelimitd` or `curl`, as an operator copies them: without
+/// `sudo ` and without the trailing comment; each with the comment line
+/// under it, if any (the output the doc shows).
+fn first_day_commands(doc: &str) -> Vec<(String, Option<String>)> {
+    let first_day = &doc[doc.find("## Start here").unwrap()..doc.find("\n## 2. ").unwrap()];
+    let mut out = Vec::new();
+    for block in first_day.split("```").skip(1).step_by(2).filter(|b| b.starts_with("sh\n")) {
+        let lines: Vec<&str> = block.lines().skip(1).collect();
+        for (i, line) in lines.iter().enumerate() {
+            let line = line.strip_prefix("sudo ").unwrap_or(line);
+            if line.starts_with("ratelimitd ") || line.starts_with("curl ") {
+                let command = line.split(" #").next().unwrap().trim().to_string();
+                let shown = lines.get(i + 1).and_then(|l| l.strip_prefix("# ")).map(str::to_string);
+                out.push((command, shown));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_first_day_commands_of_operations_md_work_with_the_package_config() {
+    const PACKAGE: &str = include_str!("../debian/ratelimitd.toml");
+    const DOC: &str = include_str!("../docs/OPERATIONS.md");
+    // The package's config as installed, but for the socket, Redis and the
+    // metrics port (the test's own; the doc's 9464 is checked below).
+    assert!(PACKAGE.contains("[server]\n") && PACKAGE.contains("\nlisten = \"/run/ratelimitd/ratelimitd.sock\"\n"));
+    assert!(PACKAGE.contains("\n[metrics]\nlisten = \"127.0.0.1:9464\"\n"), "metrics on loopback in the package's config");
+    let redis = RedisServer::start_unix();
+    let mut config = PACKAGE.replacen("[server]\n", "", 1).replacen("listen = \"/run/ratelimitd/ratelimitd.sock\"\n", "", 1).replacen("[metrics]\nlisten = \"127.0.0.1:9464\"\n", "", 1);
+    config = config.replacen("url = \"redis://127.0.0.1:6379/0\"", &format!("url = \"{}\"", redis.url()), 1);
+    if !is_root() {
+        config = config.replacen(&format!("socket_group = \"{WORKER_GROUP}\"\n"), "", 1);
+    }
+    let d = Daemon::start_config_with_metrics(&config);
+    // (The harness's own `shutdown_grace_ms` line aside.)
+    let old_spellings: Vec<String> = d.log().lines().filter(|l| l.contains("old spelling") && !l.contains("deprecated=server.shutdown_grace_ms")).map(str::to_string).collect();
+    assert!(old_spellings.is_empty(), "the package's config uses no old spelling: {old_spellings:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let nginx_conf = dir.path().join("nginx.conf");
+    std::fs::write(dir.path().join("ratelimitd.conf"), SNIPPET).unwrap();
+    std::fs::write(&nginx_conf, format!("events {{}}\nhttp {{\n include {}/ratelimitd.conf;\n}}\n", dir.path().display())).unwrap();
+
+    let commands = first_day_commands(DOC);
+    assert!(commands.len() >= 5, "{commands:?}");
+    let mut ran = Vec::new();
+    for (command, shown) in &commands {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        match words[0] {
+            "curl" if command.contains("http://127.0.0.1:9464/") => {
+                let path = &command[command.find("http://127.0.0.1:9464").unwrap() + "http://127.0.0.1:9464".len()..];
+                let (code, text) = body(&endpoint(&d, path));
+                assert_eq!((code, text.as_str()), (200, "ok\n"), "{command}");
+            }
+            // Through nginx and the example server: tests/rock.rs and tests/nginx.rs.
+            "curl" => assert!(command.contains("http://localhost/order"), "a first-day command this test does not know: {command}"),
+            _ => {
+                let mut args: Vec<String> = words[1..].iter().map(|w| w.to_string()).collect();
+                for a in args.iter_mut().filter(|a| *a == "/etc/nginx/nginx.conf") {
+                    *a = nginx_conf.display().to_string();
+                }
+                match args[0].as_str() {
+                    "query" => args.extend(["--socket".to_string(), d.socket.display().to_string()]),
+                    _ => args.extend(["--config".to_string(), d.config.display().to_string()]),
+                }
+                let out = Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(&args).output().unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert!(out.status.success(), "{command}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+                if let Some(shown) = shown {
+                    // The doc's output, but for the reset time (ms the run takes).
+                    let stable = shown.split(" reset_ms=").next().unwrap();
+                    assert!(stdout.starts_with(stable), "{command}: the doc shows {shown:?}, the daemon says {stdout:?}");
+                }
+            }
+        }
+        ran.push(words[..2].join(" "));
+    }
+    for needed in ["ratelimitd query", "ratelimitd reset", "ratelimitd check-config", "curl -s"] {
+        assert!(ran.iter().any(|r| r == needed), "{needed} not among {ran:?}");
+    }
+    // `systemctl reload ratelimitd` is SIGHUP; `systemctl kill -s USR1` the forced reload.
+    let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/ratelimitd.service")).unwrap();
+    assert!(unit.contains("\nExecReload=/bin/kill -HUP $MAINPID\n"), "{unit}");
 }

@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
-
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+use common::http::{agent, Reply};
+use common::ops::{metrics, sample};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -81,54 +81,28 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    // Loaded CI machines stall processes: these tests are about decisions.
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
+    common::ops::gateway(socket, "", LOCATIONS)
 }
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
+    common::ops::daemon_with_metrics(redis, POLICIES)
 }
 
 fn get(agent: &ureq::Agent, url: &str, tenant: &str) -> Reply {
-    let mut r = agent.get(url).header("X-Tenant-Id", tenant).call().unwrap();
-    let _ = r.body_mut().read_to_string();
-    Reply { status: r.status().as_u16(), headers: r.headers().clone() }
+    common::http::get(agent, url, &[("X-Tenant-Id", tenant)])
 }
 
 fn statuses(a: &ureq::Agent, url: &str, tenant: &str, n: usize) -> Vec<u16> {
     (0..n).map(|_| get(a, url, tenant).status).collect()
 }
 
-fn metrics(d: &Daemon) -> String {
-    agent().get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap()
-}
-
-/// The value of the sample `line_start` (name and labels) in `text`.
-fn sample(text: &str, line_start: &str) -> u64 {
-    let line = text.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start} in\n{text}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
+/// A counter's sample in `text`, as the whole number it is.
+fn sample_u64(text: &str, line_start: &str) -> u64 {
+    sample(text, line_start) as u64
 }
 
 fn policy_sample(text: &str, policy: &str, outcome: &str) -> u64 {
-    sample(text, &format!("ratelimitd_policy_requests_total{{policy=\"{policy}\",outcome=\"{outcome}\"}} "))
+    sample_u64(text, &format!("ratelimitd_policy_requests_total{{policy=\"{policy}\",outcome=\"{outcome}\"}} "))
 }
 
 #[test]
@@ -141,14 +115,14 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     // The policy's limit, with its headers; the limit comes from the daemon.
     let replies: Vec<Reply> = (0..4).map(|_| get(&a, &nginx.url("/order"), "t1")).collect();
     assert_eq!(replies.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 200, 200, 429]);
-    assert_eq!(replies[0].header("RateLimit-Limit"), Some("3"));
-    assert_eq!(replies[2].header("RateLimit-Remaining"), Some("0"));
-    assert!(replies[3].header("Retry-After").is_some());
+    assert_eq!(replies[0].header("RateLimit-Limit"), "3");
+    assert_eq!(replies[2].header("RateLimit-Remaining"), "0");
+    assert!(!replies[3].header("Retry-After").is_empty());
     // An override raises the limit of one key.
     assert_eq!(statuses(&a, &nginx.url("/order"), "tenant-big", 6), [200, 200, 200, 200, 200, 429]);
     // Allowlisted and unlimited keys pass without a count, and without headers.
     let vip: Vec<Reply> = (0..10).map(|_| get(&a, &nginx.url("/order"), "vip")).collect();
-    assert!(vip.iter().all(|r| r.status == 200 && r.header("RateLimit-Remaining").is_none()));
+    assert!(vip.iter().all(|r| r.status == 200 && r.header("RateLimit-Remaining").is_empty()));
     assert_eq!(statuses(&a, &nginx.url("/order"), "tenant-free", 5), [200; 5]);
     // The policy's window is its own: the inline form on the same key is not charged.
     assert_eq!(statuses(&a, &nginx.url("/inline"), "t1", 4), [200, 200, 200, 429]);
@@ -158,7 +132,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     // another policy on the same key is not charged.
     let shadow: Vec<Reply> = (0..5).map(|_| get(&a, &nginx.url("/shadow"), "t2")).collect();
     assert!(shadow.iter().all(|r| r.status == 200), "a shadow policy refuses nothing");
-    assert!(shadow[4].header("RateLimit-Remaining").is_none(), "a shadow refusal sets no header");
+    assert!(shadow[4].header("RateLimit-Remaining").is_empty(), "a shadow refusal sets no header");
     let mut conn = redis.conn();
     let shadow_key = b"ratelimitd:{\x08shadowedt2}:60000ms".to_vec();
     let members: u64 = redis::Commands::zcard(&mut conn, shadow_key).unwrap();
@@ -177,7 +151,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     assert!(d.log().contains("request names a policy that is not configured"), "{}", d.log());
 
     let text = metrics(&d);
-    assert_eq!(sample(&text, "ratelimitd_errors_total{code=\"UNKNOWN_POLICY\"} "), 5);
+    assert_eq!(sample_u64(&text, "ratelimitd_errors_total{code=\"UNKNOWN_POLICY\"} "), 5);
     assert_eq!(policy_sample(&text, "order", "admitted"), 3 + 5 + 3);
     assert_eq!(policy_sample(&text, "order", "refused") + policy_sample(&text, "order", "refused_from_cache"), 3);
     assert_eq!(policy_sample(&text, "order", "exempt"), 15);
@@ -186,7 +160,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     assert_eq!(policy_sample(&text, "order", "fail_open") + policy_sample(&text, "order", "fail_closed"), 0);
     assert!(!text.contains("policy=\"ordr\""), "label values come from the configuration only");
     // The first refusal from Redis, the later ones from the daemon's denial cache.
-    let shadow_denied = |source: &str| sample(&text, &format!("ratelimitd_decisions_total{{decision=\"shadow_denied\",source=\"{source}\"}} "));
+    let shadow_denied = |source: &str| sample_u64(&text, &format!("ratelimitd_decisions_total{{decision=\"shadow_denied\",source=\"{source}\"}} "));
     assert_eq!(shadow_denied("redis") + shadow_denied("denial_cache"), 3);
 }
 
@@ -236,7 +210,7 @@ fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
     assert!(bad.is_empty(), "requests failed across the reload: {bad:?}");
 
     let text = metrics(&d);
-    assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 1);
+    assert_eq!(sample_u64(&text, "ratelimitd_config_reloads_total "), 1);
     assert_eq!(policy_sample(&text, "tight", "admitted"), 4, "the counters carried over the reload");
     assert_eq!(policy_sample(&text, "tight", "refused") + policy_sample(&text, "tight", "refused_from_cache"), 2);
     for outcome in ["fail_open", "fail_closed", "error"] {

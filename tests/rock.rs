@@ -73,3 +73,52 @@ fn the_rock_installs_into_a_clean_tree_and_serves_the_seed_scenario() {
     let log = nginx.error_log();
     assert!(!log.contains("[error]") && !log.contains("[alert]"), "{log}");
 }
+
+/// The `_VERSION = "..."` of a Lua module's text, if it has one.
+fn lua_version(text: &str) -> Option<String> {
+    let rest = text.split("_VERSION").nth(1)?.trim_start().strip_prefix('=')?.trim_start();
+    let rest = rest.strip_prefix('"').or_else(|| rest.strip_prefix('\''))?;
+    Some(rest.split(['"', '\'']).next()?.to_string())
+}
+
+/// One release version (docs/PROTOCOL.md §3: the daemon and the Lua client
+/// ship together): Cargo's, which the daemon reports (`--version`,
+/// `ratelimitd_build_info`) and the Debian package takes, is the rockspec's
+/// (`VERSION-REV`, its file name and its source tag), every Lua module's
+/// `_VERSION` (what OPM publishes: dist.ini names none of its own) and the
+/// rockspec file named in docs/NGINX.md.
+#[test]
+fn the_daemon_the_rockspec_opm_and_every_lua_module_carry_one_version() {
+    let version = env!("CARGO_PKG_VERSION");
+    let root = Path::new(ROOT);
+    let rockspecs: Vec<_> = std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "rockspec")).collect();
+    assert_eq!(rockspecs.len(), 1, "one rockspec at the root: {rockspecs:?}");
+    let file = rockspecs[0].file_name().unwrap().to_str().unwrap().to_string();
+    let text = std::fs::read_to_string(&rockspecs[0]).unwrap();
+    let rock_version = text.lines().find_map(|l| l.trim().strip_prefix("version = \"")).map(|v| v.trim_end_matches('"').to_string()).expect("version = in the rockspec");
+    let (upstream, revision) = rock_version.rsplit_once('-').expect("VERSION-REV");
+    assert_eq!(upstream, version, "the rockspec's version {rock_version} is not Cargo's {version}");
+    assert!(revision.parse::<u32>().is_ok(), "{rock_version}");
+    assert_eq!(file, format!("lua-resty-ratelimitd-{rock_version}.rockspec"), "luarocks wants the file named after its version");
+    assert!(text.contains(&format!("tag = \"v{version}\"")), "the rockspec's source tag is not v{version}");
+
+    let modules = lua_files(&root.join("lua/resty"));
+    let mut versioned = 0;
+    for m in &modules {
+        if let Some(v) = lua_version(&std::fs::read_to_string(root.join("lua/resty").join(m)).unwrap()) {
+            assert_eq!(v, version, "lua/resty/{m} says _VERSION = {v:?}, Cargo {version}");
+            versioned += 1;
+        }
+    }
+    let main = std::fs::read_to_string(root.join("lua/resty/ratelimitd.lua")).unwrap();
+    assert_eq!(lua_version(&main).as_deref(), Some(version), "the main module (OPM's version) has its _VERSION");
+    assert!(versioned >= 1);
+    let dist = std::fs::read_to_string(root.join("dist.ini")).unwrap();
+    assert!(!dist.lines().any(|l| l.trim_start().starts_with("version")), "dist.ini must not name a version of its own: OPM takes the main module's _VERSION");
+
+    let nginx_doc = std::fs::read_to_string(root.join("docs/NGINX.md")).unwrap();
+    for named in nginx_doc.match_indices("lua-resty-ratelimitd-").map(|(i, _)| &nginx_doc[i..]).filter_map(|s| s.split_once(".rockspec").map(|(n, _)| n)) {
+        assert!(!named.contains(' '), "{named}");
+        assert_eq!(format!("{named}.rockspec"), file, "docs/NGINX.md names another rockspec");
+    }
+}

@@ -9,11 +9,12 @@ use std::collections::BTreeSet;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::http::agent;
+use common::ops::metrics;
+use common::{Daemon, Nginx, RedisServer};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const POLICIES: &str = r#"
 [[policy]]
@@ -60,19 +61,11 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()))
+    common::ops::daemon_with_metrics(redis, POLICIES)
 }
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    // Loaded CI machines stall processes: this test is about counts.
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    Nginx::start(&format!("{snippet}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n"))
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
+    common::ops::gateway(socket, "", LOCATIONS)
 }
 
 /// `n` requests for `tenant`; the number answered 200 and 429.
@@ -80,9 +73,7 @@ fn send(url: &str, tenant: &str, n: usize) -> (usize, usize) {
     let a = agent();
     let mut got = (0, 0);
     for _ in 0..n {
-        let mut r = a.get(url).header("X-Tenant-Id", tenant).call().unwrap();
-        let _ = r.body_mut().read_to_string();
-        match r.status().as_u16() {
+        match common::http::get(&a, url, &[("X-Tenant-Id", tenant)]).status {
             200 => got.0 += 1,
             429 => got.1 += 1,
             s => panic!("{url} {tenant}: HTTP {s}"),
@@ -161,7 +152,7 @@ fn top_json_lists_the_hammered_key_first_with_its_policy_and_counts_match() {
         }
     }
     assert_eq!(v["unknown_policy_total"], 2, "a location naming no configured policy is counted");
-    let text = agent().get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
+    let text = metrics(&d);
     assert!(text.contains("\nratelimitd_policy_unknown_requests_total 2\n"), "{text}");
     assert_eq!(v["breaker_open"], false);
     assert!(v["interval_s"].as_f64().unwrap() >= 0.15, "{v}");
@@ -236,7 +227,7 @@ fn grafana_dashboard_parses_and_names_only_exported_metrics() {
     // What a daemon with Redis and policies exports.
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);
-    let text = agent().get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
+    let text = metrics(&d);
     let mut exported = BTreeSet::new();
     for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
         let mut parts = line.split(' ');

@@ -58,7 +58,7 @@ local settle = require "resty.ratelimitd.settle"
 
 local type, error = type, error
 
-local _M = { _VERSION = "0.3.0" }
+local _M = { _VERSION = "0.1.0" }
 
 --- Sets defaults for every later call; call once from init_by_lua*.
 -- Limiters made with new() read these at each request, so configure() may

@@ -77,4 +77,23 @@ describe("fallback", function()
         assert.same({ true, "lua_local" }, { res.allowed, res.source })
         assert.equals(1, shared.ratelimitd.values["per_ip|ip1|1000|1000000"])
     end)
+
+    it("counts each policy in its own described window and quota, giving back in the right window", function()
+        local l = lim("local")
+        l._local_limit, l._window_ms = nil, nil
+        l._names, l._n = { "per_ip", "per_tenant" }, 2
+        l._windows, l._local_limits = { 1000, 2000 }, { 5, 1 }
+        local res = fallback.many(l, { "ip1", "t1" }, { 1, 1 }, "down")
+        assert.same({ true, "lua_local" }, { res.allowed, res.source })
+        assert.equals(1, shared.ratelimitd.values["per_ip|ip1|1000|1000000"])
+        assert.equals(1, shared.ratelimitd.values["per_tenant|t1|2000|1000000"])
+        -- per_tenant's quota of 1 is spent: refused, per_ip's unit given back.
+        res = fallback.many(l, { "ip1", "t1" }, { 1, 1 }, "down")
+        assert.same({ false, "per_tenant" }, { res.allowed, res.policy })
+        assert.equals(1, shared.ratelimitd.values["per_ip|ip1|1000|1000000"])
+        -- A policy with no quota known: open (one() says why).
+        l._local_limits = { 5 }
+        res = fallback.many(l, { "ip1", "t1" }, { 1, 1 }, "down")
+        assert.same({ true, "lua_fail_open" }, { res.allowed, res.source })
+    end)
 end)

@@ -54,12 +54,12 @@ describe("options", function()
                       check("policy", { policy = "order", limit = 5 }))
         assert.equals("policy must be a name of 1 to 31 characters A-Z a-z 0-9 _ . -", check("policy", { policy = "bad name" }))
         -- A policy limiter's fallback takes the policy's window and local
-        -- quota from the daemon (DESCRIBE_POLICY); a multi-item one still
-        -- needs its own window.
+        -- quota from the daemon (DESCRIBE_POLICY); a multi-item one each
+        -- policy's.
         assert.equals("local", check("policy", { policy = "order", on_error = "local", local_limit = 5 }))
         assert.equals("local", check("policy", { policy = "order", on_error = "local" }))
-        assert.equals("on_error = 'local' needs window_ms: the window of this client's own fallback quota",
-                      check("multi", { policies = { "a", "b" }, on_error = "local", local_limit = 5 }))
+        assert.equals("local", check("multi", { policies = { "a", "b" }, on_error = "local", local_limit = 5 }))
+        assert.equals("local", check("multi", { policies = { "a", "b" }, on_error = "local" }))
         assert.equals("on_error = 'local' needs a positive integer local_limit", check("inline", { limit = 1, window_ms = 1000, on_error = "local" }))
         assert.equals("shadow must be a list of policy names (those in shadow mode in ratelimitd.toml)", check("policy", { policy = "order", shadow = "order" }))
         assert.equals("unknown option 'algorithm' for a policy limiter", check("multi", { policies = { "a" }, algorithm = "gcra" }))

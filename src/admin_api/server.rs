@@ -359,6 +359,26 @@ fn limit_json(l: PolicyLimit) -> Value {
     }
 }
 
+/// The window of an inline key's peek or reset: `window_ms`, or (None)
+/// every window of the key, found by SCAN over the whole Redis (its cost
+/// grows with the keyspace), only when the query asks for it with
+/// `scan=1`, as the CLI's --scan. A 400 says what to give.
+fn inline_window(key: &str, q: &HashMap<String, String>) -> Result<Option<u32>, Answer> {
+    match (q.get("window_ms"), q.get("scan").map(String::as_str)) {
+        (Some(_), Some(_)) => Err(Answer::err(StatusCode::BAD_REQUEST, "give window_ms or scan=1, not both")),
+        (Some(w), None) => Ok(Some(w.parse::<u32>().map_err(|_| Answer::err(StatusCode::BAD_REQUEST, format!("window_ms {w:?} is not a number of ms")))?)),
+        (None, Some("1")) => Ok(None),
+        (None, Some(v)) => Err(Answer::err(StatusCode::BAD_REQUEST, format!("scan {v:?}: scan=1 asks for every window of the key (SCAN over the whole Redis)"))),
+        (None, None) => Err(Answer::err(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "key {} names no window: give policy=NAME (the policy's window), or window_ms=MS (the inline window's length); scan=1 finds every window of the key by scanning the whole Redis",
+                escape_bytes(key.as_bytes())
+            ),
+        )),
+    }
+}
+
 /// GET /v1/keys: the key's windows, read with read-only commands (ZCOUNT,
 /// ZRANGE, GET, PTTL): nothing is recorded, no key is created.
 async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result<Answer, Answer> {
@@ -366,10 +386,7 @@ async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result
     let cfg = &view.config;
     let key = checked_key(cfg, q)?;
     let Some(name) = q.get("policy") else {
-        let window_ms = match q.get("window_ms") {
-            Some(w) => Some(w.parse::<u32>().map_err(|_| Answer::err(StatusCode::BAD_REQUEST, format!("window_ms {w:?} is not a number of ms")))?),
-            None => None,
-        };
+        let window_ms = inline_window(key, q)?;
         let windows = admin::inspect(redis, &view.secrets, &cfg.policies, Target::Inline { key, window_ms }).await.map_err(admin_error)?;
         return Ok(Answer::ok(json!({ "key": key, "windows": windows })));
     };
@@ -442,10 +459,7 @@ async fn reset(view: &View, q: &HashMap<String, String>, who: &str) -> Result<An
             Target::Policy { policy: name, key }
         }
         None => {
-            let window_ms = match q.get("window_ms") {
-                Some(w) => Some(w.parse::<u32>().map_err(|_| Answer::err(StatusCode::BAD_REQUEST, format!("window_ms {w:?} is not a number of ms")))?),
-                None => None,
-            };
+            let window_ms = inline_window(key, q)?;
             Target::Inline { key, window_ms }
         }
     };

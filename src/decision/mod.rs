@@ -88,6 +88,8 @@ impl Limiter {
     /// counted as one, nothing logged (the client logs an unknown name).
     fn describe(&self, r: &DescribeRequest) -> Response {
         let Some(p) = self.policies.get(&r.name) else { return unknown_policy_response(r.id) };
+        // nginx names this policy: a reload may not drop it unforced.
+        p.counters.described();
         PolicyDescription {
             kind: if p.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
             algorithm: p.algorithm,

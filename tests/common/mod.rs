@@ -11,6 +11,7 @@ pub mod daemon;
 pub mod http;
 pub mod model;
 pub mod nginx;
+pub mod ops;
 pub mod ports;
 pub mod process;
 pub mod rng;

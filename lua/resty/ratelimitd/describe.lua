@@ -3,9 +3,10 @@
 -- docs/PROTOCOL.md section 4g), so that
 --   * a name the daemon lacks (a typo, a rename) is said loudly in
 --     error.log when the worker starts, not found by the first 503;
---   * a policy limiter takes its window and local quota from the policy:
---     window_ms and local_limit need not be repeated in nginx (given, they
---     win, and a window that differs from the policy's is logged).
+--   * a policy limiter takes its window and local quota from the policy,
+--     a multi-policy limiter each policy's own: window_ms and local_limit
+--     need not be repeated in nginx (given, they win, for every policy of
+--     the limiter, and a window that differs from a policy's is logged).
 -- Every limiter that names policies registers here when it is made;
 -- schedule() (called by limiters.build, or by verify_policies() from
 -- init_worker_by_lua) describes them in a timer right after the worker
@@ -70,6 +71,15 @@ local function check_kind(lim, name, d)
     end
 end
 
+-- Says once per host that nginx's window_ms differs from policy `name`'s.
+local function window_mismatch(name, nginx_ms, policy_ms)
+    if loud() then
+        ngx_log(ERR, "ratelimitd: policy \"", name, "\": window_ms = ", nginx_ms,
+            " in nginx differs from the policy's window of ", policy_ms,
+            " ms in the daemon; nginx's is used for the client's own fallback only (drop window_ms to take the policy's)")
+    end
+end
+
 --- Applies `d`, the description of its policy, to a limiter: a policy
 -- limiter (lim._takes_description) takes the window and local quota of its
 -- own fallback when nginx did not give them, and the policy's on_error
@@ -82,10 +92,8 @@ function _M.apply(lim, d)
         return true
     end
     if lim._window_given then
-        if lim._window_ms ~= d.window_ms and loud() then
-            ngx_log(ERR, "ratelimitd: policy \"", name, "\": window_ms = ", lim._window_ms,
-                " in nginx differs from the policy's window of ", d.window_ms,
-                " ms in the daemon; nginx's is used for the client's own fallback only (drop window_ms to take the policy's)")
+        if lim._window_ms ~= d.window_ms then
+            window_mismatch(name, lim._window_ms, d.window_ms)
         end
     else
         lim._window_ms = d.window_ms
@@ -112,9 +120,58 @@ function _M.apply(lim, d)
     return true
 end
 
+--- Applies `ds`, the descriptions of its policies in order, to a
+-- multi-policy limiter: each policy's own fallback window and local quota
+-- (lim._windows[i], lim._local_limits[i]) unless nginx gave them (then the
+-- same for every policy), and the frame's local quota (lim:_on_described).
+-- Returns true.
+function _M.apply_many(lim, ds)
+    local windows, quotas, shown = {}, {}, {}
+    for i, d in ipairs(ds) do
+        local name = lim._names[i]
+        check_kind(lim, name, d)
+        if lim._window_given then
+            if lim._window_ms ~= d.window_ms then
+                window_mismatch(name, lim._window_ms, d.window_ms)
+            end
+            windows[i] = lim._window_ms
+        else
+            windows[i] = d.window_ms
+        end
+        -- 0: the policy has no local quota (nor an on_error of its own).
+        quotas[i] = lim._local_limit or (d.local_limit > 0 and d.local_limit or nil)
+        shown[i] = quotas[i] or "-"
+    end
+    lim._windows, lim._local_limits = windows, quotas
+    lim._described = true
+    if lim._on_described then
+        lim:_on_described()
+    end
+    -- Per worker, at info level, as apply's line.
+    ngx_log(INFO, "ratelimitd: policies \"", table.concat(lim._names, ","), "\" described by the daemon; this limiter's fallback: on_error=",
+        lim._on_error, " window_ms=", table.concat(windows, ","), " local_limit=", table.concat(shown, ","))
+    return true
+end
+
 --- Describes lim's policy now (a request of a limiter the timer has not
 -- reached): true, or nil and an error.
 function _M.now(lim)
+    if lim._names then
+        local ds = {}
+        for i, name in ipairs(lim._names) do
+            local d, err = _M.describe(name)
+            if not d then
+                if d == false then
+                    lim._described, lim._unknown = true, true
+                    return nil, "UNKNOWN_POLICY: policy \"" .. name .. "\": " .. tostring(err)
+                end
+                return nil, err
+            end
+            ds[i] = d
+        end
+        lim._unknown = nil
+        return _M.apply_many(lim, ds)
+    end
     local d, err = _M.describe(lim._policy)
     if d then
         lim._unknown = nil
@@ -127,6 +184,31 @@ function _M.now(lim)
     return nil, err
 end
 
+--- The frame header of a policy limiter: build(lim), which is nil while
+-- on_error is "local" and the local quota, to come from the daemon, is not
+-- known; then described now, once (an unknown name asked
+-- again: a reload may add it, as a CHECK_POLICY would be). The header, or
+-- nil and why not.
+function _M.header(lim, build)
+    local h = build(lim)
+    if h then
+        return h
+    end
+    local ok, err = lim._described and not lim._unknown, nil
+    if not ok then
+        ok, err = _M.now(lim)
+    end
+    h = ok and build(lim)
+    if h then
+        return h
+    end
+    local which = lim._names and ("a policy of \"" .. table.concat(lim._names, ",") .. "\"") or ("policy \"" .. lim._policy .. "\"")
+    if lim._unknown then
+        return nil, err or ("UNKNOWN_POLICY: " .. which .. " is not in the daemon's configuration")
+    end
+    return nil, err or (which .. " has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
+end
+
 local running = false
 
 -- Describes every registered limiter not yet described; true when none is
@@ -137,6 +219,7 @@ local function verify_all()
         if not lim._described then
             local names = lim._names or { lim._policy }
             local all_known = true
+            local ds = {}
             for _, name in ipairs(names) do
                 local d = seen[name]
                 if d == nil then
@@ -158,8 +241,11 @@ local function verify_all()
                 elseif not lim._names then
                     _M.apply(lim, d)
                 else
-                    check_kind(lim, name, d)
+                    ds[#ds + 1] = d
                 end
+            end
+            if lim._names and all_known then
+                _M.apply_many(lim, ds)
             end
             lim._described = true
             if not all_known then

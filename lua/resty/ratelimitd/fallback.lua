@@ -93,23 +93,34 @@ function _M.one(lim, key, cost, reason)
 end
 
 --- The location's policy for a multi-item request, all or nothing: "local"
--- checks each key (scoped by its policy's name) in the per-host quota and
--- gives back what it took when one refuses (approximate, like one key's).
+-- checks each key (scoped by its policy's name) in the per-host quota of
+-- its policy, over its policy's window (lim._local_limits, lim._windows,
+-- from the daemon's description; else nginx's local_limit and window_ms),
+-- and gives back what it took when one refuses (approximate, like one
+-- key's). A policy whose window or quota is not known: open, said so (one).
 function _M.many(lim, keys, costs, reason)
     local label = concat(keys, ",")
     if lim._on_error ~= "local" then
         return _M.one(lim, label, 1, reason)
     end
-    local names, window = lim._names, lim._window_ms
+    local names, windows, quotas = lim._names, lim._windows, lim._local_limits
+    for i = 1, lim._n do
+        if not ((quotas and quotas[i] or lim._local_limit) and (windows and windows[i] or lim._window_ms)) then
+            -- one() finds no quota or window either: open, with why.
+            return _M.one(lim, label, 1, reason)
+        end
+    end
     local taken = {}
     for i = 1, lim._n do
         local key = names[i] .. "|" .. keys[i]
-        local res, err = local_decision(key, costs[i], lim._local_limit, window)
+        local window = windows and windows[i] or lim._window_ms
+        local res, err = local_decision(key, costs[i], quotas and quotas[i] or lim._local_limit, window)
         if not res or not res.allowed then
             local dict = ngx_shared[settings.shared_dict]
-            local start = floor(ngx_now() * 1000 / window) * window
+            local now = ngx_now() * 1000
             for j = 1, #taken do
-                dict:incr(counter_key(taken[j][1], window, start), -taken[j][2])
+                local t = taken[j]
+                dict:incr(counter_key(t[1], t[3], floor(now / t[3]) * t[3]), -t[2])
             end
             if not res then
                 return _M.one(lim, label, 1, reason .. "; local fallback: " .. err)
@@ -118,10 +129,10 @@ function _M.many(lim, keys, costs, reason)
             res.policy = names[i]
             return res
         end
-        taken[#taken + 1] = { key, costs[i] }
+        taken[#taken + 1] = { key, costs[i], window }
     end
     log_failure("local_fallback", label, reason, policy_of(lim))
-    return { allowed = true, decision = "allowed", source = "lua_local", limit = lim._local_limit }
+    return { allowed = true, decision = "allowed", source = "lua_local", limit = quotas and quotas[1] or lim._local_limit }
 end
 
 return _M

@@ -16,6 +16,7 @@ local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
 local fallback = require "resty.ratelimitd.fallback"
 local wire_key = require("resty.ratelimitd.key").wire
+local describe = require "resty.ratelimitd.describe"
 
 local char = string.char
 local floor = math.floor
@@ -73,10 +74,53 @@ end
 
 local Multi, mt, checked = kind.class("call it as lim:limit(keys, cost), with a colon, on an object from new{ policies = ... }", args)
 
+-- The frame's constant header: flags, the location's on_error, the item
+-- count, the local quota. With on_error = "local" and no local_limit in
+-- nginx, the daemon needs a quota only for the policies without an
+-- on_error of their own (a policy's own on_error and local_limit win,
+-- decision/resolve.rs); nil while the policies are not described, or when
+-- one of them has neither (no quota anywhere: said per request). When
+-- every policy brings its own, the frame's quota is never used: the
+-- largest of theirs stands in (the frame must carry one, 1..max_limit).
+local function header(self)
+    local local_limit = self._local_limit
+    if self._on_error == "local" and not local_limit then
+        local quotas = self._local_limits
+        if not quotas then
+            return nil
+        end
+        local_limit = 0
+        for i = 1, self._n do
+            local q = quotas[i]
+            if not q then
+                return nil
+            end
+            if q > local_limit then
+                local_limit = q
+            end
+        end
+    end
+    self._header = wire.policy_header(self._flags, self._on_error, self._n, local_limit)
+    return self._header
+end
+
+-- The description arrived: the header is built again at the next request.
+function Multi._on_described(self)
+    self._header = nil
+end
+
 function Multi._decide(self, keys, costs)
+    local h, err = self._header, nil
+    if not h then
+        -- Built once; described first if it must be (describe.header).
+        h, err = describe.header(self, header)
+    end
+    if not h then
+        return nil, err
+    end
     local body = items(self, keys, costs)
     local id = next_id()
-    local res, ext = ask(self, check_policy(id, self._header, body), id)
+    local res, ext = ask(self, check_policy(id, h, body), id)
     if not res then
         return nil, ext
     end
@@ -100,7 +144,7 @@ kind.rate_methods(Multi, checked)
 
 --- new{ policies = { ... } } or new{ policy = name, refundable = true }:
 -- the limiter, or nil and a message.
-_M.new = kind.constructor(mt, "multi", "new: ", function(opts, on_error)
+_M.new = kind.constructor(mt, "multi", "new: ", function(opts)
     local names = opts.policies or { opts.policy }
     local parts = {}
     for i, name in ipairs(names) do
@@ -112,9 +156,13 @@ _M.new = kind.constructor(mt, "multi", "new: ", function(opts, on_error)
         _policy = names[1],
         -- What its failure lines name.
         _policy_label = table.concat(names, ","),
+        -- Given in nginx, the window of every policy's own fallback; else
+        -- each policy's, once described (describe.apply_many: _windows,
+        -- _local_limits).
         _window_ms = opts.window_ms,
+        _window_given = opts.window_ms ~= nil,
         -- settle = true: the check reserves its cost (PROTOCOL.md 4f, settle.lua).
-        _header = wire.policy_header(opts.settle and 2 or (opts.refundable and wire.FLAG_REFUNDABLE or 0), on_error, #names, opts.local_limit),
+        _flags = opts.settle and 2 or (opts.refundable and wire.FLAG_REFUNDABLE or 0),
         _name_parts = parts,
         _set_ctx = true,
     }

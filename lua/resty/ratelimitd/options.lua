@@ -130,9 +130,10 @@ local KINDS = {
 -- The rules between options, per kind: the first broken one's message.
 local function rules(k, opts)
     local on_error = opts.on_error or DEFAULT_ON_ERROR
-    -- A policy limiter takes its local quota (and window) from the
-    -- policy when nginx does not give them (describe.lua).
-    if on_error == "local" and opts.local_limit == nil and k ~= "policy" then
+    -- A policy limiter (one policy or several) takes its local quota
+    -- (and window) from each policy when nginx does not give them
+    -- (describe.lua).
+    if on_error == "local" and opts.local_limit == nil and k ~= "policy" and k ~= "multi" then
         return "on_error = 'local' needs a positive integer local_limit"
     end
     if k == "inline" or k == "table_form" then
@@ -146,9 +147,6 @@ local function rules(k, opts)
             return "nodelay and delay apply to algorithm = 'gcra' only"
         end
     elseif k == "policy" or k == "multi" then
-        if k == "multi" and on_error == "local" and opts.window_ms == nil then
-            return "on_error = 'local' needs window_ms: the window of this client's own fallback quota"
-        end
         if k == "multi" and opts.policy ~= nil and opts.policies ~= nil then
             return "give policy or policies, not both"
         end

@@ -48,25 +48,17 @@ function Policy._decide(self, key, cost)
             return res
         end
     end
-    local h = self._header or header(self)
+    local h, err = self._header, nil
     if not h then
-        -- A policy described without a local quota stays so until a worker
-        -- restart (no round trip per request); an unknown name is asked
-        -- again (a reload may add it), as a CHECK_POLICY would be.
-        local ok, err = self._described and not self._unknown, nil
-        if not ok then
-            ok, err = describe.now(self)
-        end
-        h = ok and header(self)
-        if not h and self._unknown then
-            return nil, err or ("UNKNOWN_POLICY: policy \"" .. self._policy .. "\" is not in the daemon's configuration")
-        elseif not h then
-            return nil, err or ("policy \"" .. self._policy
-                .. "\" has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
-        end
+        -- Built once; described first if it must be (describe.header).
+        h, err = describe.header(self, header)
+    end
+    if not h then
+        return nil, err
     end
     local id = next_id()
-    local res, err = ask(self, check_policy(id, h, policy_item(cost, self._name_part, key)), id)
+    local res
+    res, err = ask(self, check_policy(id, h, policy_item(cost, self._name_part, key)), id)
     if dict and res and res.decision == "allowed" and res.source == "redis" then
         share.refill(self, dict, key, res)
     end
