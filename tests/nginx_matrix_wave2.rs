@@ -1,0 +1,312 @@
+//! The feature matrix through real nginx, ratelimitd and redis-server, for
+//! what came this session: a `share_dict` limiter (on an enforced and on a
+//! shadow policy), a settle limiter over two policies (with and without a
+//! shadow third), a penalty-box policy (Retry-After is the ban's end), a
+//! policy limiter without `window_ms` (its window and local quota from
+//! DESCRIBE_POLICY), and a live override set through the admin API; crossed
+//! with every header style and redirect kind (none, `error_page` to a named
+//! location, `try_files`, `ngx.exec`), and with every fail policy with the
+//! daemon or Redis down. Asserted from the headers, `$ratelimitd_status`
+//! and Redis's record. The combinations that cannot work are refused the
+//! same way by `check-config --nginx`, by the Lua `new()` where it can see
+//! them, and by the daemon (UNSUPPORTED_COMBINATION: the location's 500).
+
+mod common;
+
+use std::fmt::Write as _;
+use std::process::Command;
+use std::time::Duration;
+
+use common::http::{agent, get, Reply};
+use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use ratelimitd::admin_api::client::{request, Reply as AdminReply};
+use ratelimitd::config::AdminListen;
+
+const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+const STYLES: [&str; 3] = ["ratelimit", "draft", "x"];
+const REDIRECTS: [Redirect; 4] = [Redirect::None, Redirect::ErrorPage, Redirect::TryFiles, Redirect::Exec];
+/// Every enforced policy of a case admits 2 per minute.
+const LIMIT: u64 = 2;
+
+/// Every policy has a local quota of 2 (the daemon's with Redis down, and
+/// what a policy limiter without window_ms takes from DESCRIBE_POLICY).
+const POLICIES: &str = "\
+[[policy]]\nname = \"shared\"\nlimit = 2\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\n\
+[[policy]]\nname = \"shared_shadow\"\nlimit = 2\nwindow = \"60s\"\nshadow = true\n\
+[[policy]]\nname = \"tok_min\"\nalgorithm = \"fixed\"\nlimit = 2\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\n\
+[[policy]]\nname = \"tok_day\"\nalgorithm = \"fixed\"\nlimit = 10\nwindow = \"1d\"\non_error = \"local\"\nlocal_limit = 10\n\
+[[policy]]\nname = \"tok_next\"\nalgorithm = \"fixed\"\nlimit = 1\nwindow = \"60s\"\nshadow = true\n\
+[[policy]]\nname = \"pen\"\nlimit = 2\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\npenalty = { after = 1, within = \"60s\", ban = \"90s\" }\n\
+[[policy]]\nname = \"described\"\nlimit = 2\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\n\
+[[policy]]\nname = \"ov\"\nlimit = 5\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\n";
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Redirect {
+    None,
+    ErrorPage,
+    TryFiles,
+    Exec,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    /// `share_dict` on the enforced policy `shared`.
+    Shared,
+    /// `share_dict` on the shadow policy `shared_shadow`: never refuses,
+    /// never shows.
+    SharedShadow,
+    /// A reserve of 1 in `tok_min` and `tok_day` (and with `true` the
+    /// shadow `tok_next`), settled to 1 in the server's log phase through
+    /// `decision()`.
+    Settle(bool),
+    /// The penalty-box policy `pen`: its first refusal bans for 90 s.
+    Penalty,
+    /// A policy limiter without window_ms.
+    Described,
+    /// The policy `ov` (limit 5 in the file) with a live override of 2 for
+    /// the case's key, set through the admin API.
+    Override,
+}
+
+const KINDS: [Kind; 7] = [Kind::Shared, Kind::SharedShadow, Kind::Settle(false), Kind::Settle(true), Kind::Penalty, Kind::Described, Kind::Override];
+
+impl Kind {
+    fn policy(self) -> &'static str {
+        match self {
+            Kind::Shared => "shared",
+            Kind::SharedShadow => "shared_shadow",
+            Kind::Settle(_) => "tok_min",
+            Kind::Penalty => "pen",
+            Kind::Described => "described",
+            Kind::Override => "ov",
+        }
+    }
+    /// The Lua expression of the limiter, with `extra` options.
+    fn limiter(self, extra: &str) -> String {
+        match self {
+            Kind::Shared | Kind::SharedShadow => format!("ratelimitd.new{{ policy = \"{}\", share_dict = \"ratelimitd\"{extra} }}", self.policy()),
+            Kind::Settle(false) => format!("ratelimitd.new{{ policies = {{ \"tok_min\", \"tok_day\" }}, settle = true, window_ms = 60000{extra} }}"),
+            Kind::Settle(true) => format!("ratelimitd.new{{ policies = {{ \"tok_min\", \"tok_next\", \"tok_day\" }}, shadow = {{ \"tok_next\" }}, settle = true, window_ms = 60000{extra} }}"),
+            _ => format!("ratelimitd.new{{ policy = \"{}\"{extra} }}", self.policy()),
+        }
+    }
+    /// The Lua call in the access phase for `key`.
+    fn call(self, lim: &str, key: &str) -> String {
+        match self {
+            Kind::Settle(false) => format!("{lim}:limit({{ \"{key}\", \"{key}\" }}, 1)"),
+            Kind::Settle(true) => format!("{lim}:limit({{ \"{key}\", \"{key}\", \"{key}\" }}, 1)"),
+            _ => format!("{lim}:limit(\"{key}\")"),
+        }
+    }
+    /// Whether Redis keeps one sorted-set member per admission (the log).
+    fn logged(self) -> bool {
+        !matches!(self, Kind::Settle(_))
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    id: usize,
+    kind: Kind,
+    style: &'static str,
+    redirect: Redirect,
+}
+
+impl Case {
+    fn key(&self) -> String {
+        format!("w2case{}", self.id)
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let mut out = Vec::new();
+    for kind in KINDS {
+        for style in STYLES {
+            for redirect in REDIRECTS {
+                out.push(Case { id: out.len(), kind, style, redirect });
+            }
+        }
+    }
+    out
+}
+
+fn then(redirect: Redirect) -> &'static str {
+    match redirect {
+        Redirect::None => "content_by_lua_block { ngx.say(\"ok\") }",
+        // The static file is missing: 404, served by @ok.
+        Redirect::ErrorPage => "error_page 404 = @ok;",
+        Redirect::TryFiles => "try_files $uri /ok;",
+        Redirect::Exec => "content_by_lua_block { return ngx.exec(\"/ok\") }",
+    }
+}
+
+/// The http {} body: `limiters` (Lua statements filling `lims`) and the
+/// locations; the server's log phase settles every reserve to 1, found by
+/// `decision()` wherever the request ended.
+fn site(limiters: &str, locations: &str) -> String {
+    format!(
+        "map \"\" $ratelimitd_status {{ default \"-\"; }}\n\
+         init_worker_by_lua_block {{\n    local ratelimitd = require \"resty.ratelimitd\"\n    ratelimitd.configure{{ log_var = \"ratelimitd_status\" }}\n    lims = {{}}\n{limiters}}}\n\
+         server {{\n    listen 127.0.0.1:{{PORT}};\n    root /nonexistent;\n    log_not_found off;\n\
+         \x20   add_header X-Ratelimitd-Status $ratelimitd_status always;\n\
+         \x20   log_by_lua_block {{\n        local ratelimitd = require \"resty.ratelimitd\"\n        local res = ratelimitd.decision()\n\
+         \x20       if res and res.handle then ratelimitd.settle(res.handle, 1) end\n    }}\n\
+         \x20   location @ok {{ content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         \x20   location = /ok {{ content_by_lua_block {{ ngx.say(\"ok\") }} }}\n{locations}}}\n"
+    )
+}
+
+fn daemon_toml(redis: &RedisServer, admin: &std::path::Path, redis_timeout_ms: u32) -> String {
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    format!(
+        "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = {redis_timeout_ms}\nquota_leases = true\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"50ms\"\n{POLICIES}",
+        redis.url(),
+        admin.join("admin.sock").display()
+    )
+}
+
+fn start_nginx(d: &Daemon, body: &str) -> Nginx {
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    Nginx::start(&format!("{snippet}\n{body}"))
+}
+
+fn admin(dir: &std::path::Path, method: &str, path: &str, body: Option<serde_json::Value>) -> AdminReply {
+    request(&AdminListen::Unix { path: dir.join("admin.sock"), mode: 0o600 }, None, method, path, body.map(|b| b.to_string()).as_deref()).unwrap()
+}
+
+/// Sets a live override of 2 for (ov, key) and waits until the daemon
+/// applies it.
+fn override_to_two(dir: &std::path::Path, key: &str) {
+    let r = admin(dir, "PUT", "/v1/overrides", Some(serde_json::json!({ "policy": "ov", "key": key, "limit": LIMIT, "ttl": "1h" })));
+    assert!(r.status / 100 == 2, "PUT override: {} {:?}", r.status, r.body);
+    wait_until(&format!("the override of {key} applied"), Duration::from_secs(5), || {
+        admin(dir, "GET", &format!("/v1/keys?policy=ov&key={key}"), None).body["limit_from"] == serde_json::json!("api_override")
+    });
+}
+
+/// The members of every sorted set of client key `key` in Redis.
+fn recorded(redis: &RedisServer, key: &str) -> u64 {
+    let mut conn = redis.conn();
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(format!("*{key}}}*")).query(&mut conn).unwrap();
+    let mut members = 0;
+    for k in &keys {
+        if redis::cmd("TYPE").arg(k.as_slice()).query::<String>(&mut conn).unwrap() == "zset" {
+            members += redis::cmd("ZCARD").arg(k.as_slice()).query::<u64>(&mut conn).unwrap();
+        }
+    }
+    members
+}
+
+/// The quota fields a reply shows in `style`: (limit, remaining, reset or t)
+/// of policy `name`; None when it shows none.
+fn quota(r: &Reply, style: &str, name: &str) -> Option<(u64, u64, u64)> {
+    match style {
+        "draft" => {
+            let policy = r.header("RateLimit-Policy");
+            let member = r.header("RateLimit").split(", ").find(|m| m.starts_with(&format!("\"{name}\";")))?.to_string();
+            let q = policy.split(", ").find(|m| m.starts_with(&format!("\"{name}\";")))?.split(";q=").nth(1)?.split(';').next()?.parse().ok()?;
+            let rem = member.split(";r=").nth(1)?.split(';').next()?.parse().ok()?;
+            let t = member.rsplit(";t=").next()?.parse().ok()?;
+            Some((q, rem, t))
+        }
+        style => {
+            let prefix = if style == "x" { "X-RateLimit" } else { "RateLimit" };
+            Some((r.num(&format!("{prefix}-Limit"))?, r.num(&format!("{prefix}-Remaining"))?, r.num(&format!("{prefix}-Reset"))?))
+        }
+    }
+}
+
+/// Any quota field at all in the reply.
+fn shows_quota(r: &Reply) -> bool {
+    r.headers.keys().any(|k| k.as_str().contains("ratelimit") && k.as_str() != "x-ratelimitd-status")
+}
+
+/// What case `c`'s request `i` (0-based) must get with the daemon and
+/// Redis up.
+fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
+    let mut fail = |what: String| failures.push(format!("case {} {:?} {} {:?} request {}: {what}; headers {:?}", c.id, c.kind, c.style, c.redirect, i + 1, r.headers));
+    if c.kind == Kind::SharedShadow {
+        // A shadow policy never refuses and never shows (S3).
+        let want = if i < LIMIT { "PASSED" } else { "PASSED_SHADOW" };
+        if r.status != 200 || r.header("X-Ratelimitd-Status") != want || shows_quota(r) {
+            fail(format!("status {}, {:?} (want 200, {want}, no quota fields)", r.status, r.header("X-Ratelimitd-Status")));
+        }
+        return;
+    }
+    let admitted = i < LIMIT;
+    let status = if admitted { 200 } else { 429 };
+    let shadow_refused = c.kind == Kind::Settle(true) && i >= 1;
+    let outcome = match (admitted, shadow_refused) {
+        (false, _) => "REJECTED",
+        (true, true) => "PASSED_SHADOW",
+        (true, false) => "PASSED",
+    };
+    if r.status != status || r.header("X-Ratelimitd-Status") != outcome {
+        return fail(format!("status {} {:?} (want {status} {outcome})", r.status, r.header("X-Ratelimitd-Status")));
+    }
+    if r.header("RateLimit-Policy").contains("tok_next") || r.header("RateLimit").contains("tok_next") {
+        fail("the shadow policy listed".into());
+    }
+    let name = c.kind.policy();
+    let Some((limit, remaining, reset)) = quota(r, c.style, name) else { return fail(format!("no quota fields of {name}")) };
+    if (limit, remaining) != (LIMIT, LIMIT - (i + 1).min(LIMIT)) {
+        fail(format!("limit {limit}, remaining {remaining} (want {LIMIT}, {})", LIMIT - (i + 1).min(LIMIT)));
+    }
+    if admitted {
+        if !(1..=60).contains(&reset) {
+            fail(format!("reset {reset} (want 1..=60)"));
+        }
+        return;
+    }
+    // A refusal: Retry-After, the draft's t the same; the penalty box's is
+    // the ban's end (90 s), past anything the 60 s window could say.
+    let retry = r.num("Retry-After");
+    let want = if c.kind == Kind::Penalty { 61..=90 } else { 1..=60 };
+    match retry {
+        Some(s) if want.contains(&s) => {}
+        other => fail(format!("Retry-After {other:?} (want {want:?})")),
+    }
+    if c.style == "draft" && Some(reset) != retry {
+        fail(format!("t={reset} is not Retry-After"));
+    }
+}
+
+fn errors(nginx: &Nginx) -> Vec<String> {
+    nginx.error_log().lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")).map(str::to_string).collect()
+}
+
+#[test]
+fn every_new_limiter_kind_header_style_and_redirect_through_nginx() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start_config(&daemon_toml(&redis, dir.path(), 500));
+    let cases = cases();
+    let mut limiters = String::new();
+    let mut locations = String::new();
+    for c in &cases {
+        let _ = writeln!(limiters, "    lims[{}] = assert({})", c.id, c.kind.limiter(&format!(", header_style = \"{}\"", c.style)));
+        let _ = writeln!(locations, "    location = /c/{} {{\n        access_by_lua_block {{ {} }}\n        {}\n    }}", c.id, c.kind.call(&format!("lims[{}]", c.id), &c.key()), then(c.redirect));
+    }
+    let nginx = start_nginx(&d, &site(&limiters, &locations));
+    let agent = agent();
+    let mut failures = Vec::new();
+    for c in &cases {
+        if c.kind == Kind::Override {
+            override_to_two(dir.path(), &c.key());
+        }
+        for i in 0..=LIMIT {
+            let reply = get(&agent, &nginx.url(&format!("/c/{}", c.id)), &[]);
+            check(c, i, &reply, &mut failures);
+        }
+        // Redis's record: each admission once, whatever the redirect (the
+        // shadow policy's too: recorded while it fits).
+        if c.kind.logged() {
+            let stored = recorded(&redis, &c.key());
+            if stored != LIMIT {
+                failures.push(format!("case {} {:?} {} {:?}: {stored} admissions recorded in Redis (want {LIMIT})", c.id, c.kind, c.style, c.redirect));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} wrong:\n{}", failures.len(), failures.join("\n"));
+    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+}
