@@ -14,7 +14,6 @@
 mod common;
 
 use std::fmt::Write as _;
-use std::process::Command;
 use std::time::Duration;
 
 use common::http::{agent, get, Reply};
@@ -146,7 +145,7 @@ fn then(redirect: Redirect) -> &'static str {
 fn site(limiters: &str, locations: &str) -> String {
     format!(
         "map \"\" $ratelimitd_status {{ default \"-\"; }}\n\
-         init_worker_by_lua_block {{\n    local ratelimitd = require \"resty.ratelimitd\"\n    ratelimitd.configure{{ log_var = \"ratelimitd_status\" }}\n    lims = {{}}\n{limiters}}}\n\
+         init_worker_by_lua_block {{\n    local ratelimitd = require \"resty.ratelimitd\"\n    ratelimitd.configure{{ log_var = \"ratelimitd_status\" }}\n    lims = {{}}\n{limiters}    ratelimitd.verify_policies()\n}}\n\
          server {{\n    listen 127.0.0.1:{{PORT}};\n    root /nonexistent;\n    log_not_found off;\n\
          \x20   add_header X-Ratelimitd-Status $ratelimitd_status always;\n\
          \x20   log_by_lua_block {{\n        local ratelimitd = require \"resty.ratelimitd\"\n        local res = ratelimitd.decision()\n\
@@ -309,4 +308,109 @@ fn every_new_limiter_kind_header_style_and_redirect_through_nginx() {
     }
     assert!(failures.is_empty(), "{} wrong:\n{}", failures.len(), failures.join("\n"));
     assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outage {
+    DaemonStopped,
+    RedisStopped,
+}
+
+const FAIL_KINDS: [Kind; 5] = [Kind::Shared, Kind::Settle(false), Kind::Penalty, Kind::Described, Kind::Override];
+const ON_ERROR: [&str; 3] = ["open", "closed", "local"];
+
+/// Each new kind x each location fail policy, the daemon or Redis down.
+/// The daemon stopped: open passes with no quota shown, closed answers 503
+/// with Retry-After, local admits the local quota of 2 (a policy limiter's
+/// from DESCRIBE_POLICY, a settle limiter's from its own options) and
+/// refuses the third, with the quota headers of its most constrained item.
+/// Redis stopped: the daemon decides, and the policies' own on_error
+/// (local, 2) replaces the location's, whatever it says. Each case behind
+/// another redirect kind.
+fn each_new_kind_follows_its_fail_policy(outage: Outage) {
+    let mut redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    // Redis down costs each request up to the daemon's deadline: short.
+    let mut d = Daemon::start_config(&daemon_toml(&redis, dir.path(), 50));
+    let mut cases = Vec::new();
+    for kind in FAIL_KINDS {
+        for on_error in ON_ERROR {
+            cases.push((cases.len(), kind, on_error, REDIRECTS[cases.len() % REDIRECTS.len()]));
+        }
+    }
+    let mut limiters = String::new();
+    let mut locations = String::new();
+    for &(id, kind, on_error, redirect) in &cases {
+        let local = if matches!(kind, Kind::Settle(_)) && on_error == "local" { ", local_limit = 2" } else { "" };
+        let _ = writeln!(limiters, "    lims[{id}] = assert({})", kind.limiter(&format!(", on_error = \"{on_error}\"{local}")));
+        let _ = writeln!(
+            locations,
+            "    location = /c/{id} {{\n        access_by_lua_block {{ {} }}\n        {}\n    }}",
+            kind.call(&format!("lims[{id}]"), "w2fail-$arg_k").replace("\"w2fail-$arg_k\"", "\"w2fail-\" .. ngx.var.arg_k"),
+            then(redirect)
+        );
+    }
+    let nginx = start_nginx(&d, &site(&limiters, &locations));
+    let agent = agent();
+    // Up: both workers have described the policies (verify_policies() at
+    // worker start), and each override is in force.
+    wait_until("both workers described the policies", Duration::from_secs(10), || {
+        nginx.error_log().matches("policy \"described\" described by the daemon").count() >= 2
+    });
+    for &(id, kind, ..) in &cases {
+        if kind == Kind::Override {
+            override_to_two(dir.path(), &format!("w2fail-{id}"));
+        }
+        let r = get(&agent, &nginx.url(&format!("/c/{id}?k=warm{id}")), &[]);
+        assert_eq!(r.status, 200, "case {id} before the outage: {:?}", r.headers);
+    }
+    match outage {
+        Outage::DaemonStopped => {
+            d.terminate();
+        }
+        Outage::RedisStopped => redis.kill(),
+    }
+    let mut failures = Vec::new();
+    for &(id, kind, on_error, redirect) in &cases {
+        for i in 0..3u64 {
+            let r = get(&agent, &nginx.url(&format!("/c/{id}?k={id}")), &[]);
+            let mut fail = |what: String| failures.push(format!("{outage:?} case {id} {kind:?} on_error={on_error} {redirect:?} request {}: {what}; headers {:?}", i + 1, r.headers));
+            let outcome = r.header("X-Ratelimitd-Status");
+            // With Redis down the daemon decides, and a policy's own
+            // on_error (local, in every policy here) replaces the
+            // location's (docs/POLICIES.md): the location's only decides
+            // when the daemon itself cannot be reached.
+            let effective = if outage == Outage::RedisStopped { "local" } else { on_error };
+            match effective {
+                "open" => {
+                    if r.status != 200 || outcome != "FAIL_OPEN" || shows_quota(&r) {
+                        fail(format!("status {} {outcome:?} (want 200 FAIL_OPEN, no quota fields)", r.status));
+                    }
+                }
+                "closed" => {
+                    if r.status != 503 || r.num("Retry-After").is_none() {
+                        fail(format!("status {} Retry-After {:?} (want 503 and one)", r.status, r.num("Retry-After")));
+                    }
+                }
+                _ => {
+                    let (status, want) = if i < LIMIT { (200, "PASSED") } else { (429, "REJECTED") };
+                    let shown = quota(&r, "ratelimit", kind.policy()).map(|(l, rem, _)| (l, rem));
+                    if r.status != status || outcome != want || shown != Some((LIMIT, LIMIT - (i + 1).min(LIMIT))) {
+                        fail(format!("status {} {outcome:?}, limit/remaining {shown:?} (want {status} {want}, the local quota of {LIMIT})", r.status));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} wrong:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn each_new_kind_follows_its_fail_policy_with_the_daemon_stopped() {
+    each_new_kind_follows_its_fail_policy(Outage::DaemonStopped);
+}
+
+#[test]
+fn each_new_kind_follows_its_fail_policy_with_redis_stopped() {
+    each_new_kind_follows_its_fail_policy(Outage::RedisStopped);
 }
