@@ -414,3 +414,101 @@ fn each_new_kind_follows_its_fail_policy_with_the_daemon_stopped() {
 fn each_new_kind_follows_its_fail_policy_with_redis_stopped() {
     each_new_kind_follows_its_fail_policy(Outage::RedisStopped);
 }
+
+/// The limiters of the combinations that cannot work, as an operator would
+/// write them (init_worker_by_lua), and the refusals of the Lua new().
+const REFUSED_LIMITERS: &str = r#"
+init_worker_by_lua_block {
+    local ratelimitd = require "resty.ratelimitd"
+    bad = {
+        settle_log = assert(ratelimitd.new{ policies = { "log_pol", "tok_min" }, settle = true }),
+        multi_penalty = assert(ratelimitd.new{ policies = { "pen", "log_pol" } }),
+        refund_penalty = assert(ratelimitd.new{ policy = "pen", refundable = true }),
+        multi_fixed = assert(ratelimitd.new{ policies = { "tok_min", "log_pol" } }),
+    }
+    refusals = {}
+    for _, opts in ipairs{
+        { policy = "tok_min", settle = true, refundable = true },
+        { policies = { "log_pol", "pen" }, share_dict = "ratelimitd" },
+        { policy = "log_pol", refundable = true, share_dict = "ratelimitd" },
+    } do
+        local lim, err = ratelimitd.new(opts)
+        refusals[#refusals + 1] = lim and "built" or err
+    end
+}
+"#;
+
+#[test]
+fn each_combination_that_cannot_work_is_refused_by_check_config_the_lua_client_and_the_daemon() {
+    let toml = "[[policy]]\nname = \"log_pol\"\nlimit = 5\nwindow = \"60s\"\n\
+        [[policy]]\nname = \"tok_min\"\nalgorithm = \"fixed\"\nlimit = 100\nwindow = \"60s\"\n\
+        [[policy]]\nname = \"pen\"\nlimit = 5\nwindow = \"60s\"\npenalty = { after = 1, within = \"60s\", ban = \"90s\" }\n";
+    let body = format!(
+        "{REFUSED_LIMITERS}server {{\n    listen 127.0.0.1:{{PORT}};\n\
+         \x20   location = /refusals {{ content_by_lua_block {{ ngx.say(table.concat(refusals, \"\\n\")) }} }}\n\
+         \x20   location = /settle_log {{ access_by_lua_block {{ bad.settle_log:limit({{ \"k\", \"k\" }}, 1) }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         \x20   location = /multi_penalty {{ access_by_lua_block {{ bad.multi_penalty:limit({{ \"k\", \"k\" }}) }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         \x20   location = /refund_penalty {{ access_by_lua_block {{ bad.refund_penalty:limit(\"k\") }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         \x20   location = /multi_fixed {{ access_by_lua_block {{ bad.multi_fixed:limit({{ \"k\", \"k\" }}) }} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         }}\n"
+    );
+
+    // check-config --nginx, before anything runs: each one named, exit 1.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ratelimitd.toml"), toml).unwrap();
+    std::fs::write(dir.path().join("nginx.conf"), format!("http {{\n{body}}}\n")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd"))
+        .args(["check-config", "--config"])
+        .arg(dir.path().join("ratelimitd.toml"))
+        .arg("--nginx")
+        .arg(dir.path().join("nginx.conf"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    for want in [
+        "policy \"log_pol\" in a settle = true limiter: every request refused with UNSUPPORTED_COMBINATION",
+        "policy \"pen\" in a multi-item or refundable limiter: every request refused with UNSUPPORTED_COMBINATION: a penalty box is checked alone",
+        "policy \"tok_min\" in a multi-item or refundable limiter: every request refused with UNSUPPORTED_COMBINATION: several policies in one request",
+    ] {
+        assert!(said.contains(want), "check-config lacks {want:?}:\n{said}");
+    }
+    assert_eq!(said.matches("policy \"pen\" in a multi-item").count(), 2, "both limiters naming pen: {said}");
+    assert!(!said.contains("policy \"log_pol\" in a multi-item"), "log_pol can be checked with others: {said}");
+
+    // The daemon at request time: UNSUPPORTED_COMBINATION (19), which the
+    // Lua client answers with the location's invalid_status (500), logged
+    // as a misconfiguration, never its on_error.
+    let redis = RedisServer::start_unix();
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{toml}", redis.url()));
+    let nginx = start_nginx(&d, &body);
+    let agent = agent();
+    for (path, policy) in [("settle_log", "log_pol"), ("multi_penalty", "pen"), ("refund_penalty", "pen"), ("multi_fixed", "tok_min")] {
+        // The client logs each kind of failure at most once a second per
+        // worker: asked again until this location's line is written.
+        let mut line = None;
+        wait_until(&format!("{path}: an invalid_request line"), Duration::from_secs(5), || {
+            let r = get(&agent, &nginx.url(&format!("/{path}")), &[]);
+            assert_eq!(r.status, 500, "{path}: {:?}", r.headers);
+            line = nginx.error_log().lines().find(|l| l.contains("ratelimitd: invalid_request") && l.contains(&format!("/{path} "))).map(str::to_string);
+            if line.is_none() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            line.is_some()
+        });
+        let line = line.unwrap();
+        assert!(line.contains("UNSUPPORTED_COMBINATION") && line.contains(&format!("policy '{policy}'")), "{path}: {line}");
+    }
+    // Nothing was recorded for any of them.
+    assert_eq!(recorded(&redis, "k"), 0);
+
+    // The Lua new(), where the options alone show it: nil and why.
+    let r = get(&agent, &nginx.url("/refusals"), &[]);
+    let lines: Vec<&str> = r.body.lines().collect();
+    assert_eq!(lines.len(), 3, "{}", r.body);
+    assert!(lines[0].contains("settle = true reserves and settles: without refundable"), "{}", lines[0]);
+    for l in &lines[1..] {
+        assert!(l.contains("share_dict") && l.contains("one-policy"), "{l}");
+    }
+}
