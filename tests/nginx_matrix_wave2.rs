@@ -196,6 +196,22 @@ fn recorded(redis: &RedisServer, key: &str) -> u64 {
     members
 }
 
+/// The units a fixed window of `policy` holds for `key` in Redis (the
+/// counter's second field; its reserves are kept apart, under `:settle:`).
+fn fixed_units(redis: &RedisServer, policy: &str, key: &str) -> u64 {
+    let mut conn = redis.conn();
+    let pattern = format!("ratelimitd:{{{}{policy}{key}}}:*", policy.len() as u8 as char);
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(pattern.as_bytes()).query(&mut conn).unwrap();
+    let mut units = 0;
+    for k in keys.iter().filter(|k| !k.windows(8).any(|w| w == b":settle:")) {
+        if redis::cmd("TYPE").arg(k.as_slice()).query::<String>(&mut conn).unwrap() == "string" {
+            let v: String = redis::cmd("GET").arg(k.as_slice()).query(&mut conn).unwrap();
+            units += v.split(' ').nth(1).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    units
+}
+
 /// The quota fields a reply shows in `style`: (limit, remaining, reset or t)
 /// of policy `name`; None when it shows none.
 fn quota(r: &Reply, style: &str, name: &str) -> Option<(u64, u64, u64)> {
@@ -303,6 +319,17 @@ fn every_new_limiter_kind_header_style_and_redirect_through_nginx() {
             let stored = recorded(&redis, &c.key());
             if stored != LIMIT {
                 failures.push(format!("case {} {:?} {} {:?}: {stored} admissions recorded in Redis (want {LIMIT})", c.id, c.kind, c.style, c.redirect));
+            }
+        } else {
+            // Each admitted reserve of 1, settled to 1 in the log phase
+            // wherever the request ended: 2 units in each window.
+            let key = c.key();
+            let settled = || fixed_units(&redis, "tok_min", &key) == LIMIT && fixed_units(&redis, "tok_day", &key) == LIMIT;
+            if common::wait::poll(Duration::from_secs(3), None, settled) != common::wait::Waited::Ready {
+                failures.push(format!(
+                    "case {} {:?} {} {:?}: Redis holds {} units in tok_min, {} in tok_day (want {LIMIT})",
+                    c.id, c.kind, c.style, c.redirect, fixed_units(&redis, "tok_min", &key), fixed_units(&redis, "tok_day", &key)
+                ));
             }
         }
     }
