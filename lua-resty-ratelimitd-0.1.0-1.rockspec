@@ -54,6 +54,7 @@ build = {
       ["resty.ratelimitd.options"] = "lua/resty/ratelimitd/options.lua",
       ["resty.ratelimitd.policy"] = "lua/resty/ratelimitd/policy.lua",
       ["resty.ratelimitd.refund"] = "lua/resty/ratelimitd/refund.lua",
+      ["resty.ratelimitd.request"] = "lua/resty/ratelimitd/request.lua",
       ["resty.ratelimitd.settle"] = "lua/resty/ratelimitd/settle.lua",
       ["resty.ratelimitd.wire"] = "lua/resty/ratelimitd/wire.lua",
    } },

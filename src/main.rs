@@ -375,8 +375,29 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         println!("{}:{}: policy \"{}\" in a settle = true limiter: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
                     }
                 }
-                if missing > 0 || unsettleable > 0 {
-                    println!("{}: {missing} of {} policy names used by {} are missing, {unsettleable} cannot be reserved", config.display(), used.len(), nginx.display());
+                // A multi-item or refundable limiter naming a policy such a
+                // check cannot take (not the log, or a penalty box): every
+                // request of it would get UNSUPPORTED_COMBINATION.
+                let mut unmixable = 0;
+                for u in ratelimitd::config::nginx_multi_policy_names(&nginx)? {
+                    let Some(p) = cfg.policies.iter().find(|p| p.name == u.name) else { continue };
+                    let why = if p.lease_ms.is_some() {
+                        Some("WRONG_POLICY_KIND: a concurrency policy is acquired, not checked".to_string())
+                    } else {
+                        ratelimitd::config::multi_refusal(p.algorithm, p.penalty.is_some()).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
+                    };
+                    if let Some(why) = why {
+                        unmixable += 1;
+                        println!("{}:{}: policy \"{}\" in a multi-item or refundable limiter: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
+                    }
+                }
+                if missing > 0 || unsettleable > 0 || unmixable > 0 {
+                    println!(
+                        "{}: {missing} of {} policy names used by {} are missing, {unsettleable} cannot be reserved, {unmixable} cannot be checked with others or refundably",
+                        config.display(),
+                        used.len(),
+                        nginx.display()
+                    );
                     return Ok(ExitCode::from(1));
                 }
                 println!("{}: all {} policy names used by {} are configured", config.display(), used.len(), nginx.display());

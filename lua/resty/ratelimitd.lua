@@ -43,6 +43,8 @@
 --   refund       refund() of a refundable check
 --   settle       settle() of a reserve: the actual cost after the response
 --   concurrency  concurrency limits: enter() and leave()
+--   request      what a request keeps across internal redirects: its
+--                decisions (one count per request), its decision table
 --   describe     what the daemon says of the policy names used (DESCRIBE_POLICY)
 --   limiters     build{}: each limiter on its own, names verified at worker start
 
@@ -108,6 +110,13 @@ _M.refund = refund.refund
 --- Settles a reserve (new{ policy(ies) = ..., settle = true }) to the actual
 -- cost (resty/ratelimitd/settle.lua).
 _M.settle = settle.settle
+
+--- The request's decision table (ngx.ctx.ratelimitd), also after an
+-- internal redirect (error_page, try_files, ngx.exec), which clears
+-- ngx.ctx: for refund(res.handle) and settle(res.handle, actual) in
+-- log_by_lua* wherever the request ends. Needs the snippet's
+-- `map $request_id` line (resty/ratelimitd/request.lua).
+_M.decision = require("resty.ratelimitd.request").decision
 
 --- For init_worker_by_lua*, when limiters are made with new() and not
 -- with resty.ratelimitd.limiters.build{} (which does it): asks the daemon,

@@ -76,6 +76,11 @@ describe("fallback", function()
         res = fallback.many(l, { "ip1", "t2" }, { 1, 1 }, "down")
         assert.same({ true, "lua_local" }, { res.allowed, res.source })
         assert.equals(1, shared.ratelimitd.values["per_ip|ip1|1000|1000000"])
+        -- An admission shows its most constrained item's numbers (the
+        -- headers need remaining and reset): per_ip holds 2 of 3 now.
+        res = fallback.many(l, { "ip1", "t3" }, { 1, 1 }, "down")
+        assert.same({ true, "per_ip", 3, 1, 2 }, { res.allowed, res.policy, res.limit, res.remaining, res.count })
+        assert.is_true(res.reset_ms > 0)
     end)
 
     it("counts each policy in its own described window and quota, giving back in the right window", function()

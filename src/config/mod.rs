@@ -23,7 +23,7 @@ pub use model::{
     redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
-pub use nginx_names::{nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
-pub use reserve::reserve_refusal;
+pub use nginx_names::{nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
+pub use reserve::{multi_refusal, reserve_refusal};
 pub use validate::parse_duration;
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

@@ -99,6 +99,79 @@ pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
     out
 }
 
+/// The literal policy names of the limiters that check several policies in
+/// one request or refundably (`new{ policies = { two or more } }` without
+/// `settle = true`, or `new{ ..., refundable = true }`) in `conf` and the
+/// files it includes: each must be one such a check can name
+/// (`multi_refusal`).
+pub fn nginx_multi_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, multi_names_in)?;
+    Ok(out)
+}
+
+/// The names in the constructor tables (`new{ ... }`, `new({ ... })`) of
+/// one file that make multi-item or refundable checks, with their lines.
+pub fn multi_names_in(text: &str) -> Vec<(String, usize)> {
+    let b = text.as_bytes();
+    let mut out: Vec<(String, usize)> = Vec::new();
+    let mut i = 0;
+    while let Some(at) = text[i..].find("new").map(|k| k + i) {
+        i = at + 3;
+        let line_start = b[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
+        let commented = text[line_start..at].contains("--") || text[line_start..at].contains('#');
+        if commented || (at > 0 && is_ident(b[at - 1])) || b.get(i).copied().is_some_and(is_ident) {
+            continue;
+        }
+        let mut open = skip_space(b, i);
+        if b.get(open) == Some(&b'(') {
+            open = skip_space(b, open + 1);
+        }
+        if b.get(open) != Some(&b'{') {
+            continue;
+        }
+        let mut depth = 0i32;
+        let close = (open..b.len()).find(|&k| {
+            match b[k] {
+                b'{' => depth += 1,
+                b'}' => depth -= 1,
+                _ => {}
+            }
+            depth == 0
+        });
+        let table = &text[open..close.map_or(b.len(), |c| c + 1)];
+        let names = names_in(table);
+        let several = names.len() >= 2 && !is_true(table, "settle");
+        if !(several || is_true(table, "refundable")) {
+            continue;
+        }
+        let offset = line_of(b, open) - 1;
+        for (name, line) in names {
+            out.push((name, line + offset));
+        }
+    }
+    out
+}
+
+/// Whether `table` sets `word = true` (outside comments).
+fn is_true(table: &str, word: &str) -> bool {
+    let b = table.as_bytes();
+    let mut i = 0;
+    while let Some(at) = table[i..].find(word).map(|k| k + i) {
+        i = at + word.len();
+        let line_start = b[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
+        if table[line_start..at].contains("--") || (at > 0 && is_ident(b[at - 1])) || b.get(i).copied().is_some_and(is_ident) {
+            continue;
+        }
+        let j = skip_space(b, i);
+        if b.get(j) == Some(&b'=') && table[skip_space(b, j + 1)..].starts_with("true") {
+            return true;
+        }
+    }
+    false
+}
+
 fn read(path: &Path, base: &Path, seen: &mut Vec<PathBuf>, out: &mut Vec<NamedPolicy>, names: fn(&str) -> Vec<(String, usize)>) -> Result<(), NginxReadError> {
     if seen.iter().any(|p| p == path) || seen.len() > 256 {
         return Ok(());
@@ -270,6 +343,23 @@ mod tests {
         "#;
         let found = settle_names_in(text);
         assert_eq!(found, [("tokens_minute".to_string(), 3), ("tokens_month".to_string(), 4), ("one".to_string(), 5)]);
+    }
+
+    #[test]
+    fn finds_the_names_of_multi_item_and_refundable_limiters_only() {
+        let text = r#"
+            a = ratelimitd.new{ policy = "plain" }
+            b = ratelimitd.new{ policies = { "per_ip",
+                                             "per_tenant" }, on_error = "closed" }
+            c = ratelimitd.new({ policy = "login", refundable = true })
+            d = ratelimitd.new{ policies = { "tok_min", "tok_day" }, settle = true }
+            e = ratelimitd.new{ policies = { "alone" } }
+            -- f = ratelimitd.new{ policy = "commented", refundable = true }
+            g = ratelimitd.new{ policy = "off", refundable = false }
+            h = renew{ policy = "not_ours", refundable = true }
+        "#;
+        let found = multi_names_in(text);
+        assert_eq!(found, [("per_ip".to_string(), 3), ("per_tenant".to_string(), 4), ("login".to_string(), 5)]);
     }
 
     #[test]

@@ -17,9 +17,33 @@ pub fn reserve_refusal(algorithm: Algorithm, shards: u32) -> Option<&'static str
     None
 }
 
+/// Why a policy cannot be an item of a multi-item or refundable check
+/// (several policies in one request all or nothing, a refundable admission,
+/// its refund), or None: the request would get UNSUPPORTED_COMBINATION.
+/// The daemon's rule at request time (src/decision/resolve.rs) and
+/// `check-config --nginx`'s.
+pub fn multi_refusal(algorithm: Algorithm, penalty: bool) -> Option<&'static str> {
+    if algorithm != Algorithm::Log {
+        return Some("several policies in one request, refundable checks and refunds need algorithm log");
+    }
+    if penalty {
+        return Some("a penalty box is checked alone, not with other policies in one request, refundable or refunded");
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_log_policies_without_a_penalty_box_can_be_items_of_several() {
+        assert_eq!(multi_refusal(Algorithm::Log, false), None);
+        assert!(multi_refusal(Algorithm::Log, true).is_some_and(|w| w.contains("penalty box")));
+        for a in [Algorithm::Gcra, Algorithm::Fixed, Algorithm::SlidingCounter, Algorithm::Ring] {
+            assert!(multi_refusal(a, false).is_some_and(|w| w.contains("need algorithm log")));
+        }
+    }
 
     #[test]
     fn only_unsharded_o1_policies_can_be_reserved() {

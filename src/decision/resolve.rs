@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use bytes::Bytes;
 
-use crate::config::{reserve_refusal, PolicyLimit};
+use crate::config::{multi_refusal, reserve_refusal, PolicyLimit};
 use crate::policies::{shard_limit, Policy};
 use crate::protocol::{Algorithm, CheckRequest, ErrorCode, FailPolicy, LeaseRequest, Response};
 
@@ -138,16 +138,15 @@ impl Limiter {
         // Several items in one call, and refunds, are written for the
         // exact log's script and windows; another algorithm's policy would
         // be judged by the wrong rule.
-        if matches!(kind, Kind::Multi | Kind::Refund) && policy.algorithm != Algorithm::Log {
-            let msg = format!("policy '{}' uses algorithm {}: several policies in one request, refundable checks and refunds need algorithm log", policy.name, policy.algorithm.as_str());
-            return reject(ErrorCode::UnsupportedCombination, msg);
-        }
         // A ban is decided in the single check's script (src/redis/penalty.lua)
         // and counts the refusals of one key: several items all or nothing,
-        // and refunds, have no place for it.
-        if matches!(kind, Kind::Multi | Kind::Refund) && policy.penalty.is_some() {
-            let msg = format!("policy '{}' has a penalty box: check it alone, not with other policies in one request, refundable or refunded", policy.name);
-            return reject(ErrorCode::UnsupportedCombination, msg);
+        // and refunds, have no place for it. The rule check-config --nginx
+        // applies too (multi_refusal).
+        if matches!(kind, Kind::Multi | Kind::Refund) {
+            if let Some(why) = multi_refusal(policy.algorithm, policy.penalty.is_some()) {
+                let msg = format!("policy '{}' (algorithm {}): {why}", policy.name, policy.algorithm.as_str());
+                return reject(ErrorCode::UnsupportedCombination, msg);
+            }
         }
         // Settle moves one counter by the difference: only the O(1)
         // algorithms have one (the rule check-config applies too).

@@ -110,7 +110,9 @@ function _M.many(lim, keys, costs, reason)
             return _M.one(lim, label, 1, reason)
         end
     end
-    local taken = {}
+    -- The admission shows the numbers of its most constrained item, as
+    -- the daemon's main item (wire.main_item) would.
+    local taken, main = {}, nil
     for i = 1, lim._n do
         local key = names[i] .. "|" .. keys[i]
         local window = windows and windows[i] or lim._window_ms
@@ -130,9 +132,13 @@ function _M.many(lim, keys, costs, reason)
             return res
         end
         taken[#taken + 1] = { key, costs[i], window }
+        if not main or res.remaining < main.remaining then
+            main = res
+            main.policy = names[i]
+        end
     end
     log_failure("local_fallback", label, reason, policy_of(lim))
-    return { allowed = true, decision = "allowed", source = "lua_local", limit = quotas and quotas[1] or lim._local_limit }
+    return main
 end
 
 return _M

@@ -18,6 +18,7 @@ local headers = require "resty.ratelimitd.headers"
 local log_failure = require("resty.ratelimitd.log").failure
 local UNKNOWN_POLICY = require("resty.ratelimitd.wire").UNKNOWN_POLICY
 local policy_of = require("resty.ratelimitd.fallback").policy_of
+local request = require "resty.ratelimitd.request"
 
 local ngx = ngx
 local ngx_log, INFO = ngx.log, ngx.INFO
@@ -41,6 +42,8 @@ local FAIL_CLOSED = { fail_closed = true, lua_fail_closed = true }
 local function log_outcome(lim, res, outcome)
     if lim._set_ctx or settings.set_ctx then
         ngx.ctx.ratelimitd = res
+        -- For refund() and settle() after an internal redirect.
+        request.keep(res)
     end
     local var = settings.log_var
     if var ~= "" then
@@ -88,38 +91,63 @@ local function pace(lim, beh, res, cost, wait)
     return true
 end
 
---- For access_by_lua*: decides `key` (the wire key(s), from the caller's
--- argument checks) of `cost` with `lim`; lets the request through (the
--- decision table is returned) or ends it with its status.
-function _M.enforce(lim, beh, key, cost, lease)
+-- The decision of `lim` for `key` of `cost`: the daemon's, else the
+-- location's fail policy's. A decision "error" left in it is the daemon
+-- refusing the request as invalid (codes 1-29).
+local function decide(lim, key, cost, lease)
     local res, err = lim:_decide(key, cost, lease)
     if not res then
-        res = lim:_fallback(key, cost, err)
+        return lim:_fallback(key, cost, err)
     elseif res.error_code == UNKNOWN_POLICY then
         -- The daemon's configuration has no policy of this name (a typo, or
         -- a reload that removed it): a configuration error, logged as such
         -- at error level; until it is fixed the location's on_error decides.
         log_failure("unknown_policy", lim:_label(key), res.message, policy_of(lim))
-        res = lim:_fallback(key, cost, "UNKNOWN_POLICY")
+        return lim:_fallback(key, cost, "UNKNOWN_POLICY")
     elseif res.decision == "error" and res.error_code < 30 then
+        log_failure("invalid_request", lim:_label(key), res.error .. ": " .. res.message, policy_of(lim))
+    elseif res.decision == "error" then
+        -- No decision for a reason of the daemon's own (its in-memory
+        -- windows are full: LOCAL_CAPACITY): decided by the policy.
+        return lim:_fallback(key, cost, res.error .. ": " .. res.message)
+    elseif DAEMON_FAIL[res.source] then
+        log_failure(DAEMON_FAIL[res.source], lim:_label(key), res.error .. ": " .. res.message, policy_of(lim))
+    end
+    return res
+end
+
+--- For access_by_lua*: decides `key` (the wire key(s), from the caller's
+-- argument checks) of `cost` with `lim`; lets the request through (the
+-- decision table is returned) or ends it with its status.
+-- The same limiter deciding the same key and cost again in the same request
+-- (a server-level access_by_lua* run again after an internal redirect)
+-- reuses the first decision (request.lua): one count per request. Not for
+-- leases (`lease`), which concurrency.lua keeps itself.
+function _M.enforce(lim, beh, key, cost, lease)
+    local res, memo, call, again
+    if lease == nil then
+        res, memo, call = request.decided(lim, key, cost)
+    end
+    if res then
+        again = true
+    else
+        res = decide(lim, key, cost, lease)
+        if memo then
+            request.remember(memo, lim, call, res)
+        end
+    end
+    if res.decision == "error" then
         -- The daemon refused the request as invalid (codes 1-29: a limit,
         -- window or cost outside its bounds, a combination it cannot
         -- honour): this location is misconfigured. That is not an outage,
         -- so on_error does not decide (with "open" it would pass every
         -- request unlimited): the request gets its own status, 500 by
-        -- default, and the error is logged as such.
-        log_failure("invalid_request", lim:_label(key), res.error .. ": " .. res.message, policy_of(lim))
+        -- default, and the error is logged as such (decide()).
         log_outcome(lim, res, "ERROR")
         if beh.dry_run then
             return res
         end
         return ngx_exit(beh.invalid_status or settings.invalid_status)
-    elseif res.decision == "error" then
-        -- No decision for a reason of the daemon's own (its in-memory
-        -- windows are full: LOCAL_CAPACITY): decided by the policy.
-        res = lim:_fallback(key, cost, res.error .. ": " .. res.message)
-    elseif DAEMON_FAIL[res.source] then
-        log_failure(DAEMON_FAIL[res.source], lim:_label(key), res.error .. ": " .. res.message, policy_of(lim))
     end
     -- A policy's window is the daemon's (in the items of a multi-item
     -- answer); window_ms of a policy limiter is its own fallback's, for its
@@ -153,7 +181,7 @@ function _M.enforce(lim, beh, key, cost, lease)
         local wait = res.retry_after_ms
         if FAIL_OPEN[res.source] then
             outcome = "FAIL_OPEN"
-        elseif wait and wait > 0 and res.decision == "allowed" and pace(lim, beh, res, cost, wait) then
+        elseif wait and wait > 0 and res.decision == "allowed" and not again and pace(lim, beh, res, cost, wait) then
             -- DELAYED as limit_req's $limit_req_status says of a paced request.
             outcome = "DELAYED"
         elseif res.decision == "shadow_denied" or items and shadow_item_refused(items) then

@@ -121,7 +121,11 @@ local KINDS = {
     table_form = kind({ "key", "cost", "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay" }),
     policy = kind({ "policy", "window_ms", "nodelay", "delay", "shadow", "share_dict" },
                   { limit = POLICY_HOLDS, cost = POLICY_HOLDS, key = POLICY_HOLDS, algorithm = POLICY_HOLDS }),
-    multi = kind({ "policy", "policies", "refundable", "settle", "window_ms", "shadow" }, nil, " for a policy limiter"),
+    -- Worker shares (share.lua) admit single checks of one policy: a
+    -- multi-item, refundable or settle check always asks the daemon.
+    multi = kind({ "policy", "policies", "refundable", "settle", "window_ms", "shadow" },
+                 { share_dict = "is for a one-policy limiter only (no policies list, refundable or settle): worker shares admit single checks" },
+                 " for a policy limiter"),
     concurrency = kind({ "limit", "lease_ms" }),
     concurrency_policy = kind({ "policy", "lease_ms" },
         { limit = "is not an option of a policy limiter: the limit and lease are the policy's, in ratelimitd.toml" }),

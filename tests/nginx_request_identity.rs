@@ -1,0 +1,143 @@
+//! One request, one decision, through real nginx, ratelimitd and
+//! redis-server: an `access_by_lua` `limit()` at server level that runs again
+//! after an internal redirect (`try_files`, `ngx.exec`, `error_page` to a
+//! named location) reuses its first answer, and the refund and settle
+//! handles of a request survive the redirect (`ratelimitd.decision()`), both
+//! by the request's `$request_id` (docs/NGINX.md, "Internal redirects").
+
+mod common;
+
+use std::time::Duration;
+
+use common::http::{agent, get};
+use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+
+const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
+const REDIRECTS: [&str; 4] = ["none", "try_files", "exec", "error_page"];
+
+const POLICIES: &str = "[[policy]]\nname = \"login\"\nlimit = 3\nwindow = \"60s\"\n\
+    [[policy]]\nname = \"tok_min\"\nalgorithm = \"fixed\"\nlimit = 100\nwindow = \"60s\"\n\
+    [[policy]]\nname = \"tok_day\"\nalgorithm = \"fixed\"\nlimit = 1000\nwindow = \"1d\"\n";
+
+/// The locations of every redirect kind under `prefix`, each ending in `@ok`
+/// or `/ok`; `access` (may be empty) is each location's own access phase.
+fn redirect_locations(prefix: &str, access: &str) -> String {
+    format!(
+        "    location = /{prefix}/none {{ {access} content_by_lua_block {{ ngx.say(\"ok\") }} }}\n\
+         \x20   location = /{prefix}/try_files {{ {access} try_files $uri /ok; }}\n\
+         \x20   location = /{prefix}/exec {{ {access} content_by_lua_block {{ return ngx.exec(\"/ok\") }} }}\n\
+         \x20   location = /{prefix}/error_page {{ {access} error_page 404 = @ok; }}\n"
+    )
+}
+
+fn start(redis: &RedisServer, server_access: &str, locations: &str) -> (Daemon, Nginx) {
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()));
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let nginx = Nginx::start(&format!(
+        r#"{snippet}
+init_worker_by_lua_block {{
+    local ratelimitd = require "resty.ratelimitd"
+    per_key = assert(ratelimitd.new{{ limit = 10, window_ms = 60000 }})
+    login = assert(ratelimitd.new{{ policy = "login", refundable = true }})
+    tokens = assert(ratelimitd.new{{ policies = {{ "tok_min", "tok_day" }}, settle = true }})
+}}
+server {{
+    listen 127.0.0.1:{{PORT}};
+    root /nonexistent;
+    log_not_found off;
+    {server_access}
+    location @ok {{ content_by_lua_block {{ ngx.say("ok") }} }}
+    location = /ok {{ content_by_lua_block {{ ngx.say("ok") }} }}
+{locations}}}
+"#
+    ));
+    (d, nginx)
+}
+
+/// The members of every sorted set of client key `key` in Redis.
+fn recorded(redis: &RedisServer, key: &str) -> u64 {
+    let mut conn = redis.conn();
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(format!("*{key}}}*")).query(&mut conn).unwrap();
+    let mut members = 0;
+    for k in &keys {
+        if redis::cmd("TYPE").arg(k.as_slice()).query::<String>(&mut conn).unwrap() == "zset" {
+            members += redis::cmd("ZCARD").arg(k.as_slice()).query::<u64>(&mut conn).unwrap();
+        }
+    }
+    members
+}
+
+fn errors(nginx: &Nginx) -> Vec<String> {
+    nginx.error_log().lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")).map(str::to_string).collect()
+}
+
+#[test]
+fn a_server_level_limit_counts_a_request_once_whatever_internal_redirect_it_takes() {
+    let redis = RedisServer::start_unix();
+    let (_d, nginx) = start(&redis, "access_by_lua_block { per_key:limit(ngx.var.http_x_key) }", &redirect_locations("a", ""));
+    let agent = agent();
+    let mut failures = Vec::new();
+    for kind in REDIRECTS {
+        let key = format!("once-{kind}");
+        for n in 1..=2u64 {
+            let r = get(&agent, &nginx.url(&format!("/a/{kind}")), &[("X-Key", &key)]);
+            let stored = recorded(&redis, &key);
+            if r.status != 200 || r.num("RateLimit-Remaining") != Some(10 - n) || stored != n {
+                failures.push(format!("{kind} request {n}: status {}, RateLimit-Remaining {:?}, {stored} recorded in Redis (want 200, {}, {n})", r.status, r.num("RateLimit-Remaining"), 10 - n));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+}
+
+#[test]
+fn a_refund_and_a_settle_after_every_internal_redirect_find_their_handle() {
+    let redis = RedisServer::start_unix();
+    // The log phase runs in whichever location the request ends: the handle
+    // must come from the request, not from the location's ngx.ctx.
+    let log = r#"log_by_lua_block {
+        local ratelimitd = require "resty.ratelimitd"
+        local res = ratelimitd.decision()
+        if not res or not res.handle then
+            ngx.log(ngx.ERR, "test: no handle after ", ngx.var.uri)
+        elseif ngx.var.http_x_actual then
+            ratelimitd.settle(res.handle, tonumber(ngx.var.http_x_actual))
+        else
+            ratelimitd.refund(res.handle)
+        end
+    }"#;
+    let mut locations = redirect_locations("login", "access_by_lua_block { login:limit(ngx.var.http_x_key) }");
+    locations.push_str(&redirect_locations("tokens", "access_by_lua_block { tokens:limit({ ngx.var.http_x_key, ngx.var.http_x_key }, 50) }"));
+    let (_d, nginx) = start(&redis, log, &locations);
+    let agent = agent();
+    let mut failures = Vec::new();
+    for kind in REDIRECTS {
+        // limit 3: four requests pass only if each is refunded.
+        let key = format!("refund-{kind}");
+        for n in 1..=4 {
+            let r = get(&agent, &nginx.url(&format!("/login/{kind}")), &[("X-Key", &key)]);
+            if r.status != 200 {
+                failures.push(format!("login {kind} request {n}: status {}", r.status));
+            }
+            wait_until(&format!("login {kind} request {n} refunded"), Duration::from_secs(3), || recorded(&redis, &key) == 0);
+        }
+        // Reserve 50 of 100, settle to 10: the next request sees 100 - 10 - 50.
+        let key = format!("settle-{kind}");
+        let first = get(&agent, &nginx.url(&format!("/tokens/{kind}")), &[("X-Key", &key), ("X-Actual", "10")]);
+        let mut second = None;
+        wait_until(&format!("tokens {kind}: the first reserve settled to 10"), Duration::from_secs(3), || {
+            let r = get(&agent, &nginx.url(&format!("/tokens/{kind}")), &[("X-Key", &key), ("X-Actual", "0")]);
+            let settled = r.num("RateLimit-Remaining") == Some(100 - 10 - 50);
+            second = Some(r);
+            settled
+        });
+        let second = second.unwrap();
+        if first.status != 200 || first.num("RateLimit-Remaining") != Some(50) || second.status != 200 {
+            failures.push(format!("tokens {kind}: {} {:?}, then {} {:?}", first.status, first.num("RateLimit-Remaining"), second.status, second.num("RateLimit-Remaining")));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+}
