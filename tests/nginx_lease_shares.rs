@@ -27,8 +27,8 @@ const BODY: &str = r#"
 init_worker_by_lua_block {
     local ratelimitd = require "resty.ratelimitd"
     shared_limiters = {
-        hot = assert(ratelimitd.new{ policy = "hot", share_dict = "ratelimitd" }),
-        tight = assert(ratelimitd.new{ policy = "tight", share_dict = "ratelimitd" }),
+        hot = assert(ratelimitd.new{ policy = "hot", share_dict = "ratelimitd", on_error = "closed" }),
+        tight = assert(ratelimitd.new{ policy = "tight", share_dict = "ratelimitd", on_error = "closed" }),
     }
 }
 server {
