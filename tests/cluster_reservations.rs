@@ -278,7 +278,7 @@ async fn a_check_dropped_half_way_leaves_nothing_behind() {
 }
 
 /// Case 2, shutdown: a check cut by SIGTERM (it waits for a paused primary
-/// longer than `shutdown_grace_ms`, 2 s) leaves nothing in the first slot.
+/// longer than `shutdown_grace`, 2 s) leaves nothing in the first slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_cut_by_shutdown_leaves_nothing_behind() {
     let cluster = RedisCluster::start();

@@ -520,8 +520,7 @@ fn the_first_day_commands_of_operations_md_work_with_the_package_config() {
         config = config.replacen(&format!("socket_group = \"{WORKER_GROUP}\"\n"), "", 1);
     }
     let d = Daemon::start_config_with_metrics(&config);
-    // (The harness's own `shutdown_grace_ms` line aside.)
-    let old_spellings: Vec<String> = d.log().lines().filter(|l| l.contains("old spelling") && !l.contains("deprecated=server.shutdown_grace_ms")).map(str::to_string).collect();
+    let old_spellings: Vec<String> = d.log().lines().filter(|l| l.contains("old spelling")).map(str::to_string).collect();
     assert!(old_spellings.is_empty(), "the package's config uses no old spelling: {old_spellings:?}");
     let dir = tempfile::tempdir().unwrap();
     let nginx_conf = dir.path().join("nginx.conf");

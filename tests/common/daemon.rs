@@ -67,7 +67,7 @@ impl Daemon {
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let socket = dir.path().join("ratelimitd.sock");
         let config = dir.path().join("ratelimitd.toml");
-        let mut text = format!("[server]\nlisten = \"{}\"\nshutdown_grace_ms = 2000\n{rest}\n", socket.display());
+        let mut text = format!("[server]\nlisten = \"{}\"\nshutdown_grace = \"2s\"\n{rest}\n", socket.display());
         if let Some(port) = metrics_port {
             text += &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n");
         }
