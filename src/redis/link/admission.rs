@@ -12,10 +12,11 @@
 //! which kept the mean queueing delay within 1/4 of the deadline, shed
 //! 0.2 % of a 400-deep burst that Redis would have answered in time).
 //!
-//! The wait of a call admitted behind `ahead` calls of ours is estimated as
+//! A call is shed when one of two estimates says it would miss:
 //!
 //! ```text
-//! wait = silent_for + no_load + ahead x service
+//! queue:    no_load + ahead x service > 7/8 x deadline   (ahead >= limit)
+//! silence:  no_load + silent_for      > deadline         (ahead >= 1)
 //! ```
 //!
 //! - `service`: the observed time Redis (with the network and our own reply
@@ -23,13 +24,16 @@
 //!   two consecutive answers, counted only when the later call was already
 //!   in flight at the earlier answer (it was waiting: the gap is service,
 //!   not idleness). Answers read in one batch have gaps of 0 and count too.
-//!   The mean gap of a sampling window (`WINDOW`, at least `MIN_SAMPLES`
-//!   such answers) feeds `service`: down by half the difference, up by a
-//!   quarter. A gap longer than `STALL_DIVISOR`-th of the deadline is a
-//!   stall, not service, and is left out (the silence term covers it).
-//!   A call that times out although it was queued behind calls Redis was
-//!   answering (`queued`) proves `service >= (deadline - no_load) / ahead`:
-//!   the estimate is raised to that at once.
+//!   A sampling window (`WINDOW`, at least `MIN_SAMPLES` such answers)
+//!   gives the mean gap; `service` is the lower median of the last
+//!   `RECENT` (5) windows, so that one window holding a hiccup of a loaded
+//!   host (a 50 ms gap among 16 answers) does not shed a healthy queue,
+//!   while a Redis that really slowed down is followed within 3 windows. A
+//!   gap longer than a quarter of the deadline is a stall, not service, and
+//!   is left out (the silence estimate covers stalls). A call that times
+//!   out although it was queued behind calls Redis was answering (`queued`)
+//!   proves `service >= (deadline - no_load) / ahead`: its window counts at
+//!   least that.
 //! - `no_load`: the round trip without our own queueing, the lowest sample
 //!   of a window, followed down at once and up slowly (1/32 of the gap per
 //!   window), and up only from windows with at most `min` calls in flight
@@ -37,8 +41,10 @@
 //! - `silent_for`: how long Redis has answered nothing while calls of ours
 //!   were waiting (since the later of the last answer and the moment the
 //!   link last became busy after a quiet spell). A stalled Redis (DEBUG
-//!   SLEEP, SIGSTOP, a black hole) makes it grow: once it alone is near the
-//!   deadline, every call arriving behind a waiting one is shed at once,
+//!   SLEEP, SIGSTOP, a black hole) makes it grow: once the calls ahead have
+//!   waited a deadline with no answer (they are lost already, and a call
+//!   behind them is answered after them), every call arriving behind a
+//!   waiting one is shed at once,
 //!   whatever `min_in_flight` says; the first call of an empty pipeline is
 //!   always admitted, as a probe. The timeouts of the stall keep the silence
 //!   going: the link counts as busy again only after a deadline with no
@@ -59,8 +65,8 @@
 //! is the wait of an evenly spread queue.
 //!
 //! The request path is atomics only: one `fetch_add` to enter (and a
-//! `fetch_sub` on the way out, by the permit's drop), two loads and one
-//! comparison more when calls are ahead; per answer a `fetch_max` and, for
+//! `fetch_sub` on the way out, by the permit's drop), four loads when calls
+//! are ahead; per answer a `fetch_max` and, for
 //! a busy answer, two `fetch_add`s. Once per window one caller wins a
 //! compare-and-swap on the window's end and computes the new limit; the
 //! others go on. A sample racing with that swap may land in the next
@@ -78,6 +84,10 @@ const MIN_SAMPLES: u64 = 16;
 const NO_LOAD_RISE: u64 = 32;
 /// A gap between answers longer than deadline / STALL_DIVISOR is a stall.
 const STALL_DIVISOR: u64 = 4;
+/// The service time is the median of the last RECENT windows' values: one
+/// window with a hiccup of a loaded host in it (50 ms among 16 answers
+/// makes its mean gap ten times the truth) does not move it.
+const RECENT: usize = 5;
 /// The queue is allowed a mean wait of deadline x TARGET_EIGHTHS / 8.
 const TARGET_EIGHTHS: u64 = 7;
 /// `no_load` and timestamps: none seen yet.
@@ -108,8 +118,13 @@ pub struct InFlightLimit {
     peak: AtomicU32,
     /// Round trip without our own queueing, µs (NONE: none seen yet).
     no_load_us: AtomicU64,
-    /// Time per call while the pipeline is busy, ns (0: not measured yet).
+    /// Time per call while the pipeline is busy, ns (0: not measured yet):
+    /// the median of `recent_ns`.
     service_ns: AtomicU64,
+    /// The service time of the last windows (0: none), written by the
+    /// window's closer only, at `recent_next`.
+    recent_ns: [AtomicU64; RECENT],
+    recent_next: AtomicU32,
     /// When Redis last answered a call of ours, µs since `epoch`.
     last_answer_us: AtomicU64,
     /// When the link last became busy after a quiet spell.
@@ -157,6 +172,8 @@ impl InFlightLimit {
             peak: AtomicU32::new(0),
             no_load_us: AtomicU64::new(NONE),
             service_ns: AtomicU64::new(0),
+            recent_ns: Default::default(),
+            recent_next: AtomicU32::new(0),
             last_answer_us: AtomicU64::new(0),
             busy_since_us: AtomicU64::new(0),
             last_timeout_us: AtomicU64::new(NONE),
@@ -214,7 +231,7 @@ impl InFlightLimit {
             if last_timeout == NONE || now_us.saturating_sub(last_timeout) > self.deadline_us {
                 self.busy_since_us.store(now_us, Ordering::Relaxed);
             }
-        } else if ahead >= self.limit.load(Ordering::Relaxed) || self.would_miss(ahead, now_us) {
+        } else if ahead >= self.limit.load(Ordering::Relaxed) || self.silent_past_deadline(now_us) {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
@@ -224,18 +241,18 @@ impl InFlightLimit {
         Some(Permit { limit: self, admitted_us: now_us, ahead })
     }
 
-    /// Whether a call behind `ahead` others, at `now_us`, is expected to be
-    /// answered after its deadline.
+    /// Whether Redis has been silent for a deadline (less the no-load round
+    /// trip) while calls of ours were waiting, at `now_us`: the calls ahead
+    /// already missed their deadline, and a call behind them would too
+    /// unless the stall ended at this very moment.
     #[inline]
-    fn would_miss(&self, ahead: u32, now_us: u64) -> bool {
+    fn silent_past_deadline(&self, now_us: u64) -> bool {
         let quiet_from = self.last_answer_us.load(Ordering::Relaxed).max(self.busy_since_us.load(Ordering::Relaxed));
-        let silent_for = now_us.saturating_sub(quiet_from);
         let no_load = match self.no_load_us.load(Ordering::Relaxed) {
             NONE => 0,
             n => n,
         };
-        let queue = ahead as u64 * self.service_ns.load(Ordering::Relaxed) / 1000;
-        silent_for + no_load + queue > self.deadline_us
+        now_us.saturating_sub(quiet_from) + no_load > self.deadline_us
     }
 
     /// A call admitted at `admitted_us` answered (a result or an error
@@ -303,8 +320,20 @@ impl InFlightLimit {
         let no_load = if no_load == NONE { 0 } else { no_load };
         let window_ns = (busy >= MIN_SAMPLES).then(|| gaps * 1000 / busy);
         let timed_out_ahead = (queued_timeouts > 0).then_some(fewest_ahead);
-        let service = next_service(self.service_ns.load(Ordering::Relaxed), window_ns, timed_out_ahead, self.deadline_us.saturating_sub(no_load));
-        self.service_ns.store(service, Ordering::Relaxed);
+        let service = match window_service(window_ns, timed_out_ahead, self.deadline_us.saturating_sub(no_load)) {
+            Some(w) => {
+                let at = self.recent_next.fetch_add(1, Ordering::Relaxed) as usize % RECENT;
+                self.recent_ns[at].store(w, Ordering::Relaxed);
+                let mut recent = [0; RECENT];
+                for (r, a) in recent.iter_mut().zip(&self.recent_ns) {
+                    *r = a.load(Ordering::Relaxed);
+                }
+                let s = lower_median(recent);
+                self.service_ns.store(s, Ordering::Relaxed);
+                s
+            }
+            None => self.service_ns.load(Ordering::Relaxed),
+        };
         let limit = self.limit();
         let next = depth_limit(service, self.deadline_us, no_load).map_or(limit, |d| d.clamp(self.min, self.max));
         if next != limit {
@@ -315,21 +344,26 @@ impl InFlightLimit {
     }
 }
 
-/// The service time after a window: `old` moved towards the window's mean
-/// gap `window_ns` (down by half the difference, up by a quarter; taken as
-/// is when nothing was known), then raised to what a queued timeout behind
-/// `timed_out_ahead` calls proves: `room_us` (deadline - no_load) / ahead.
-fn next_service(old: u64, window_ns: Option<u64>, timed_out_ahead: Option<u32>, room_us: u64) -> u64 {
-    let mut s = match window_ns {
-        None => old,
-        Some(w) if old == 0 => w.max(1),
-        Some(w) if w < old => old - (old - w) / 2,
-        Some(w) => old + (w - old) / 4,
-    };
-    if let Some(ahead) = timed_out_ahead {
-        s = s.max(room_us * 1000 / ahead.max(1) as u64);
+/// A window's service time: the mean gap `window_ns` of its busy answers,
+/// raised to what a queued timeout behind `timed_out_ahead` calls proves:
+/// `room_us` (deadline - no_load) / ahead. None: the window says nothing.
+fn window_service(window_ns: Option<u64>, timed_out_ahead: Option<u32>, room_us: u64) -> Option<u64> {
+    let proven = timed_out_ahead.map(|ahead| room_us * 1000 / ahead.max(1) as u64);
+    match (window_ns, proven) {
+        (None, None) => None,
+        (w, p) => Some(w.unwrap_or(0).max(p.unwrap_or(0)).max(1)),
     }
-    s
+}
+
+/// The lower median of the known (non-zero) values, 0 if none.
+fn lower_median(mut values: [u64; RECENT]) -> u64 {
+    values.sort_unstable();
+    let known = &values[values.iter().take_while(|v| **v == 0).count()..];
+    if known.is_empty() {
+        0
+    } else {
+        known[(known.len() - 1) / 2]
+    }
 }
 
 /// The queue depth whose estimated wait is the target (7/8 of the
@@ -349,13 +383,21 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[test]
-    fn the_service_time_follows_the_windows_and_a_queued_timeout_raises_it() {
-        assert_eq!(next_service(0, Some(40_000), None, 19_000), 40_000, "first measure taken as is");
-        assert_eq!(next_service(40_000, Some(20_000), None, 19_000), 30_000, "down by half the gap");
-        assert_eq!(next_service(40_000, Some(80_000), None, 19_000), 50_000, "up by a quarter");
-        assert_eq!(next_service(40_000, None, None, 19_000), 40_000, "no busy window: unchanged");
-        assert_eq!(next_service(40_000, None, Some(100), 19_000), 190_000, "100 ahead took more than 19 ms: >= 190 µs each");
-        assert_eq!(next_service(400_000, None, Some(100), 19_000), 400_000, "never lowered by a timeout");
+    fn a_windows_service_time_is_its_mean_gap_raised_by_a_queued_timeout() {
+        assert_eq!(window_service(Some(40_000), None, 19_000), Some(40_000));
+        assert_eq!(window_service(None, None, 19_000), None, "nothing to say");
+        assert_eq!(window_service(Some(40_000), Some(100), 19_000), Some(190_000), "100 ahead took more than 19 ms: >= 190 µs each");
+        assert_eq!(window_service(Some(400_000), Some(100), 19_000), Some(400_000), "never lowered by a timeout");
+        assert_eq!(window_service(None, Some(100), 19_000), Some(190_000));
+    }
+
+    #[test]
+    fn the_service_time_is_the_lower_median_of_the_recent_windows() {
+        assert_eq!(lower_median([0; RECENT]), 0);
+        assert_eq!(lower_median([0, 0, 0, 0, 30]), 30);
+        assert_eq!(lower_median([0, 0, 0, 40, 30]), 30);
+        assert_eq!(lower_median([30, 31, 900, 29, 32]), 31, "one hiccup window does not move it");
+        assert_eq!(lower_median([30, 900, 950, 29, 990]), 900, "three slow windows of five do");
     }
 
     #[test]
