@@ -209,6 +209,14 @@ fn window_end_ms(algorithm: Algorithm, reset_ms: u32, window_ms: u32) -> u32 {
     }
 }
 
+/// How long a reserved lease admits: its `life_ms`, cut so that its last
+/// local admission (offset ⌈1.001 · elapsed since the send⌉ ≤ the result)
+/// falls before the end of the fixed window its units were counted in,
+/// `reset_ms` being the reserve's reply.
+pub fn reserved_life_ms(algorithm: Algorithm, life_ms: u32, reset_ms: u32, window_ms: u32) -> u32 {
+    life_ms.min(window_end_ms(algorithm, reset_ms, window_ms).saturating_sub(WINDOW_END_MARGIN_MS))
+}
+
 /// One key's place in the table: its recent rate and its lease.
 #[derive(Debug, Default)]
 struct Slot {
@@ -427,7 +435,7 @@ impl QuotaLeases {
         let mut slot = self.slot(fp);
         slot.refilling = false;
         let Some(r) = reserved.as_ref().ok().filter(|r| r.allowed) else { return decided };
-        let life = life.min(window_end_ms(algorithm, r.reset_ms, spec.window_ms).saturating_sub(WINDOW_END_MARGIN_MS));
+        let life = reserved_life_ms(algorithm, life, r.reset_ms, spec.window_ms);
         if life == 0 {
             // Too near the window's end to admit anything: give it all back.
             drop(slot);
