@@ -563,3 +563,89 @@ fn reserve_then_give_back_leases_never_let_a_fixed_window_hold_more_than_the_lim
         assert!(local > admitted / 20, "the traces must exercise leases: {local} of {admitted}");
     }
 }
+
+/// `clients` connections to `d`, each sending `n` checks of `key` counted
+/// by `algorithm`; returns (admitted, refused).
+async fn hammer_with(d: &Daemon, key: &'static str, limit: u32, window_ms: u32, algorithm: ratelimitd::protocol::Algorithm, clients: usize, n: usize) -> (u64, u64) {
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let (mut yes, mut no) = (0, 0);
+            for _ in 0..n {
+                let r = c.check_with(&common::args(key, limit, window_ms), algorithm).await.unwrap();
+                match r.decision {
+                    Decision::Allowed => yes += 1,
+                    Decision::Denied => no += 1,
+                    _ => panic!("{r:?}"),
+                }
+            }
+            (yes, no)
+        }));
+    }
+    let mut total = (0, 0);
+    for t in tasks {
+        let (y, n) = t.await.unwrap();
+        total = (total.0 + y, total.1 + n);
+    }
+    total
+}
+
+/// Redis's count of the current fixed window of client key `key`.
+fn fixed_count(r: &RedisServer, key: &str, window_ms: u64) -> u64 {
+    let v: Option<String> = redis::cmd("GET").arg(format!("ratelimitd:{{{key}}}:{window_ms}ms:fixed")).query(&mut r.conn()).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    match v.map(|v| v.split(' ').map(|x| x.parse::<u64>().unwrap()).collect::<Vec<_>>()) {
+        Some(f) if f[0] == now - now % window_ms => f[1],
+        _ => 0,
+    }
+}
+
+/// Fixed windows with "reserve then give back" leases, on a real Redis and
+/// two real daemons: admitted never over the limit, fewer Redis calls than
+/// decisions, Redis's count exactly the admissions once the leases are
+/// settled and the rest of the limit admitted exactly; then `kill -9` of a
+/// daemon holding a lease: nothing over the limit, and what is not admitted
+/// is exactly its unused units (they stay in their fixed window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_window_leases_admit_exactly_the_limit_from_redis_record_and_a_kill_9_over_admits_nothing() {
+    use ratelimitd::protocol::Algorithm;
+    const LIMIT: u32 = 1500;
+    const WINDOW: u32 = 3_600_000; // aligned hours: the test stays in one
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let left = u64::from(WINDOW) - now % u64::from(WINDOW);
+    if left < 60_000 {
+        tokio::time::sleep(std::time::Duration::from_millis(left + 100)).await;
+    }
+    let redis = RedisServer::start_unix();
+    let (a, b) = (Daemon::start(Some(&redis.url()), LEASES), Daemon::start(Some(&redis.url()), LEASES));
+    let before = evalsha_calls(&redis);
+    let ((ya, na), (yb, nb)) = tokio::join!(hammer_with(&a, "fx", LIMIT, WINDOW, Algorithm::Fixed, 3, 700), hammer_with(&b, "fx", LIMIT, WINDOW, Algorithm::Fixed, 3, 700));
+    let calls = evalsha_calls(&redis) - before;
+    let admitted = ya + yb;
+    eprintln!("fixed: admitted {admitted} of {LIMIT}, refused {}, {calls} Redis calls for {} decisions", na + nb, ya + yb + na + nb);
+    assert!(admitted <= u64::from(LIMIT), "over-admission: {admitted} > {LIMIT}");
+    assert!(na + nb > 0, "the run must reach the limit");
+    assert!(calls * 2 < ya + yb + na + nb, "leases must spare Redis calls: {calls}");
+    assert!(fixed_count(&redis, "fx", WINDOW.into()) >= admitted);
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await; // settles (life 1 s)
+    assert_eq!(fixed_count(&redis, "fx", WINDOW.into()), admitted, "after the settles Redis counts exactly the admissions");
+    let (more, _) = hammer_with(&a, "fx", LIMIT, WINDOW, Algorithm::Fixed, 1, (LIMIT - admitted as u32) as usize + 5).await;
+    assert_eq!(admitted + more, u64::from(LIMIT), "after settling, exactly the limit");
+
+    // kill -9 holding a lease.
+    let (ya, _) = hammer_with(&a, "fx-crash", 200, WINDOW, Algorithm::Fixed, 1, 30).await;
+    assert_eq!(ya, 30);
+    let held = fixed_count(&redis, "fx-crash", WINDOW.into()) - ya;
+    assert!(held > 0, "a lease must be out");
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let (yb1, _) = hammer_with(&b, "fx-crash", 200, WINDOW, Algorithm::Fixed, 1, 200).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await; // b's settles
+    let (yb2, _) = hammer_with(&b, "fx-crash", 200, WINDOW, Algorithm::Fixed, 1, 20).await;
+    let yb = yb1 + yb2;
+    let count = fixed_count(&redis, "fx-crash", WINDOW.into());
+    eprintln!("fixed, kill -9: a admitted {ya} and was killed holding {held} unused units; b then admitted {yb}; Redis counts {count}");
+    assert!(ya + yb <= 200, "over-admission: {}", ya + yb);
+    assert_eq!(count, 200);
+    assert_eq!(ya + yb + held, 200, "the under-admission is exactly the killed lease's unused units, until the window ends");
+}
