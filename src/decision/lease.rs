@@ -558,6 +558,23 @@ mod tests {
     }
 
     #[test]
+    fn a_reserved_lease_ends_before_its_fixed_window_and_is_never_shared() {
+        // Fixed: the reserve's reset is the window's end; the sliding
+        // counter's is one window later.
+        assert_eq!(reserved_life_ms(Algorithm::Fixed, 1000, 400, 60_000), 398);
+        assert_eq!(reserved_life_ms(Algorithm::Fixed, 1000, 30_000, 60_000), 1000);
+        assert_eq!(reserved_life_ms(Algorithm::SlidingCounter, 1000, 60_400, 60_000), 398);
+        assert_eq!(reserved_life_ms(Algorithm::Fixed, 1000, 2, 60_000), 0, "too near the end: nothing");
+        assert!(leasable(Algorithm::Log) && leasable(Algorithm::Fixed) && leasable(Algorithm::SlidingCounter));
+        assert!(!leasable(Algorithm::Gcra) && !leasable(Algorithm::Ring));
+        let mut l = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 398, 20, 40);
+        assert!(l.share(6_000, 100, 8, 1).is_none(), "worker shares come from log leases only");
+        assert_eq!(l.admit(5_000 + 397_000, 100, 1).map(|v| v.remaining), Some(59));
+        assert!(l.admit(5_000 + 399_000, 100, 1).is_none(), "past the cut life");
+        assert_eq!(l.used(), 1);
+    }
+
+    #[test]
     fn lease_sizes_follow_the_rate_and_lives_the_window() {
         assert_eq!((units_wanted(0), units_wanted(8), units_wanted(10_000)), (2, 11, MAX_LEASE_UNITS));
         assert_eq!((lease_life_ms(39), lease_life_ms(1000), lease_life_ms(60_000)), (0, 250, 1000));
