@@ -55,5 +55,5 @@ mod top_refused;
 pub mod top_snapshot;
 pub mod window;
 
-pub use crate::decision::{lease_life_ms, QuotaLease, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
+pub use crate::decision::{lease_life_ms, leasable, reserved_life_ms, QuotaLease, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
 pub use crate::redis::{BatchAsk, LeaseGrant, RedisWindow};

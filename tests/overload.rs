@@ -124,3 +124,135 @@ async fn overload_is_shed_at_once_and_a_healthy_redis_never_opens_the_breaker() 
     assert!(d.log().contains("OVERLOADED") || code(&high, "OVERLOADED") == 0, "shedding is logged:\n{}", d.log());
     assert!(!d.log().contains("breaker open"), "{}", d.log());
 }
+
+/// Issue 23: a flood of new keys pipelined deep over few connections on a
+/// healthy Redis that answers each call well within the deadline:
+/// admission sheds only what would miss the deadline, so here nothing. The
+/// earlier latency-gradient limit kept the mean queueing within 1/4 of the
+/// deadline and shed part of such a burst although Redis answered every
+/// call in time. 8 connections x 100 pipelined (800 in flight, about 100 ms
+/// of this debug daemon's pace on a loaded 2-core host), a 500 ms deadline
+/// (the host's own stalls reach 100-300 ms under the other builds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_redis_answering_within_the_deadline_costs_no_request_its_decision() {
+    const HEALTHY_DEADLINE_MS: u64 = 500;
+    let r = RedisServer::start_unix();
+    let d = Daemon::start_config_with_metrics(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = {HEALTHY_DEADLINE_MS}\nmax_in_flight = 100000\n", r.url()));
+    let up = Deadline::start("link up", Duration::from_secs(5));
+    let mut c = d.client().await;
+    while c.check(&common::args("up", 10, 1000)).await.unwrap().source != Source::Redis {
+        up.retry_in(Duration::from_millis(10), String::new).await;
+    }
+    // A busy pipeline first, so that the service time is measured (with
+    // nothing measured nothing is shed at all, which would prove nothing).
+    let (warm, _) = run(&d, "warm", 4, 10_000, 16, None).await;
+    assert_eq!(code(&warm, "OVERLOADED"), 0, "{warm:?}");
+    for round in 0..3 {
+        let (burst, opened) = run(&d, &format!("burst{round}"), 8, 24_000, 100, None).await;
+        assert_eq!(opened, 0, "{burst:?}");
+        // The premise: Redis answered within the deadline.
+        assert!(burst.p99_us < HEALTHY_DEADLINE_MS * 1000, "Redis too slow on this host for the premise: {burst:?}");
+        assert_eq!(code(&burst, "OVERLOADED"), 0, "a healthy Redis answering in time: nothing shed: {burst:?}");
+        assert_eq!(burst.degraded, code(&burst, "REDIS_TIMEOUT"), "only a host stall may cost a decision: {burst:?}");
+        assert!(burst.degraded * 1000 <= burst.requests, "{burst:?}");
+    }
+    let text = scrape(&d).await;
+    let limit = text.lines().find(|l| l.starts_with("ratelimitd_redis_in_flight_limit ")).unwrap_or_default().to_string();
+    eprintln!("{limit}");
+    assert!(!limit.is_empty() && !limit.ends_with(" 100000"), "the service time was measured (the limit left its unmeasured max): {limit}");
+}
+
+/// One check's outcome, seen by the client.
+struct Seen {
+    sent: Duration,
+    took: Duration,
+    error: ratelimitd::protocol::ErrorCode,
+    source: Source,
+}
+
+/// A Redis stalled (SIGSTOP) longer than the deadline: once it has been
+/// silent for about a deadline, calls are shed at once (µs, not after the
+/// deadline), only the one probe of an empty pipeline waits; when it comes
+/// back, Redis decides again. Few requests are in flight (4 clients, a check
+/// every 10 ms each), far below `min_in_flight`: the old depth limit never
+/// shed here and every request waited out the deadline. The breaker is kept
+/// out of it (`breaker_failures` high) so that what is seen is admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_stalled_past_the_deadline_is_shed_at_once_not_after_the_deadline() {
+    use ratelimitd::protocol::ErrorCode;
+    use tokio::time::Instant;
+    let r = RedisServer::start_unix();
+    let d = Daemon::start_config_with_metrics(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = {DEADLINE_MS}\nbreaker_failures = 1000\n", r.url()));
+    let up = Deadline::start("link up", Duration::from_secs(5));
+    let mut c = d.client().await;
+    while c.check(&common::args("up", 10, 1000)).await.unwrap().source != Source::Redis {
+        up.retry_in(Duration::from_millis(10), String::new).await;
+    }
+    let deadline = Duration::from_millis(DEADLINE_MS);
+    let pause_at = Duration::from_millis(300);
+    let resume_at = pause_at + 5 * deadline;
+    let end = resume_at + 3 * deadline;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..4 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let mut i = 0u32;
+            while start.elapsed() < end {
+                tick.tick().await;
+                let key = format!("stall-{t}-{i}");
+                i += 1;
+                let sent = start.elapsed();
+                let res = c.check(&common::args(&key, 10, 1000)).await.expect("answered");
+                seen.push(Seen { sent, took: start.elapsed() - sent, error: res.error, source: res.source });
+            }
+            seen
+        }));
+    }
+    tokio::time::sleep_until(start + pause_at).await;
+    r.pause();
+    let paused = start.elapsed();
+    tokio::time::sleep_until(start + resume_at).await;
+    r.resume();
+    let resumed = start.elapsed();
+    let mut seen = Vec::new();
+    for t in tasks {
+        seen.extend(t.await.unwrap());
+    }
+    seen.sort_by_key(|s| s.sent);
+
+    // Sent while Redis had been silent for more than a deadline (and 100 ms
+    // of slack for a loaded host), until it came back.
+    let stalled: Vec<&Seen> = seen.iter().filter(|s| s.sent > paused + deadline + Duration::from_millis(100) && s.sent + Duration::from_millis(10) < resumed).collect();
+    let shed: Vec<&&Seen> = stalled.iter().filter(|s| s.error == ErrorCode::Overloaded).collect();
+    let waited = stalled.iter().filter(|s| s.error != ErrorCode::Overloaded).count();
+    let slow_shed = shed.iter().filter(|s| s.took > deadline / 4).count();
+    let first_shed = seen.iter().find(|s| s.error == ErrorCode::Overloaded).map(|s| s.sent.saturating_sub(paused));
+    eprintln!(
+        "stall of {:?}: {} requests sent after a deadline of silence: {} shed (slowest {:?}), {} waited (probes); first shed {:?} after the pause; {} requests in all",
+        resumed - paused,
+        stalled.len(),
+        shed.len(),
+        shed.iter().map(|s| s.took).max(),
+        waited,
+        first_shed,
+        seen.len()
+    );
+    assert!(stalled.len() >= 40, "the load went on during the stall: {}", stalled.len());
+    // When: shedding starts within a deadline and a bound of the pause.
+    let first_shed = first_shed.expect("some request shed");
+    assert!(first_shed <= deadline + Duration::from_millis(150), "first shed {first_shed:?} after the pause");
+    // At once: a shed request is answered in a fraction of the deadline.
+    assert!(slow_shed * 20 <= shed.len().max(1), "{slow_shed} of {} shed requests took over {:?}", shed.len(), deadline / 4);
+    // Only probes (one call of an empty pipeline per deadline of silence)
+    // wait: 4 clients would otherwise wait out every deadline.
+    let probes_bound = ((resumed - paused).as_millis() / deadline.as_millis()) as usize + 2;
+    assert!(waited <= probes_bound, "{waited} requests waited out the stall (probes at most {probes_bound}), {} shed", shed.len());
+    // Redis decides again once it is back.
+    let after: Vec<&Seen> = seen.iter().filter(|s| s.sent > resumed + deadline).collect();
+    assert!(!after.is_empty() && after.iter().all(|s| s.source == Source::Redis), "after the stall Redis decides: {:?}", after.iter().map(|s| (s.sent, s.error, s.source)).collect::<Vec<_>>());
+    assert!(!d.log().contains("breaker open"), "{}", d.log());
+}

@@ -386,3 +386,266 @@ async fn a_daemon_killed_holding_a_lease_over_admits_nothing_and_its_units_come_
     assert_eq!(again, 1);
     assert_eq!(units_of_a(&record(&redis, "crash", WINDOW)), 0, "a's units outlived t0 + life + window");
 }
+
+const FIXED: &str = include_str!("../src/redis/fixed_window.lua");
+const SLIDING_COUNTER: &str = include_str!("../src/redis/sliding_counter.lua");
+
+/// Redis's counts of the fixed window starting at `start` and of the one
+/// before it, from the key's string ("start count" for the fixed window,
+/// "start cur prev" for the sliding counter).
+fn o1_counts(conn: &mut redis::Connection, key: &str, start: u64, window: u64) -> (u64, u64) {
+    let stored: Option<String> = redis::cmd("GET").arg(key).query(conn).unwrap();
+    let Some(stored) = stored else { return (0, 0) };
+    let f: Vec<u64> = stored.split(' ').map(|x| x.parse().unwrap()).collect();
+    let (s, cur, prev) = (f[0], f[1], f.get(2).copied().unwrap_or(0));
+    if s == start {
+        (cur, prev)
+    } else if s + window == start {
+        (0, cur)
+    } else {
+        (0, 0)
+    }
+}
+
+/// One trace of "reserve then give back" leases (fixed window or sliding
+/// counter) on virtual time: 2-4 daemons with clock offsets, call
+/// latencies, checks, leases (a check, then a reserve of at most half the
+/// room, admitting locally through the daemon's `QuotaLease` for the life
+/// `reserved_life_ms` allows), settles at any time (also after the window
+/// ended), crashes (a lease dropped unsettled). After every step: no fixed
+/// window of the true admissions holds more than the limit, and Redis's
+/// count of the current and the previous fixed window is never below the
+/// true admissions in it; once every lease is settled, equal to them.
+/// Returns (decisions, units admitted, units admitted from leases).
+fn run_o1_trace(conn: &mut redis::Connection, sha: &str, algorithm: ratelimitd::protocol::Algorithm, seed: u64, steps: usize) -> (u64, u64, u64) {
+    let mut rng = Rng(seed | 1);
+    let window = [1_000u64, 4_000, 60_000][rng.below(3) as usize];
+    let limit = [4u64, 20, 100, 300][rng.below(4) as usize];
+    let life = ratelimitd::lease_life_ms(window as u32);
+    let n = 2 + rng.below(3) as usize;
+    let offsets: Vec<u64> = (0..n).map(|_| rng.below(1 << 40)).collect();
+    // (handle, lease) per daemon.
+    let mut leases: Vec<Option<(String, QuotaLease, u64)>> = (0..n).map(|_| None).collect();
+    // Unused units of crashed leases: (fixed window of the reserve, units).
+    let mut lost: Vec<(u64, u64)> = Vec::new();
+    let key = format!("o1-{seed}");
+    let mut t_us: u64 = 1_700_000_000_000_000 + rng.below(window * 1000);
+    let mut truth: Vec<(u64, u64)> = Vec::new(); // (true µs, units)
+    let (mut decisions, mut local) = (0u64, 0u64);
+    let gap_us = window * 1000 / limit * [1, 2, 4][rng.below(3) as usize] / 3;
+    let mut handle_seq = 0u64;
+    let eval = |conn: &mut redis::Connection, keys: &[&str], args: &[String]| -> Vec<i64> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(sha).arg(keys.len());
+        for k in keys {
+            cmd.arg(*k);
+        }
+        for a in args {
+            cmd.arg(a);
+        }
+        cmd.query(conn).unwrap_or_else(|e| panic!("seed {seed}: {args:?}: {e}"))
+    };
+    let audit = |conn: &mut redis::Connection, truth: &[(u64, u64)], lost: &[(u64, u64)], t_us: u64, settled: bool, what: &str| {
+        let w_us = window * 1000;
+        let mut per: std::collections::BTreeMap<u64, u64> = Default::default();
+        for &(at, u) in truth {
+            *per.entry(at / w_us).or_default() += u;
+        }
+        if let Some((w, c)) = per.iter().find(|(_, c)| **c > limit) {
+            panic!("seed {seed} ({what}): fixed window {w} holds {c} true admissions > limit {limit}");
+        }
+        let cur_w = t_us / w_us;
+        let (cur, prev) = o1_counts(conn, &key, cur_w * window, window);
+        let (tc, tp) = (per.get(&cur_w).copied().unwrap_or(0), cur_w.checked_sub(1).and_then(|p| per.get(&p)).copied().unwrap_or(0));
+        assert!(cur >= tc, "seed {seed} ({what}): Redis counts {cur} in the current window, {tc} admitted");
+        if algorithm == ratelimitd::protocol::Algorithm::SlidingCounter {
+            assert!(prev >= tp, "seed {seed} ({what}): Redis counts {prev} in the previous window, {tp} admitted");
+        }
+        if settled {
+            let lost: u64 = lost.iter().filter(|(w, _)| *w == cur_w).map(|(_, u)| u).sum();
+            assert_eq!(cur, tc + lost, "seed {seed} ({what}): every lease settled: Redis's count is the true one plus the unused units of crashed leases");
+        }
+    };
+    for step in 0..steps {
+        let d = rng.below(n as u64) as usize;
+        let latency = |rng: &mut Rng| rng.below(3_000) + 50;
+        let what;
+        match rng.below(20) {
+            0 => {
+                what = "time jump";
+                t_us += window * 1000 / 3 + rng.below(window * 1000);
+            }
+            1 => {
+                what = "crash";
+                if let Some((_, lease, w)) = leases[d].take() {
+                    lost.push((w, u64::from(lease.granted() - lease.used())));
+                }
+            }
+            2..=3 => {
+                what = "settle";
+                if let Some((handle, lease, _)) = leases[d].take() {
+                    t_us += latency(&mut rng);
+                    let record = format!("{key}:rec:{handle}");
+                    eval(conn, &[&key, &record], &[window.to_string(), (t_us / 1000).to_string(), "s".into(), limit.to_string(), lease.used().to_string()]);
+                }
+            }
+            4..=9 => {
+                what = "lease";
+                if leases[d].is_none() {
+                    let now = t_us / 1000;
+                    decisions += 1;
+                    let r = eval(conn, &[&key], &[window.to_string(), now.to_string(), "m".into(), limit.to_string(), "1".into()]);
+                    if r[0] == 1 {
+                        truth.push((t_us, 1));
+                        let units = (2 + rng.below(40)).min(r[2] as u64 / 2);
+                        if units >= 2 {
+                            let sent_local = t_us + offsets[d];
+                            t_us += latency(&mut rng);
+                            handle_seq += 1;
+                            let handle = format!("{d}-{handle_seq}");
+                            let record = format!("{key}:rec:{handle}");
+                            let g = eval(conn, &[&key, &record], &[window.to_string(), (t_us / 1000).to_string(), "r".into(), limit.to_string(), units.to_string()]);
+                            if g[0] == 1 {
+                                let life = ratelimitd::reserved_life_ms(algorithm, life, g[4] as u32, window as u32);
+                                let lease = QuotaLease::reserved(handle_seq, algorithm, [0; 16], limit as u32, sent_local, life, units as u32, g[2] as u32);
+                                leases[d] = Some((handle, lease, t_us / (window * 1000)));
+                            }
+                        }
+                    }
+                }
+            }
+            _ => {
+                what = "check";
+                t_us += rng.below(2 * gap_us);
+                let cost = if rng.below(5) == 0 { 1 + rng.below(limit / 4 + 1) } else { 1 };
+                decisions += 1;
+                let local_now = t_us + offsets[d];
+                if let Some(v) = leases[d].as_mut().and_then(|(_, l, _)| l.admit(local_now, limit as u32, cost as u32)) {
+                    assert!(v.allowed);
+                    truth.push((t_us, cost));
+                    local += cost;
+                } else {
+                    let r = eval(conn, &[&key], &[window.to_string(), (t_us / 1000).to_string(), "m".into(), limit.to_string(), cost.to_string()]);
+                    if r[0] == 1 {
+                        truth.push((t_us, cost));
+                    }
+                }
+            }
+        }
+        let _ = step;
+        audit(conn, &truth, &lost, t_us, false, what);
+    }
+    // Settle everything: Redis's count is then the truth.
+    for (handle, lease, _) in leases.iter_mut().filter_map(Option::take) {
+        let record = format!("{key}:rec:{handle}");
+        eval(conn, &[&key, &record], &[window.to_string(), (t_us / 1000).to_string(), "s".into(), limit.to_string(), lease.used().to_string()]);
+    }
+    audit(conn, &truth, &lost, t_us, true, "all settled");
+    (decisions, truth.iter().map(|t| t.1).sum(), local)
+}
+
+#[test]
+fn reserve_then_give_back_leases_never_let_a_fixed_window_hold_more_than_the_limit_on_random_traces() {
+    use ratelimitd::protocol::Algorithm;
+    let r = RedisServer::start_unix();
+    let mut conn = r.conn();
+    let base: u64 = std::env::var("LEASE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64 * 7919);
+    for (algorithm, script) in [(Algorithm::Fixed, FIXED), (Algorithm::SlidingCounter, SLIDING_COUNTER)] {
+        let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(script).query(&mut conn).unwrap();
+        let (mut decisions, mut admitted, mut local) = (0, 0, 0);
+        for t in 0..40u64 {
+            let (d, a, l) = run_o1_trace(&mut conn, &sha, algorithm, base + t, 400);
+            decisions += d;
+            admitted += a;
+            local += l;
+        }
+        eprintln!("{algorithm:?}, base seed {base}: {decisions} decisions, {admitted} units admitted, {local} of them from daemons' leases");
+        assert!(local > admitted / 20, "the traces must exercise leases: {local} of {admitted}");
+    }
+}
+
+/// `clients` connections to `d`, each sending `n` checks of `key` counted
+/// by `algorithm`; returns (admitted, refused).
+async fn hammer_with(d: &Daemon, key: &'static str, limit: u32, window_ms: u32, algorithm: ratelimitd::protocol::Algorithm, clients: usize, n: usize) -> (u64, u64) {
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let (mut yes, mut no) = (0, 0);
+            for _ in 0..n {
+                let r = c.check_with(&common::args(key, limit, window_ms), algorithm).await.unwrap();
+                match r.decision {
+                    Decision::Allowed => yes += 1,
+                    Decision::Denied => no += 1,
+                    _ => panic!("{r:?}"),
+                }
+            }
+            (yes, no)
+        }));
+    }
+    let mut total = (0, 0);
+    for t in tasks {
+        let (y, n) = t.await.unwrap();
+        total = (total.0 + y, total.1 + n);
+    }
+    total
+}
+
+/// Redis's count of the current fixed window of client key `key`.
+fn fixed_count(r: &RedisServer, key: &str, window_ms: u64) -> u64 {
+    let v: Option<String> = redis::cmd("GET").arg(format!("ratelimitd:{{{key}}}:{window_ms}ms:fixed")).query(&mut r.conn()).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    match v.map(|v| v.split(' ').map(|x| x.parse::<u64>().unwrap()).collect::<Vec<_>>()) {
+        Some(f) if f[0] == now - now % window_ms => f[1],
+        _ => 0,
+    }
+}
+
+/// Fixed windows with "reserve then give back" leases, on a real Redis and
+/// two real daemons: admitted never over the limit, fewer Redis calls than
+/// decisions, Redis's count exactly the admissions once the leases are
+/// settled and the rest of the limit admitted exactly; then `kill -9` of a
+/// daemon holding a lease: nothing over the limit, and what is not admitted
+/// is exactly its unused units (they stay in their fixed window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_window_leases_admit_exactly_the_limit_from_redis_record_and_a_kill_9_over_admits_nothing() {
+    use ratelimitd::protocol::Algorithm;
+    const LIMIT: u32 = 1500;
+    const WINDOW: u32 = 3_600_000; // aligned hours: the test stays in one
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let left = u64::from(WINDOW) - now % u64::from(WINDOW);
+    if left < 60_000 {
+        tokio::time::sleep(std::time::Duration::from_millis(left + 100)).await;
+    }
+    let redis = RedisServer::start_unix();
+    let (a, b) = (Daemon::start(Some(&redis.url()), LEASES), Daemon::start(Some(&redis.url()), LEASES));
+    let before = evalsha_calls(&redis);
+    let ((ya, na), (yb, nb)) = tokio::join!(hammer_with(&a, "fx", LIMIT, WINDOW, Algorithm::Fixed, 3, 700), hammer_with(&b, "fx", LIMIT, WINDOW, Algorithm::Fixed, 3, 700));
+    let calls = evalsha_calls(&redis) - before;
+    let admitted = ya + yb;
+    eprintln!("fixed: admitted {admitted} of {LIMIT}, refused {}, {calls} Redis calls for {} decisions", na + nb, ya + yb + na + nb);
+    assert!(admitted <= u64::from(LIMIT), "over-admission: {admitted} > {LIMIT}");
+    assert!(na + nb > 0, "the run must reach the limit");
+    assert!(calls * 2 < ya + yb + na + nb, "leases must spare Redis calls: {calls}");
+    assert!(fixed_count(&redis, "fx", WINDOW.into()) >= admitted);
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await; // settles (life 1 s)
+    assert_eq!(fixed_count(&redis, "fx", WINDOW.into()), admitted, "after the settles Redis counts exactly the admissions");
+    let (more, _) = hammer_with(&a, "fx", LIMIT, WINDOW, Algorithm::Fixed, 1, (LIMIT - admitted as u32) as usize + 5).await;
+    assert_eq!(admitted + more, u64::from(LIMIT), "after settling, exactly the limit");
+
+    // kill -9 holding a lease.
+    let (ya, _) = hammer_with(&a, "fx-crash", 200, WINDOW, Algorithm::Fixed, 1, 30).await;
+    assert_eq!(ya, 30);
+    let held = fixed_count(&redis, "fx-crash", WINDOW.into()) - ya;
+    assert!(held > 0, "a lease must be out");
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let (yb1, _) = hammer_with(&b, "fx-crash", 200, WINDOW, Algorithm::Fixed, 1, 200).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await; // b's settles
+    let (yb2, _) = hammer_with(&b, "fx-crash", 200, WINDOW, Algorithm::Fixed, 1, 20).await;
+    let yb = yb1 + yb2;
+    let count = fixed_count(&redis, "fx-crash", WINDOW.into());
+    eprintln!("fixed, kill -9: a admitted {ya} and was killed holding {held} unused units; b then admitted {yb}; Redis counts {count}");
+    assert!(ya + yb <= 200, "over-admission: {}", ya + yb);
+    assert_eq!(count, 200);
+    assert_eq!(ya + yb + held, 200, "the under-admission is exactly the killed lease's unused units, until the window ends");
+}

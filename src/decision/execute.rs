@@ -50,8 +50,9 @@ impl Limiter {
         match &self.backend {
             Backend::Local => self.local.check(spec, algorithm).map(|v| (Source::Memory, v)).map_err(NoVerdict::Full),
             Backend::Redis(redis) => {
-                // A quota lease first (log only): admitted with no Redis call.
-                let leased = match self.leases.as_ref().filter(|_| algorithm == Algorithm::Log).map(|l| (l, l.take(spec))) {
+                // A quota lease first (log, fixed, sliding counter): admitted
+                // with no Redis call.
+                let leased = match self.leases.as_ref().map(|l| (l, l.take(spec, algorithm))) {
                     Some((_, Take::Admitted(v))) => return Ok((Source::Redis, v)),
                     Some((l, Take::Lease { fp, want })) => Some((l, fp, want)),
                     _ => None,
@@ -68,7 +69,7 @@ impl Limiter {
                     None => None,
                 };
                 let v = match leased {
-                    Some((l, fp, want)) => l.lease(fp, spec, want).await,
+                    Some((l, fp, want)) => l.lease(fp, spec, algorithm, want).await,
                     None => redis.check(spec, algorithm).await,
                 }
                 .map_err(NoVerdict::Store)?;

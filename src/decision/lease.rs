@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::denial_cache::DenialCache;
 use crate::log_limit::RateLimitedLog;
-use crate::protocol::MAX_SHARE_UNITS;
+use crate::protocol::{Algorithm, MAX_SHARE_UNITS};
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
@@ -73,6 +73,9 @@ pub struct QuotaLease {
     outside: u32,
     /// The ms offset from `t0_ms` of each used unit, in unit order.
     offsets: Vec<u32>,
+    /// A lease of an O(1) algorithm: its units are a reserve (settle record
+    /// `handle`), given back with one settle of the units used.
+    reserve: Option<(Algorithm, [u8; 16])>,
 }
 
 impl QuotaLease {
@@ -80,7 +83,16 @@ impl QuotaLease {
     /// the call sent at `sent_us` that ran at `t0_ms`, for `limit`.
     pub fn new(seq: u64, limit: u32, t0_ms: u64, sent_us: u64, life_ms: u32, granted: u32, outside: u32) -> Self {
         let granted = granted.min(MAX_LEASE_UNITS);
-        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize) }
+        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize), reserve: None }
+    }
+
+    /// A lease of an O(1) algorithm (fixed or calendar window, sliding
+    /// counter): `granted` units reserved under `handle` by the call sent at
+    /// `sent_us`, admitting for `life_ms`, which the caller cut so that every
+    /// local admission falls in the fixed window the units were counted in.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reserved(seq: u64, algorithm: Algorithm, handle: [u8; 16], limit: u32, sent_us: u64, life_ms: u32, granted: u32, outside: u32) -> Self {
+        Self { reserve: Some((algorithm, handle)), ..Self::new(seq, limit, 0, sent_us, life_ms, granted, outside) }
     }
 
     /// Admits `cost` units at local time `now_us` for a request of `limit`,
@@ -115,7 +127,7 @@ impl QuotaLease {
     /// still admit (offset ⌈1.001 · elapsed⌉ ≤ life), less 1 ms for the
     /// worker's whole-ms clock, and for at most `MAX_SHARE_MS`.
     pub fn share(&mut self, now_us: u64, limit: u32, want: u32, least: u32) -> Option<WorkerShare> {
-        if limit != self.limit {
+        if limit != self.limit || self.reserve.is_some() {
             return None;
         }
         let used = self.offsets.len() as u32;
@@ -169,6 +181,40 @@ pub fn lease_life_ms(window_ms: u32) -> u32 {
 /// on this host with a quarter to spare.
 pub fn units_wanted(hits: u32) -> u32 {
     (hits + hits / 4 + 1).clamp(2, MAX_LEASE_UNITS)
+}
+
+/// The algorithms a daemon leases: the log (members re-scored at the
+/// settle) and, by "reserve then give back", the fixed (and calendar)
+/// window and the sliding counter. Not GCRA (a reserve is charged at its
+/// own time, earlier than the admissions it stands for: see
+/// docs/PERFORMANCE.md) nor the ring (its slots cannot be re-scored by
+/// name): those are decided per request, leases on or off.
+pub fn leasable(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::Log | Algorithm::Fixed | Algorithm::SlidingCounter)
+}
+
+/// ms kept between a reserved lease's last local admission and the end of
+/// the fixed window its units were counted in: the script reads whole ms
+/// (its `now` is up to 1 ms behind the true time) and 1 ms more of slack.
+const WINDOW_END_MARGIN_MS: u32 = 2;
+
+/// ms from a reserve's script run to the end of the fixed window it counted
+/// the units in, from the reply's `reset_ms`: the fixed window's reset is
+/// that end; the sliding counter's is the end of the *next* window (when
+/// the estimate reaches 0), one window later.
+fn window_end_ms(algorithm: Algorithm, reset_ms: u32, window_ms: u32) -> u32 {
+    match algorithm {
+        Algorithm::SlidingCounter => reset_ms.saturating_sub(window_ms),
+        _ => reset_ms,
+    }
+}
+
+/// How long a reserved lease admits: its `life_ms`, cut so that its last
+/// local admission (offset ⌈1.001 · elapsed since the send⌉ ≤ the result)
+/// falls before the end of the fixed window its units were counted in,
+/// `reset_ms` being the reserve's reply.
+pub fn reserved_life_ms(algorithm: Algorithm, life_ms: u32, reset_ms: u32, window_ms: u32) -> u32 {
+    life_ms.min(window_end_ms(algorithm, reset_ms, window_ms).saturating_sub(WINDOW_END_MARGIN_MS))
 }
 
 /// One key's place in the table: its recent rate and its lease.
@@ -235,12 +281,12 @@ impl QuotaLeases {
     /// Admits from the key's lease, or says whether to ask for one. A
     /// lease that can no longer admit this request is taken out and
     /// settled in a task of its own.
-    pub(super) fn take(self: &Arc<Self>, spec: &LimitSpec<'_>) -> Take {
+    pub(super) fn take(self: &Arc<Self>, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Take {
         let life = lease_life_ms(spec.window_ms);
-        if life == 0 {
+        if life == 0 || !leasable(algorithm) {
             return Take::Pass;
         }
-        let fp = self.fingerprint(spec);
+        let fp = self.fingerprint(spec, algorithm);
         let now = self.now_us();
         let mut slot = self.slot(fp);
         if slot.fp != fp {
@@ -273,9 +319,10 @@ impl QuotaLeases {
         Take::Lease { fp, want: units_wanted(slot.last_hits.max(slot.hits)) }
     }
 
-    /// The slot of (key, window): a 128-bit keyed hash no client can aim.
-    fn fingerprint(&self, spec: &LimitSpec<'_>) -> u128 {
-        let hash = |s: &RandomState| s.hash_one((spec.key, spec.window_ms));
+    /// The slot of (key, window, algorithm): a 128-bit keyed hash no client
+    /// can aim.
+    fn fingerprint(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> u128 {
+        let hash = |s: &RandomState| s.hash_one((spec.key, spec.window_ms, algorithm as u8));
         (u128::from(hash(&self.hashers.0)) << 64) | u128::from(hash(&self.hashers.1))
     }
 
@@ -292,7 +339,7 @@ impl QuotaLeases {
         if lease_life_ms(spec.window_ms) == 0 {
             return Ok(None);
         }
-        let fp = self.fingerprint(spec);
+        let fp = self.fingerprint(spec, Algorithm::Log);
         let lease_want = {
             let now = self.now_us();
             let mut slot = self.slot(fp);
@@ -315,7 +362,7 @@ impl QuotaLeases {
             slot.refilling = true;
             units_wanted(hits).max(want).min(MAX_LEASE_UNITS)
         };
-        self.lease(fp, &LimitSpec { cost: 0, ..*spec }, lease_want).await?;
+        self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
         let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1)) else { return Ok(None) };
@@ -331,13 +378,16 @@ impl QuotaLeases {
     /// Decides the request in a lease call and installs the lease granted.
     /// Runs in a task of its own, so that a lease granted is installed (and
     /// settled) even if the request's future is dropped meanwhile.
-    pub(super) async fn lease(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, want: u32) -> Result<Verdict, StoreError> {
+    pub(super) async fn lease(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, algorithm: Algorithm, want: u32) -> Result<Verdict, StoreError> {
         let leases = self.clone();
         let (key, limit, window_ms, cost) = (Box::<[u8]>::from(spec.key), spec.limit, spec.window_ms, spec.cost);
         let life = lease_life_ms(window_ms);
         let task = tokio::spawn(async move {
-            let sent = leases.now_us();
             let spec = LimitSpec { key: &key, limit, window_ms, cost };
+            if algorithm != Algorithm::Log {
+                return leases.lease_reserved(fp, &spec, algorithm, want, life).await;
+            }
+            let sent = leases.now_us();
             let answer = leases.redis.lease_now(&spec, want, life).await;
             let mut slot = leases.slot(fp);
             slot.refilling = false;
@@ -361,6 +411,46 @@ impl QuotaLeases {
         }
     }
 
+    /// "Reserve then give back" for an O(1) algorithm: the request is
+    /// decided by an ordinary check; if admitted with room to spare, a
+    /// reserve (the CHECK_POLICY settle machinery, 'r' mode of the
+    /// algorithm's script) of at most half the room left, whose units the
+    /// daemon admits from until the lease's life or the end of the fixed
+    /// window they were counted in, whichever is first; one settle of the
+    /// units used gives back the rest (docs/PERFORMANCE.md, "Quota leases
+    /// for the O(1) algorithms"). Two calls, once per lease.
+    async fn lease_reserved(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, algorithm: Algorithm, want: u32, life: u32) -> Result<Verdict, StoreError> {
+        let decided = self.redis.check(spec, algorithm).await;
+        let units = match &decided {
+            Ok(v) if v.allowed => want.min(v.remaining / 2).min(MAX_LEASE_UNITS),
+            _ => 0,
+        };
+        if units < 2 {
+            self.slot(fp).refilling = false;
+            return decided;
+        }
+        let handle: [u8; 16] = rand::random();
+        let sent = self.now_us();
+        let reserved = self.redis.reserve(&LimitSpec { cost: units, ..*spec }, algorithm, &handle).await;
+        let mut slot = self.slot(fp);
+        slot.refilling = false;
+        let Some(r) = reserved.as_ref().ok().filter(|r| r.allowed) else { return decided };
+        let life = reserved_life_ms(algorithm, life, r.reset_ms, spec.window_ms);
+        if life == 0 {
+            // Too near the window's end to admit anything: give it all back.
+            drop(slot);
+            self.settle(QuotaLease::reserved(0, algorithm, handle, spec.limit, sent, 0, units, r.remaining), spec.key.into(), spec.window_ms);
+            return decided;
+        }
+        let seq = u64::from_le_bytes(handle[..8].try_into().expect("8 bytes"));
+        let lease = QuotaLease::reserved(seq, algorithm, handle, spec.limit, sent, life, units, r.remaining);
+        let ends = lease.ends_us();
+        slot.lease = Some(lease);
+        drop(slot);
+        self.settle_at(fp, seq, ends, spec.key.into(), spec.window_ms);
+        decided
+    }
+
     /// Settles lease `seq` of slot `fp` once it has ended, if it is still
     /// there (a request may have settled it first).
     fn settle_at(self: &Arc<Self>, fp: u128, seq: u64, ends_us: u64, key: Box<[u8]>, window_ms: u32) {
@@ -381,11 +471,29 @@ impl QuotaLeases {
         });
     }
 
-    /// One call: used units re-scored, unused removed. If it fails, the
-    /// units stay until `t0 + life + window`: under-admission only.
+    /// One call: used units re-scored, unused removed (the log), or the
+    /// reserve settled to the units used (O(1) algorithms). If it fails,
+    /// the units stay until `t0 + life + window` (the log) or the end of
+    /// their fixed window: under-admission only.
     fn settle(self: &Arc<Self>, lease: QuotaLease, key: Box<[u8]>, window_ms: u32) {
         let leases = self.clone();
         tokio::spawn(async move {
+            if let Some((algorithm, handle)) = lease.reserve {
+                let spec = LimitSpec { key: &key, limit: lease.limit, window_ms, cost: lease.used() };
+                if let Some(d) = &leases.denials {
+                    d.forget_window(&key, window_ms);
+                }
+                let settled = leases.redis.settle_reserve(&spec, algorithm, &handle).await;
+                if let Some(d) = &leases.denials {
+                    d.forget_window(&key, window_ms);
+                }
+                if let Err(e) = settled {
+                    if let Some(suppressed) = leases.settle_log.permit() {
+                        tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until their window ends");
+                    }
+                }
+                return;
+            }
             let scores: Vec<u64> = lease.used_scores().collect();
             let forget = || {
                 if let Some(d) = &leases.denials {
@@ -447,6 +555,23 @@ mod tests {
                 assert!((elapsed + elapsed / 1000).div_ceil(1000) <= 250, "a worker admission at {worker_last_us} µs is beyond t0 + life");
             }
         }
+    }
+
+    #[test]
+    fn a_reserved_lease_ends_before_its_fixed_window_and_is_never_shared() {
+        // Fixed: the reserve's reset is the window's end; the sliding
+        // counter's is one window later.
+        assert_eq!(reserved_life_ms(Algorithm::Fixed, 1000, 400, 60_000), 398);
+        assert_eq!(reserved_life_ms(Algorithm::Fixed, 1000, 30_000, 60_000), 1000);
+        assert_eq!(reserved_life_ms(Algorithm::SlidingCounter, 1000, 60_400, 60_000), 398);
+        assert_eq!(reserved_life_ms(Algorithm::Fixed, 1000, 2, 60_000), 0, "too near the end: nothing");
+        assert!(leasable(Algorithm::Log) && leasable(Algorithm::Fixed) && leasable(Algorithm::SlidingCounter));
+        assert!(!leasable(Algorithm::Gcra) && !leasable(Algorithm::Ring));
+        let mut l = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 398, 20, 40);
+        assert!(l.share(6_000, 100, 8, 1).is_none(), "worker shares come from log leases only");
+        assert_eq!(l.admit(5_000 + 397_000, 100, 1).map(|v| v.remaining), Some(59));
+        assert!(l.admit(5_000 + 399_000, 100, 1).is_none(), "past the cut life");
+        assert_eq!(l.used(), 1);
     }
 
     #[test]

@@ -45,7 +45,7 @@ use crate::protocol::Algorithm;
 use crate::window::LimitSpec;
 
 pub(crate) use count::count_undecoded;
-pub use lease::{lease_life_ms, QuotaLease, QuotaLeases, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
+pub use lease::{lease_life_ms, leasable, reserved_life_ms, QuotaLease, QuotaLeases, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
 pub use limiter::{Backend, Limiter};
 
 use count::{account, Charge};

@@ -29,7 +29,7 @@
 //!   connection, and after `breaker_failures` consecutive deadlines during
 //!   which Redis answered nothing. A timeout is evidence only if Redis
 //!   answered no call of ours in the whole time this one waited
-//!   (`last_reply_us` is not later than the call's admission): Redis answers
+//!   (`last_answer_us` of `admission` is not later than the call's admission): Redis answers
 //!   one connection in order, so a reply that arrived meanwhile was for a
 //!   call ahead of this one, and this one was merely queued behind our own
 //!   work; Redis was alive (`queued` if at least `min_in_flight` calls were
@@ -48,10 +48,11 @@
 //!   ever arrives in time) opens it after those 100 ms; a busy but healthy
 //!   Redis never does. `ratelimitd_redis_timeouts_total{cause}` counts each
 //!   kind of timeout.
-//! - Admission (`admission`): is our own queue too long? An adaptive limit
-//!   on the calls in flight, found from the round trips; a call over it is
-//!   refused at once with `StoreError::Overloaded` and never touches the
-//!   breaker.
+//! - Admission (`admission`): would this call miss its deadline waiting in
+//!   our own queue (or behind a Redis silent for about a deadline)? Its wait
+//!   is estimated from the calls ahead and the observed time per call; a
+//!   call that would miss is refused at once with `StoreError::Overloaded`
+//!   and never touches the breaker.
 
 mod admission;
 mod breaker;
@@ -106,9 +107,6 @@ pub struct RedisLink {
     breaker: Breaker,
     /// Admission: the adaptive limit on calls in flight.
     in_flight: InFlightLimit,
-    /// When Redis last answered a call still waiting for it, µs on
-    /// `in_flight`'s clock: the breaker's evidence of a live Redis.
-    last_reply_us: AtomicU64,
     /// When the last timeout the breaker counted fired, same clock: one
     /// count per deadline of silence (see the module doc).
     last_counted_us: AtomicU64,
@@ -120,7 +118,7 @@ pub struct RedisLink {
     /// without opening the breaker.
     replace_wanted: AtomicBool,
     /// When a stalled connection was last replaced, or a stall probe
-    /// answered (same clock as `last_reply_us`).
+    /// answered (same clock as `in_flight.last_answer_us()`).
     last_replaced_us: AtomicU64,
     stall_log: RateLimitedLog,
     /// Wakes the supervisor.
@@ -196,7 +194,6 @@ impl RedisLink {
             conn: ArcSwapOption::empty(),
             breaker: Breaker::new(settings.breaker_failures),
             in_flight: InFlightLimit::new(settings.min_in_flight, settings.max_in_flight, settings.timeout),
-            last_reply_us: AtomicU64::new(0),
             last_counted_us: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             reconnect_wanted: AtomicBool::new(true),
@@ -258,8 +255,8 @@ impl RedisLink {
     /// outcome is reported to the breaker, the adaptive in-flight limit and
     /// the latency metric.
     ///
-    /// With the breaker open the answer is `CircuitOpen`; with the calls in
-    /// flight at the adaptive limit it is `Overloaded`, at once: neither
+    /// With the breaker open the answer is `CircuitOpen`; when waiting would
+    /// miss the deadline (see `admission`) it is `Overloaded`, at once: neither
     /// waits, and neither counts as a failure of Redis.
     ///
     /// A connection found dead (Redis or a proxy closed it while idle,
@@ -331,7 +328,7 @@ impl RedisLink {
         METRICS.redis_call(took);
         match outcome {
             Ok(Ok(v)) => {
-                self.replied(now, took);
+                self.replied(&permit, now, took);
                 self.breaker.record_success();
                 Ok(v)
             }
@@ -345,12 +342,8 @@ impl RedisLink {
 
     /// Redis answered a call still waiting for it.
     #[inline]
-    fn replied(&self, now: Instant, took: Duration) {
-        let at = self.in_flight.micros(now);
-        if at > self.last_reply_us.load(Ordering::Relaxed) {
-            self.last_reply_us.fetch_max(at, Ordering::Relaxed);
-        }
-        self.in_flight.answered(took, now);
+    fn replied(&self, permit: &Permit<'_>, now: Instant, took: Duration) {
+        self.in_flight.answered(took, now, permit.admitted_us);
     }
 
     /// A sentinel announced that our master changed: stop using the old one now.
@@ -403,7 +396,7 @@ impl RedisLink {
     fn record_failure(&self, e: &RedisError, cluster: bool, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
         match classify(e) {
             Failure::Link if cluster => {
-                if self.last_reply_us.load(Ordering::Relaxed) <= permit.admitted_us {
+                if self.in_flight.last_answer_us() <= permit.admitted_us {
                     self.count_toward_breaker(permit, now);
                 }
                 StoreError::Unavailable(e.to_string())
@@ -418,7 +411,7 @@ impl RedisLink {
             }
             Failure::Call => {
                 // An error reply is still a reply: Redis is alive.
-                self.replied(now, took);
+                self.replied(permit, now, took);
                 StoreError::Redis(e.to_string())
             }
         }
@@ -429,7 +422,7 @@ impl RedisLink {
     fn timeout_cause(&self, permit: &Permit<'_>, took: Duration) -> TimeoutCause {
         if took > self.settings.timeout + self.settings.timeout / LATE_TIMER_DIVISOR {
             TimeoutCause::DaemonLate
-        } else if self.last_reply_us.load(Ordering::Relaxed) <= permit.admitted_us {
+        } else if self.in_flight.last_answer_us() <= permit.admitted_us {
             TimeoutCause::RedisSilent
         } else if permit.ahead >= self.in_flight.min() {
             TimeoutCause::Queued
@@ -460,9 +453,7 @@ impl RedisLink {
     fn record_timeout(&self, permit: &Permit<'_>, now: Instant, took: Duration) {
         let cause = self.timeout_cause(permit, took);
         METRICS.redis_timeout(cause);
-        if cause == TimeoutCause::Queued {
-            self.in_flight.timed_out(now);
-        }
+        self.in_flight.timed_out(now, permit.ahead, cause == TimeoutCause::Queued);
         if cause == TimeoutCause::RedisSilent {
             self.count_toward_breaker(permit, now);
         }
@@ -748,7 +739,7 @@ async fn watch_cluster(link: std::sync::Weak<RedisLink>, shutdown: CancellationT
             continue;
         }
         let now = link.in_flight.micros(Instant::now());
-        let quiet_since = link.last_reply_us.load(Ordering::Relaxed).max(link.last_replaced_us.load(Ordering::Relaxed));
+        let quiet_since = link.in_flight.last_answer_us().max(link.last_replaced_us.load(Ordering::Relaxed));
         if now.saturating_sub(quiet_since) < stall_limit.as_micros() as u64 {
             continue;
         }
