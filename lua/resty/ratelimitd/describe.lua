@@ -138,8 +138,8 @@ function _M.apply_many(lim, ds)
         else
             windows[i] = d.window_ms
         end
-        -- 0: the policy has no local quota (nor an on_error of its own).
-        quotas[i] = lim._local_limit or (d.local_limit > 0 and d.local_limit or nil)
+        -- nil: the policy has no local quota (wire.lua reads 0 as none).
+        quotas[i] = lim._local_limit or d.local_limit
         shown[i] = quotas[i] or "-"
     end
     lim._windows, lim._local_limits = windows, quotas
