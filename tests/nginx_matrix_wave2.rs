@@ -84,8 +84,8 @@ impl Kind {
     fn limiter(self, extra: &str) -> String {
         match self {
             Kind::Shared | Kind::SharedShadow => format!("ratelimitd.new{{ policy = \"{}\", share_dict = \"ratelimitd\"{extra} }}", self.policy()),
-            Kind::Settle(false) => format!("ratelimitd.new{{ policies = {{ \"tok_min\", \"tok_day\" }}, settle = true, window_ms = 60000{extra} }}"),
-            Kind::Settle(true) => format!("ratelimitd.new{{ policies = {{ \"tok_min\", \"tok_next\", \"tok_day\" }}, shadow = {{ \"tok_next\" }}, settle = true, window_ms = 60000{extra} }}"),
+            Kind::Settle(false) => format!("ratelimitd.new{{ policies = {{ \"tok_min\", \"tok_day\" }}, settle = true{extra} }}"),
+            Kind::Settle(true) => format!("ratelimitd.new{{ policies = {{ \"tok_min\", \"tok_next\", \"tok_day\" }}, shadow = {{ \"tok_next\" }}, settle = true{extra} }}"),
             _ => format!("ratelimitd.new{{ policy = \"{}\"{extra} }}", self.policy()),
         }
     }
