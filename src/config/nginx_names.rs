@@ -29,20 +29,14 @@ pub struct NginxReadError {
 
 /// Every literal policy name in `conf` and the files it includes.
 pub fn nginx_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
-    let mut seen = Vec::new();
-    let mut out = Vec::new();
-    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, names_in)?;
-    Ok(out)
+    read_all(conf, names_in)
 }
 
 /// The literal policy names of the limiters built with `settle = true` in
 /// `conf` and the files it includes: each must be one a reserve can name
 /// (`reserve_refusal`).
 pub fn nginx_settle_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
-    let mut seen = Vec::new();
-    let mut out = Vec::new();
-    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, settle_names_in)?;
-    Ok(out)
+    read_all(conf, settle_names_in)
 }
 
 /// The names in the Lua tables (`new{ ... }`) of one file that hold
@@ -53,11 +47,9 @@ pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
     let mut i = 0;
     while let Some(at) = text[i..].find("settle").map(|k| k + i) {
         i = at + 6;
-        let line_start = b[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
-        let commented = text[line_start..at].contains("--") || text[line_start..at].contains('#');
         let word = (at == 0 || !is_ident(b[at - 1])) && !b.get(i).copied().is_some_and(is_ident);
         let j = skip_space(b, i);
-        if commented || !word || b.get(j) != Some(&b'=') || !text[skip_space(b, j + 1)..].starts_with("true") {
+        if commented(text, at) || !word || b.get(j) != Some(&b'=') || !text[skip_space(b, j + 1)..].starts_with("true") {
             continue;
         }
         // The table around it: the last unmatched `{` before, its `}` after.
@@ -79,16 +71,7 @@ pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
         if !(before.ends_with("new") || before.trim_end_matches('(').trim_end().ends_with("new")) {
             continue;
         }
-        let mut depth = 0i32;
-        let close = (open..b.len()).find(|&k| {
-            match b[k] {
-                b'{' => depth += 1,
-                b'}' => depth -= 1,
-                _ => {}
-            }
-            depth == 0
-        });
-        let table = &text[open..close.map_or(b.len(), |c| c + 1)];
+        let table = &text[open..table_end(b, open)];
         let offset = line_of(b, open) - 1;
         for (name, line) in names_in(table) {
             if !out.iter().any(|(n, l)| *n == name && *l == line + offset) {
@@ -105,10 +88,7 @@ pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
 /// files it includes: each must be one such a check can name
 /// (`multi_refusal`).
 pub fn nginx_multi_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxReadError> {
-    let mut seen = Vec::new();
-    let mut out = Vec::new();
-    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, multi_names_in)?;
-    Ok(out)
+    read_all(conf, multi_names_in)
 }
 
 /// The names in the constructor tables (`new{ ... }`, `new({ ... })`) of
@@ -119,9 +99,7 @@ pub fn multi_names_in(text: &str) -> Vec<(String, usize)> {
     let mut i = 0;
     while let Some(at) = text[i..].find("new").map(|k| k + i) {
         i = at + 3;
-        let line_start = b[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
-        let commented = text[line_start..at].contains("--") || text[line_start..at].contains('#');
-        if commented || (at > 0 && is_ident(b[at - 1])) || b.get(i).copied().is_some_and(is_ident) {
+        if commented(text, at) || (at > 0 && is_ident(b[at - 1])) || b.get(i).copied().is_some_and(is_ident) {
             continue;
         }
         let mut open = skip_space(b, i);
@@ -131,16 +109,7 @@ pub fn multi_names_in(text: &str) -> Vec<(String, usize)> {
         if b.get(open) != Some(&b'{') {
             continue;
         }
-        let mut depth = 0i32;
-        let close = (open..b.len()).find(|&k| {
-            match b[k] {
-                b'{' => depth += 1,
-                b'}' => depth -= 1,
-                _ => {}
-            }
-            depth == 0
-        });
-        let table = &text[open..close.map_or(b.len(), |c| c + 1)];
+        let table = &text[open..table_end(b, open)];
         let names = names_in(table);
         let several = names.len() >= 2 && !is_true(table, "settle");
         if !(several || is_true(table, "refundable")) {
@@ -170,6 +139,37 @@ fn is_true(table: &str, word: &str) -> bool {
         }
     }
     false
+}
+
+/// `names` of every file of `conf` (it and the files it includes).
+fn read_all(conf: &Path, names: fn(&str) -> Vec<(String, usize)>) -> Result<Vec<NamedPolicy>, NginxReadError> {
+    let mut seen = Vec::new();
+    let mut out = Vec::new();
+    read(conf, conf.parent().unwrap_or(Path::new(".")), &mut seen, &mut out, names)?;
+    Ok(out)
+}
+
+/// Whether the line holding `at` is commented out before it (Lua `--`,
+/// nginx `#`).
+fn commented(text: &str, at: usize) -> bool {
+    let line_start = text.as_bytes()[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
+    text[line_start..at].contains("--") || text[line_start..at].contains('#')
+}
+
+/// The end (exclusive) of the brace-balanced table that opens at `open`;
+/// the end of `b` for an unclosed one.
+fn table_end(b: &[u8], open: usize) -> usize {
+    let mut depth = 0i32;
+    (open..b.len())
+        .find(|&k| {
+            match b[k] {
+                b'{' => depth += 1,
+                b'}' => depth -= 1,
+                _ => {}
+            }
+            depth == 0
+        })
+        .map_or(b.len(), |c| c + 1)
 }
 
 fn read(path: &Path, base: &Path, seen: &mut Vec<PathBuf>, out: &mut Vec<NamedPolicy>, names: fn(&str) -> Vec<(String, usize)>) -> Result<(), NginxReadError> {
