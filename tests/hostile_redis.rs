@@ -144,7 +144,11 @@ async fn paused_writes_do_not_cycle_the_breaker() {
     eprintln!("writes paused 2 s: {} requests, {waited} waited out the deadline, {conns} new connections, {warns} WARN lines, {trips_logged} breaker lines", responses.len());
     assert!(responses.iter().all(|r| r.decision == Decision::Allowed));
     assert!(conns <= 6, "{conns} connections while paused");
-    assert!(warns <= 4, "{warns} WARN lines while paused:\n{}", d.log());
+    // At most one line of each kind (rate-limited): the first timeout, the
+    // admission shedding calls behind a Redis silent past the deadline
+    // (OVERLOADED), the breaker opening, the repeat of the fail-policy line,
+    // the probe's failure.
+    assert!(warns <= 5, "{warns} WARN lines while paused:\n{}", d.log());
     assert!(waited <= 4 * 8, "{waited} requests waited the full deadline: the breaker cycled");
     back_on_redis(&d, Duration::from_secs(4)).await;
     eprintln!("writes resumed: Redis-backed {:?} after the pause began", paused_at.elapsed());
