@@ -73,7 +73,7 @@ impl Daemon {
         }
         std::fs::write(&config, text).unwrap();
         let mut d = Self { child: Self::spawn(&dir, &config), dir, socket, config, metrics_port };
-        d.wait_ready().map(|()| d)
+        d.wait_ready(0).map(|()| d)
     }
 
     fn spawn(dir: &TempDir, config: &Path) -> ChildGuard {
@@ -87,11 +87,18 @@ impl Daemon {
         ChildGuard::spawn("ratelimitd", &mut cmd, Some(log))
     }
 
-    /// Ready once its socket accepts and its metrics port (if any) is its
-    /// own; `Err` with the log if it exits first or does not get there.
-    fn wait_ready(&mut self) -> Result<(), String> {
+    /// Ready once its socket accepts, its metrics port (if any) is its own
+    /// and, with a `[redis]` table, it has said how its start-up wait for
+    /// Redis ended (more such lines in its log than `redis_lines_before`):
+    /// the daemon binds its socket before Redis first answers, and a test
+    /// that counts Redis calls must not meet the start-up probe's late.
+    /// `Err` with the log if it exits first or does not get there.
+    fn wait_ready(&mut self, redis_lines_before: usize) -> Result<(), String> {
         let (socket, pid, metrics) = (self.socket.clone(), self.child.pid(), self.metrics_port);
-        let ready = || std::os::unix::net::UnixStream::connect(&socket).is_ok() && metrics.map_or(true, |port| listens_on(pid, port));
+        let uses_redis = std::fs::read_to_string(&self.config).is_ok_and(|c| c.contains("[redis]"));
+        let log = self.dir.path().join("daemon.log");
+        let redis_said = || !uses_redis || redis_start_lines(&std::fs::read_to_string(&log).unwrap_or_default()) > redis_lines_before;
+        let ready = || std::os::unix::net::UnixStream::connect(&socket).is_ok() && metrics.map_or(true, |port| listens_on(pid, port)) && redis_said();
         match poll(START_LIMIT, Some(&mut self.child), ready) {
             Waited::Ready => Ok(()),
             Waited::Exited(status) => Err(format!("ratelimitd exited with {status} before it was ready\n{}", self.log())),
@@ -101,8 +108,9 @@ impl Daemon {
 
     /// Starts the daemon again with the same config and socket, after `terminate`.
     pub fn start_again(&mut self) {
+        let before = redis_start_lines(&self.log());
         self.child = Self::spawn(&self.dir, &self.config);
-        if let Err(why) = self.wait_ready() {
+        if let Err(why) = self.wait_ready(before) {
             panic!("started again: {why}");
         }
     }
@@ -142,4 +150,10 @@ impl Daemon {
     pub fn terminate(&mut self) -> ExitStatus {
         self.child.terminate(Duration::from_secs(10))
     }
+}
+
+/// The lines in which a daemon said how its start-up wait for Redis ended
+/// (src/daemon.rs `log_readiness`).
+fn redis_start_lines(log: &str) -> usize {
+    log.matches("redis backend ready").count() + log.matches("redis not reachable yet").count()
 }
