@@ -184,13 +184,13 @@ function _M.now(lim)
     return nil, err
 end
 
---- The frame header of a policy limiter: build(lim), which is nil while
+--- The frame header of a policy limiter: lim._header once built, else build(lim), which is nil while
 -- on_error is "local" and the local quota, to come from the daemon, is not
 -- known; then described now, once (an unknown name asked
 -- again: a reload may add it, as a CHECK_POLICY would be). The header, or
 -- nil and why not.
 function _M.header(lim, build)
-    local h = build(lim)
+    local h = lim._header or build(lim)
     if h then
         return h
     end

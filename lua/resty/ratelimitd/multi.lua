@@ -110,11 +110,8 @@ function Multi._on_described(self)
 end
 
 function Multi._decide(self, keys, costs)
-    local h, err = self._header, nil
-    if not h then
-        -- Built once; described first if it must be (describe.header).
-        h, err = describe.header(self, header)
-    end
+    -- Built once; described first if it must be (describe.header).
+    local h, err = describe.header(self, header)
     if not h then
         return nil, err
     end

@@ -48,11 +48,8 @@ function Policy._decide(self, key, cost)
             return res
         end
     end
-    local h, err = self._header, nil
-    if not h then
-        -- Built once; described first if it must be (describe.header).
-        h, err = describe.header(self, header)
-    end
+    -- Built once; described first if it must be (describe.header).
+    local h, err = describe.header(self, header)
     if not h then
         return nil, err
     end
