@@ -7,6 +7,10 @@
 local wire = require "resty.ratelimitd.wire"
 
 local now_us = 0
+-- ngx.now(), the worker's cached clock in s: what the hit counts' generations follow.
+local now_s = 1000
+_G.ngx = _G.ngx or { socket = { tcp = function() end }, log = function() end, ERR = 4, WARN = 5, INFO = 7 }
+ngx.now = function() return now_s end
 local sent = {}
 local answer -- the 32 bytes of prefix and fixed fields the "daemon" answers
 package.loaded["resty.ratelimitd.cache"] = { mono_us = function() return now_us end }
@@ -23,7 +27,7 @@ local share = require "resty.ratelimitd.share"
 -- The subset of ngx.shared.DICT share.lua uses (no expiry: the tests set
 -- the clock, and the deadline is in the value).
 local function dict()
-    local values, flags = {}, {}
+    local values, flags, exptimes = {}, {}, {}
     return {
         get = function(_, k) return values[k], flags[k] end,
         incr = function(_, k, by)
@@ -33,8 +37,8 @@ local function dict()
             values[k] = values[k] + by
             return values[k]
         end,
-        safe_set = function(_, k, v, _, f)
-            values[k], flags[k] = v, f
+        safe_set = function(_, k, v, exptime, f)
+            values[k], flags[k], exptimes[k] = v, f, exptime
             return true
         end,
         safe_add = function(_, k, v, _, f)
@@ -44,8 +48,10 @@ local function dict()
             values[k], flags[k] = v, f
             return true
         end,
+        expire = function() return true end,
         delete = function(_, k) values[k] = nil end,
         values = values,
+        exptimes = exptimes,
     }
 end
 
@@ -63,7 +69,7 @@ local admitted = { decision = "allowed", source = "redis", count = 10, remaining
 local function refilled(d, key, at_us, units, valid_ms)
     now_us = at_us
     answer = granted(units, 500, valid_ms, 60000)
-    for _ = 1, 9 do
+    for _ = 1, 8 do
         share.refill(lim, d, key, admitted)
     end
 end
@@ -71,6 +77,9 @@ end
 describe("worker shares", function()
     before_each(function()
         sent = {}
+        -- Each test's keys start cold: the worker's counts are two
+        -- generations of at most 1 s each.
+        now_s = now_s + 10
     end)
 
     it("asks the daemon only once the key is hot on the host, with the op 10 frame", function()
@@ -84,6 +93,40 @@ describe("worker shares", function()
         share.refill(lim, d, "k", admitted)
         assert.equals(1, #sent)
         assert.equals(wire.lease_share(7, lim._header, 128, "\3hot", "k"), sent[1])
+        assert.is_nil(d.values["\2\3hotk\5"], "the counts are the worker's, not the dict's")
+    end)
+
+    it("counts a key's admissions over the last one to two seconds only", function()
+        local d = dict()
+        now_us = 1e9
+        answer = granted(16, 500, 200, 60000)
+        for _ = 1, 7 do
+            share.refill(lim, d, "slow", admitted)
+        end
+        now_s = now_s + 1.5
+        share.refill(lim, d, "slow", admitted)
+        assert.equals(1, #sent, "8 admissions within 1.5 s (the generation before is carried on): hot")
+        for _ = 1, 7 do
+            share.refill(lim, d, "slower", admitted)
+        end
+        now_s = now_s + 2.5
+        share.refill(lim, d, "slower", admitted)
+        now_s = now_s + 1.1
+        share.refill(lim, d, "slower", admitted)
+        assert.equals(1, #sent, "7 admissions, then 1 every 2.5 s and 1.1 s: never 8 within two generations")
+    end)
+
+    it("asks again as soon as the daemon says while its lease call is in flight, never later than 100 ms", function()
+        local d = dict()
+        refilled(d, "k", 1e9, 0, 1)
+        assert.equals(1, #sent)
+        assert.equals(0.001, d.exptimes["\2\3hotk\4"], "no units, ask again in 1 ms: the guard lasts 1 ms")
+        local d2 = dict()
+        refilled(d2, "k", 1e9, 0, 0)
+        assert.equals(0.1, d2.exptimes["\2\3hotk\4"], "no units and no time said: 100 ms")
+        local d3 = dict()
+        refilled(d3, "k", 1e9, 0, 4000000000)
+        assert.equals(0.1, d3.exptimes["\2\3hotk\4"], "a daemon's long wait is capped at 100 ms")
     end)
 
     it("admits exactly the units granted, then nothing", function()
@@ -120,20 +163,93 @@ describe("worker shares", function()
         assert.is_nil(share.admit(lim, d, "k", 1), "at the deadline")
     end)
 
-    it("never replaces a live share, and waits after a refill that got nothing", function()
+    it("adds to a live share under its earlier deadline, replaces a spent or late one, and waits after a refill that got nothing", function()
         local d = dict()
         refilled(d, "k", 1e9, 50, 200)
         local live = d.values["\2\3hotk"]
+        assert.equals(1000200 * 65536 + 50, live, "deadline: the send (1,000,000 ms) plus 200 ms; 50 units")
         d:delete("\2\3hotk\4")
         answer = granted(80, 500, 200, 60000)
         share.refill(lim, d, "k", admitted)
-        assert.equals(live, d.values["\2\3hotk"], "the live share stays")
+        assert.equals(live + 80, d.values["\2\3hotk"], "fewer than 64 left: 80 more under the live (earlier) deadline")
+        d:delete("\2\3hotk\4")
+        share.refill(lim, d, "k", admitted)
+        assert.equals(live + 80, d.values["\2\3hotk"], "130 left: no round trip")
+        -- Spent: replaced by the new share and its own deadline.
+        d.values["\2\3hotk"] = 1000200 * 65536
+        d:delete("\2\3hotk\4")
+        now_us = 1e9 + 5000
+        share.refill(lim, d, "k", admitted)
+        assert.equals(1000205 * 65536 + 80, d.values["\2\3hotk"])
+        -- Past its deadline with units left: replaced, the old ones burnt.
+        d:delete("\2\3hotk\4")
+        now_us = 1e9 + 300000
+        d.values["\2\3hotk"] = 1000205 * 65536 + 10
+        share.refill(lim, d, "k", admitted)
+        assert.equals(1000500 * 65536 + 80, d.values["\2\3hotk"])
         local d2 = dict()
         refilled(d2, "k", 1e9, 0, 0)
         local asked = #sent
         answer = granted(80, 500, 200, 60000)
         share.refill(lim, d2, "k", admitted)
         assert.equals(asked, #sent, "no second ask while the guard of a refill that got nothing lasts")
+    end)
+
+    it("tops the share up from the take that leaves fewer than 64 units, and only that one", function()
+        local d = dict()
+        refilled(d, "k", 1e9, 66, 200)
+        local asked = #sent
+        answer = granted(100, 500, 200, 60000)
+        assert.is_not_nil(share.admit(lim, d, "k", 1))
+        assert.equals(asked, #sent, "65 left")
+        assert.is_not_nil(share.admit(lim, d, "k", 1))
+        assert.equals(asked, #sent, "64 left")
+        local res = share.admit(lim, d, "k", 1)
+        assert.equals(asked + 1, #sent, "63 left: topped up")
+        assert.equals(63, res.remaining - 500, "the answer counts the units left when taken")
+        assert.equals(1000200 * 65536 + 163, d.values["\2\3hotk"])
+        assert.is_nil(d.values["\2\3hotk\4"], "the guard is gone: the next top-up may come")
+        for _ = 1, 100 do
+            share.admit(lim, d, "k", 1)
+        end
+        assert.equals(asked + 2, #sent, "one top-up per crossing")
+    end)
+
+    it("never grants a unit twice when a take gives back between the refill's read and write", function()
+        local d = dict()
+        refilled(d, "k", 1e9, 2, 200)
+        -- A take of 3 borrows (2 left) ...
+        assert.is_nil(share.admit(lim, d, "k", 3))
+        -- ... and a take borrows while the refill's answer is on its way:
+        -- the refill reads a borrowed entry and burns its units.
+        local get = d.get
+        d.get = function(self, k)
+            local v, f = get(self, k)
+            if k == "\2\3hotk" then
+                self.values[k] = self.values[k] - 5
+                d.get = get
+                return v - 5, f
+            end
+            return v, f
+        end
+        d:delete("\2\3hotk\4")
+        answer = granted(100, 500, 200, 60000)
+        share.refill(lim, d, "k", admitted)
+        d:incr("\2\3hotk", 5) -- the borrowing take gives back
+        assert.equals(1000200 * 65536 + 2, d.values["\2\3hotk"], "the 100 units were burnt, the 2 remain")
+        -- A give-back that lands between the read and the write of a replace.
+        d.values["\2\3hotk"] = 1000200 * 65536
+        d:delete("\2\3hotk\4")
+        local incr = d.incr
+        d.incr = function(self, k, by)
+            d.incr = incr
+            incr(self, k, -1) -- a take of 1 that will borrow ...
+            local r = incr(self, k, by)
+            incr(self, k, 1) -- ... and gives back after the write
+            return r
+        end
+        share.refill(lim, d, "k", admitted)
+        assert.equals(1000200 * 65536 + 100, d.values["\2\3hotk"], "exactly the 100 granted")
     end)
 
     it("waits after an error answer too (a daemon older than op 10)", function()

@@ -44,6 +44,10 @@ const HOT_HITS: u32 = 8;
 pub const MAX_SHARE_MS: u32 = 250;
 /// Shorter validity than this is not worth a share.
 const MIN_SHARE_MS: u32 = 5;
+/// What a worker is told to wait before asking again while this daemon's
+/// lease call for the key is in flight: about one Redis round trip, after
+/// which the new lease can be shared.
+const LEASE_IN_FLIGHT_RETRY_MS: u32 = 1;
 
 /// Units of a lease handed to an nginx worker's shared dict (op 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +59,20 @@ pub struct WorkerShare {
     /// The key's room outside the lease and the share when the lease was
     /// granted, plus the lease's units left after it.
     pub remaining: u32,
+}
+
+/// The answer to a worker asking for a share of a key's lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShareAnswer {
+    Units(WorkerShare),
+    /// No units now. `ask_again_ms` > 0: a lease call for the key is in
+    /// flight, units may be there that soon; 0: not soon (the key is not
+    /// hot, has no room to spare, or is not leased at all).
+    NoUnits { ask_again_ms: u32 },
+}
+
+impl ShareAnswer {
+    pub const NONE: Self = Self::NoUnits { ask_again_ms: 0 };
 }
 
 /// One lease as the daemon holds it: pure state, times passed in (µs on
@@ -143,9 +161,12 @@ impl QuotaLease {
         Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
     }
 
-    /// The scores of the used units, in unit order, for the settle call.
+    /// The scores of the used units, in unit order, for the settle call;
+    /// 0 for a unit already scored right: one used at `t0 + life`, as every
+    /// unit handed to a worker is, keeps the score it was reserved with,
+    /// and the settle skips it (a hot key's units are mostly shares).
     pub fn used_scores(&self) -> impl Iterator<Item = u64> + '_ {
-        self.offsets.iter().map(|&o| self.t0_ms + u64::from(o))
+        self.offsets.iter().map(|&o| if o == self.life_ms { 0 } else { self.t0_ms + u64::from(o) })
     }
 
     pub fn seq(&self) -> u64 {
@@ -335,39 +356,46 @@ impl QuotaLeases {
     /// taken with a request: at most half the room left), and the share
     /// comes from it. A lease that can no longer share (spent, ending, or
     /// granted for a limit no longer in force) is settled first.
-    pub(super) async fn share(self: &Arc<Self>, spec: &LimitSpec<'_>, want: u32) -> Result<Option<WorkerShare>, StoreError> {
+    /// While a lease call for the key is in flight (a request's or another
+    /// worker's), the answer says to ask again in about a round trip: the
+    /// new lease is shared then, rather than the host's workers deciding
+    /// every request through the daemon for their whole back-off.
+    pub(super) async fn share(self: &Arc<Self>, spec: &LimitSpec<'_>, want: u32) -> Result<ShareAnswer, StoreError> {
         if lease_life_ms(spec.window_ms) == 0 {
-            return Ok(None);
+            return Ok(ShareAnswer::NONE);
         }
         let fp = self.fingerprint(spec, Algorithm::Log);
         let lease_want = {
             let now = self.now_us();
             let mut slot = self.slot(fp);
             if slot.fp != fp {
-                return Ok(None);
+                return Ok(ShareAnswer::NONE);
             }
             if let Some(lease) = slot.lease.as_mut() {
                 // Half of what was asked at least, or a fresh lease.
                 if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2)) {
                     slot.hits = slot.hits.saturating_add(share.units);
-                    return Ok(Some(share));
+                    return Ok(ShareAnswer::Units(share));
                 }
                 let ended = slot.lease.take().expect("checked above");
                 self.settle(ended, spec.key.into(), spec.window_ms);
             }
-            let hits = slot.last_hits.max(slot.hits);
-            if slot.refilling || hits < HOT_HITS {
-                return Ok(None);
+            if slot.refilling {
+                return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
             }
+            if slot.last_hits.max(slot.hits) < HOT_HITS {
+                return Ok(ShareAnswer::NONE);
+            }
+            let hits = slot.last_hits.max(slot.hits);
             slot.refilling = true;
             units_wanted(hits).max(want).min(MAX_LEASE_UNITS)
         };
         self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
-        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1)) else { return Ok(None) };
+        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1)) else { return Ok(ShareAnswer::NONE) };
         slot.hits = slot.hits.saturating_add(share.units);
-        Ok(Some(share))
+        Ok(ShareAnswer::Units(share))
     }
 
     /// The request that was to ask for a lease was answered otherwise.
@@ -527,7 +555,7 @@ mod tests {
         assert_eq!(l.admit(254_751, 100, 1).map(|v| v.remaining), Some(40));
         assert!(l.admit(254_751, 100, 1).is_none(), "spent");
         // Rounded up to whole ms after t0.
-        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_000, 1_000_002, 1_000_002, 1_000_250]);
+        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_000, 1_000_002, 1_000_002, 0], "the last is at t0 + life, as reserved: unchanged (0)");
     }
 
     #[test]
@@ -545,7 +573,7 @@ mod tests {
         assert_eq!(l.used(), 17);
         assert_eq!(l.admit(250_000, 100, 1).map(|v| v.remaining), Some(42), "the daemon admits from what is left");
         let scores: Vec<u64> = l.used_scores().collect();
-        assert!(scores[..17].iter().all(|&s| s == 1_000_250), "shared units are scored t0 + life: {scores:?}");
+        assert!(scores[..17].iter().all(|&s| s == 0), "shared units keep their reserved score t0 + life (0: unchanged): {scores:?}");
         // The worker's last admission (before send + valid_ms, send at or
         // before the daemon's now) is at most the daemon's last local one.
         for now_us in [5_000u64, 100_000, 200_000, 240_000, 249_000] {

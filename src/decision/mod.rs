@@ -45,7 +45,7 @@ use crate::protocol::Algorithm;
 use crate::window::LimitSpec;
 
 pub(crate) use count::count_undecoded;
-pub use lease::{lease_life_ms, leasable, reserved_life_ms, QuotaLease, QuotaLeases, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
+pub use lease::{lease_life_ms, leasable, reserved_life_ms, QuotaLease, QuotaLeases, ShareAnswer, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
 pub use limiter::{Backend, Limiter};
 
 use count::{account, Charge};
@@ -196,18 +196,22 @@ impl Limiter {
             // its keys are never leased, to the daemon or to a worker.
             (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.penalty.is_none()) => {
                 // A Redis error leaves the worker deciding per request.
-                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost).await.ok().flatten()
+                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost).await.ok()
             }
             _ => None,
         };
-        let share = share.unwrap_or(WorkerShare { units: 0, valid_ms: 0, remaining: 0 });
+        // With no units, retry_after_ms is when to ask again (0: not soon).
+        let (share, retry_after_ms) = match share.unwrap_or(ShareAnswer::NONE) {
+            ShareAnswer::Units(s) => (s, s.valid_ms),
+            ShareAnswer::NoUnits { ask_again_ms } => (WorkerShare { units: 0, valid_ms: 0, remaining: 0 }, ask_again_ms),
+        };
         METRICS.lease_share(share.units);
         Response {
             decision: Decision::Allowed,
             source: Source::Redis,
             count: share.units,
             remaining: share.remaining,
-            retry_after_ms: share.valid_ms,
+            retry_after_ms,
             reset_ms: item.window_ms,
             ..Response::error(r.id, op, ErrorCode::None, "".into())
         }

@@ -42,9 +42,10 @@
 -- reset_ms, granted, now}; count includes the request and the units, and
 -- remaining excludes both.
 -- Settle: ARGV[1] 'S', ARGV[2] member base, ARGV[3] units granted, then the
--- score of each used unit (units 1..u in order): used units are re-scored
--- (ZADD XX: never recreated once out of the window), unused ones removed.
--- Returns {rescored, removed}.
+-- score of each used unit (units 1..u in order), 0 for one that keeps the
+-- score it was reserved with (used at now + life: every unit a worker
+-- shared): used units are re-scored (ZADD XX: never recreated once out of
+-- the window), unused ones removed. Returns {rescored, removed}.
 -- Mode 'L' runs through the one-key code at the end of this script.
 if ARGV[1] == 'S' then
   local key, base, granted = KEYS[1], ARGV[2], tonumber(ARGV[3])
@@ -52,10 +53,13 @@ if ARGV[1] == 'S' then
   local rescored, removed = 0, 0
   local args, m = { 'XX', 'CH' }, 2
   for u = 1, used do
-    args[m + 1] = ARGV[3 + u]
-    args[m + 2] = base .. '.l' .. u
-    m = m + 2
-    if m >= 1000 or u == used then
+    local score = ARGV[3 + u]
+    if score ~= '0' then
+      args[m + 1] = score
+      args[m + 2] = base .. '.l' .. u
+      m = m + 2
+    end
+    if m >= 1000 or (u == used and m > 2) then
       rescored = rescored + redis.call('ZADD', key, unpack(args, 1, m))
       m = 2
     end

@@ -16,13 +16,20 @@
 -- One entry per (policy, key): value = deadline_ms * SPAN + units left,
 -- one number, so a worker always reads a deadline with the units it was
 -- granted with (a new share replaces both at once). incr(-cost) takes; a
--- result whose low part is above MAX_UNITS borrowed from the deadline
+-- result whose low part is above MAX_PACKED borrowed from the deadline
 -- (units ran out): it is given back, and any worker that reads such a
--- value meanwhile sees "above MAX_UNITS" too and takes nothing, so the
--- units taken never exceed the units granted. A second entry (the entry's
+-- value meanwhile sees "above MAX_PACKED" too and takes nothing, so the
+-- units taken never exceed the units granted.
+-- Topped up before it runs out: the take that brings the units left below
+-- LOW asks the daemon for more while the others go on taking, and the new
+-- units are added (incr) to the live entry under its deadline, the earlier
+-- one (a later share's lease is the same or newer): each unit is still
+-- taken before its own deadline. Units the entry holds at its deadline are
+-- burnt: under-admission only. A second entry (the entry's
 -- name + "\3") holds the limit and the room outside the share (value) and
--- the window (flags) for the response's numbers; "\4", the refill guard;
--- "\5", the key's recent admissions by the daemon on this host.
+-- the window (flags) for the response's numbers; "\4", the refill guard.
+-- The key's recent admissions by the daemon are counted in the worker
+-- (hit() below), not in the dict: a cold key costs no shared-dict write.
 -- Suffixes are control bytes, which no wire key holds: no key's entry is
 -- another key's info or guard.
 
@@ -30,6 +37,8 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local mono_us = require("resty.ratelimitd.cache").mono_us
 
+local ngx = ngx
+local ngx_now = ngx.now
 local floor, min = math.floor, math.min
 local byte = string.byte
 local transact, next_id, error_code = conn.transact, conn.next_id, wire.error_code
@@ -40,17 +49,50 @@ local SPAN = 65536
 -- The daemon's MAX_SHARE_UNITS (src/protocol/wire.rs).
 local MAX_UNITS = 255
 _M.MAX_UNITS = MAX_UNITS
--- Units asked for at once: the daemon hands at most half its lease's units left.
+-- Units an entry holds at most (a top-up adds at most MAX_UNITS to fewer
+-- than LOW); a low part above it is a borrow: SPAN - MAX_UNITS > MAX_PACKED.
+local MAX_PACKED = 4095
+-- Units asked for at once: the daemon hands at most half its lease's units
+-- left. Topped up when fewer than LOW are left.
 local WANT = 128
+local LOW = 64
 -- Limits above this are never shared (the info entry packs limit and room).
 local MAX_LIMIT = 2 ^ 26
--- Shares are asked for a key admitted by the daemon at least HOT_HITS times
--- within HOT_S on this host (the daemon leases a key after 8 requests in a
--- lease life): a cold key costs no extra round trip. One refill per key at
--- a time on the host; after one that got nothing (the daemon holds no
--- lease yet, or the key is near its limit), none for NOTHING_S.
+-- Shares are asked for a key this worker saw admitted by the daemon at
+-- least HOT_HITS times within one to two HOT_S (the daemon leases a key
+-- after 8 requests in a lease life): a cold key costs no extra round trip.
+-- One refill per key at a time on the host; after one that got nothing,
+-- none for the time the daemon said (its lease call for the key is in
+-- flight: about a round trip) or, when it said none, for NOTHING_S (the
+-- key is not leased, or near its limit).
 local HOT_HITS, HOT_S = 8, 1
 local REFILL_GUARD_S, NOTHING_S = 0.05, 0.1
+-- Keys counted per generation at most: a flood of distinct keys starts a
+-- new generation early, so the counts take at most 2 x HOT_KEYS entries.
+local HOT_KEYS = 4096
+
+-- This worker's daemon admissions per share entry: the current generation
+-- (begun at hits_since, hits_n keys) and the one before, whose count a key
+-- carries on with. Plain Lua tables: no lock, no shared-dict node per
+-- cold key.
+local hits_now, hits_before, hits_n, hits_since = {}, {}, 0, 0
+
+local function hit(skey)
+    local now = ngx_now()
+    if now - hits_since >= HOT_S or hits_n >= HOT_KEYS then
+        -- The generation before is carried on only if it ended just now.
+        hits_before = now - hits_since < 2 * HOT_S and hits_now or {}
+        hits_now, hits_n, hits_since = {}, 0, now
+    end
+    local n = hits_now[skey]
+    if not n then
+        n = hits_before[skey] or 0
+        hits_n = hits_n + 1
+    end
+    n = n + 1
+    hits_now[skey] = n
+    return n
+end
 
 local function be32(s, i)
     local a, b, c, d = byte(s, i, i + 3)
@@ -62,8 +104,73 @@ local function entry(lim, key)
     return "\2" .. lim._name_part .. key
 end
 
+-- Asks the daemon for units of `lim`'s lease on `key` (entry `skey`, the
+-- key's limit `limit`) and stores them; the caller holds the refill guard.
+-- Stored by one incr of the difference, never a set: a take or a give-back
+-- of another worker between the read and the write keeps its effect, so
+-- no unit is granted twice. Added to a live entry when its deadline is no
+-- later than the new units' (they then share it), else the entry is
+-- replaced (its units left are burnt: under-admission only). Not while
+-- the entry is borrowed (a take is about to give back): the units are
+-- burnt instead. Errors are ignored: the next request asks the daemon.
+local function ask(lim, dict, skey, key, limit)
+    -- The policy's frame header is built at its first request; a description
+    -- that arrived meanwhile clears it (policy.lua): no refill this time.
+    local header = lim._header
+    if not header then
+        return
+    end
+    local id = next_id()
+    local sent_ms = floor(mono_us() / 1000)
+    local head = transact(wire.lease_share(id, header, WANT, lim._name_part, key), id)
+    -- No units, an error (a daemon older than op 10 answers UNKNOWN_OP) or
+    -- no answer: not again for NOTHING_S, so that such a daemon costs one
+    -- extra round trip per key and host every NOTHING_S, not per request;
+    -- or as soon as the daemon said (no units, retry_after_ms > 0: its
+    -- lease call is in flight), never later than NOTHING_S.
+    local units, outside, valid_ms, window = 0, 0, 0, 0
+    if head and error_code(head) == 0 then
+        units, outside, valid_ms, window = be32(head, 13), be32(head, 17), be32(head, 21), be32(head, 25)
+    end
+    if units == 0 or units > MAX_UNITS or valid_ms == 0 then
+        local again = NOTHING_S
+        if units == 0 and valid_ms > 0 then
+            again = min(valid_ms / 1000, NOTHING_S)
+        end
+        dict:safe_set(skey .. "\4", true, again)
+        return
+    end
+    local deadline = sent_ms + valid_ms
+    local ttl = valid_ms / 1000 + 1
+    dict:safe_set(skey .. "\3", limit * MAX_LIMIT + min(outside, limit), ttl, window)
+    local v = dict:get(skey)
+    if not v then
+        dict:safe_add(skey, deadline * SPAN + units, ttl)
+    else
+        local left = v % SPAN
+        local live = (v - left) / SPAN
+        if left > MAX_PACKED then
+            -- Borrowed: burnt (see above).
+            return
+        end
+        local target = deadline * SPAN + units
+        if left > 0 and live <= deadline and mono_us() < live * 1000 and left + units <= MAX_PACKED then
+            target = v + units
+        else
+            dict:expire(skey, ttl)
+        end
+        if not dict:incr(skey, target - v) then
+            -- Expired between the read and the write.
+            dict:safe_add(skey, target, ttl)
+        end
+    end
+    -- The next refill may start as soon as these units run low.
+    dict:delete(skey .. "\4")
+end
+
 --- Admits `cost` from the host's share of `lim` for `key`: the decision
 -- table, or nil (no share, spent, or past its deadline: ask the daemon).
+-- The take that leaves fewer than LOW units tops the share up first.
 function _M.admit(lim, dict, key, cost)
     if cost > MAX_UNITS or not mono_us then
         return nil
@@ -74,7 +181,7 @@ function _M.admit(lim, dict, key, cost)
         return nil
     end
     local units = v % SPAN
-    if units > MAX_UNITS then
+    if units > MAX_PACKED then
         dict:incr(skey, cost)
         return nil
     end
@@ -88,6 +195,9 @@ function _M.admit(lim, dict, key, cost)
     end
     local outside = info % MAX_LIMIT
     local limit = (info - outside) / MAX_LIMIT
+    if units < LOW and units + cost >= LOW and dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
+        ask(lim, dict, skey, key, limit)
+    end
     local remaining = outside + units
     return {
         allowed = true, decision = "allowed", source = "redis",
@@ -99,61 +209,27 @@ end
 
 --- After the daemon admitted a request of `lim` for `key` (`res`, source
 -- redis): asks it for a share of its lease on the key, one worker of the
--- host at a time, and stores what it grants. Errors are ignored: the next
--- request asks the daemon as before.
+-- host at a time, if this worker saw the key hot, and stores what it grants.
 function _M.refill(lim, dict, key, res)
     local limit = res.count + res.remaining
     if not mono_us or limit >= MAX_LIMIT or res.remaining < 4 then
         return
     end
     local skey = entry(lim, key)
-    -- Counted without eviction (safe_add, then incr): never at the cost of
-    -- the local fallback's counters in the same dict.
-    local hkey = skey .. "\5"
-    local hits = dict:incr(hkey, 1)
-    if not hits then
-        dict:safe_add(hkey, 1, HOT_S)
-        return
-    end
-    if hits < HOT_HITS or not dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
+    if hit(skey) < HOT_HITS or not dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
         return
     end
     -- Another worker's refill may have landed since this request missed:
-    -- a share with units and time left is never replaced (its units would
-    -- be lost: counted as used, never admitted).
+    -- no round trip for a share with units and time left.
     local v = dict:get(skey)
     if v then
         local units = v % SPAN
-        if units > 0 and units <= MAX_UNITS and mono_us() < (v - units) / SPAN * 1000 then
+        if units >= LOW and units <= MAX_PACKED and mono_us() < (v - units) / SPAN * 1000 then
             dict:delete(skey .. "\4")
             return
         end
     end
-    -- The policy's frame header is built at its first request; a description
-    -- that arrived meanwhile clears it (policy.lua): no refill this time.
-    local header = lim._header
-    if not header then
-        return
-    end
-    local id = next_id()
-    local sent_ms = floor(mono_us() / 1000)
-    local head = transact(wire.lease_share(id, header, WANT, lim._name_part, key), id)
-    -- No units, an error (a daemon older than op 10 answers UNKNOWN_OP) or
-    -- no answer: not again for NOTHING_S, so that such a daemon costs one
-    -- extra round trip per key and host every NOTHING_S, not per request.
-    local units, outside, valid_ms, window = 0, 0, 0, 0
-    if head and error_code(head) == 0 then
-        units, outside, valid_ms, window = be32(head, 13), be32(head, 17), be32(head, 21), be32(head, 25)
-    end
-    if units == 0 or units > MAX_UNITS or valid_ms == 0 then
-        dict:safe_set(skey .. "\4", true, NOTHING_S)
-        return
-    end
-    local ttl = valid_ms / 1000 + 1
-    dict:safe_set(skey .. "\3", limit * MAX_LIMIT + min(outside, limit), ttl, window)
-    dict:safe_set(skey, (sent_ms + valid_ms) * SPAN + units, ttl)
-    -- The next refill may start as soon as these units run out.
-    dict:delete(skey .. "\4")
+    ask(lim, dict, skey, key, limit)
 end
 
 return _M
