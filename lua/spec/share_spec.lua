@@ -11,6 +11,8 @@ local now_us = 0
 local now_s = 1000
 _G.ngx = _G.ngx or { socket = { tcp = function() end }, log = function() end, ERR = 4, WARN = 5, INFO = 7 }
 ngx.now = function() return now_s end
+local phase = "access"
+ngx.get_phase = function() return phase end
 local sent = {}
 local answer -- the 32 bytes of prefix and fixed fields the "daemon" answers
 package.loaded["resty.ratelimitd.cache"] = { mono_us = function() return now_us end }
@@ -213,6 +215,12 @@ describe("worker shares", function()
             share.admit(lim, d, "k", 1)
         end
         assert.equals(asked + 2, #sent, "one top-up per crossing")
+        phase = "header_filter"
+        for _ = 1, 100 do
+            share.admit(lim, d, "k", 1)
+        end
+        phase = "access"
+        assert.equals(asked + 2, #sent, "no cosocket where the phase has none: the take admits, no top-up")
     end)
 
     it("never grants a unit twice when a take gives back between the refill's read and write", function()

@@ -38,7 +38,7 @@ local conn = require "resty.ratelimitd.conn"
 local mono_us = require("resty.ratelimitd.cache").mono_us
 
 local ngx = ngx
-local ngx_now = ngx.now
+local ngx_now, get_phase = ngx.now, ngx.get_phase
 local floor, min = math.floor, math.min
 local byte = string.byte
 local transact, next_id, error_code = conn.transact, conn.next_id, wire.error_code
@@ -93,6 +93,10 @@ local function hit(skey)
     hits_now[skey] = n
     return n
 end
+
+-- Phases whose requests may open a cosocket: a take elsewhere (a check()
+-- in a header filter, say) admits, but does not top up.
+local MAY_CONNECT = { rewrite = true, access = true, content = true, timer = true, ssl_cert = true, ssl_session_fetch = true }
 
 local function be32(s, i)
     local a, b, c, d = byte(s, i, i + 3)
@@ -195,7 +199,7 @@ function _M.admit(lim, dict, key, cost)
     end
     local outside = info % MAX_LIMIT
     local limit = (info - outside) / MAX_LIMIT
-    if units < LOW and units + cost >= LOW and dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
+    if units < LOW and units + cost >= LOW and MAY_CONNECT[get_phase()] and dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
         ask(lim, dict, skey, key, limit)
     end
     local remaining = outside + units
