@@ -83,7 +83,8 @@ use tokio::sync::Barrier;
 /// The plain key's limit per daemon (the override "low" is half of it).
 const LIMIT_PER_DAEMON: u32 = 40;
 const KEYS: [&str; 4] = ["plain", "low", "vip", "free"];
-/// Single checks per daemon before the share: enough for it to lease the key.
+/// Single checks per daemon before the share (half on each of its two
+/// connections, at once): enough for it to lease the key.
 const HOT_CHECKS: u32 = 12;
 /// A lease's life for these windows (min(window / 4, 1 s)), plus the
 /// denial cache's default `max_age` (1 s) and a margin: after this, no
@@ -224,19 +225,21 @@ impl Run {
         r.decision
     }
 
-    /// One daemon's client walking every pair: hot single checks, a
-    /// worker's share, a refundable multi-item check and its refund, then
-    /// single checks up to the limit (or a fixed number for the others).
-    /// The tasks of the other daemons do the same at the same time.
-    /// Returns the client and how many pairs it got a share of.
-    async fn walk(self: Arc<Self>, pairs: Arc<Vec<Pair>>, mut c: Client, barrier: Arc<Barrier>) -> (Client, u32) {
+    /// One daemon's two connections walking every pair: hot single checks
+    /// on both at once (so a lease call is in flight while the other's
+    /// requests take the coalesced path), a worker's share, a refundable
+    /// multi-item check and its refund, then single checks on both at once
+    /// up to the limit (or 3/4 of it; a fixed number for the others). The
+    /// tasks of the other daemons do the same at the same time. Returns the
+    /// connections and how many pairs it got a share of.
+    async fn walk(self: Arc<Self>, pairs: Arc<Vec<Pair>>, mut conns: [Client; 2], barrier: Arc<Barrier>) -> ([Client; 2], u32) {
         let mut shared_pairs = 0;
         for pair in pairs.iter() {
             let what = self.what(pair);
             barrier.wait().await;
-            for _ in 0..HOT_CHECKS {
-                self.check(pair, &mut c).await;
-            }
+            let [a, b] = &mut conns;
+            tokio::join!(self.checks(pair, a, HOT_CHECKS / 2), self.checks(pair, b, HOT_CHECKS / 2));
+            let c = &mut conns[0];
             // A worker's share, used at once (well within its validity).
             let sent = Instant::now();
             let s = c.lease_share(&PolicyCheckArgs { cost: 8, ..args(&pair.p.name, pair.key) }).await.unwrap();
@@ -261,34 +264,43 @@ impl Run {
             }
             // Every daemon's share and multi-item check before anyone drains the key.
             barrier.wait().await;
+            let [a, b] = &mut conns;
             match (pair.p.shadow, pair.p.limit_for(pair.key)) {
-                // Up to the first refusal (with two daemons, maybe before the
-                // limit: the other's lease may hold the rest), or to 3/4 of
-                // the limit together.
-                (false, Some(limit)) => {
-                    for _ in 0..2 * limit {
-                        if pair.partial && pair.admitted.load(Ordering::SeqCst) >= limit * 3 / 4 {
-                            break;
-                        }
-                        if self.check(pair, &mut c).await == Decision::Denied {
-                            break;
-                        }
-                    }
+                (false, Some(_)) => {
+                    tokio::join!(self.drain(pair, a), self.drain(pair, b));
                 }
                 // Past the limit together, for a shadow policy; a few for an exempt key.
                 (true, Some(limit)) => {
-                    for _ in 0..(limit + limit / 2).div_ceil(self.daemons as u32) {
-                        self.check(pair, &mut c).await;
-                    }
+                    let n = (limit + limit / 2).div_ceil(2 * self.daemons as u32);
+                    tokio::join!(self.checks(pair, a, n), self.checks(pair, b, n));
                 }
                 (_, None) => {
-                    for _ in 0..16 {
-                        self.check(pair, &mut c).await;
-                    }
+                    tokio::join!(self.checks(pair, a, 8), self.checks(pair, b, 8));
                 }
             }
         }
-        (c, shared_pairs)
+        (conns, shared_pairs)
+    }
+
+    async fn checks(&self, pair: &Pair, c: &mut Client, n: u32) {
+        for _ in 0..n {
+            self.check(pair, c).await;
+        }
+    }
+
+    /// Single checks of an enforced key up to the first refusal (with
+    /// several connections and daemons, maybe before the limit: another's
+    /// lease may hold the rest), or to 3/4 of the limit for a partial pair.
+    async fn drain(&self, pair: &Pair, c: &mut Client) {
+        let limit = pair.p.limit_for(pair.key).expect("an enforced key");
+        for _ in 0..2 * limit {
+            if pair.partial && pair.admitted.load(Ordering::SeqCst) >= limit * 3 / 4 {
+                break;
+            }
+            if self.check(pair, c).await == Decision::Denied {
+                break;
+            }
+        }
     }
 }
 
@@ -377,15 +389,15 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
     let barrier = Arc::new(Barrier::new(daemons));
     let mut tasks = tokio::task::JoinSet::new();
     for (i, d) in ds.iter().enumerate() {
-        let c = d.client().await;
+        let conns = [d.client().await, d.client().await];
         let (r, pairs, barrier) = (r.clone(), pairs.clone(), barrier.clone());
-        tasks.spawn(async move { (i, r.walk(pairs, c, barrier).await) });
+        tasks.spawn(async move { (i, r.walk(pairs, conns, barrier).await) });
     }
     let mut clients: Vec<Option<Client>> = (0..daemons).map(|_| None).collect();
     let mut shares = vec![0; daemons];
     while let Some(done) = tasks.join_next().await {
         match done {
-            Ok((i, (c, n))) => {
+            Ok((i, ([c, _], n))) => {
                 clients[i] = Some(c);
                 shares[i] = n;
             }
