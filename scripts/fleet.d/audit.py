@@ -32,6 +32,15 @@ its admission's time (ZADD XX) and an unused one is removed. So:
     is seen).
   * if the whole key vanishes (expiry), the members it held are counted as
     admissions at their last score (`vanished`): the conservative side.
+  * a unit's name is `<base>.l<u>`, and a settle keeps units 1..used and
+    removes used+1..granted: a withdrawn unit numbered below a unit of the
+    same lease that stayed was used after all (a settle that ran so late
+    that a trim took the re-scored unit before a poll saw it, i.e. more
+    than a window minus the lease's life after the lease began): it is
+    counted as an admission at its last score (`withdrawn_but_used`; 0 is
+    expected, and any other number is reported).
+The polls must come less than a window minus a lease's life (750 ms for
+1 s) apart for all this: `max_poll_gap_ms` says how far apart they came.
 A unit handed to an nginx worker (a worker share) is counted by the daemon
 as used at t0 + life whether a worker admitted with it or not: Redis's
 record holds it as an admission at the latest time it may have been one.
@@ -91,8 +100,10 @@ class Reader:
 sock = socket.create_connection(("127.0.0.1", port))
 reader = Reader(sock)
 alive = {}  # member -> score, as of the last poll
+max_gap, last_poll = 0, None
 gone = {}  # member -> score: left the window (admissions)
 withdrawn = set()  # removed inside the window: a lease's unused units
+withdrawn_scores = {}
 vanished = 0
 rescored = 0
 most_in_record = 0
@@ -110,6 +121,9 @@ while True:
     flat = reader.read()
     sec, usec = reader.read()
     now_ms = int(sec) * 1000 + int(usec) // 1000
+    if last_poll is not None:
+        max_gap = max(max_gap, now_ms - last_poll)
+    last_poll = now_ms
     current = {flat[i]: int(float(flat[i + 1])) for i in range(0, len(flat), 2)}
     for m, score in alive.items():
         if m in current:
@@ -119,6 +133,7 @@ while True:
             gone[m] = score
         elif score > now_ms - window:
             withdrawn.add(m)
+            withdrawn_scores[m] = score
         else:
             gone[m] = score
     for m, score in current.items():
@@ -135,6 +150,25 @@ while True:
 
 final = dict(gone)
 final.update(alive)
+
+
+def unit(m):
+    base, sep, u = m.rpartition(b".l")
+    return (base, int(u)) if sep and u.isdigit() else (None, None)
+
+
+kept = {}  # lease base -> the highest unit number that stayed
+for m in final:
+    base, u = unit(m)
+    if base is not None:
+        kept[base] = max(kept.get(base, 0), u)
+withdrawn_but_used = 0
+for m in list(withdrawn):
+    base, u = unit(m)
+    if base is not None and kept.get(base, 0) > u:
+        withdrawn.discard(m)
+        final[m] = withdrawn_scores[m]
+        withdrawn_but_used += 1
 times = sorted(final.values())
 most, j = 0, 0
 for i, t in enumerate(times):
@@ -163,6 +197,7 @@ print(json.dumps({
     "mean_in_window": mean_in_window, "least_in_window": min(counts) if counts else None,
     "started_ms": started_ms,
     "admissions_measured": sum(1 for x in times if started_ms is not None and x >= started_ms),
-    "withdrawn": len(withdrawn), "rescored": rescored, "vanished": vanished,
+    "withdrawn": len(withdrawn), "withdrawn_but_used": withdrawn_but_used, "rescored": rescored, "vanished": vanished,
+    "max_poll_gap_ms": max_gap,
     "most_in_record_at_a_poll": most_in_record,
 }))

@@ -85,7 +85,8 @@ for b, d in [(b, d) for b in backends for d in delays]:
             "fail_policy": r["fail_policy"],
             # Redis's record against what wrk saw admitted, in the measured run.
             "admitted_2xx": r.get("admitted_2xx"), "in_record_measured": a.get("admissions_measured"),
-            "withdrawn": a.get("withdrawn"), "rescored": a.get("rescored"), "vanished": a.get("vanished"),
+            "withdrawn": a.get("withdrawn"), "withdrawn_but_used": a.get("withdrawn_but_used"),
+            "rescored": a.get("rescored"), "vanished": a.get("vanished"), "max_poll_gap_ms": a.get("max_poll_gap_ms"),
             "most_in_record_at_a_poll": most_at_poll,
             "daemon_decisions": r.get("daemon_decisions"), "share_units": r.get("share_units"),
         }
@@ -95,6 +96,16 @@ for b, d in [(b, d) for b in backends for d in delays]:
             problems.append(f"{b}: {name} at {d} ms: Redis's record held {most_at_poll} members in the window ending at a poll, limit {a['limit']}")
         if a["admissions"] == 0:
             problems.append(f"{b}: {name} at {d} ms: the audit saw no admission of the shared key")
+        # The audit sees every member only if its polls come less than a
+        # window minus a lease's life (250 ms at most for 1 s) apart.
+        gap = a.get("max_poll_gap_ms") or 0
+        blind = gap >= a["window_ms"] - 300
+        if blind:
+            warnings.append(f"{b}: {name} at {d} ms: the audit's polls came up to {gap} ms apart: it may have missed members "
+                            "(a stalled machine); its figures for this run are not conclusive")
+        if a.get("withdrawn_but_used"):
+            warnings.append(f"{b}: {name} at {d} ms: {a['withdrawn_but_used']} lease units removed before a poll saw their settled "
+                            "score, below a unit of their lease that stayed (a late settle): counted as admissions")
         got, held = r.get("admitted_2xx"), a.get("admissions_measured")
         if got is not None and held is not None and held < got:
             # rl: its on_error is open (the client's default), and an
@@ -102,7 +113,7 @@ for b, d in [(b, d) for b in backends for d in delays]:
             # sh answer non-2xx when they cannot decide.
             msg = (f"{b}: {name} at {d} ms: Redis's record holds {held} admissions of the measured run, "
                    f"wrk got {got} 2xx responses ({r['fail_policy']} fail-policy decisions by the daemons)")
-            (warnings if name == "rl" else problems).append(msg)
+            (warnings if name == "rl" or blind else problems).append(msg)
     if sh is not None:
         s["leases"] = {
             "admit_rps": {"direct": direct["rps"], "rl": rl["rps"], "sh": sh["rps"]},
@@ -162,8 +173,8 @@ md += ["", "The shared key: Redis's record against the 2xx responses wrk counted
        "after its start). Withdrawn: members removed inside their window (a quota lease's unused units at its settle: never admissions); "
        "re-scored: members moved (a lease's used unit, from the lease's end to its time); a worker share's units stay at the lease's end, "
        "used or not, so the record may hold more than wrk saw.", "",
-       "| Redis | one-way latency | path | 2xx (wrk) | in the record | record − 2xx | withdrawn | re-scored | most in the record at a poll | daemon decisions | share units |",
-       "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+       "| Redis | one-way latency | path | 2xx (wrk) | in the record | record − 2xx | withdrawn | re-scored | most in the record at a poll | daemon decisions | share units | longest gap between polls |",
+       "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
 for s in summary:
     for name, label in PATH_NAME.items():
         x = s["shared"].get(name)
@@ -171,7 +182,7 @@ for s in summary:
             continue
         md.append(f"| {BACKEND_NAME[s['backend']]} | {s['delay_ms']} ms | {label} | {x['admitted_2xx']:,} | {x['in_record_measured']:,} | "
                   f"{x['in_record_measured'] - x['admitted_2xx']:,} | {x['withdrawn']:,} | {x['rescored']:,} | {x['most_in_record_at_a_poll']:,} | "
-                  f"{x['daemon_decisions']:,} | {x['share_units']:,} |")
+                  f"{x['daemon_decisions']:,} | {x['share_units']:,} | {x['max_poll_gap_ms']} ms |")
 leased = [s for s in summary if "leases" in s]
 if leased:
     def ratio(v):
