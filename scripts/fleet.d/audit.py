@@ -45,8 +45,14 @@ A unit handed to an nginx worker (a worker share) is counted by the daemon
 as used at t0 + life whether a worker admitted with it or not: Redis's
 record holds it as an admission at the latest time it may have been one.
 So the admissions here are at least the true admissions (compare with the
-2xx responses), the windows are those of Redis's record, and the
-under-admission figure is a lower bound when shares were burnt.
+2xx responses) and the windows are those of Redis's record. With shares
+the under-admission figure is the record's, not the true one: a burnt unit
+counts as an admission (lowering it), and a share's units sit at t0 + life,
+up to a lease's life (250 ms) after the worker admitted with them, so the
+record's windows see them late (raising it just before, lowering it after).
+The record is what decides, though: a share unit holds its room until
+t0 + life + window, up to `life` longer than a per-request admission would,
+and that much is true under-admission on a key at its limit.
 
 Also reported: the most members the record held inside the window ending at
 a poll (what a script call would count against the limit: future scores

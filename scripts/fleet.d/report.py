@@ -196,7 +196,9 @@ if leased:
     md += ["", "Quota leases on (`FLEET_LEASES=1`): rl = the daemon's leases (inline limiter), sh = a policy limiter with worker shares "
            "(`share_dict`). The issue's targets: all admitted ≥ 3x direct; Redis CPU per decision ≤ 0.2x direct's; the shared key "
            "0 over-admission and ≤ 1 % under-admission in Redis's record. A unit handed to a worker's share is in the record "
-           "as an admission whether a worker used it or not (record − 2xx above): sh's under-admission from the record is a lower bound.", "",
+           "as an admission whether a worker used it or not (record − 2xx above), at the lease's end (t0 + life), up to 250 ms after the "
+           "admission it stands for: sh's under-admission is the record's, which holds a share unit's room up to a lease's life longer "
+           "than a per-request admission (fleet.d/audit.py).", "",
            "| Redis | one-way latency | all admitted req/s: direct / rl / sh | rl ÷ direct | sh ÷ direct | ≥ 3x (sh) | "
            "Redis calls per decision: direct / rl / sh | Redis CPU µs per decision: direct / rl / sh | rl ÷ direct | sh ÷ direct | ≤ 0.2x (sh) | "
            "daemon round trips per request: rl / sh | added p50 / p99 µs (c1), sh | shared over-admission: rl / sh | shared under-admission: rl / sh | targets met (sh) | failed (sh, c16 + c1) |",
