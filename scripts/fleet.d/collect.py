@@ -1,7 +1,10 @@
 """One JSON line for one fleet run: wrk's output of every host, the Redis
 and daemon counters before and after, and the shared key's audit.
 
-Usage: collect.py LABEL DELAY_MS URL CONNS SECONDS HOSTS "EVALSHA0 CPU0" "EVALSHA1 CPU1" FAIL0 FAIL1 AUDIT_JSON WRK_TXT...
+Usage: collect.py LABEL DELAY_MS URL CONNS SECONDS HOSTS "EVALSHA0 CPU0" "EVALSHA1 CPU1"
+                  "FAIL0 DECISIONS0 SHARE_UNITS0" "FAIL1 DECISIONS1 SHARE_UNITS1" AUDIT_JSON WRK_TXT...
+(the daemons' counters summed over the hosts: fail-policy decisions,
+ratelimitd_decisions_total, ratelimitd_lease_share_units_total)
 """
 import json
 import os
@@ -10,7 +13,8 @@ import sys
 
 label, delay, url, conns, secs, hosts = sys.argv[1:7]
 r0, r1 = sys.argv[7].split(), sys.argv[8].split()
-fail0, fail1 = int(sys.argv[9]), int(sys.argv[10])
+d0, d1 = [int(x) for x in sys.argv[9].split()], [int(x) for x in sys.argv[10].split()]
+fail0, fail1 = d0[0], d1[0]
 audit = json.load(open(sys.argv[11]))
 files = sys.argv[12:]
 
@@ -45,5 +49,13 @@ print(json.dumps({
     "p99_us": sum(h["p99_us"] for h in per_host) / len(per_host),
     "evalsha": evalsha, "redis_calls_per_decision": evalsha / requests if requests else 0,
     "redis_cpu_us_per_decision": cpu * 1e6 / requests if requests else 0,
-    "fail_policy": fail1 - fail0, "per_host": per_host, "audit": audit,
+    "fail_policy": fail1 - fail0,
+    # Responses other than 2xx and 3xx are the refusals (429) and failures:
+    # what wrk saw admitted, to hold against Redis's record.
+    "admitted_2xx": requests - sum(h["non2xx"] for h in per_host),
+    # Requests the daemons decided (socket round trips from nginx; an
+    # admission from a worker share never reaches the daemon) and the units
+    # they handed to the workers' shares.
+    "daemon_decisions": d1[1] - d0[1], "share_units": d1[2] - d0[2],
+    "per_host": per_host, "audit": audit,
 }))
