@@ -27,7 +27,7 @@
 //! units are counted before they are used), so this is checked by bounds,
 //! from what the clients saw admitted (the sum over the daemons, one atomic
 //! per pair; a worker share's units count as admitted when handed out, as
-//! a worker may use them at once). The limit is 40 per daemon (the "low"
+//! a worker may use them at once). The limit is 64 per daemon (the "low"
 //! override half of it):
 //! - an enforced key never admits more than its limit (its override's):
 //!   checked at every admission, by every task;
@@ -80,8 +80,10 @@ use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Source};
 use tokio::sync::Barrier;
 
-/// The plain key's limit per daemon (the override "low" is half of it).
-const LIMIT_PER_DAEMON: u32 = 40;
+/// The plain key's limit per daemon (the override "low" is half of it):
+/// high enough that after every daemon's hot checks and leases the "low"
+/// key still has a quarter of its limit left, below which nothing is leased.
+const LIMIT_PER_DAEMON: u32 = 64;
 const KEYS: [&str; 4] = ["plain", "low", "vip", "free"];
 /// Single checks per daemon before the share (half on each of its two
 /// connections, at once): enough for it to lease the key.

@@ -450,7 +450,9 @@ impl QuotaLeases {
     async fn lease_reserved(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, algorithm: Algorithm, want: u32, life: u32) -> Result<Verdict, StoreError> {
         let decided = self.redis.check(spec, algorithm).await;
         let units = match &decided {
-            Ok(v) if v.allowed => want.min(v.remaining / 2).min(MAX_LEASE_UNITS),
+            // As the log's lease call: half the room left at most, none
+            // below a quarter of the limit.
+            Ok(v) if v.allowed && u64::from(v.remaining) * 4 >= u64::from(spec.limit) => want.min(v.remaining / 2).min(MAX_LEASE_UNITS),
             _ => 0,
         };
         if units < 2 {

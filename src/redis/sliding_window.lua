@@ -33,7 +33,8 @@
 -- Lease: ARGV[1] 'L', ARGV[2] window, ARGV[3] now (0: Redis TIME), ARGV[4]
 -- member base, ARGV[5] limit, ARGV[6] cost, ARGV[7] units wanted, ARGV[8]
 -- lease life in ms. The request itself is decided as a single check; if it
--- is admitted, up to min(wanted, floor(room left / 2)) units are reserved as
+-- is admitted with at least a quarter of the limit left after it, up to
+-- min(wanted, floor(room left / 2)) units are reserved as
 -- "<base>.l<u>", scored now + life: the latest true time of any admission
 -- made from them (the daemon admits from a lease only until life ms after it
 -- sent this call), so each unit counts for a full window after the admission
@@ -300,8 +301,14 @@ for j = 1, n do
   end
   if count + cost <= limit then
     if lease then
-      -- Mode 'L': at most half the room left after the request.
-      granted = math.min(want, math.floor((limit - count - cost) / 2))
+      -- Mode 'L': at most half the room left after the request, and none
+      -- once less than a quarter of the limit is left: near the limit each
+      -- request is decided on its own, and no unit scored up to `life` ms
+      -- late holds room that a key at its limit would use.
+      local room = limit - count - cost
+      if room * 4 >= limit then
+        granted = math.min(want, math.floor(room / 2))
+      end
     end
     if cost == 1 and granted == 0 then
       redis.call('ZADD', key, now, member)
