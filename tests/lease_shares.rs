@@ -198,7 +198,12 @@ async fn workers_admit_a_hot_key_from_shares_and_redis_never_records_more_than_t
     let refused = t.refused.load(Ordering::Relaxed);
     let per_admission = (trips - refused) as f64 / admitted as f64;
     eprintln!("6000 attempts, limit 3000: admitted {admitted} ({from_shares} from shares of {units} units, {wasted} unused), {trips} daemon round trips ({refused} refused, {per_admission:.3} per admission)");
-    assert!(per_admission < 0.5, "{per_admission} daemon round trips per admission with shares");
+    // Nothing is leased within the last quarter of the limit: those 750
+    // admissions cost a check and a share request that gets nothing each
+    // (this worker asks after every admission; the Lua client waits 100 ms),
+    // about 0.5 round trips per admission of the whole run by themselves.
+    assert!(from_shares * 2 > admitted, "most admissions from shares: {from_shares} of {admitted}");
+    assert!(per_admission < 0.7, "{per_admission} daemon round trips per admission with shares");
     assert!(admitted <= 3000, "over-admission: {admitted} admitted at a limit of 3000");
     assert_eq!(units, from_shares + wasted, "every share unit is used or counted unused");
     assert!(from_shares > 0, "the workers admitted from shares");

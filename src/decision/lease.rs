@@ -35,7 +35,7 @@ use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// Units a lease holds at most: one settle call re-scores them in one ZADD.
-pub const MAX_LEASE_UNITS: u32 = 256;
+pub const MAX_LEASE_UNITS: u32 = 64;
 /// Requests on a key within one lease life before it is leased.
 const HOT_HITS: u32 = 8;
 /// Longest validity of a worker share: an override that lowers a key's
@@ -247,6 +247,23 @@ struct Slot {
     last_hits: u32,
     refilling: bool,
     lease: Option<QuotaLease>,
+    /// A log lease taken ahead, while `lease` still had units: admitted
+    /// from once `lease` can admit no more (`renew_ahead`).
+    next: Option<QuotaLease>,
+    /// The lease (seq) a renewal ahead was asked for: one per lease, so a
+    /// key near its limit (no units granted) costs one call, not one per
+    /// admission.
+    renewed_for: u64,
+}
+
+impl Slot {
+    /// Takes the lease out (for its settle) and puts the one taken ahead in
+    /// its place.
+    fn retire(&mut self) -> Option<QuotaLease> {
+        let ended = self.lease.take();
+        self.lease = self.next.take();
+        ended
+    }
 }
 
 /// What the table says of one request.
@@ -311,7 +328,7 @@ impl QuotaLeases {
         let now = self.now_us();
         let mut slot = self.slot(fp);
         if slot.fp != fp {
-            if slot.lease.is_some() || slot.refilling {
+            if slot.lease.is_some() || slot.next.is_some() || slot.refilling {
                 // Another key holds the slot until its lease ends.
                 return Take::Pass;
             }
@@ -325,12 +342,22 @@ impl QuotaLeases {
             slot.period_start_us = now;
         }
         slot.hits = slot.hits.saturating_add(1);
-        if let Some(lease) = slot.lease.as_mut() {
+        // The lease, else the one taken ahead of it.
+        while let Some(lease) = slot.lease.as_mut() {
             if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
                 v.reset_ms = spec.window_ms;
+                let low = lease.used() * 4 >= lease.granted() * 3;
+                let seq = lease.seq();
+                if low && algorithm == Algorithm::Log && slot.next.is_none() && !slot.refilling && slot.renewed_for != seq {
+                    slot.refilling = true;
+                    slot.renewed_for = seq;
+                    let want = units_wanted(slot.last_hits.max(slot.hits));
+                    drop(slot);
+                    self.renew_ahead(fp, spec, want);
+                }
                 return Take::Admitted(v);
             }
-            let ended = slot.lease.take().expect("checked above");
+            let ended = slot.retire().expect("checked above");
             self.settle(ended, spec.key.into(), spec.window_ms);
         }
         if slot.refilling || slot.last_hits.max(slot.hits) < HOT_HITS || spec.cost > spec.limit / 4 {
@@ -338,6 +365,22 @@ impl QuotaLeases {
         }
         slot.refilling = true;
         Take::Lease { fp, want: units_wanted(slot.last_hits.max(slot.hits)) }
+    }
+
+    /// Takes the key's next lease ahead, in a task of its own, while the
+    /// lease in hand still has a quarter of its units: the requests that
+    /// come meanwhile are admitted from those, not sent to Redis behind the
+    /// lease call, and no request waits for a lease call (a cost-0 lease
+    /// call, the same script and bounds as any lease). Only the log: a
+    /// reserve lease's call decides a request.
+    fn renew_ahead(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, want: u32) {
+        let leases = self.clone();
+        let (key, limit, window_ms) = (Box::<[u8]>::from(spec.key), spec.limit, spec.window_ms);
+        tokio::spawn(async move {
+            // An error leaves the lease in hand; the next one is taken as
+            // without renewal, by the request that finds none.
+            let _ = leases.lease(fp, &LimitSpec { key: &key, limit, window_ms, cost: 0 }, Algorithm::Log, want).await;
+        });
     }
 
     /// The slot of (key, window, algorithm): a 128-bit keyed hash no client
@@ -371,13 +414,14 @@ impl QuotaLeases {
             if slot.fp != fp {
                 return Ok(ShareAnswer::NONE);
             }
-            if let Some(lease) = slot.lease.as_mut() {
-                // Half of what was asked at least, or a fresh lease.
+            // Half of what was asked at least, from the lease or the one
+            // taken ahead of it, or a fresh lease.
+            while let Some(lease) = slot.lease.as_mut() {
                 if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2)) {
                     slot.hits = slot.hits.saturating_add(share.units);
                     return Ok(ShareAnswer::Units(share));
                 }
-                let ended = slot.lease.take().expect("checked above");
+                let ended = slot.retire().expect("checked above");
                 self.settle(ended, spec.key.into(), spec.window_ms);
             }
             if slot.refilling {
@@ -427,7 +471,12 @@ impl QuotaLeases {
                 let lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
                 let ends = lease.ends_us();
                 // The slot is ours while refilling: no other key took it.
-                slot.lease = Some(lease);
+                // Taken ahead: admitted from once the lease in hand is done.
+                if slot.lease.is_some() {
+                    slot.next = Some(lease);
+                } else {
+                    slot.lease = Some(lease);
+                }
                 drop(slot);
                 leases.settle_at(fp, grant.seq, ends, key.clone(), window_ms);
             }
@@ -490,8 +539,9 @@ impl QuotaLeases {
             tokio::time::sleep(Duration::from_micros(wait)).await;
             let ended = {
                 let mut slot = leases.slot(fp);
-                match &slot.lease {
-                    Some(l) if l.seq() == seq => slot.lease.take(),
+                match (&slot.lease, &slot.next) {
+                    (Some(l), _) if l.seq() == seq => slot.retire(),
+                    (_, Some(n)) if n.seq() == seq => slot.next.take(),
                     _ => None,
                 }
             };

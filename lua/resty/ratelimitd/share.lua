@@ -54,8 +54,8 @@ _M.MAX_UNITS = MAX_UNITS
 local MAX_PACKED = 4095
 -- Units asked for at once: the daemon hands at most half its lease's units
 -- left. Topped up when fewer than LOW are left.
-local WANT = 128
-local LOW = 64
+local WANT = 64
+local LOW = 32
 -- Limits above this are never shared (the info entry packs limit and room).
 local MAX_LIMIT = 2 ^ 26
 -- Shares are asked for a key this worker saw admitted by the daemon at
