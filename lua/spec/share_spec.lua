@@ -10,9 +10,10 @@ local now_us = 0
 -- ngx.now(), the worker's cached clock in s: what the hit counts' generations follow.
 local now_s = 1000
 _G.ngx = _G.ngx or { socket = { tcp = function() end }, log = function() end, ERR = 4, WARN = 5, INFO = 7 }
-ngx.now = function() return now_s end
+local stub = _G.ngx
+stub.now = function() return now_s end
 local phase = "access"
-ngx.get_phase = function() return phase end
+stub.get_phase = function() return phase end
 local sent = {}
 local answer -- the 32 bytes of prefix and fixed fields the "daemon" answers
 package.loaded["resty.ratelimitd.cache"] = { mono_us = function() return now_us end }
