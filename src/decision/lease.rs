@@ -418,7 +418,18 @@ impl QuotaLeases {
             // taken ahead of it, or a fresh lease.
             while let Some(lease) = slot.lease.as_mut() {
                 if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2)) {
+                    // A key admitted from shares rarely reaches the daemon's
+                    // own admissions: its next lease is taken ahead here too,
+                    // so the worker's next ask finds units without a call.
+                    let (low, seq) = (lease.used() * 4 >= lease.granted() * 3, lease.seq());
                     slot.hits = slot.hits.saturating_add(share.units);
+                    if low && slot.next.is_none() && !slot.refilling && slot.renewed_for != seq {
+                        slot.refilling = true;
+                        slot.renewed_for = seq;
+                        let ahead = units_wanted(slot.last_hits.max(slot.hits));
+                        drop(slot);
+                        self.renew_ahead(fp, &LimitSpec { cost: 0, ..*spec }, ahead);
+                    }
                     return Ok(ShareAnswer::Units(share));
                 }
                 let ended = slot.retire().expect("checked above");
