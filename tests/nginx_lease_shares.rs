@@ -128,7 +128,7 @@ fn shares_never_let_a_key_past_its_limit_through_a_kill_9_and_an_nginx_reload() 
     let (a2, s2) = load(&nginx, "tight", "k2", 100, 2);
     assert_eq!(a2, s2, "with the daemon gone only shares admit (on_error closed refuses the rest)");
     d.start_again();
-    nginx.signal(Signal::SIGHUP);
+    nginx.reload();
     let (a3, s3) = load(&nginx, "tight", "k2", 800, 2);
     let admitted = a1 + a2 + a3;
     eprintln!("limit 400: {a1} admitted before the kill ({s1} from shares), {a2} from shares after it, {a3} after the restart and reload ({s3} from shares): {admitted} in all");

@@ -104,6 +104,42 @@ impl Nginx {
     pub fn signal(&self, sig: Signal) {
         self.child.signal(sig);
     }
+
+    /// A reload (SIGHUP) that returns once it is over: new workers run and
+    /// every worker from before has exited. A request sent earlier may meet
+    /// an old worker that is shutting down, which closes a connection it
+    /// accepted but has not read from yet: the client sees the peer
+    /// disconnect with no response.
+    #[allow(dead_code)]
+    pub fn reload(&self) {
+        let master = self.child.pid();
+        let before = worker_pids(master);
+        self.signal(Signal::SIGHUP);
+        let deadline = std::time::Instant::now() + START_LIMIT;
+        loop {
+            let now = worker_pids(master);
+            if !now.is_empty() && now.iter().all(|p| !before.contains(p)) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "nginx's reload did not finish: workers {before:?} before, {now:?} now");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// The processes whose parent is `master` (/proc/<pid>/stat: the field
+/// after the command's closing parenthesis is the state, then the parent).
+fn worker_pids(master: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { continue };
+        if rest.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok()) == Some(master) {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 /// The shipped Lua client: `resty/ratelimitd.lua` and its modules under
