@@ -417,6 +417,9 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
             view_tx.send_replace(Arc::new(View { config: current.clone(), secrets: resolved.redis.clone() }));
             status.loaded(current.dump());
             METRICS.reloaded(true);
+            // Said once everything shows it (the view, /config, the
+            // metrics): a reader of this line finds the reload counted.
+            tracing::info!(policies = current.policies.len(), "configuration reloaded");
         }
         Err(e) => {
             METRICS.reloaded(false);
@@ -484,6 +487,5 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
     }
     let previous = reloadable_tx.borrow().limiter.clone();
     reloadable_tx.send_replace(reloadable(&new, active, local, live, Some(&previous)));
-    tracing::info!(policies = new.policies.len(), "configuration reloaded");
     *current = new;
 }
