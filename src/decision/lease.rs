@@ -257,6 +257,20 @@ struct Slot {
 }
 
 impl Slot {
+    /// The units of the key's next lease if it is due to be taken ahead:
+    /// the lease in hand is 3/4 used, and no next lease is held, in flight
+    /// or already asked for this lease. Marks it asked.
+    fn renewal_due(&mut self) -> Option<u32> {
+        let lease = self.lease.as_ref()?;
+        let seq = lease.seq();
+        if lease.used() * 4 < lease.granted() * 3 || self.next.is_some() || self.refilling || self.renewed_for == seq {
+            return None;
+        }
+        self.refilling = true;
+        self.renewed_for = seq;
+        Some(units_wanted(self.last_hits.max(self.hits)))
+    }
+
     /// Takes the lease out (for its settle) and puts the one taken ahead in
     /// its place.
     fn retire(&mut self) -> Option<QuotaLease> {
@@ -346,12 +360,7 @@ impl QuotaLeases {
         while let Some(lease) = slot.lease.as_mut() {
             if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
                 v.reset_ms = spec.window_ms;
-                let low = lease.used() * 4 >= lease.granted() * 3;
-                let seq = lease.seq();
-                if low && algorithm == Algorithm::Log && slot.next.is_none() && !slot.refilling && slot.renewed_for != seq {
-                    slot.refilling = true;
-                    slot.renewed_for = seq;
-                    let want = units_wanted(slot.last_hits.max(slot.hits));
+                if let Some(want) = (algorithm == Algorithm::Log).then(|| slot.renewal_due()).flatten() {
                     drop(slot);
                     self.renew_ahead(fp, spec, want);
                 }
@@ -421,14 +430,10 @@ impl QuotaLeases {
                     // A key admitted from shares rarely reaches the daemon's
                     // own admissions: its next lease is taken ahead here too,
                     // so the worker's next ask finds units without a call.
-                    let (low, seq) = (lease.used() * 4 >= lease.granted() * 3, lease.seq());
                     slot.hits = slot.hits.saturating_add(share.units);
-                    if low && slot.next.is_none() && !slot.refilling && slot.renewed_for != seq {
-                        slot.refilling = true;
-                        slot.renewed_for = seq;
-                        let ahead = units_wanted(slot.last_hits.max(slot.hits));
+                    if let Some(ahead) = slot.renewal_due() {
                         drop(slot);
-                        self.renew_ahead(fp, &LimitSpec { cost: 0, ..*spec }, ahead);
+                        self.renew_ahead(fp, spec, ahead);
                     }
                     return Ok(ShareAnswer::Units(share));
                 }
