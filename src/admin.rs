@@ -141,6 +141,8 @@ enum Counter {
 /// One Redis key of a target.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Found {
+    /// The key the daemon decides (scoped to the policy, or a shard's).
+    key: Vec<u8>,
     redis_key: Vec<u8>,
     window_ms: u32,
     counter: Counter,
@@ -164,9 +166,10 @@ fn policy_windows(cfg: &RedisConfig, policies: &[PolicyConfig], name: &str, key:
     let prefix = cfg.key_prefix.as_bytes();
     if let Some(lease_ms) = policy.lease_ms {
         let redis_key = WindowKey { prefix, key: &scoped, window_ms: 0, algorithm: Algorithm::Log }.lease_key();
-        return Ok(vec![Found { redis_key, window_ms: lease_ms, counter: Counter::Leases, shard: None }]);
+        return Ok(vec![Found { key: scoped, redis_key, window_ms: lease_ms, counter: Counter::Leases, shard: None }]);
     }
     let window = |k: &[u8], shard| Found {
+        key: k.to_vec(),
         redis_key: WindowKey { prefix, key: k, window_ms: policy.window_ms, algorithm: policy.algorithm }.to_vec(),
         window_ms: policy.window_ms,
         counter: Counter::Window(policy.algorithm),
@@ -184,7 +187,7 @@ async fn found(conn: &mut LinkConnection, cfg: &RedisConfig, policies: &[PolicyC
         Target::Inline { key, window_ms } => Ok(windows_of(conn, cfg, key, window_ms)
             .await?
             .into_iter()
-            .map(|(redis_key, window_ms, a)| Found { redis_key, window_ms, counter: Counter::Window(a), shard: None })
+            .map(|(redis_key, window_ms, a)| Found { key: key.as_bytes().to_vec(), redis_key, window_ms, counter: Counter::Window(a), shard: None })
             .collect()),
         Target::Policy { policy, key } => policy_windows(cfg, policies, policy, key),
     }
@@ -201,7 +204,7 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Poli
     let now_ms = secs * 1000 + micros / 1000;
     let by_window = matches!(target, Target::Inline { window_ms: Some(_), .. });
     let mut out = Vec::new();
-    for Found { redis_key, window_ms: w, counter, shard } in found(&mut conn, cfg, policies, target).await? {
+    for Found { redis_key, window_ms: w, counter, shard, .. } in found(&mut conn, cfg, policies, target).await? {
         let algorithm = match counter {
             Counter::Window(a) => a,
             Counter::Leases => {
@@ -313,22 +316,57 @@ fn inspect_ring(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
     }
 }
 
-/// Deletes every window of `target` (every shard's of a sharded policy,
-/// a concurrency policy's leases): its quota is whole again. Returns the
-/// Redis keys deleted.
-pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<String>, AdminError> {
+/// A log window's reset (src/redis/sliding_window.lua): every admission is
+/// forgotten, but not the members scored after Redis's now. Those are
+/// units some daemon or nginx worker may still admit from (a quota lease's
+/// or a worker share's, scored `t0 + life`) or a reservation not yet
+/// settled: deleting them would let their holders admit past the limit
+/// (they admit with no Redis call) and make their settle a no-op (`ZADD
+/// XX`), so Redis's record would not even show it. They leave as they
+/// would have: settled, or at their score plus the window. Returns
+/// {members removed, members kept}.
+const RESET_LOG_SCRIPT: &str = "#!lua
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local removed = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return { removed, redis.call('ZCARD', KEYS[1]) }";
+
+/// What a reset did to one window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResetWindow {
+    /// The key the daemon decides (a policy's scoped key, or a shard's).
+    pub key: Vec<u8>,
+    pub redis_key: Vec<u8>,
+    pub window_ms: u32,
+    /// Whether anything was removed.
+    pub removed: bool,
+    /// Units of quota leases, worker shares or reservations outstanding,
+    /// kept counting (a log window only).
+    pub kept_outstanding: u64,
+}
+
+/// Resets every window of `target` (every shard's of a sharded policy, a
+/// concurrency policy's leases): its quota is whole again, less the units
+/// outstanding in leases, shares and reservations of a log window
+/// (`RESET_LOG_SCRIPT`). Every other window is deleted.
+pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<ResetWindow>, AdminError> {
     if let Target::Policy { policy, .. } = target {
         policy_named(policies, policy)?;
     }
     let mut conn = connect(cfg, secrets).await?;
-    let mut deleted = Vec::new();
-    for Found { redis_key, .. } in found(&mut conn, cfg, policies, target).await? {
-        let removed: u64 = redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?;
-        if removed > 0 {
-            deleted.push(String::from_utf8_lossy(&redis_key).into_owned());
+    let mut out = Vec::new();
+    for Found { key, redis_key, window_ms, counter, .. } in found(&mut conn, cfg, policies, target).await? {
+        let (removed, kept_outstanding) = if counter == Counter::Window(Algorithm::Log) {
+            let (removed, kept): (u64, u64) = redis::cmd("EVAL").arg(RESET_LOG_SCRIPT).arg(1).arg(&redis_key).query_async(&mut conn).await?;
+            (removed, kept)
+        } else {
+            (redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?, 0)
+        };
+        if removed > 0 || kept_outstanding > 0 {
+            out.push(ResetWindow { key, redis_key, window_ms, removed: removed > 0, kept_outstanding });
         }
     }
-    Ok(deleted)
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -318,7 +318,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await.map_err(DaemonError::Admin)?;
             tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), tls = cfg.admin.tls.is_some(), "serving the admin API");
             let token = background.child_token();
-            tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), token.clone()));
+            tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), reloadable_rx.clone(), token.clone()));
             Some(token.drop_guard())
         }
         None => None,

@@ -10,7 +10,7 @@
 //! expires, or is deleted, the file's value is the key's limit again.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
 
@@ -32,6 +32,31 @@ pub type Table = HashMap<Box<[u8]>, LiveOverride>;
 #[derive(Debug, Default)]
 pub struct LiveOverrides {
     table: ArcSwap<Table>,
+    /// This daemon's own admin writes, applied at once (the daemon that
+    /// answers a write applies it before it answers), and kept until a
+    /// refresh that read Redis after them has replaced the table: a refresh
+    /// whose read began before a write would otherwise undo it until the
+    /// next one. Only the admin API and the refresher take this lock; the
+    /// request path never does.
+    writes: Mutex<Writes>,
+}
+
+#[derive(Debug, Default)]
+struct Writes {
+    seq: u64,
+    /// (seq, scoped key, the override now, None: deleted).
+    pending: Vec<(u64, Box<[u8]>, Option<LiveOverride>)>,
+}
+
+fn apply(table: &mut Table, scoped: &[u8], o: Option<LiveOverride>) {
+    match o {
+        Some(o) => {
+            table.insert(scoped.into(), o);
+        }
+        None => {
+            table.remove(scoped);
+        }
+    }
 }
 
 impl LiveOverrides {
@@ -47,6 +72,35 @@ impl LiveOverrides {
 
     /// Puts `table` in force.
     pub fn replace(&self, table: Table) {
+        self.table.store(Arc::new(table));
+    }
+
+    /// Where this daemon's writes stand: taken before a refresh reads Redis.
+    pub fn write_mark(&self) -> u64 {
+        self.writes.lock().expect("not poisoned").seq
+    }
+
+    /// Puts `table`, read from Redis after `mark` was taken, in force, with
+    /// this daemon's writes made since `mark` applied over it; forgets the
+    /// writes it already holds.
+    pub fn replace_read_after(&self, mut table: Table, mark: u64) {
+        let mut writes = self.writes.lock().expect("not poisoned");
+        writes.pending.retain(|(seq, _, _)| *seq > mark);
+        for (_, scoped, o) in &writes.pending {
+            apply(&mut table, scoped, *o);
+        }
+        self.table.store(Arc::new(table));
+    }
+
+    /// Applies this daemon's admin write of `scoped` (None: deleted) now.
+    /// Costs a copy of the table: admin writes only.
+    pub fn write(&self, scoped: &[u8], o: Option<LiveOverride>) {
+        let mut writes = self.writes.lock().expect("not poisoned");
+        writes.seq += 1;
+        let seq = writes.seq;
+        writes.pending.push((seq, scoped.into(), o));
+        let mut table = Table::clone(&self.table.load());
+        apply(&mut table, scoped, o);
         self.table.store(Arc::new(table));
     }
 

@@ -562,12 +562,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             target.refuse_unbounded_scan()?;
             let (cfg, resolved) = load_for_admin(&config)?;
             let redis = cfg.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [redis]: the in-memory windows live inside the daemon", config.display()))?;
-            let deleted = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &cfg.policies, target.target()))?;
-            if deleted.is_empty() {
+            let windows = runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &cfg.policies, target.target()))?;
+            if windows.is_empty() {
                 println!("{}: no such key", target.describe());
             }
-            for redis_key in deleted {
-                println!("{}: deleted", escape(&redis_key));
+            for w in windows {
+                let key = ratelimitd::terminal::escape_bytes(&w.redis_key);
+                match w.kept_outstanding {
+                    0 => println!("{key}: deleted"),
+                    kept => println!("{key}: reset; {kept} units of quota leases, worker shares or reservations outstanding still count until settled"),
+                }
             }
             Ok(ExitCode::SUCCESS)
         }

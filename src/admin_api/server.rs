@@ -30,7 +30,8 @@ use super::store::{self, Stored, MAX_OVERRIDES};
 use super::time::{format_utc, parse_utc};
 use crate::admin::{self, AdminError, Inspection, Target};
 use crate::config::{parse_duration, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
-use crate::live_overrides::{scoped_key, split_scoped, LiveOverrides};
+use crate::live_overrides::{scoped_key, split_scoped, LiveOverride, LiveOverrides};
+use crate::server::Reloadable;
 use crate::metrics::{AdminOp, AdminResult, METRICS};
 use crate::policies::shard_limit;
 use crate::terminal::escape_bytes;
@@ -90,11 +91,14 @@ pub async fn bind(listen: &AdminListen, tls: Option<&AdminTls>) -> std::io::Resu
 struct State {
     view: watch::Receiver<Arc<View>>,
     live: Arc<LiveOverrides>,
+    /// The decision engine in force, whose cache layers an admin write
+    /// tells of what it changed before the write is answered.
+    reloadable: watch::Receiver<Reloadable>,
 }
 
 /// Serves the API on `listener` until `shutdown`.
-pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, live: Arc<LiveOverrides>, shutdown: CancellationToken) {
-    let state = Arc::new(State { view, live });
+pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, live: Arc<LiveOverrides>, reloadable: watch::Receiver<Reloadable>, shutdown: CancellationToken) {
+    let state = Arc::new(State { view, live, reloadable });
     loop {
         let accepted: std::io::Result<(Box<dyn Stream>, String)> = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -297,13 +301,13 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
     };
     let result = match op {
         AdminOp::Peek => peek(state, view, &q).await,
-        AdminOp::Reset => reset(view, &q, who).await,
+        AdminOp::Reset => reset(state, view, &q, who).await,
         AdminOp::OverrideList => list(view, &q).await,
         AdminOp::OverrideSet => match Limited::new(req.into_body(), MAX_BODY).collect().await {
-            Ok(body) => set(view, &body.to_bytes(), who).await,
+            Ok(body) => set(state, view, &body.to_bytes(), who).await,
             Err(_) => Err(Answer::err(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is larger than {MAX_BODY} bytes, or was cut"))),
         },
-        AdminOp::OverrideDelete => delete(view, &q, who).await,
+        AdminOp::OverrideDelete => delete(state, view, &q, who).await,
         AdminOp::BanList => ban_list(view, &q).await,
         AdminOp::BanLift => ban_lift(view, &q, who).await,
     };
@@ -449,7 +453,7 @@ fn admin_error(e: AdminError) -> Answer {
 
 /// DELETE /v1/keys: every window of the key (policy: every shard's, its
 /// leases; inline: every window or the one of `window_ms`).
-async fn reset(view: &View, q: &HashMap<String, String>, who: &str) -> Result<Answer, Answer> {
+async fn reset(state: &State, view: &View, q: &HashMap<String, String>, who: &str) -> Result<Answer, Answer> {
     let redis = redis_of(view)?;
     let cfg = &view.config;
     let key = checked_key(cfg, q)?;
@@ -465,9 +469,20 @@ async fn reset(view: &View, q: &HashMap<String, String>, who: &str) -> Result<An
     };
     let before = admin::inspect(redis, &view.secrets, &cfg.policies, target).await.map_err(admin_error)?;
     let before_count: u64 = before.iter().map(|w| w.in_window).sum();
-    let deleted = admin::reset(redis, &view.secrets, &cfg.policies, target).await.map_err(admin_error)?;
-    tracing::info!(who, op = "reset", policy = q.get("policy").map(String::as_str).unwrap_or("-"), key = %escape_bytes(key.as_bytes()), before_in_window = before_count, after_in_window = 0, deleted = deleted.len(), "admin write");
-    Ok(Answer::ok(json!({ "deleted": deleted, "before_in_window": before_count })))
+    let windows = admin::reset(redis, &view.secrets, &cfg.policies, target).await.map_err(admin_error)?;
+    let limiter = state.reloadable.borrow().limiter.clone();
+    for w in &windows {
+        limiter.window_changed(&w.key, w.window_ms);
+    }
+    let kept: u64 = windows.iter().map(|w| w.kept_outstanding).sum();
+    let deleted: Vec<String> = windows.iter().filter(|w| w.kept_outstanding == 0).map(|w| String::from_utf8_lossy(&w.redis_key).into_owned()).collect();
+    tracing::info!(who, op = "reset", policy = q.get("policy").map(String::as_str).unwrap_or("-"), key = %escape_bytes(key.as_bytes()), before_in_window = before_count, after_in_window = kept, deleted = deleted.len(), "admin write");
+    Ok(Answer::ok(json!({
+        "deleted": deleted,
+        "reset": windows.iter().map(|w| String::from_utf8_lossy(&w.redis_key).into_owned()).collect::<Vec<_>>(),
+        "before_in_window": before_count,
+        "kept_outstanding": kept,
+    })))
 }
 
 fn stored_json(s: &Stored, now_ms: u64) -> Value {
@@ -504,7 +519,7 @@ struct SetBody {
 }
 
 /// PUT /v1/overrides: validated whole before anything is written.
-async fn set(view: &View, body: &[u8], who: &str) -> Result<Answer, Answer> {
+async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answer, Answer> {
     let redis = redis_of(view)?;
     let cfg = &view.config;
     let b: SetBody = serde_json::from_slice(body).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("malformed override: {e}; expected {{\"policy\", \"key\", \"limit\": N or \"unlimited\", \"expires_at\": \"2026-12-06T09:00:00Z\" or \"ttl\": \"1d\", \"note\"?}}")))?;
@@ -556,6 +571,8 @@ async fn set(view: &View, body: &[u8], who: &str) -> Result<Answer, Answer> {
         tracing::debug!(error = %e, "could not delete expired overrides");
     }
     store::put(&mut conn, &redis.key_prefix, &scoped, &after).await.map_err(Answer::redis)?;
+    // In force on this daemon before the answer; the others at their refresh.
+    state.live.write(&scoped, Some(LiveOverride { limit: after.policy_limit(), expires_at_ms }));
     let before_limit = before.as_ref().map_or(file_limit, Stored::policy_limit);
     tracing::info!(who, op = "override_set", policy = %p.name, key = %escape_bytes(b.key.as_bytes()), before = ?before_limit, after = ?after.policy_limit(), expires_at = %format_utc(expires_at_ms), "admin write");
     Ok(Answer::ok(json!({
@@ -567,7 +584,7 @@ async fn set(view: &View, body: &[u8], who: &str) -> Result<Answer, Answer> {
 }
 
 /// DELETE /v1/overrides?policy=&key=: the file's value applies again.
-async fn delete(view: &View, q: &HashMap<String, String>, who: &str) -> Result<Answer, Answer> {
+async fn delete(state: &State, view: &View, q: &HashMap<String, String>, who: &str) -> Result<Answer, Answer> {
     let redis = redis_of(view)?;
     let cfg = &view.config;
     let name = q.get("policy").ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, "missing parameter 'policy'"))?;
@@ -583,6 +600,7 @@ async fn delete(view: &View, q: &HashMap<String, String>, who: &str) -> Result<A
     if !store::delete(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)? {
         return Err(Answer::err(StatusCode::NOT_FOUND, format!("no override of policy {name:?} key {key:?}")));
     }
+    state.live.write(&scoped, None);
     let after_limit = cfg.policies.iter().find(|p| p.name == *name).map(|p| p.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(p.limit)));
     tracing::info!(who, op = "override_delete", policy = %name, key = %escape_bytes(key.as_bytes()), before = ?before.as_ref().map(Stored::policy_limit), after = ?after_limit, "admin write");
     Ok(Answer::ok(json!({ "deleted": before.as_ref().map(|s| stored_json(s, now)), "limit_now": after_limit.map(limit_json) })))

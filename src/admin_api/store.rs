@@ -124,6 +124,7 @@ pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOver
                 conn = Some(connect(&cfg, &secrets).await?);
             }
             let c = conn.as_mut().expect("just connected");
+            let mark = live.write_mark();
             let overrides = read_all(c, &cfg.key_prefix).await?;
             // Bans lifted since the last read leave this daemon's cache.
             let (lifted, seq) = super::bans::lifts_after(c, &cfg.key_prefix, last_lift).await?;
@@ -132,15 +133,15 @@ pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOver
             }
             last_lift = Some(seq);
             crate::penalty_box::BANS.sweep();
-            Ok::<_, AdminError>(overrides)
+            Ok::<_, AdminError>((mark, overrides))
         }
         .await;
         let wait = match read {
-            Ok((now, stored)) => {
+            Ok((mark, (now, stored))) => {
                 let table = table_at(now, &stored);
                 let next_expiry = table.values().map(|o| o.expires_at_ms).min();
-                METRICS.live_overrides(table.len());
-                live.replace(table);
+                live.replace_read_after(table, mark);
+                METRICS.live_overrides(live.len());
                 last = Some((now, Instant::now()));
                 // Wake at the next expiry (1 ms after: Redis's ms floor) if sooner.
                 next_expiry.map_or(every, |e| every.min(Duration::from_millis(e - now + 1)))

@@ -93,4 +93,15 @@ impl Limiter {
         &self.backend
     }
 
+    /// `key`'s window of `window_ms` changed outside the request path (an
+    /// admin reset removed admissions): every cache layer in front of the
+    /// store forgets what it remembered of it, so none keeps answering from
+    /// state the store no longer has. Quota leases need no word: a reset
+    /// keeps their units in the store (`admin::reset`).
+    pub fn window_changed(&self, key: &[u8], window_ms: u32) {
+        if let Some(d) = &self.denials {
+            d.forget_window(key, window_ms);
+        }
+    }
+
 }

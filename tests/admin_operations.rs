@@ -1,0 +1,126 @@
+//! Admin writes are operations of the limit, not beside it (issue 33,
+//! defects 1 and 5), through the real daemon and a real redis-server:
+//! - a reset while the daemon holds a quota lease forgets the admissions
+//!   but not the lease's units, so the window after the reset admits at
+//!   most the limit (it admitted 247 of 200 when the reset deleted the
+//!   units the daemon kept admitting from), and Redis's record says so;
+//! - the daemon that serves `PUT /v1/overrides` (or its DELETE) decides
+//!   with it before the answer returns, whatever its refresh interval.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{Daemon, RedisServer};
+use ratelimitd::admin_api::client::{request, Reply};
+use ratelimitd::config::AdminListen;
+use ratelimitd::protocol::{Decision, FailPolicy, PolicyCheckArgs};
+use serde_json::json;
+
+fn admin_socket(dir: &Path) -> PathBuf {
+    dir.join("admin.sock")
+}
+
+fn call(dir: &Path, method: &str, path: &str, body: Option<serde_json::Value>) -> Reply {
+    request(&AdminListen::Unix { path: admin_socket(dir), mode: 0o600 }, None, method, path, body.map(|b| b.to_string()).as_deref()).unwrap()
+}
+
+/// A daemon on `redis` with the admin API in `dir`, `redis_extra` in
+/// `[redis]`, refreshing overrides every `refresh`, and `policies`.
+fn daemon(redis: &RedisServer, dir: &Path, redis_extra: &str, refresh: &str, policies: &str) -> Daemon {
+    Daemon::start_config(&format!(
+        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{redis_extra}\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"{refresh}\"\n{policies}",
+        redis.url(),
+        admin_socket(dir).display()
+    ))
+}
+
+fn args<'a>(policy: &'a str, key: &'a str) -> PolicyCheckArgs<'a> {
+    PolicyCheckArgs { policy: policy.as_bytes(), key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_while_a_quota_lease_is_held_admits_at_most_the_limit() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    // 200 per 60 s: the whole test runs inside one window of every
+    // admission it makes after the reset.
+    let d = daemon(&redis, dir.path(), "quota_leases = true", "1s", "[[policy]]\nname = \"hot\"\nlimit = 200\nwindow = \"60s\"\n");
+    let mut c = d.client().await;
+    // Hot: the daemon leases units of the key's quota.
+    for _ in 0..40 {
+        assert_eq!(c.check_policy(&args("hot", "k")).await.unwrap().decision, Decision::Allowed);
+    }
+    let reset = call(dir.path(), "DELETE", "/v1/keys?policy=hot&key=k", None);
+    assert_eq!(reset.status, 200, "{reset:?}");
+    let kept = reset.body["kept_outstanding"].as_u64();
+    // After the reset: as many checks as fit, from 8 connections at once.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u32;
+            for _ in 0..60 {
+                if c.check_policy(&args("hot", "k")).await.unwrap().decision == Decision::Allowed {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert!(admitted <= 200, "{admitted} admitted after the reset where the limit is 200 ({kept:?} units kept)");
+    assert!(kept.is_some_and(|k| k > 0), "the daemon held no lease at the reset, so the test proved nothing: {:?}", reset.body);
+    // The units the daemon held stand for admissions made before the reset or
+    // after it: at least the units used after it are in the record. Every
+    // admission after the reset is in Redis's record once the lease settles.
+    let members = || -> u64 {
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*hot*").query(&mut redis.conn()).unwrap();
+        keys.iter().map(|k| redis::cmd("ZCARD").arg(k).query::<u64>(&mut redis.conn()).unwrap()).sum()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while members() > 200 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let recorded = members();
+    assert!(recorded <= 200, "Redis's record holds {recorded} where the limit is 200");
+    assert!(recorded >= u64::from(admitted), "Redis's record holds {recorded}, fewer than the {admitted} admissions made after the reset");
+    // And the key was really reset: the first check after it was admitted.
+    assert!(admitted > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_is_in_force_on_the_daemon_that_took_it_before_it_answers() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    // A refresh interval far beyond the test: only the write itself can
+    // put the override in force here.
+    let d = daemon(&redis, dir.path(), "", "1h", "[[policy]]\nname = \"per_tenant\"\nlimit = 2\nwindow = \"60s\"\n");
+    let mut c = d.client().await;
+    for _ in 0..2 {
+        assert_eq!(c.check_policy(&args("per_tenant", "t")).await.unwrap().decision, Decision::Allowed);
+    }
+    assert_eq!(c.check_policy(&args("per_tenant", "t")).await.unwrap().decision, Decision::Denied);
+    let put = call(dir.path(), "PUT", "/v1/overrides", Some(json!({"policy": "per_tenant", "key": "t", "limit": 5, "ttl": "1h"})));
+    assert_eq!(put.status, 200, "{put:?}");
+    // At once: no sleep between the answer and the checks.
+    for i in 0..3 {
+        let r = c.check_policy(&args("per_tenant", "t")).await.unwrap();
+        assert_eq!(r.decision, Decision::Allowed, "check {i} after the PUT answered: {r:?}");
+    }
+    assert_eq!(c.check_policy(&args("per_tenant", "t")).await.unwrap().decision, Decision::Denied);
+    // Lowered again by the DELETE, also at once.
+    let del = call(dir.path(), "DELETE", "/v1/overrides?policy=per_tenant&key=u", None);
+    assert_eq!(del.status, 404, "{del:?}");
+    let put = call(dir.path(), "PUT", "/v1/overrides", Some(json!({"policy": "per_tenant", "key": "u", "limit": 1, "ttl": "1h"})));
+    assert_eq!(put.status, 200, "{put:?}");
+    assert_eq!(c.check_policy(&args("per_tenant", "u")).await.unwrap().decision, Decision::Allowed);
+    assert_eq!(c.check_policy(&args("per_tenant", "u")).await.unwrap().decision, Decision::Denied, "the override of 1 was not in force");
+    let del = call(dir.path(), "DELETE", "/v1/overrides?policy=per_tenant&key=u", None);
+    assert_eq!(del.status, 200, "{del:?}");
+    assert_eq!(c.check_policy(&args("per_tenant", "u")).await.unwrap().decision, Decision::Allowed, "the file's limit of 2 was not back");
+}
