@@ -86,38 +86,45 @@ async fn windows_of(conn: &mut LinkConnection, cfg: &RedisConfig, key: &str, win
     let pattern = window_key(cfg, key, 0, Algorithm::Log).all_windows_pattern();
     let stem_len = window_key(cfg, key, 0, Algorithm::Log).to_vec().len() - ":0ms".len();
     let mut found = Vec::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let scan = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).to_owned();
-        let (next, keys): (u64, Vec<Vec<u8>>) = match conn {
-            LinkConnection::Single(c) => scan.query_async(c).await?,
-            // Every window of a key is in the key's slot: scan the primary
-            // that holds it (SCAN is per node in a cluster).
-            LinkConnection::Cluster(c) => {
-                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(window_key(cfg, key, 0, Algorithm::Log).to_vec(), SlotAddr::Master)));
-                redis::FromRedisValue::from_redis_value(c.route_command(scan, route).await?).map_err(redis::RedisError::from)?
-            }
-        };
-        for k in keys {
-            // The pattern's `*` could also match a longer key that merely
-            // starts like ours: keep only "<stem>:<digits>ms[:<algorithm>]",
-            // checked by deriving the key again.
-            let window = k.get(stem_len..).and_then(|t| t.strip_prefix(b":")).and_then(|t| t.iter().position(|&b| b == b'm').map(|m| &t[..m])).and_then(|d| std::str::from_utf8(d).ok()).and_then(|d| d.parse::<u32>().ok());
-            if let Some(w) = window {
-                if let Some(&a) = Algorithm::ALL.iter().find(|&&a| window_key(cfg, key, w, a).to_vec() == k) {
-                    found.push((k, w, a));
-                }
+    for k in scan_slot(conn, &window_key(cfg, key, 0, Algorithm::Log).to_vec(), &pattern).await? {
+        // The pattern's `*` could also match a longer key that merely
+        // starts like ours: keep only "<stem>:<digits>ms[:<algorithm>]",
+        // checked by deriving the key again.
+        let window = k.get(stem_len..).and_then(|t| t.strip_prefix(b":")).and_then(|t| t.iter().position(|&b| b == b'm').map(|m| &t[..m])).and_then(|d| std::str::from_utf8(d).ok()).and_then(|d| d.parse::<u32>().ok());
+        if let Some(w) = window {
+            if let Some(&a) = Algorithm::ALL.iter().find(|&&a| window_key(cfg, key, w, a).to_vec() == k) {
+                found.push((k, w, a));
             }
         }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
     }
     found.sort_by_key(|&(_, w, a)| (w, a.to_wire()));
     found.dedup();
     Ok(found)
+}
+
+/// Every key matching `pattern` on the primary that holds `slot_key`'s
+/// slot (SCAN is per node in a Cluster; every window of a key, and every
+/// settle record of a window, is in the key's slot). Its cost grows with
+/// the node's keyspace: admin tools only.
+async fn scan_slot(conn: &mut LinkConnection, slot_key: &[u8], pattern: &[u8]) -> Result<Vec<Vec<u8>>, AdminError> {
+    let mut found = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let scan = redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(1000).to_owned();
+        let (next, keys): (u64, Vec<Vec<u8>>) = match conn {
+            LinkConnection::Single(c) => scan.query_async(c).await?,
+            LinkConnection::Cluster(c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(slot_key.to_vec(), SlotAddr::Master)));
+                redis::FromRedisValue::from_redis_value(c.route_command(scan, route).await?).map_err(redis::RedisError::from)?
+            }
+        };
+        found.extend(keys);
+        if next == 0 {
+            return Ok(found);
+        }
+        cursor = next;
+    }
 }
 
 /// The key the daemon counts a policy's key under: the name's length
@@ -331,6 +338,77 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local removed = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return { removed, redis.call('ZCARD', KEYS[1]) }";
 
+/// A fixed window's or sliding counter's reset (src/redis/fixed_window.lua,
+/// sliding_counter.lua): the count becomes what the reservations still
+/// outstanding on it hold, each read from its settle record (KEYS[2..],
+/// "<window start> <cost>"): a quota lease of these algorithms is such a
+/// reservation, admitted from with no Redis call and given back by its
+/// settle, so its units must stay counted (the reset would otherwise admit
+/// past the limit: 206 of 200 with one lease). ARGV[1] the window length
+/// (a sliding counter's previous window is one length earlier), ARGV[2]
+/// 'f' or 's' (the layout), ARGV[3] 'set' (the reset) or 'add' (records
+/// found after it: added, which may count one twice, never none). The key
+/// keeps its expiry. Returns {windows touched, units kept}.
+const RESET_COUNTER_SCRIPT: &str = "#!lua
+local stored = redis.call('GET', KEYS[1])
+if not stored then return { 0, 0 } end
+local start, cur, prev = string.match(stored, '^(%d+) (%d+) ?(%d*)')
+start = tonumber(start)
+local window, sliding, add = tonumber(ARGV[1]), ARGV[2] == 's', ARGV[3] == 'add'
+local kept_cur, kept_prev = 0, 0
+if add then
+  kept_cur, kept_prev = tonumber(cur), tonumber(prev) or 0
+end
+local kept = 0
+for i = 2, #KEYS do
+  local s, c = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+)')
+  s, c = tonumber(s), tonumber(c)
+  if s == start then
+    kept_cur, kept = kept_cur + c, kept + c
+  elseif sliding and s == start - window then
+    kept_prev, kept = kept_prev + c, kept + c
+  end
+end
+if kept_cur + kept_prev == 0 then
+  redis.call('DEL', KEYS[1])
+elseif sliding then
+  redis.call('SET', KEYS[1], start .. ' ' .. kept_cur .. ' ' .. kept_prev, 'KEEPTTL')
+else
+  redis.call('SET', KEYS[1], start .. ' ' .. kept_cur, 'KEEPTTL')
+end
+return { 1, kept }";
+
+/// The settle records of `window` (its Redis key) outstanding now.
+async fn settle_records(conn: &mut LinkConnection, window: &[u8]) -> Result<Vec<Vec<u8>>, AdminError> {
+    let mut pattern = crate::redis::glob_escaped(window);
+    pattern.extend_from_slice(b":settle:*");
+    let mut prefix = window.to_vec();
+    prefix.extend_from_slice(b":settle:");
+    // The `*` could match a longer window key's records: keep exact ones.
+    Ok(scan_slot(conn, window, &pattern).await?.into_iter().filter(|k| k.strip_prefix(&prefix[..]).is_some_and(|h| h.len() == 32 && h.iter().all(u8::is_ascii_hexdigit))).collect())
+}
+
+/// Resets a counter window (`RESET_COUNTER_SCRIPT`): its records read,
+/// the count set, then the records that appeared meanwhile added (a
+/// reservation made between the scan and the script would otherwise be
+/// forgotten while its holder admits from it). Returns (touched, kept).
+async fn reset_counter(conn: &mut LinkConnection, window: &[u8], window_ms: u32, algorithm: Algorithm) -> Result<(u64, u64), AdminError> {
+    let layout = if algorithm == Algorithm::SlidingCounter { "s" } else { "f" };
+    let run = |records: &[Vec<u8>], pass: &'static str| {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(RESET_COUNTER_SCRIPT).arg(1 + records.len()).arg(window).arg(records).arg(window_ms).arg(layout).arg(pass);
+        cmd
+    };
+    let before = settle_records(conn, window).await?;
+    let (touched, mut kept): (u64, u64) = run(&before, "set").query_async(conn).await?;
+    let late: Vec<Vec<u8>> = settle_records(conn, window).await?.into_iter().filter(|k| !before.contains(k)).collect();
+    if touched > 0 && !late.is_empty() {
+        let (_, more): (u64, u64) = run(&late, "add").query_async(conn).await?;
+        kept += more;
+    }
+    Ok((touched, kept))
+}
+
 /// What a reset did to one window.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResetWindow {
@@ -347,8 +425,10 @@ pub struct ResetWindow {
 
 /// Resets every window of `target` (every shard's of a sharded policy, a
 /// concurrency policy's leases): its quota is whole again, less the units
-/// outstanding in leases, shares and reservations of a log window
-/// (`RESET_LOG_SCRIPT`). Every other window is deleted.
+/// outstanding in quota leases, worker shares and reservations (a log
+/// window's, `RESET_LOG_SCRIPT`; a fixed window's or sliding counter's,
+/// `reset_counter`). A GCRA, ring or concurrency window is deleted (none
+/// is leased; a GCRA reservation outstanding settles to nothing).
 pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<ResetWindow>, AdminError> {
     if let Target::Policy { policy, .. } = target {
         policy_named(policies, policy)?;
@@ -356,11 +436,10 @@ pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Policy
     let mut conn = connect(cfg, secrets).await?;
     let mut out = Vec::new();
     for Found { key, redis_key, window_ms, counter, .. } in found(&mut conn, cfg, policies, target).await? {
-        let (removed, kept_outstanding) = if counter == Counter::Window(Algorithm::Log) {
-            let (removed, kept): (u64, u64) = redis::cmd("EVAL").arg(RESET_LOG_SCRIPT).arg(1).arg(&redis_key).query_async(&mut conn).await?;
-            (removed, kept)
-        } else {
-            (redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?, 0)
+        let (removed, kept_outstanding) = match counter {
+            Counter::Window(Algorithm::Log) => redis::cmd("EVAL").arg(RESET_LOG_SCRIPT).arg(1).arg(&redis_key).query_async(&mut conn).await?,
+            Counter::Window(a @ (Algorithm::Fixed | Algorithm::SlidingCounter)) => reset_counter(&mut conn, &redis_key, window_ms, a).await?,
+            _ => (redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?, 0),
         };
         if removed > 0 || kept_outstanding > 0 {
             out.push(ResetWindow { key, redis_key, window_ms, removed: removed > 0, kept_outstanding });

@@ -73,16 +73,23 @@ impl WindowKey<'_> {
     pub fn all_windows_pattern(&self) -> Vec<u8> {
         let mut stem = Vec::with_capacity(self.prefix.len() + self.key.len() + 2);
         self.write_stem(&mut stem).expect("writing to a Vec cannot fail");
-        let mut out = Vec::with_capacity(stem.len() * 2 + 4);
-        for b in stem {
-            if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
-                out.push(b'\\');
-            }
-            out.push(b);
-        }
+        let mut out = glob_escaped(&stem);
         out.extend_from_slice(b":*ms*");
         out
     }
+}
+
+/// `bytes` with the glob characters of `SCAN MATCH` escaped: a pattern
+/// that matches exactly these bytes (a client's key may hold any of them).
+pub fn glob_escaped(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() * 2 + 4);
+    for &b in bytes {
+        if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+            out.push(b'\\');
+        }
+        out.push(b);
+    }
+    out
 }
 
 impl ToRedisArgs for WindowKey<'_> {

@@ -29,5 +29,5 @@ mod window;
 pub use connector::{Connector, ConnectorError, LinkConnection};
 pub use shard::shard_key;
 pub use multi::{MultiAsk, RefundItem, RESERVATION_LIFE};
-pub use keys::WindowKey;
+pub use keys::{glob_escaped, WindowKey};
 pub use window::{BatchAsk, LeaseGrant, RedisWindow, StartError};
