@@ -115,7 +115,7 @@ async fn scan_slot(conn: &mut LinkConnection, slot_key: &[u8], pattern: &[u8]) -
             LinkConnection::Single(c) => scan.query_async(c).await?,
             LinkConnection::Cluster(c) => {
                 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(slot_key.to_vec(), SlotAddr::Master)));
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_key(slot_key, SlotAddr::Master)));
                 redis::FromRedisValue::from_redis_value(c.route_command(scan, route).await?).map_err(redis::RedisError::from)?
             }
         };

@@ -27,6 +27,18 @@ pub struct Verdict {
     pub reset_ms: u32,
 }
 
+impl Verdict {
+    /// The verdict as answered under `limit`, the limit in force: a window
+    /// that holds more (counted under a larger limit before an override or
+    /// a reload lowered it) reports `count` = `limit`, so that `count +
+    /// remaining` is the limit in force whatever the window holds, which is
+    /// how clients learn it (docs/PROTOCOL.md section 7).
+    #[inline]
+    pub fn under(self, limit: u32) -> Self {
+        Self { count: self.count.min(limit), ..self }
+    }
+}
+
 /// Why the shared store could not decide.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum StoreError {

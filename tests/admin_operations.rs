@@ -137,3 +137,25 @@ async fn an_override_is_in_force_on_the_daemon_that_took_it_before_it_answers() 
     assert_eq!(del.status, 200, "{del:?}");
     assert_eq!(c.check_policy(&args("per_tenant", "u")).await.unwrap().decision, Decision::Allowed, "the file's limit of 2 was not back");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_answer_tells_the_limit_in_force_after_an_override_lowers_it() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(&redis, dir.path(), "", "1h", "[[policy]]\nname = \"per_tenant\"\nlimit = 20\nwindow = \"60s\"\n");
+    let mut c = d.client().await;
+    for _ in 0..15 {
+        assert_eq!(c.check_policy(&args("per_tenant", "t")).await.unwrap().decision, Decision::Allowed);
+    }
+    let put = call(dir.path(), "PUT", "/v1/overrides", Some(json!({"policy": "per_tenant", "key": "t", "limit": 10, "ttl": "1h"})));
+    assert_eq!(put.status, 200, "{put:?}");
+    // The client shows count + remaining as the limit (RateLimit-Limit,
+    // lua/resty/ratelimitd/wire.lua): it must be the 10 in force, not the
+    // 15 the window holds.
+    for _ in 0..3 {
+        let r = c.check_policy(&args("per_tenant", "t")).await.unwrap();
+        assert_eq!(r.decision, Decision::Denied);
+        assert_eq!((r.count, r.remaining), (10, 0), "{r:?}");
+    }
+}
+

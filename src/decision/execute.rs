@@ -37,7 +37,7 @@ impl Limiter {
         }
         let spec = LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: item.cost };
         match self.verdict(&spec, item.algorithm).await {
-            Ok((source, v)) => verdict_response(id, op, source, v),
+            Ok((source, v)) => verdict_response(id, op, source, v.under(limit)),
             Err(NoVerdict::Full(full)) => self.capacity_error(id, op, Source::Memory, full),
             Err(NoVerdict::Store(e)) => self.on_store_error(id, op, item, limit, e),
         }
@@ -186,7 +186,7 @@ impl Limiter {
         let redis = match &self.backend {
             Backend::Local => {
                 return match local(limit) {
-                    Ok(v) => verdict_response(id, op, Source::Memory, v),
+                    Ok(v) => verdict_response(id, op, Source::Memory, v.under(limit)),
                     Err(full) => capacity(Source::Memory, full),
                 };
             }
@@ -197,7 +197,7 @@ impl Limiter {
                 if !acquire {
                     self.local.release(item.key, lease);
                 }
-                verdict_response(id, op, Source::Redis, v)
+                verdict_response(id, op, Source::Redis, v.under(limit))
             }
             Err(e) => {
                 METRICS.fail_policy_applied(item.on_error);

@@ -65,7 +65,7 @@ impl Limiter {
             },
         };
         match answer {
-            Ok((source, v)) => verdict_response(id, op, source, v),
+            Ok((source, v)) => verdict_response(id, op, source, v.under(limit)),
             Err(NoVerdict::Full(full)) => self.capacity_error(id, op, Source::Memory, full),
             Err(NoVerdict::Store(e)) => self.on_store_error(id, op, item, limit, e),
         }
