@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::{Penalty, PolicyConfig, PolicyLimit};
-use crate::protocol::{Algorithm, FailPolicy};
+use crate::decision::{kind_refusal, Kind};
+use crate::protocol::{Algorithm, FailPolicy, PolicyUse, PolicyUses};
 
 /// What happened to one policy request; each request counts in exactly one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +114,9 @@ pub struct PolicyCounters {
     /// at worker start): nginx names it, so a reload must not drop it even
     /// before its first request.
     last_described: AtomicU64,
+    /// The use clock when a client last described each use of this policy
+    /// (`PolicyUse` as index): a reload must keep every recent one possible.
+    described_uses: [AtomicU64; PolicyUse::ALL.len()],
 }
 
 impl PolicyCounters {
@@ -132,13 +136,21 @@ impl PolicyCounters {
         self.last_used.load(Ordering::Relaxed)
     }
 
-    /// Marks the policy as named by a client (a DESCRIBE_POLICY): in use
-    /// for the reload refusal as a decided request is.
-    pub fn described(&self) {
+    /// Marks the policy as named by a client (a DESCRIBE_POLICY), for
+    /// `uses`: in use for the reload refusal as a decided request is, and
+    /// each use one a reload must keep possible.
+    pub fn described(&self, uses: PolicyUses) {
         let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
-        if self.last_described.load(Ordering::Relaxed) != now {
-            self.last_described.store(now, Ordering::Relaxed);
+        for slot in std::iter::once(&self.last_described).chain(uses.iter().map(|u| &self.described_uses[u as usize])) {
+            if slot.load(Ordering::Relaxed) != now {
+                slot.store(now, Ordering::Relaxed);
+            }
         }
+    }
+
+    /// The use clock when a client last described use `u`; 0: never.
+    pub fn last_described_use(&self, u: PolicyUse) -> u64 {
+        self.described_uses[u as usize].load(Ordering::Relaxed)
     }
 
     /// The use clock when a client last described this policy; 0: never.
@@ -203,6 +215,69 @@ impl Policy {
     pub fn first_shard(&self) -> u32 {
         self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards
     }
+}
+
+/// The kind of request a use sends, as resolve judges it: a worker share
+/// resolves as a single check, a refund as a multi-item check, a settle as
+/// its reserve.
+fn kind_of(u: PolicyUse) -> Kind {
+    match u {
+        PolicyUse::Single | PolicyUse::Share => Kind::Check,
+        PolicyUse::Multi | PolicyUse::Refundable => Kind::Multi,
+        PolicyUse::Reserve => Kind::Reserve,
+        PolicyUse::Acquire => Kind::Lease { release: false },
+    }
+}
+
+/// The uses of `uses` that `old` takes and `new` would refuse with every
+/// request (resolve's own rule, `kind_refusal`), each with the error code
+/// and message its requests would get. A use `old` refuses already is not
+/// `new`'s doing.
+pub fn uses_lost(old: &Policy, new: &Policy, uses: PolicyUses) -> Vec<(PolicyUse, String)> {
+    uses.iter()
+        .filter(|u| kind_refusal(old, kind_of(*u)).is_none())
+        .filter_map(|u| kind_refusal(new, kind_of(u)).map(|(code, why)| (u, format!("{}: {why}", code.as_str()))))
+        .collect()
+}
+
+/// A window as a reload's log line names it: a length in ms, or a
+/// calendar window (`window::CALENDAR`) by its length and `utc_offset`.
+fn window_text(window_ms: u32) -> String {
+    if window_ms < crate::window::CALENDAR {
+        return format!("{window_ms} ms");
+    }
+    let code = window_ms - crate::window::CALENDAR;
+    let (minutes, offset) = (code >> 12, i64::from(code & 0xFFF) - 2048);
+    let length = if minutes == 0 { "month".to_string() } else { format!("{minutes} min") };
+    format!("{length} at utc_offset {}{:02}:{:02}", if offset < 0 { '-' } else { '+' }, offset.abs() / 60, offset.abs() % 60)
+}
+
+/// What in `new` would restart the counts `old` keeps, or None when they
+/// carry over. A rate policy's counts live under a key made of its window
+/// (a calendar window's `utc_offset` included), its algorithm and its
+/// shards (src/redis/keys.rs `WindowKey`, src/redis/shard.rs; in memory
+/// src/local_store.rs `WindowName`): a change of any of them names other
+/// keys, which start empty. A concurrency policy's leases are one set per
+/// key whatever the lease (`WindowKey::lease_key`): they carry over.
+pub fn counts_restart(old: &Policy, new: &Policy) -> Option<String> {
+    let kind = |p: &Policy| if p.lease_ms.is_some() { "concurrency" } else { "rate" };
+    if kind(old) != kind(new) {
+        return Some(format!("kind {} -> {}", kind(old), kind(new)));
+    }
+    if old.lease_ms.is_some() {
+        return None;
+    }
+    let mut changes = Vec::new();
+    if old.window_ms != new.window_ms {
+        changes.push(format!("window {} -> {}", window_text(old.window_ms), window_text(new.window_ms)));
+    }
+    if old.algorithm != new.algorithm {
+        changes.push(format!("algorithm {} -> {}", old.algorithm.as_str(), new.algorithm.as_str()));
+    }
+    if old.shards != new.shards {
+        changes.push(format!("shards {} -> {}", old.shards, new.shards));
+    }
+    (!changes.is_empty()).then(|| changes.join(", "))
 }
 
 /// Shard `i`'s part of `limit` split over `shards`: the first `limit %

@@ -13,6 +13,7 @@ use super::wire::{
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
     FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN, DESCRIBE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE,
 };
+use super::describe::{PolicyUses, FLAG_DESCRIBE_USES};
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -233,6 +234,9 @@ pub struct DescribeRequest {
     pub id: u32,
     /// 1..=`MAX_POLICY_NAME_LEN` bytes of `[A-Za-z0-9_.-]`.
     pub name: Bytes,
+    /// How the client uses the policy: its uses byte, or a single check
+    /// when it sent none (`FLAG_DESCRIBE_USES`).
+    pub uses: PolicyUses,
 }
 
 /// One validated request: what the daemon decides (src/decision/). The
@@ -562,34 +566,52 @@ fn parse_describe(body: Bytes, id: u32) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("describe body of {} bytes is shorter than the {} fixed bytes and a name", body.len(), DESCRIBE_HEADER_LEN));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
-        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes none"));
+    if flags & !FLAG_DESCRIBE_USES != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes 0x0001 (a uses byte follows the name) only"));
     }
+    // The uses byte, when the flag says one follows the name.
+    let trailer = usize::from(flags & FLAG_DESCRIBE_USES != 0);
     let name_len = body[8] as usize;
     if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
         return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
     }
-    if body.len() != DESCRIBE_HEADER_LEN + name_len {
-        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} does not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
+    if body.len() != DESCRIBE_HEADER_LEN + name_len + trailer {
+        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and {trailer} uses byte do not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
     }
-    let name = body.slice(DESCRIBE_HEADER_LEN..);
+    let name = body.slice(DESCRIBE_HEADER_LEN..DESCRIBE_HEADER_LEN + name_len);
     if !name.iter().all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
         return invalid(id, op, ErrorCode::UnknownPolicy, "a policy name is of A-Z a-z 0-9 _ . - only");
     }
-    Inbound::Request(Request::Describe(DescribeRequest { id, name }))
+    let uses = if trailer == 1 { PolicyUses::from_wire(body[body.len() - 1]) } else { PolicyUses::SINGLE };
+    Inbound::Request(Request::Describe(DescribeRequest { id, name, uses }))
 }
 
 /// Appends a DESCRIBE_POLICY frame for `name` (not validated: tests send
-/// hostile names with it).
+/// hostile names with it), as a client of an earlier release sends it:
+/// without a uses byte.
 pub fn encode_describe(id: u32, name: &[u8], dst: &mut BytesMut) {
-    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len());
-    dst.put_u32((DESCRIBE_HEADER_LEN + name.len()) as u32);
+    encode_describe_frame(id, name, None, dst);
+}
+
+/// Appends a DESCRIBE_POLICY frame for `name` saying how the client uses
+/// the policy (flag 0x0001 and the uses byte), as the Lua client sends it.
+pub fn encode_describe_uses(id: u32, name: &[u8], uses: PolicyUses, dst: &mut BytesMut) {
+    encode_describe_frame(id, name, Some(uses), dst);
+}
+
+fn encode_describe_frame(id: u32, name: &[u8], uses: Option<PolicyUses>, dst: &mut BytesMut) {
+    let trailer = usize::from(uses.is_some());
+    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len() + trailer);
+    dst.put_u32((DESCRIBE_HEADER_LEN + name.len() + trailer) as u32);
     dst.put_u8(VERSION);
     dst.put_u8(OP_DESCRIBE_POLICY);
     dst.put_u32(id);
-    dst.put_u16(0);
+    dst.put_u16(if uses.is_some() { FLAG_DESCRIBE_USES } else { 0 });
     dst.put_u8(name.len() as u8);
     dst.put_slice(name);
+    if let Some(u) = uses {
+        dst.put_u8(u.to_wire());
+    }
 }
 
 /// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): 1..=
