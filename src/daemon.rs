@@ -16,7 +16,7 @@ use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
 use crate::metrics_server::{self, BreakerState, ConfigStatus, Live, RefusalReason};
-use crate::policies::{Policies, Policy};
+use crate::policies::{reload_changes, Policies, Policy, ReloadChange};
 use crate::protocol::{PolicyUse, PolicyUses};
 use crate::redis::{RedisWindow, StartError};
 use crate::server::{self, Reloadable, ServerSettings};
@@ -211,26 +211,24 @@ struct Breaks {
 impl Breaks {
     fn of(running: &Policies, new: &Config) -> Self {
         let now = crate::policies::use_clock();
-        let fresh = Policies::build(&new.policies, None);
+        let recent = |at: u64| at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs();
+        // The uses nginx described lately: the only ones a reload must keep.
+        let described = |p: &Policy| PolicyUse::ALL.into_iter().filter(|u| recent(p.counters.last_described_use(*u))).fold(PolicyUses::default(), PolicyUses::with);
         let mut b = Self::default();
-        for p in running.iter() {
+        for (p, change) in reload_changes(running, &Policies::build(&new.policies, None), described) {
             let name = crate::terminal::escape(&p.name).to_string();
-            let Some(n) = fresh.get(p.name.as_bytes()) else {
-                if let Some(why) = in_use(p, now, false) {
-                    b.removed.push((name, why));
+            match change {
+                ReloadChange::Removed => {
+                    if let Some(why) = in_use(p, now, false) {
+                        b.removed.push((name, why));
+                    }
                 }
-                continue;
-            };
-            if let (Some(change), Some(why)) = (crate::policies::counts_restart(p, n), in_use(p, now, true)) {
-                b.restarted.push((name.clone(), format!("{change}; {why}")));
-            }
-            let described = PolicyUse::ALL.into_iter().filter(|u| {
-                let at = p.counters.last_described_use(*u);
-                at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs()
-            });
-            let uses = described.fold(PolicyUses::default(), PolicyUses::with);
-            for (u, why) in crate::policies::uses_lost(p, n, uses) {
-                b.unusable.push((name.clone(), u, why));
+                ReloadChange::CountsRestart(change) => {
+                    if let Some(why) = in_use(p, now, true) {
+                        b.restarted.push((name, format!("{change}; {why}")));
+                    }
+                }
+                ReloadChange::UseLost(u, why) => b.unusable.push((name, u, why)),
             }
         }
         b
@@ -289,6 +287,25 @@ impl Breaks {
             tracing::warn!(uses = %self.uses(), "forced reload makes policies unusable by the nginx limiters that described them: their requests get the error said, and those locations answer 500");
         }
     }
+}
+
+/// What a reload from `running` to `new` would refuse while the policies
+/// concerned are in use, one line per change (`ratelimitd check-config
+/// --against`): without a live daemon, every change that breaks a policy
+/// for some client, whether a daemon sees that use or not.
+pub fn reload_report(running: &Config, new: &Config) -> Vec<String> {
+    let (old, fresh) = (Policies::build(&running.policies, None), Policies::build(&new.policies, None));
+    reload_changes(&old, &fresh, crate::policies::every_use)
+        .into_iter()
+        .map(|(p, change)| {
+            let name = crate::terminal::escape(&p.name);
+            match change {
+                ReloadChange::Removed => format!("policy \"{name}\": removed or renamed: the locations naming it would get UNKNOWN_POLICY"),
+                ReloadChange::CountsRestart(change) => format!("policy \"{name}\": counts restart from zero ({change}: other keys)"),
+                ReloadChange::UseLost(u, why) => format!("policy \"{name}\": a {} would be refused: {why}", u.as_str()),
+            }
+        })
+        .collect()
 }
 
 /// One line per old spelling the file still uses.

@@ -280,6 +280,43 @@ pub fn counts_restart(old: &Policy, new: &Policy) -> Option<String> {
     (!changes.is_empty()).then(|| changes.join(", "))
 }
 
+/// What a reload changes of one running policy that a daemon refuses
+/// (unless forced) while the policy is in use (docs/OPERATIONS.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReloadChange {
+    /// No policy of its name in the new configuration: UNKNOWN_POLICY.
+    Removed,
+    /// Its counts would restart (`counts_restart`): what changes.
+    CountsRestart(String),
+    /// A use it takes would be refused (`uses_lost`): the use, and the
+    /// error code and message its requests would get.
+    UseLost(PolicyUse, String),
+}
+
+/// Every `ReloadChange` from `running` to `new`, policy by policy in
+/// `running`'s order; `uses(p)`: the uses of `p` to check. The daemon's
+/// reload (with the uses nginx described) and `check-config --against`
+/// (with every use) both ask it.
+pub fn reload_changes<'a>(running: &'a Policies, new: &Policies, uses: impl Fn(&Policy) -> PolicyUses) -> Vec<(&'a Policy, ReloadChange)> {
+    let mut out = Vec::new();
+    for p in running.iter() {
+        let Some(n) = new.get(p.name.as_bytes()) else {
+            out.push((p, ReloadChange::Removed));
+            continue;
+        };
+        if let Some(change) = counts_restart(p, n) {
+            out.push((p, ReloadChange::CountsRestart(change)));
+        }
+        out.extend(uses_lost(p, n, uses(p)).into_iter().map(|(u, why)| (p, ReloadChange::UseLost(u, why))));
+    }
+    out
+}
+
+/// Every use, for a check without a live daemon (`check-config --against`).
+pub fn every_use(_: &Policy) -> PolicyUses {
+    PolicyUse::ALL.into_iter().fold(PolicyUses::default(), PolicyUses::with)
+}
+
 /// Shard `i`'s part of `limit` split over `shards`: the first `limit %
 /// shards` shards get one more, so the parts sum to `limit` exactly.
 #[inline]

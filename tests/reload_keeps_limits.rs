@@ -214,3 +214,41 @@ fn a_reload_breaking_a_use_nginx_described_is_refused_on_redis() {
 fn a_reload_breaking_a_use_nginx_described_is_refused_in_memory() {
     a_reload_breaking_a_described_use_is_refused(None);
 }
+
+/// `check-config --against RUNNING`: without a daemon, every change a
+/// reload from RUNNING would refuse for a policy in use, one line each,
+/// exit 1; a change that keeps counts and uses (a limit), exit 0.
+#[test]
+fn check_config_against_the_running_file_lists_what_a_reload_would_break() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, policies: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("[server]\nlisten = \"/tmp/never-bound.sock\"\n{policies}")).unwrap();
+        path
+    };
+    let running = write("running.toml", &format!("{COUNTED}{}", USED.replace("name = \"plain\"", "name = \"gone\"")));
+    let edited = COUNTED.replacen("window = \"60s\"", "window = \"2m\"", 1).replace("utc_offset = \"+00:00\"", "utc_offset = \"+02:00\"")
+        + &USED.replacen("name = \"login\"\nlimit = 1000\nwindow = \"60s\"\n", "name = \"login\"\nlimit = 1000\nwindow = \"60s\"\npenalty = { after = 3, within = \"10s\", ban = \"3s\" }\n", 1).replace("name = \"plain\"\nlimit = 1000", "name = \"plain\"\nlimit = 5");
+    let new = write("new.toml", &edited);
+    let run = |config: &std::path::Path, against: &std::path::Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(["check-config", "--config"]).arg(config).arg("--against").arg(against).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+    };
+    let (code, said) = run(&new, &running);
+    assert_eq!(code, Some(1), "{said}");
+    for want in [
+        "policy \"five\": counts restart from zero (window 60000 ms -> 120000 ms",
+        "policy \"quota\": counts restart from zero (window month at utc_offset +00:00 -> month at utc_offset +02:00",
+        "policy \"login\": a multi-item check would be refused: UNSUPPORTED_COMBINATION: policy 'login' (algorithm log): a penalty box",
+        "policy \"login\": a refundable check would be refused",
+        "policy \"gone\": removed or renamed",
+        "SIGUSR1 forces it",
+    ] {
+        assert!(said.contains(want), "{want}: {said}");
+    }
+    assert!(!said.contains("policy \"per_ip\"") && !said.contains("policy \"plain\""), "unchanged, or a new limit only: {said}");
+    let limit_only = write("limit.toml", &format!("{COUNTED}{}", USED.replace("limit = 1000", "limit = 7")).replace("name = \"plain\"", "name = \"gone\""));
+    let (code, said) = run(&limit_only, &running);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("keeps every policy's counts and uses"), "{said}");
+}

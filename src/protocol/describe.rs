@@ -210,7 +210,7 @@ mod tests {
         assert_eq!(bits, [0x01, 0x02, 0x04, 0x08, 0x10, 0x20]);
         // A later client's bits are dropped, not refused; none at all is a description of no use.
         let mut buf = BytesMut::new();
-        encode_describe_uses(8, b"login", PolicyUses::from_wire(0xE1), &mut buf);
+        encode_describe_uses(8, b"login", PolicyUses::from_wire(0xC1), &mut buf);
         assert_eq!(&buf[buf.len() - 1..], [0x01]);
         let mut raw = BytesMut::new();
         encode_describe(9, b"login", &mut raw);
