@@ -11,12 +11,12 @@ use tokio_util::sync::CancellationToken;
 use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
-use crate::decision::{Backend, Limiter, QuotaLeases};
+use crate::decision::{kind_refusal, Backend, Kind, Limiter, QuotaLeases};
 use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
 use crate::metrics_server::{self, BreakerState, ConfigStatus, Live, RefusalReason};
-use crate::policies::{reload_changes, Policies, Policy, ReloadChange};
+use crate::policies::{counts_restart, Policies, Policy};
 use crate::protocol::{PolicyUse, PolicyUses};
 use crate::redis::{RedisWindow, StartError};
 use crate::server::{self, Reloadable, ServerSettings};
@@ -177,6 +177,66 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
 /// this long must stay possible as well.
 pub const POLICY_IN_USE_WINDOW: Duration = Duration::from_secs(15 * 60);
 
+/// The kind of request a use sends, as resolve judges it: a worker share
+/// resolves as a single check, a refund as a multi-item check, a settle as
+/// its reserve.
+fn kind_of(u: PolicyUse) -> Kind {
+    match u {
+        PolicyUse::Single | PolicyUse::Share => Kind::Check,
+        PolicyUse::Multi | PolicyUse::Refundable => Kind::Multi,
+        PolicyUse::Reserve => Kind::Reserve,
+        PolicyUse::Acquire => Kind::Lease { release: false },
+    }
+}
+
+/// The uses of `uses` that `old` takes and `new` would refuse with every
+/// request (resolve's own rule, `kind_refusal`), each with the error code
+/// and message its requests would get. A use `old` refuses already is not
+/// `new`'s doing.
+pub fn uses_lost(old: &Policy, new: &Policy, uses: PolicyUses) -> Vec<(PolicyUse, String)> {
+    uses.iter()
+        .filter(|u| kind_refusal(old, kind_of(*u)).is_none())
+        .filter_map(|u| kind_refusal(new, kind_of(u)).map(|(code, why)| (u, format!("{}: {why}", code.as_str()))))
+        .collect()
+}
+
+/// What a reload changes of one running policy that a daemon refuses
+/// (unless forced) while the policy is in use (docs/OPERATIONS.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReloadChange {
+    /// No policy of its name in the new configuration: UNKNOWN_POLICY.
+    Removed,
+    /// Its counts would restart (`counts_restart`): what changes.
+    CountsRestart(String),
+    /// A use it takes would be refused (`uses_lost`): the use, and the
+    /// error code and message its requests would get.
+    UseLost(PolicyUse, String),
+}
+
+/// Every `ReloadChange` from `running` to `new`, policy by policy in
+/// `running`'s order; `uses(p)`: the uses of `p` to check. The daemon's
+/// reload (with the uses nginx described) and `check-config --against`
+/// (with every use) both ask it.
+pub fn reload_changes<'a>(running: &'a Policies, new: &Policies, uses: impl Fn(&Policy) -> PolicyUses) -> Vec<(&'a Policy, ReloadChange)> {
+    let mut out = Vec::new();
+    for p in running.iter() {
+        let Some(n) = new.get(p.name.as_bytes()) else {
+            out.push((p, ReloadChange::Removed));
+            continue;
+        };
+        if let Some(change) = counts_restart(p, n) {
+            out.push((p, ReloadChange::CountsRestart(change)));
+        }
+        out.extend(uses_lost(p, n, uses(p)).into_iter().map(|(u, why)| (p, ReloadChange::UseLost(u, why))));
+    }
+    out
+}
+
+/// Every use, for a check without a live daemon (`check-config --against`).
+pub fn every_use(_: &Policy) -> PolicyUses {
+    PolicyUse::ALL.into_iter().fold(PolicyUses::default(), PolicyUses::with)
+}
+
 /// What makes `p` in use now, or None: a request within
 /// `POLICY_IN_USE_WINDOW` ("last request 3s ago"), else a description
 /// within it ("no request yet, named by nginx: described 40s ago").
@@ -295,7 +355,7 @@ impl Breaks {
 /// for some client, whether a daemon sees that use or not.
 pub fn reload_report(running: &Config, new: &Config) -> Vec<String> {
     let (old, fresh) = (Policies::build(&running.policies, None), Policies::build(&new.policies, None));
-    reload_changes(&old, &fresh, crate::policies::every_use)
+    reload_changes(&old, &fresh, every_use)
         .into_iter()
         .map(|(p, change)| {
             let name = crate::terminal::escape(&p.name);

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::{Penalty, PolicyConfig, PolicyLimit};
-use crate::decision::{kind_refusal, Kind};
 use crate::protocol::{Algorithm, FailPolicy, PolicyUse, PolicyUses};
 
 /// What happened to one policy request; each request counts in exactly one.
@@ -217,29 +216,6 @@ impl Policy {
     }
 }
 
-/// The kind of request a use sends, as resolve judges it: a worker share
-/// resolves as a single check, a refund as a multi-item check, a settle as
-/// its reserve.
-fn kind_of(u: PolicyUse) -> Kind {
-    match u {
-        PolicyUse::Single | PolicyUse::Share => Kind::Check,
-        PolicyUse::Multi | PolicyUse::Refundable => Kind::Multi,
-        PolicyUse::Reserve => Kind::Reserve,
-        PolicyUse::Acquire => Kind::Lease { release: false },
-    }
-}
-
-/// The uses of `uses` that `old` takes and `new` would refuse with every
-/// request (resolve's own rule, `kind_refusal`), each with the error code
-/// and message its requests would get. A use `old` refuses already is not
-/// `new`'s doing.
-pub fn uses_lost(old: &Policy, new: &Policy, uses: PolicyUses) -> Vec<(PolicyUse, String)> {
-    uses.iter()
-        .filter(|u| kind_refusal(old, kind_of(*u)).is_none())
-        .filter_map(|u| kind_refusal(new, kind_of(u)).map(|(code, why)| (u, format!("{}: {why}", code.as_str()))))
-        .collect()
-}
-
 /// A window as a reload's log line names it: a length in ms, or a
 /// calendar window (`window::CALENDAR`) by its length and `utc_offset`.
 fn window_text(window_ms: u32) -> String {
@@ -278,43 +254,6 @@ pub fn counts_restart(old: &Policy, new: &Policy) -> Option<String> {
         changes.push(format!("shards {} -> {}", old.shards, new.shards));
     }
     (!changes.is_empty()).then(|| changes.join(", "))
-}
-
-/// What a reload changes of one running policy that a daemon refuses
-/// (unless forced) while the policy is in use (docs/OPERATIONS.md).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ReloadChange {
-    /// No policy of its name in the new configuration: UNKNOWN_POLICY.
-    Removed,
-    /// Its counts would restart (`counts_restart`): what changes.
-    CountsRestart(String),
-    /// A use it takes would be refused (`uses_lost`): the use, and the
-    /// error code and message its requests would get.
-    UseLost(PolicyUse, String),
-}
-
-/// Every `ReloadChange` from `running` to `new`, policy by policy in
-/// `running`'s order; `uses(p)`: the uses of `p` to check. The daemon's
-/// reload (with the uses nginx described) and `check-config --against`
-/// (with every use) both ask it.
-pub fn reload_changes<'a>(running: &'a Policies, new: &Policies, uses: impl Fn(&Policy) -> PolicyUses) -> Vec<(&'a Policy, ReloadChange)> {
-    let mut out = Vec::new();
-    for p in running.iter() {
-        let Some(n) = new.get(p.name.as_bytes()) else {
-            out.push((p, ReloadChange::Removed));
-            continue;
-        };
-        if let Some(change) = counts_restart(p, n) {
-            out.push((p, ReloadChange::CountsRestart(change)));
-        }
-        out.extend(uses_lost(p, n, uses(p)).into_iter().map(|(u, why)| (p, ReloadChange::UseLost(u, why))));
-    }
-    out
-}
-
-/// Every use, for a check without a live daemon (`check-config --against`).
-pub fn every_use(_: &Policy) -> PolicyUses {
-    PolicyUse::ALL.into_iter().fold(PolicyUses::default(), PolicyUses::with)
 }
 
 /// Shard `i`'s part of `limit` split over `shards`: the first `limit %
@@ -456,6 +395,24 @@ mod tests {
         assert_eq!(order.limit_for(b"big"), PolicyLimit::Limit(50));
         assert_eq!(order.limit_for(b"free"), PolicyLimit::Unlimited);
         assert!(p.get(b"orde").is_none());
+    }
+
+    #[test]
+    fn only_a_change_of_the_keys_restarts_counts() {
+        let build = |c: PolicyConfig| Policies::build(&[c], None);
+        let (old, same) = (build(config("p", 10)), build(PolicyConfig { limit: 20, shadow: true, overrides: Default::default(), ..config("p", 10) }));
+        let p = |ps: &Policies| ps.get(b"p").map(|p| counts_restart(old.get(b"p").unwrap(), p));
+        assert_eq!(p(&same), Some(None), "limit, shadow and overrides live outside the key");
+        let window = build(PolicyConfig { window: Duration::from_secs(2), ..config("p", 10) });
+        assert_eq!(p(&window), Some(Some("window 1000 ms -> 2000 ms".into())));
+        let ring = build(PolicyConfig { algorithm: Algorithm::Ring, shards: 4, ..config("p", 10) });
+        assert_eq!(p(&ring), Some(Some("algorithm log -> ring, shards 1 -> 4".into())));
+        let month = |offset| build(PolicyConfig { algorithm: Algorithm::Fixed, calendar_window_ms: Some(crate::window::calendar_window_ms(0, offset)), ..config("p", 10) });
+        let (utc, cest) = (month(0), month(120));
+        assert_eq!(counts_restart(utc.get(b"p").unwrap(), cest.get(b"p").unwrap()), Some("window month at utc_offset +00:00 -> month at utc_offset +02:00".into()));
+        let lease = |ms| build(PolicyConfig { lease_ms: Some(ms), ..config("p", 10) });
+        assert_eq!(counts_restart(lease(1000).get(b"p").unwrap(), lease(5000).get(b"p").unwrap()), None, "one lease set per key, whatever the lease");
+        assert_eq!(p(&lease(1000)), Some(Some("kind rate -> concurrency".into())));
     }
 
     #[test]

@@ -9,86 +9,6 @@ use std::borrow::Cow;
 use super::response::Response;
 use super::wire::{Algorithm, Decision, ErrorCode, FailPolicy, PolicyKind, OP_DESCRIBE_POLICY};
 
-/// DESCRIBE_POLICY's flag: a uses byte (`PolicyUses`) follows the name.
-/// A request without it (a client of an earlier release) describes a
-/// single check.
-pub const FLAG_DESCRIBE_USES: u16 = 0x0001;
-
-/// One way a client's limiter uses a policy: each is its own kind of
-/// request to the daemon, refused or not by the policy's settings
-/// (src/decision/resolve.rs, `kind_refusal`), so a reload must keep every
-/// use nginx described possible (docs/OPERATIONS.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PolicyUse {
-    /// CHECK_POLICY of one item, without flags (`ratelimitd.new{ policy = ... }`).
-    Single = 0,
-    /// CHECK_POLICY of several items, all or nothing (`policies = { ... }`).
-    Multi = 1,
-    /// CHECK_POLICY with the refundable flag, and its REFUND (`refundable = true`).
-    Refundable = 2,
-    /// CHECK_POLICY with the settle flag, and its SETTLE (`settle = true`).
-    Reserve = 3,
-    /// LEASE_SHARE: units of the daemon's lease kept by a worker (`share_dict`).
-    Share = 4,
-    /// ACQUIRE_POLICY and its release (`ratelimitd.concurrency{ policy = ... }`).
-    Acquire = 5,
-}
-
-impl PolicyUse {
-    pub const ALL: [PolicyUse; 6] = [Self::Single, Self::Multi, Self::Refundable, Self::Reserve, Self::Share, Self::Acquire];
-
-    /// Its bit in the uses byte.
-    pub const fn bit(self) -> u8 {
-        1 << self as u8
-    }
-
-    /// As logs and check-config name it.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Single => "single check",
-            Self::Multi => "multi-item check",
-            Self::Refundable => "refundable check",
-            Self::Reserve => "reserve and settle",
-            Self::Share => "worker share",
-            Self::Acquire => "concurrency acquire",
-        }
-    }
-}
-
-/// The uses byte of a DESCRIBE_POLICY: a set of `PolicyUse` bits. Bits
-/// this daemon does not know (a later client's uses) are dropped, so such
-/// a client is still answered.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PolicyUses(u8);
-
-impl PolicyUses {
-    /// What a request without the uses byte describes.
-    pub const SINGLE: Self = Self(PolicyUse::Single.bit());
-    const KNOWN: u8 = (1 << PolicyUse::ALL.len()) - 1;
-
-    pub const fn from_wire(b: u8) -> Self {
-        Self(b & Self::KNOWN)
-    }
-
-    pub const fn to_wire(self) -> u8 {
-        self.0
-    }
-
-    #[must_use]
-    pub const fn with(self, u: PolicyUse) -> Self {
-        Self(self.0 | u.bit())
-    }
-
-    pub const fn contains(self, u: PolicyUse) -> bool {
-        self.0 & u.bit() != 0
-    }
-
-    /// The uses in the set, in `PolicyUse::ALL`'s order.
-    pub fn iter(self) -> impl Iterator<Item = PolicyUse> {
-        PolicyUse::ALL.into_iter().filter(move |u| self.contains(*u))
-    }
-}
-
 /// What the daemon says of a policy that exists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PolicyDescription {
@@ -171,7 +91,7 @@ pub fn unknown_policy_response(id: u32) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::request::{encode_describe, encode_describe_uses, parse_request, Bounds, Inbound, Request};
+    use crate::protocol::request::{encode_describe, encode_describe_uses, parse_request, Bounds, Inbound, PolicyUse, PolicyUses, Request};
     use crate::protocol::response::{decode_response, encode_response};
     use crate::protocol::wire::MAX_POLICY_NAME_LEN;
     use bytes::{Bytes, BytesMut};

@@ -18,10 +18,10 @@ mod response;
 mod wire;
 
 pub use request::{
-    encode_describe, encode_describe_uses, DescribeRequest, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_reserve, encode_settle, SettleRequest, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
+    encode_describe, encode_describe_uses, DescribeRequest, PolicyUse, PolicyUses, FLAG_DESCRIBE_USES, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_reserve, encode_settle, SettleRequest, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
     LeaseRequest, MultiCheckRequest, PolicyCheckArgs, PolicyCheckRequest, PolicyItem, PolicyLeaseArgs, PolicyLeaseRequest, encode_policy_lease_request, encode_lease_share, ReserveRequest, RefundRequest, Request, RequestCodec,
 };
-pub use describe::{unknown_policy_response, PolicyDescription, PolicyUse, PolicyUses, FLAG_DESCRIBE_USES};
+pub use describe::{unknown_policy_response, PolicyDescription};
 pub use response::{decode_response, encode_response, Extension, ItemResult, Response, ResponseError};
 pub use wire::{
     Algorithm, Decision, ErrorCode, FailPolicy, PolicyKind, Source, OP_DESCRIBE_POLICY, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, ITEM_RESULT_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_EXTENSION_LEN, MAX_FRAME_LEN, MAX_MESSAGE_LEN, MAX_POLICY_ITEMS,
