@@ -13,7 +13,7 @@ use common::http::agent;
 use common::ops::{metrics, sample, socket_access};
 use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
-use ratelimitd::protocol::{Decision, FailPolicy, PolicyCheckArgs};
+use ratelimitd::protocol::{encode_describe_uses, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, PolicyUse, PolicyUses};
 
 /// `five`: 5 a minute, the log; `quota`: 5 a calendar month (fixed, UTC).
 const COUNTED: &str = r#"
@@ -190,6 +190,19 @@ fn a_reload_breaking_a_described_use_is_refused(redis: Option<&RedisServer>) {
     assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"use_unsupported\"} "), 1.0);
     assert_eq!(sample(&text, "ratelimitd_config_reloads_total "), 0.0);
 
+    // The log -> gcra: both the keys and the uses; one line and one reason each.
+    d.rewrite_config(&original.replacen("name = \"login\"\nlimit = 1000\nwindow = \"60s\"\n", "name = \"login\"\nlimit = 1000\nwindow = \"60s\"\nalgorithm = \"gcra\"\n", 1));
+    reload(&d, Signal::SIGHUP, "configuration reload refused", 3);
+    let log = d.log();
+    assert!(log.contains("login: multi-item check (UNSUPPORTED_COMBINATION: policy 'login' (algorithm gcra): several policies in one request, refundable checks and refunds need algorithm log)"), "{log}");
+    assert!(log.contains("login (algorithm log -> gcra; last request"), "{log}");
+    for path in ["/both", "/refund"] {
+        assert_eq!(statuses(&nginx, path, 4), [200; 4], "{path} after the refused reload: {}", nginx.error_log());
+    }
+    let text = metrics(&d);
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"use_unsupported\"} "), 2.0);
+    assert_eq!(sample(&text, "ratelimitd_config_reloads_refused_total{reason=\"counts_restart\"} "), 1.0);
+
     // `plain` is only checked alone: a penalty box is no problem there.
     d.rewrite_config(&penalized("plain"));
     reload(&d, Signal::SIGHUP, "configuration reloaded", 1);
@@ -251,4 +264,46 @@ fn check_config_against_the_running_file_lists_what_a_reload_would_break() {
     let (code, said) = run(&limit_only, &running);
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("keeps every policy's counts and uses"), "{said}");
+}
+
+/// A use is checked with the request path's own rule: a client of an
+/// earlier release (no uses byte) describes a single check, which a rate
+/// policy made a concurrency one would refuse (WRONG_POLICY_KIND); a
+/// concurrency acquire is kept the same way; a use the running policy
+/// refuses already (a multi-item check of a gcra policy) is not the
+/// reload's doing: that policy's algorithm change is refused for its
+/// counts only.
+#[test]
+fn each_described_use_is_judged_by_the_request_paths_rule() {
+    let policies = "[[policy]]\nname = \"plain\"\nlimit = 10\nwindow = \"60s\"\n\n[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 3\nlease = \"30s\"\n\n[[policy]]\nname = \"g\"\nlimit = 10\nwindow = \"60s\"\nalgorithm = \"gcra\"\n";
+    let d = daemon(None, policies);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut c = d.client().await;
+        // An earlier client's frame: no uses byte.
+        assert_eq!(c.describe(b"plain").await.unwrap().error, ErrorCode::None);
+        for (name, u) in [("uploads", PolicyUse::Acquire), ("g", PolicyUse::Multi)] {
+            let mut frame = bytes::BytesMut::new();
+            encode_describe_uses(9, name.as_bytes(), PolicyUses::default().with(u), &mut frame);
+            c.send_raw(&frame).await.unwrap();
+            assert_eq!(c.read_response().await.unwrap().error, ErrorCode::None);
+        }
+    });
+    let swapped = d
+        .config_text()
+        .replace("name = \"plain\"\nlimit = 10\nwindow = \"60s\"\n", "name = \"plain\"\nalgorithm = \"concurrency\"\nlimit = 10\nlease = \"60s\"\n")
+        .replace("name = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 3\nlease = \"30s\"\n", "name = \"uploads\"\nlimit = 3\nwindow = \"30s\"\n")
+        .replace("algorithm = \"gcra\"", "algorithm = \"sliding_counter\"");
+    d.rewrite_config(&swapped);
+    reload(&d, Signal::SIGHUP, "configuration reload refused: policies would refuse", 1);
+    let log = d.log();
+    let line = line_with(&log, "configuration reload refused: policies would refuse");
+    assert!(line.contains("plain: single check (WRONG_POLICY_KIND: policy 'plain' is a concurrency policy"), "{line}");
+    assert!(line.contains("uploads: concurrency acquire (WRONG_POLICY_KIND: policy 'uploads' is a rate policy"), "{line}");
+    assert!(!line.contains("g:"), "gcra never took a multi-item check: {line}");
+    let counts = line_with(&log, "configuration reload refused: it changes the window");
+    assert!(counts.contains("g (algorithm gcra -> sliding_counter; no request yet, named by nginx: described"), "{counts}");
+    assert!(counts.contains("plain (kind rate -> concurrency") && counts.contains("uploads (kind concurrency -> rate"), "{counts}");
+    reload(&d, Signal::SIGUSR1, "configuration reloaded", 1);
+    assert!(d.log().contains("forced reload makes policies unusable by the nginx limiters that described them"), "{}", d.log());
 }
