@@ -269,7 +269,10 @@ struct Breaks {
 }
 
 impl Breaks {
-    fn of(running: &Policies, new: &Config) -> Self {
+    /// `shared`: the running backend is Redis, whose counts outlive this
+    /// daemon's start and are shared with other daemons: a change of a
+    /// policy's keys is refused whatever this daemon saw of it.
+    fn of(running: &Policies, new: &Config, shared: bool) -> Self {
         let now = crate::policies::use_clock();
         let recent = |at: u64| at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs();
         // The uses nginx described lately: the only ones a reload must keep.
@@ -284,7 +287,8 @@ impl Breaks {
                     }
                 }
                 ReloadChange::CountsRestart(change) => {
-                    if let Some(why) = in_use(p, now, true) {
+                    let why = in_use(p, now, true).or_else(|| shared.then(|| "counted in Redis, which other daemons and this one before its start may have written".to_string()));
+                    if let Some(why) = why {
                         b.restarted.push((name, format!("{change}; {why}")));
                     }
                 }
@@ -322,7 +326,7 @@ impl Breaks {
         if !self.restarted.is_empty() {
             tracing::error!(
                 policies = %Self::list(&self.restarted),
-                "configuration reload refused: it changes the window, algorithm, utc_offset or shards of policies in use, which names other keys: their counts would restart from zero and let up to a whole limit more through; still serving with the previous configuration. Keep those settings (limits, overrides, on_error, shadow and penalty change without a restart), or add a policy of another name and move nginx to it; to restart the counts anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)"
+                "configuration reload refused: it changes the window, algorithm, utc_offset or shards of policies in use (with Redis: of any policy), which names other keys: their counts would restart from zero and let up to a whole limit more through; still serving with the previous configuration. Keep those settings (limits, overrides, on_error, shadow and penalty change without a restart), or add a policy of another name and move nginx to it; to restart the counts anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)"
             );
         }
         if !self.unusable.is_empty() {
@@ -569,7 +573,7 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
     match (reload.load)() {
         Ok((new, resolved)) => {
             let running = reloadable_tx.borrow().limiter.policies().clone();
-            let breaks = Breaks::of(&running, &new);
+            let breaks = Breaks::of(&running, &new, matches!(active.backend, Backend::Redis(_)));
             let reasons = breaks.reasons();
             if !reasons.is_empty() && !force {
                 METRICS.reloaded(false);

@@ -52,9 +52,8 @@ enum Command {
         #[arg(long)]
         nginx: Option<PathBuf>,
         /// The configuration the daemon runs now: list what a reload from
-        /// it to --config would refuse while the policies concerned are in
-        /// use (removed, counts restarted, a use made impossible; exit 1
-        /// if any).
+        /// it to --config would be refused for (a policy removed, counts
+        /// restarted, a use made impossible; exit 1 if any).
         #[arg(long, value_name = "RUNNING_CONFIG")]
         against: Option<PathBuf>,
     },
@@ -365,7 +364,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 if !report.is_empty() {
                     println!(
-                        "{}: a daemon running {} refuses this reload while these policies are in use (docs/OPERATIONS.md, \"Reloads a daemon refuses\"); SIGUSR1 forces it",
+                        "{}: a daemon running {} refuses this reload unless forced with SIGUSR1, for each policy above in use (a restart of counts with Redis: always; docs/OPERATIONS.md, \"Reloads a daemon refuses\")",
                         config.display(),
                         running.display()
                     );

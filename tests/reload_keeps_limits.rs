@@ -15,8 +15,14 @@ use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 use ratelimitd::protocol::{encode_describe_uses, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, PolicyUse, PolicyUses};
 
-/// `five`: 5 a minute, the log; `quota`: 5 a calendar month (fixed, UTC).
+/// `five`: 5 a minute, the log; `quota`: 5 a calendar month (fixed, UTC);
+/// `idle`: never asked.
 const COUNTED: &str = r#"
+[[policy]]
+name = "idle"
+limit = 5
+window = "30s"
+
 [[policy]]
 name = "five"
 limit = 5
@@ -97,9 +103,24 @@ fn a_reload_never_silently_restarts_counts(redis: Option<&RedisServer>) {
     reload(&d, Signal::SIGHUP, "configuration reloaded", 1);
     assert_eq!(admit(&d, "five", "t1", 3), 1, "limit 6 after 5 admissions: one more");
 
+    // A policy this daemon never counted: in memory it has no counts, and
+    // its window changes at once; Redis may hold counts of other daemons,
+    // or of this one before its start: refused there too.
+    d.rewrite_config(&original.replacen("window = \"30s\"", "window = \"45s\"", 1).replacen("limit = 5\nwindow = \"60s\"", "limit = 6\nwindow = \"60s\"", 1));
+    if redis.is_some() {
+        reload(&d, Signal::SIGHUP, "configuration reload refused", refused + 1);
+        let log = d.log();
+        let line = line_with(&log, "configuration reload refused");
+        assert!(line.contains("idle (window 30000 ms -> 45000 ms; counted in Redis"), "{line}");
+        assert_eq!(sample(&metrics(&d), "ratelimitd_config_reloads_refused_total{reason=\"counts_restart\"} "), 4.0);
+    } else {
+        reload(&d, Signal::SIGHUP, "configuration reloaded", 2);
+    }
+    let applied = d.log().matches("configuration reloaded").count();
+
     // Forced: the warning names the restart, and the new window starts from zero.
     d.rewrite_config(&original.replacen("window = \"60s\"", "window = \"2m\"", 1));
-    reload(&d, Signal::SIGUSR1, "configuration reloaded", 2);
+    reload(&d, Signal::SIGUSR1, "configuration reloaded", applied + 1);
     let log = d.log();
     let warning = line_with(&log, "forced reload restarts the counts");
     assert!(warning.contains("five (window 60000 ms -> 120000 ms"), "{warning}");
@@ -255,7 +276,7 @@ fn check_config_against_the_running_file_lists_what_a_reload_would_break() {
         "policy \"login\": a multi-item check would be refused: UNSUPPORTED_COMBINATION: policy 'login' (algorithm log): a penalty box",
         "policy \"login\": a refundable check would be refused",
         "policy \"gone\": removed or renamed",
-        "SIGUSR1 forces it",
+        "refuses this reload unless forced with SIGUSR1",
     ] {
         assert!(said.contains(want), "{want}: {said}");
     }
