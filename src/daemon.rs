@@ -11,12 +11,13 @@ use tokio_util::sync::CancellationToken;
 use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
-use crate::decision::{Backend, Limiter, QuotaLeases};
+use crate::decision::{kind_refusal, Backend, Kind, Limiter, QuotaLeases};
 use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
-use crate::metrics_server::{self, BreakerState, ConfigStatus, Live};
-use crate::policies::Policies;
+use crate::metrics_server::{self, BreakerState, ConfigStatus, Live, RefusalReason};
+use crate::policies::{counts_restart, Policies, Policy};
+use crate::protocol::{PolicyUse, PolicyUses};
 use crate::redis::{RedisWindow, StartError};
 use crate::server::{self, Reloadable, ServerSettings};
 use crate::socket::{BoundSocket, SocketError};
@@ -171,25 +172,202 @@ fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
 /// A policy that decided a request, or that nginx described (named at a
 /// worker's start, DESCRIBE_POLICY), within this long is "in use": a reload
 /// that removes (or renames) it is refused unless forced (SIGUSR1), since
-/// every location naming it would get UNKNOWN_POLICY from then on.
+/// every location naming it would get UNKNOWN_POLICY from then on; so is
+/// one that restarts its counts (`Breaks`). A use nginx described within
+/// this long must stay possible as well.
 pub const POLICY_IN_USE_WINDOW: Duration = Duration::from_secs(15 * 60);
 
-/// The policies in force that `new` no longer has and that decided a
-/// request or were described within `POLICY_IN_USE_WINDOW`, each with what
-/// makes it in use ("last request 3s ago", "described to nginx 40s ago").
-fn removed_in_use(running: &Policies, new: &Config) -> Vec<(String, String)> {
-    let now = crate::policies::use_clock();
+/// The kind of request a use sends, as resolve judges it: a worker share
+/// resolves as a single check, a refund as a multi-item check, a settle as
+/// its reserve.
+fn kind_of(u: PolicyUse) -> Kind {
+    match u {
+        PolicyUse::Single | PolicyUse::Share => Kind::Check,
+        PolicyUse::Multi | PolicyUse::Refundable => Kind::Multi,
+        PolicyUse::Reserve => Kind::Reserve,
+        PolicyUse::Acquire => Kind::Lease { release: false },
+    }
+}
+
+/// The uses of `uses` that `old` takes and `new` would refuse with every
+/// request (resolve's own rule, `kind_refusal`), each with the error code
+/// and message its requests would get. A use `old` refuses already is not
+/// `new`'s doing.
+pub fn uses_lost(old: &Policy, new: &Policy, uses: PolicyUses) -> Vec<(PolicyUse, String)> {
+    uses.iter()
+        .filter(|u| kind_refusal(old, kind_of(*u)).is_none())
+        .filter_map(|u| kind_refusal(new, kind_of(u)).map(|(code, why)| (u, format!("{}: {why}", code.as_str()))))
+        .collect()
+}
+
+/// What a reload changes of one running policy that a daemon refuses
+/// (unless forced) while the policy is in use (docs/OPERATIONS.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReloadChange {
+    /// No policy of its name in the new configuration: UNKNOWN_POLICY.
+    Removed,
+    /// Its counts would restart (`counts_restart`): what changes.
+    CountsRestart(String),
+    /// A use it takes would be refused (`uses_lost`): the use, and the
+    /// error code and message its requests would get.
+    UseLost(PolicyUse, String),
+}
+
+/// Every `ReloadChange` from `running` to `new`, policy by policy in
+/// `running`'s order; `uses(p)`: the uses of `p` to check. The daemon's
+/// reload (with the uses nginx described) and `check-config --against`
+/// (with every use) both ask it.
+pub fn reload_changes<'a>(running: &'a Policies, new: &Policies, uses: impl Fn(&Policy) -> PolicyUses) -> Vec<(&'a Policy, ReloadChange)> {
+    let mut out = Vec::new();
+    for p in running.iter() {
+        let Some(n) = new.get(p.name.as_bytes()) else {
+            out.push((p, ReloadChange::Removed));
+            continue;
+        };
+        if let Some(change) = counts_restart(p, n) {
+            out.push((p, ReloadChange::CountsRestart(change)));
+        }
+        out.extend(uses_lost(p, n, uses(p)).into_iter().map(|(u, why)| (p, ReloadChange::UseLost(u, why))));
+    }
+    out
+}
+
+/// Every use, for a check without a live daemon (`check-config --against`).
+pub fn every_use(_: &Policy) -> PolicyUses {
+    PolicyUse::ALL.into_iter().fold(PolicyUses::default(), PolicyUses::with)
+}
+
+/// What makes `p` in use now, or None: a request within
+/// `POLICY_IN_USE_WINDOW` ("last request 3s ago"), else a description
+/// within it ("no request yet, named by nginx: described 40s ago").
+/// `any_request`: a request since start counts however long ago (a
+/// policy's counts may live a month).
+fn in_use(p: &Policy, now: u64, any_request: bool) -> Option<String> {
     let recent = |at: u64| (at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs()).then(|| now.saturating_sub(at));
-    running
-        .iter()
-        .filter(|p| !new.policies.iter().any(|c| *c.name == *p.name))
-        .filter_map(|p| {
-            let why = match (recent(p.counters.last_used()), recent(p.counters.last_described())) {
-                (Some(ago), _) => format!("last request {ago}s ago"),
-                (None, Some(ago)) => format!("no request yet, named by nginx: described {ago}s ago"),
-                (None, None) => return None,
-            };
-            Some((p.name.to_string(), why))
+    let used = p.counters.last_used();
+    match (recent(used), recent(p.counters.last_described())) {
+        (Some(ago), _) => Some(format!("last request {ago}s ago")),
+        (None, _) if any_request && used != 0 => Some(format!("last request {}s ago", now.saturating_sub(used))),
+        (None, Some(ago)) => Some(format!("no request yet, named by nginx: described {ago}s ago")),
+        (None, None) => None,
+    }
+}
+
+/// What a reload from `running` to `new` would break, each a reason to
+/// refuse it unless forced (SIGUSR1).
+#[derive(Default)]
+struct Breaks {
+    /// Policies in use that `new` no longer has (removed or renamed), each
+    /// with what makes it in use: their locations would get UNKNOWN_POLICY.
+    removed: Vec<(String, String)>,
+    /// Policies in use whose keys `new` changes, each with the change and
+    /// what makes it in use: their counts would restart from zero.
+    restarted: Vec<(String, String)>,
+    /// Uses nginx described within `POLICY_IN_USE_WINDOW` that `new`'s
+    /// policy of the same name refuses: the policy, the use, why.
+    unusable: Vec<(String, PolicyUse, String)>,
+}
+
+impl Breaks {
+    /// `shared`: the running backend is Redis, whose counts outlive this
+    /// daemon's start and are shared with other daemons: a change of a
+    /// policy's keys is refused whatever this daemon saw of it.
+    fn of(running: &Policies, new: &Config, shared: bool) -> Self {
+        let now = crate::policies::use_clock();
+        let recent = |at: u64| at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs();
+        // The uses nginx described lately: the only ones a reload must keep.
+        let described = |p: &Policy| PolicyUse::ALL.into_iter().filter(|u| recent(p.counters.last_described_use(*u))).fold(PolicyUses::default(), PolicyUses::with);
+        let mut b = Self::default();
+        for (p, change) in reload_changes(running, &Policies::build(&new.policies, None), described) {
+            let name = crate::terminal::escape(&p.name).to_string();
+            match change {
+                ReloadChange::Removed => {
+                    if let Some(why) = in_use(p, now, false) {
+                        b.removed.push((name, why));
+                    }
+                }
+                ReloadChange::CountsRestart(change) => {
+                    let why = in_use(p, now, true).or_else(|| shared.then(|| "counted in Redis, which other daemons and this one before its start may have written".to_string()));
+                    if let Some(why) = why {
+                        b.restarted.push((name, format!("{change}; {why}")));
+                    }
+                }
+                ReloadChange::UseLost(u, why) => b.unusable.push((name, u, why)),
+            }
+        }
+        b
+    }
+
+    fn reasons(&self) -> Vec<RefusalReason> {
+        [(RefusalReason::PolicyInUse, self.removed.is_empty()), (RefusalReason::CountsRestart, self.restarted.is_empty()), (RefusalReason::UseUnsupported, self.unusable.is_empty())]
+            .into_iter()
+            .filter_map(|(r, none)| (!none).then_some(r))
+            .collect()
+    }
+
+    fn list(pairs: &[(String, String)]) -> String {
+        pairs.iter().map(|(name, why)| format!("{name} ({why})")).collect::<Vec<_>>().join(", ")
+    }
+
+    fn uses(&self) -> String {
+        self.unusable.iter().map(|(name, u, why)| format!("{name}: {} ({why})", u.as_str())).collect::<Vec<_>>().join("; ")
+    }
+
+    /// One error line per reason, each saying how to force it.
+    fn log_refused(&self) {
+        let minutes = POLICY_IN_USE_WINDOW.as_secs() / 60;
+        if !self.removed.is_empty() {
+            tracing::error!(
+                policies = %Self::list(&self.removed),
+                window_s = POLICY_IN_USE_WINDOW.as_secs(),
+                "configuration reload refused: it removes or renames policies that decided requests or that nginx described in the last {minutes} minutes, and the locations naming them would get UNKNOWN_POLICY; still serving with the previous configuration. Rename in nginx first, or keep both names until nginx is reloaded; to remove them anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)"
+            );
+        }
+        if !self.restarted.is_empty() {
+            tracing::error!(
+                policies = %Self::list(&self.restarted),
+                "configuration reload refused: it changes the window, algorithm, utc_offset or shards of policies in use (with Redis: of any policy), which names other keys: their counts would restart from zero and let up to a whole limit more through; still serving with the previous configuration. Keep those settings (limits, overrides, on_error, shadow and penalty change without a restart), or add a policy of another name and move nginx to it; to restart the counts anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)"
+            );
+        }
+        if !self.unusable.is_empty() {
+            tracing::error!(
+                uses = %self.uses(),
+                window_s = POLICY_IN_USE_WINDOW.as_secs(),
+                "configuration reload refused: policies would refuse every request of a use nginx described in the last {minutes} minutes (multi-item, refundable, reserve and settle, worker share, concurrency acquire), and those locations would answer 500; still serving with the previous configuration. Change the nginx limiters first, or keep what they need; to apply it anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)"
+            );
+        }
+    }
+
+    /// A forced reload puts the file in force anyway, and says what breaks.
+    fn log_forced(&self) {
+        if !self.removed.is_empty() {
+            let list = self.removed.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>().join(", ");
+            tracing::warn!(policies = %list, "forced reload removes policies in use: their locations get UNKNOWN_POLICY and their fail policy");
+        }
+        if !self.restarted.is_empty() {
+            tracing::warn!(policies = %Self::list(&self.restarted), "forced reload restarts the counts of policies in use: their new keys start from zero");
+        }
+        if !self.unusable.is_empty() {
+            tracing::warn!(uses = %self.uses(), "forced reload makes policies unusable by the nginx limiters that described them: their requests get the error said, and those locations answer 500");
+        }
+    }
+}
+
+/// What a reload from `running` to `new` would refuse while the policies
+/// concerned are in use, one line per change (`ratelimitd check-config
+/// --against`): without a live daemon, every change that breaks a policy
+/// for some client, whether a daemon sees that use or not.
+pub fn reload_report(running: &Config, new: &Config) -> Vec<String> {
+    let (old, fresh) = (Policies::build(&running.policies, None), Policies::build(&new.policies, None));
+    reload_changes(&old, &fresh, every_use)
+        .into_iter()
+        .map(|(p, change)| {
+            let name = crate::terminal::escape(&p.name);
+            match change {
+                ReloadChange::Removed => format!("policy \"{name}\": removed or renamed: the locations naming it would get UNKNOWN_POLICY"),
+                ReloadChange::CountsRestart(change) => format!("policy \"{name}\": counts restart from zero ({change}: other keys)"),
+                ReloadChange::UseLost(u, why) => format!("policy \"{name}\": a {} would be refused: {why}", u.as_str()),
+            }
         })
         .collect()
 }
@@ -379,14 +557,15 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     Ok(())
 }
 
-/// One reload (SIGHUP; SIGUSR1: `force`, removing policies in use too).
-/// A file that does not load, or (unless forced) that removes a policy in
-/// use, leaves the running configuration in force, logged and counted.
+/// One reload (SIGHUP; SIGUSR1: `force`, breaking policies in use too).
+/// A file that does not load, or (unless forced) that breaks a policy in
+/// use (`Breaks`: removed, counts restarted, a described use refused),
+/// leaves the running configuration in force, logged and counted.
 #[allow(clippy::too_many_arguments)]
 async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, reloadable_tx: &watch::Sender<Reloadable>, view_tx: &watch::Sender<Arc<View>>, reload: &Reload, endpoint: &mut MetricsEndpoint) {
     let status = endpoint.status.clone();
     if force {
-        tracing::info!("SIGUSR1 received: reloading the configuration, removing policies in use if it says so");
+        tracing::info!("SIGUSR1 received: reloading the configuration, even if it removes policies in use, restarts their counts or makes them refuse a use nginx described");
     } else {
         tracing::info!("SIGHUP received: reloading the configuration");
     }
@@ -394,24 +573,16 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
     match (reload.load)() {
         Ok((new, resolved)) => {
             let running = reloadable_tx.borrow().limiter.policies().clone();
-            let in_use = removed_in_use(&running, &new);
-            if !in_use.is_empty() && !force {
+            let breaks = Breaks::of(&running, &new, matches!(active.backend, Backend::Redis(_)));
+            let reasons = breaks.reasons();
+            if !reasons.is_empty() && !force {
                 METRICS.reloaded(false);
-                status.reload_failed(true);
-                let list = in_use.iter().map(|(name, why)| format!("{} ({why})", crate::terminal::escape(name))).collect::<Vec<_>>().join(", ");
-                tracing::error!(
-                    policies = %list,
-                    window_s = POLICY_IN_USE_WINDOW.as_secs(),
-                    "configuration reload refused: it removes or renames policies that decided requests or that nginx described in the last {} minutes, and the locations naming them would get UNKNOWN_POLICY; still serving with the previous configuration. Rename in nginx first, or keep both names until nginx is reloaded; to remove them anyway send SIGUSR1 (systemctl kill -s USR1 ratelimitd)",
-                    POLICY_IN_USE_WINDOW.as_secs() / 60
-                );
-                notify_systemd(&[sd_notify::NotifyState::Status("configuration reload refused: it removes policies in use; still serving with the previous configuration"), sd_notify::NotifyState::Ready]);
+                status.reload_failed(&reasons);
+                breaks.log_refused();
+                notify_systemd(&[sd_notify::NotifyState::Status("configuration reload refused: it would break policies in use; still serving with the previous configuration"), sd_notify::NotifyState::Ready]);
                 return;
             }
-            if !in_use.is_empty() {
-                let list = in_use.iter().map(|(name, _)| crate::terminal::escape(name).to_string()).collect::<Vec<_>>().join(", ");
-                tracing::warn!(policies = %list, "forced reload removes policies in use: their locations get UNKNOWN_POLICY and their fail policy");
-            }
+            breaks.log_forced();
             log_deprecated(&new);
             apply(current, new, &resolved, active, local, live, reloadable_tx, reload, endpoint).await;
             view_tx.send_replace(Arc::new(View { config: current.clone(), secrets: resolved.redis.clone() }));
@@ -423,7 +594,7 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
         }
         Err(e) => {
             METRICS.reloaded(false);
-            status.reload_failed(false);
+            status.reload_failed(&[]);
             tracing::error!(error = %e, "configuration reload failed; still serving with the previous configuration");
             notify_systemd(&[sd_notify::NotifyState::Status("configuration reload failed; still serving with the previous configuration")]);
         }

@@ -51,6 +51,11 @@ enum Command {
         /// `include`s and `*_by_lua_file`s are read too.
         #[arg(long)]
         nginx: Option<PathBuf>,
+        /// The configuration the daemon runs now: list what a reload from
+        /// it to --config would be refused for (a policy removed, counts
+        /// restarted, a use made impossible; exit 1 if any).
+        #[arg(long, value_name = "RUNNING_CONFIG")]
+        against: Option<PathBuf>,
     },
     /// Print the configuration as the daemon would hold it (what GET
     /// /config shows of the running one), secrets left out.
@@ -346,11 +351,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             print!("{}", cfg.dump());
             Ok(ExitCode::SUCCESS)
         }
-        Command::CheckConfig { config, nginx } => {
+        Command::CheckConfig { config, nginx, against } => {
             let cfg = Config::load(&config)?;
             preflight(&cfg, &config)?;
             for line in &cfg.deprecated {
                 eprintln!("{}: deprecated: {line}", config.display());
+            }
+            if let Some(running) = against {
+                let report = ratelimitd::daemon::reload_report(&Config::load(&running)?, &cfg);
+                for line in &report {
+                    println!("{}: {line}", config.display());
+                }
+                if !report.is_empty() {
+                    println!(
+                        "{}: a daemon running {} refuses this reload unless forced with SIGUSR1, for each policy above in use (a restart of counts with Redis: always; docs/OPERATIONS.md, \"Reloads a daemon refuses\")",
+                        config.display(),
+                        running.display()
+                    );
+                    return Ok(ExitCode::from(1));
+                }
+                println!("{}: a reload from {} keeps every policy's counts and uses", config.display(), running.display());
             }
             if let Some(nginx) = nginx {
                 let used = ratelimitd::config::nginx_policy_names(&nginx)?;

@@ -47,9 +47,34 @@ pub struct ConfigStatus {
     /// Unix time of the last successful load (start or reload), seconds.
     loaded_at: AtomicU64,
     last_reload_ok: AtomicBool,
-    /// Reloads refused because they removed a policy in use.
-    refused_policy_in_use: AtomicU64,
+    /// Reloads refused, by `RefusalReason` (one refused reload counts in
+    /// each of its reasons).
+    refused: [AtomicU64; RefusalReason::ALL.len()],
     dump: Mutex<String>,
+}
+
+/// Why a valid configuration was not put in force unforced (SIGUSR1
+/// forces it): the `reason` label of `ratelimitd_config_reloads_refused_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefusalReason {
+    /// It removes or renames a policy in use.
+    PolicyInUse,
+    /// It makes a policy refuse a use nginx described (UNSUPPORTED_COMBINATION, WRONG_POLICY_KIND).
+    UseUnsupported,
+    /// It changes the keys a policy in use counts under: its counts would restart from zero.
+    CountsRestart,
+}
+
+impl RefusalReason {
+    pub const ALL: [RefusalReason; 3] = [Self::PolicyInUse, Self::UseUnsupported, Self::CountsRestart];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::PolicyInUse => "policy_in_use",
+            Self::UseUnsupported => "use_unsupported",
+            Self::CountsRestart => "counts_restart",
+        }
+    }
 }
 
 /// FNV-1a, 64 bits: a stable fingerprint (not a security hash).
@@ -67,11 +92,12 @@ impl ConfigStatus {
         *self.dump.lock().unwrap_or_else(|e| e.into_inner()) = dump;
     }
 
-    /// A reload failed or was refused; the previous configuration stays.
-    pub fn reload_failed(&self, refused_policy_in_use: bool) {
+    /// A reload failed (no reasons) or was refused for `reasons`; the
+    /// previous configuration stays.
+    pub fn reload_failed(&self, reasons: &[RefusalReason]) {
         self.last_reload_ok.store(false, Ordering::Relaxed);
-        if refused_policy_in_use {
-            self.refused_policy_in_use.fetch_add(1, Ordering::Relaxed);
+        for r in reasons {
+            self.refused[*r as usize].fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -109,9 +135,11 @@ impl ConfigStatus {
         );
         let _ = writeln!(
             out,
-            "# HELP ratelimitd_config_reloads_refused_total Reloads refused because they removed or renamed a policy that decided requests recently (force: SIGUSR1).\n# TYPE ratelimitd_config_reloads_refused_total counter\nratelimitd_config_reloads_refused_total{{reason=\"policy_in_use\"}} {}",
-            self.refused_policy_in_use.load(Ordering::Relaxed)
+            "# HELP ratelimitd_config_reloads_refused_total Reloads refused (force: SIGUSR1), by reason: policy_in_use (removes or renames a policy in use), use_unsupported (a policy would refuse a use nginx described), counts_restart (a policy in use would restart its counts).\n# TYPE ratelimitd_config_reloads_refused_total counter"
         );
+        for r in RefusalReason::ALL {
+            let _ = writeln!(out, "ratelimitd_config_reloads_refused_total{{reason=\"{}\"}} {}", r.as_str(), self.refused[r as usize].load(Ordering::Relaxed));
+        }
     }
 }
 

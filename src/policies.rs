@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::{Penalty, PolicyConfig, PolicyLimit};
-use crate::protocol::{Algorithm, FailPolicy};
+use crate::protocol::{Algorithm, FailPolicy, PolicyUse, PolicyUses};
 
 /// What happened to one policy request; each request counts in exactly one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +113,9 @@ pub struct PolicyCounters {
     /// at worker start): nginx names it, so a reload must not drop it even
     /// before its first request.
     last_described: AtomicU64,
+    /// The use clock when a client last described each use of this policy
+    /// (`PolicyUse` as index): a reload must keep every recent one possible.
+    described_uses: [AtomicU64; PolicyUse::ALL.len()],
 }
 
 impl PolicyCounters {
@@ -132,13 +135,21 @@ impl PolicyCounters {
         self.last_used.load(Ordering::Relaxed)
     }
 
-    /// Marks the policy as named by a client (a DESCRIBE_POLICY): in use
-    /// for the reload refusal as a decided request is.
-    pub fn described(&self) {
+    /// Marks the policy as named by a client (a DESCRIBE_POLICY), for
+    /// `uses`: in use for the reload refusal as a decided request is, and
+    /// each use one a reload must keep possible.
+    pub fn described(&self, uses: PolicyUses) {
         let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
-        if self.last_described.load(Ordering::Relaxed) != now {
-            self.last_described.store(now, Ordering::Relaxed);
+        for slot in std::iter::once(&self.last_described).chain(uses.iter().map(|u| &self.described_uses[u as usize])) {
+            if slot.load(Ordering::Relaxed) != now {
+                slot.store(now, Ordering::Relaxed);
+            }
         }
+    }
+
+    /// The use clock when a client last described use `u`; 0: never.
+    pub fn last_described_use(&self, u: PolicyUse) -> u64 {
+        self.described_uses[u as usize].load(Ordering::Relaxed)
     }
 
     /// The use clock when a client last described this policy; 0: never.
@@ -203,6 +214,46 @@ impl Policy {
     pub fn first_shard(&self) -> u32 {
         self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards
     }
+}
+
+/// A window as a reload's log line names it: a length in ms, or a
+/// calendar window (`window::CALENDAR`) by its length and `utc_offset`.
+fn window_text(window_ms: u32) -> String {
+    if window_ms < crate::window::CALENDAR {
+        return format!("{window_ms} ms");
+    }
+    let code = window_ms - crate::window::CALENDAR;
+    let (minutes, offset) = (code >> 12, i64::from(code & 0xFFF) - 2048);
+    let length = if minutes == 0 { "month".to_string() } else { format!("{minutes} min") };
+    format!("{length} at utc_offset {}{:02}:{:02}", if offset < 0 { '-' } else { '+' }, offset.abs() / 60, offset.abs() % 60)
+}
+
+/// What in `new` would restart the counts `old` keeps, or None when they
+/// carry over. A rate policy's counts live under a key made of its window
+/// (a calendar window's `utc_offset` included), its algorithm and its
+/// shards (src/redis/keys.rs `WindowKey`, src/redis/shard.rs; in memory
+/// src/local_store.rs `WindowName`): a change of any of them names other
+/// keys, which start empty. A concurrency policy's leases are one set per
+/// key whatever the lease (`WindowKey::lease_key`): they carry over.
+pub fn counts_restart(old: &Policy, new: &Policy) -> Option<String> {
+    let kind = |p: &Policy| if p.lease_ms.is_some() { "concurrency" } else { "rate" };
+    if kind(old) != kind(new) {
+        return Some(format!("kind {} -> {}", kind(old), kind(new)));
+    }
+    if old.lease_ms.is_some() {
+        return None;
+    }
+    let mut changes = Vec::new();
+    if old.window_ms != new.window_ms {
+        changes.push(format!("window {} -> {}", window_text(old.window_ms), window_text(new.window_ms)));
+    }
+    if old.algorithm != new.algorithm {
+        changes.push(format!("algorithm {} -> {}", old.algorithm.as_str(), new.algorithm.as_str()));
+    }
+    if old.shards != new.shards {
+        changes.push(format!("shards {} -> {}", old.shards, new.shards));
+    }
+    (!changes.is_empty()).then(|| changes.join(", "))
 }
 
 /// Shard `i`'s part of `limit` split over `shards`: the first `limit %
@@ -344,6 +395,24 @@ mod tests {
         assert_eq!(order.limit_for(b"big"), PolicyLimit::Limit(50));
         assert_eq!(order.limit_for(b"free"), PolicyLimit::Unlimited);
         assert!(p.get(b"orde").is_none());
+    }
+
+    #[test]
+    fn only_a_change_of_the_keys_restarts_counts() {
+        let build = |c: PolicyConfig| Policies::build(&[c], None);
+        let (old, same) = (build(config("p", 10)), build(PolicyConfig { limit: 20, shadow: true, overrides: Default::default(), ..config("p", 10) }));
+        let p = |ps: &Policies| ps.get(b"p").map(|p| counts_restart(old.get(b"p").unwrap(), p));
+        assert_eq!(p(&same), Some(None), "limit, shadow and overrides live outside the key");
+        let window = build(PolicyConfig { window: Duration::from_secs(2), ..config("p", 10) });
+        assert_eq!(p(&window), Some(Some("window 1000 ms -> 2000 ms".into())));
+        let ring = build(PolicyConfig { algorithm: Algorithm::Ring, shards: 4, ..config("p", 10) });
+        assert_eq!(p(&ring), Some(Some("algorithm log -> ring, shards 1 -> 4".into())));
+        let month = |offset| build(PolicyConfig { algorithm: Algorithm::Fixed, calendar_window_ms: Some(crate::window::calendar_window_ms(0, offset)), ..config("p", 10) });
+        let (utc, cest) = (month(0), month(120));
+        assert_eq!(counts_restart(utc.get(b"p").unwrap(), cest.get(b"p").unwrap()), Some("window month at utc_offset +00:00 -> month at utc_offset +02:00".into()));
+        let lease = |ms| build(PolicyConfig { lease_ms: Some(ms), ..config("p", 10) });
+        assert_eq!(counts_restart(lease(1000).get(b"p").unwrap(), lease(5000).get(b"p").unwrap()), None, "one lease set per key, whatever the lease");
+        assert_eq!(p(&lease(1000)), Some(Some("kind rate -> concurrency".into())));
     }
 
     #[test]

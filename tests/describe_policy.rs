@@ -103,7 +103,10 @@ async fn hostile_describe_frames_get_their_codes_and_the_stream_stays_in_sync() 
     };
     let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
         (frame(&[1, 8, 0, 0, 0, 42, 0, 0]), ErrorCode::Malformed),
-        (frame(&[1, 8, 0, 0, 0, 42, 0, 1, 5, b'l', b'o', b'g', b'i', b'n']), ErrorCode::UnsupportedFlags),
+        (frame(&[1, 8, 0, 0, 0, 42, 0, 2, 5, b'l', b'o', b'g', b'i', b'n']), ErrorCode::UnsupportedFlags),
+        // The uses flag (0x0001) without its byte after the name; a uses byte without the flag.
+        (frame(&[1, 8, 0, 0, 0, 42, 0, 1, 5, b'l', b'o', b'g', b'i', b'n']), ErrorCode::Malformed),
+        (frame(&[1, 8, 0, 0, 0, 42, 0, 0, 5, b'l', b'o', b'g', b'i', b'n', 2]), ErrorCode::Malformed),
         (frame(&[1, 8, 0, 0, 0, 42, 0, 0, 0, b'x']), ErrorCode::UnknownPolicy),
         (frame(&[1, 8, 0, 0, 0, 42, 0, 0, 200, b'x']), ErrorCode::UnknownPolicy),
         (frame(&[1, 8, 0, 0, 0, 42, 0, 0, 9, b'l', b'o', b'g', b'i', b'n']), ErrorCode::Malformed),

@@ -310,3 +310,33 @@ async fn acquire_policy_frames_hold_and_release_with_the_documented_bytes() {
         assert_eq!(c.check(&common::args("after-error", 1000, 60_000)).await.unwrap().decision, Decision::Allowed, "version 1 CHECK on the same connection");
     }
 }
+
+/// DESCRIBE_POLICY (section 4g) with the documented bytes: a frame of an
+/// earlier client (no uses) and one with the uses flag and byte get the
+/// same documented answer; a later client's unknown use bits are ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn describe_policy_frames_with_and_without_uses_get_the_documented_answer() {
+    let policies = "[[policy]]\nname = \"login\"\nlimit = 1000\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 100\n";
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{policies}"));
+    let mut c = d.client().await;
+    let hex = |s: &str| -> Vec<u8> { (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect() };
+    let plain = hex("0000000e0108000000070000056c6f67696e");
+    // Uses 0x06: an item of a multi-item check and a refundable one.
+    let with_uses = hex("0000000f0108000000070001056c6f67696e06");
+    let later_bits = hex("0000000f0108000000070001056c6f67696ec6");
+    let mut encoded = BytesMut::new();
+    ratelimitd::protocol::encode_describe(7, b"login", &mut encoded);
+    assert_eq!(&encoded[..], &plain[..]);
+    let mut encoded = BytesMut::new();
+    ratelimitd::protocol::encode_describe_uses(7, b"login", ratelimitd::protocol::PolicyUses::from_wire(0x06), &mut encoded);
+    assert_eq!(&encoded[..], &with_uses[..]);
+    // Section 4g's answer: limit 1000, local quota 100, window 60 000 ms, rate/log/local/not shadow.
+    let answer = hex("0000001c01080000000700ff000003e8000000640000ea600000020000000000");
+    for frame in [&plain, &with_uses, &later_bits] {
+        c.send_raw(frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        let mut got = BytesMut::new();
+        ratelimitd::protocol::encode_response(&r, &mut got);
+        assert_eq!(&got[..], &answer[..], "{}", r.message);
+    }
+}

@@ -36,6 +36,13 @@ describe("wire: frames", function()
         assert.equals("0000000e0108000000070000056f72646572", tohex(wire.describe(7, "order")))
     end)
 
+    it("encodes a DESCRIBE_POLICY with its uses as the documented bytes (section 4g)", function()
+        -- Flag 0x0001, then the uses byte: multi-item (0x02) and refundable (0x04).
+        local uses = wire.USE.multi + wire.USE.refundable
+        assert.equals("0000000f0108000000070001056c6f67696e06", tohex(wire.describe(7, "login", uses)))
+        assert.same({ single = 1, multi = 2, refundable = 4, reserve = 8, share = 16, acquire = 32 }, wire.USE)
+    end)
+
     it("reads a DESCRIBE_POLICY answer, and an unknown name, as documented (section 4g)", function()
         local h = hex("0000001c010800000007" .. "00ff" .. "000003e8" .. "00000064" .. "0000ea60" .. "00000200" .. "0000" .. "0000")
         assert.equals(28, wire.check_head(h, 7))

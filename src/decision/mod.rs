@@ -47,9 +47,10 @@ use crate::window::LimitSpec;
 pub(crate) use count::count_undecoded;
 pub use lease::{lease_life_ms, leasable, reserved_life_ms, QuotaLease, QuotaLeases, ShareAnswer, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
 pub use limiter::{Backend, Limiter};
+pub use resolve::{kind_refusal, Kind};
 
 use count::{account, Charge};
-use resolve::{Item, Kind, Named, Rejected};
+use resolve::{Item, Named, Rejected};
 
 /// A decided request and what it is counted against.
 type Decided<'a> = (Response, Charge<'a>);
@@ -89,7 +90,7 @@ impl Limiter {
     fn describe(&self, r: &DescribeRequest) -> Response {
         let Some(p) = self.policies.get(&r.name) else { return unknown_policy_response(r.id) };
         // nginx names this policy: a reload may not drop it unforced.
-        p.counters.described();
+        p.counters.described(r.uses);
         PolicyDescription {
             kind: if p.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
             algorithm: p.algorithm,

@@ -81,7 +81,7 @@ impl<'a> Item<'a> {
 /// What a request names: a check of a rate policy (one item or several, a
 /// refund) or an acquire of a concurrency policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
+pub enum Kind {
     /// CHECK_POLICY of one item without flags: every algorithm.
     Check,
     /// CHECK_POLICY of several items, or refundable: the exact log only.
@@ -96,6 +96,44 @@ pub(super) enum Kind {
     /// SETTLE: as a reserve; no cost check (the actual may pass the limit:
     /// debt).
     Settle,
+}
+
+/// Why `policy` refuses every request of `kind`, whatever its key and
+/// cost (a policy of the other kind, a combination it cannot take), as
+/// the code and message `resolve` answers; None: it takes them. A reload
+/// asks it of the uses nginx described (src/policies.rs, `uses_lost`).
+pub fn kind_refusal(policy: &Policy, kind: Kind) -> Option<(ErrorCode, String)> {
+    let concurrency = policy.lease_ms.is_some();
+    if concurrency != matches!(kind, Kind::Lease { .. }) {
+        let msg = if concurrency {
+            format!("policy '{}' is a concurrency policy: acquire and release it with op 7 (ratelimitd.concurrency{{policy=...}}), not with a check", policy.name)
+        } else {
+            format!("policy '{}' is a rate policy, not a concurrency one: check it with op 2 (ratelimitd.new{{policy=...}})", policy.name)
+        };
+        return Some((ErrorCode::WrongPolicyKind, msg));
+    }
+    // Several items in one call, and refunds, are written for the
+    // exact log's script and windows; another algorithm's policy would
+    // be judged by the wrong rule.
+    // A ban is decided in the single check's script (src/redis/penalty.lua)
+    // and counts the refusals of one key: several items all or nothing,
+    // and refunds, have no place for it. The rule check-config --nginx
+    // applies too (multi_refusal).
+    if matches!(kind, Kind::Multi | Kind::Refund) {
+        if let Some(why) = multi_refusal(policy.algorithm, policy.penalty.is_some()) {
+            let msg = format!("policy '{}' (algorithm {}): {why}", policy.name, policy.algorithm.as_str());
+            return Some((ErrorCode::UnsupportedCombination, msg));
+        }
+    }
+    // Settle moves one counter by the difference: only the O(1)
+    // algorithms have one (the rule check-config applies too).
+    if matches!(kind, Kind::Reserve | Kind::Settle) {
+        if let Some(why) = reserve_refusal(policy.algorithm, policy.shards) {
+            let msg = format!("policy '{}' (algorithm {}, {} shards): {why}", policy.name, policy.algorithm.as_str(), policy.shards);
+            return Some((ErrorCode::UnsupportedCombination, msg));
+        }
+    }
+    None
 }
 
 /// A request the daemon refuses before asking a store: its response and
@@ -127,34 +165,8 @@ impl Limiter {
         };
         let reject = |code, msg: String| Err(Rejected { response: Response::error(n.id, n.op, code, Cow::Owned(msg)), charge: Charge::one(Some(policy), None) });
         let concurrency = policy.lease_ms.is_some();
-        if concurrency != matches!(kind, Kind::Lease { .. }) {
-            let msg = if concurrency {
-                format!("policy '{}' is a concurrency policy: acquire and release it with op 7 (ratelimitd.concurrency{{policy=...}}), not with a check", policy.name)
-            } else {
-                format!("policy '{}' is a rate policy, not a concurrency one: check it with op 2 (ratelimitd.new{{policy=...}})", policy.name)
-            };
-            return reject(ErrorCode::WrongPolicyKind, msg);
-        }
-        // Several items in one call, and refunds, are written for the
-        // exact log's script and windows; another algorithm's policy would
-        // be judged by the wrong rule.
-        // A ban is decided in the single check's script (src/redis/penalty.lua)
-        // and counts the refusals of one key: several items all or nothing,
-        // and refunds, have no place for it. The rule check-config --nginx
-        // applies too (multi_refusal).
-        if matches!(kind, Kind::Multi | Kind::Refund) {
-            if let Some(why) = multi_refusal(policy.algorithm, policy.penalty.is_some()) {
-                let msg = format!("policy '{}' (algorithm {}): {why}", policy.name, policy.algorithm.as_str());
-                return reject(ErrorCode::UnsupportedCombination, msg);
-            }
-        }
-        // Settle moves one counter by the difference: only the O(1)
-        // algorithms have one (the rule check-config applies too).
-        if matches!(kind, Kind::Reserve | Kind::Settle) {
-            if let Some(why) = reserve_refusal(policy.algorithm, policy.shards) {
-                let msg = format!("policy '{}' (algorithm {}, {} shards): {why}", policy.name, policy.algorithm.as_str(), policy.shards);
-                return reject(ErrorCode::UnsupportedCombination, msg);
-            }
+        if let Some((code, msg)) = kind_refusal(policy, kind) {
+            return reject(code, msg);
         }
         // An admin API override in force replaces the file's value for
         // this key (one load and lookup in the background-refreshed table).

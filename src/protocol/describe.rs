@@ -91,7 +91,7 @@ pub fn unknown_policy_response(id: u32) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::request::{encode_describe, parse_request, Bounds, Inbound, Request};
+    use crate::protocol::request::{encode_describe, encode_describe_uses, parse_request, Bounds, Inbound, PolicyUse, PolicyUses, Request};
     use crate::protocol::response::{decode_response, encode_response};
     use crate::protocol::wire::MAX_POLICY_NAME_LEN;
     use bytes::{Bytes, BytesMut};
@@ -111,7 +111,35 @@ mod tests {
         // docs/PROTOCOL.md section 4g.
         assert_eq!(hex(&buf), "0000000e" .to_owned() + "0108" + "00000007" + "0000" + "05" + "6f72646572");
         let Inbound::Request(Request::Describe(r)) = parse(&buf) else { panic!("{:?}", parse(&buf)) };
-        assert_eq!((r.id, &r.name[..]), (7, &b"order"[..]));
+        // A client of an earlier release sends no uses: a single check.
+        assert_eq!((r.id, &r.name[..], r.uses), (7, &b"order"[..], PolicyUses::SINGLE));
+    }
+
+    #[test]
+    fn describe_request_with_uses_matches_documented_hex() {
+        let mut buf = BytesMut::new();
+        let uses = PolicyUses::default().with(PolicyUse::Multi).with(PolicyUse::Refundable);
+        encode_describe_uses(7, b"login", uses, &mut buf);
+        // docs/PROTOCOL.md section 4g: flags 0x0001, then the uses byte 0x06 (multi-item, refundable).
+        assert_eq!(hex(&buf), "0000000f".to_owned() + "0108" + "00000007" + "0001" + "05" + "6c6f67696e" + "06");
+        let Inbound::Request(Request::Describe(r)) = parse(&buf) else { panic!("{:?}", parse(&buf)) };
+        assert_eq!((r.id, &r.name[..], r.uses), (7, &b"login"[..], uses));
+        assert_eq!(r.uses.iter().collect::<Vec<_>>(), [PolicyUse::Multi, PolicyUse::Refundable]);
+        // Every use's bit, as the table of section 4g numbers them.
+        let bits: Vec<u8> = PolicyUse::ALL.iter().map(|u| u.bit()).collect();
+        assert_eq!(bits, [0x01, 0x02, 0x04, 0x08, 0x10, 0x20]);
+        // A later client's bits are dropped, not refused; none at all is a description of no use.
+        let mut buf = BytesMut::new();
+        encode_describe_uses(8, b"login", PolicyUses::from_wire(0xC1), &mut buf);
+        assert_eq!(&buf[buf.len() - 1..], [0x01]);
+        let mut raw = BytesMut::new();
+        encode_describe(9, b"login", &mut raw);
+        let mut raw = raw.to_vec();
+        raw[3] += 1;
+        raw[11] = 1;
+        raw.push(0xC0);
+        let Inbound::Request(Request::Describe(r)) = parse(&raw) else { panic!("{:?}", parse(&raw)) };
+        assert_eq!(r.uses, PolicyUses::default());
     }
 
     #[test]
@@ -146,8 +174,12 @@ mod tests {
             // shorter than the header and one name byte
             (b"\x00\x00\x00\x08\x01\x08\x00\x00\x00\x01\x00\x00", ErrorCode::Malformed),
             (b"\x00\x00\x00\x09\x01\x08\x00\x00\x00\x01\x00\x00\x00", ErrorCode::Malformed),
-            // flags
-            (b"\x00\x00\x00\x0a\x01\x08\x00\x00\x00\x01\x00\x01\x01a", ErrorCode::UnsupportedFlags),
+            // flags other than 0x0001; 0x0001 without its uses byte
+            (b"\x00\x00\x00\x0a\x01\x08\x00\x00\x00\x01\x00\x02\x01a", ErrorCode::UnsupportedFlags),
+            (b"\x00\x00\x00\x0a\x01\x08\x00\x00\x00\x01\x80\x01\x01a", ErrorCode::UnsupportedFlags),
+            (b"\x00\x00\x00\x0a\x01\x08\x00\x00\x00\x01\x00\x01\x01a", ErrorCode::Malformed),
+            // a uses byte without the flag
+            (b"\x00\x00\x00\x0b\x01\x08\x00\x00\x00\x01\x00\x00\x01a\x01", ErrorCode::Malformed),
             // name length 0 with a byte after it; 32
             (b"\x00\x00\x00\x0a\x01\x08\x00\x00\x00\x01\x00\x00\x00a", ErrorCode::UnknownPolicy),
             (b"\x00\x00\x00\x0a\x01\x08\x00\x00\x00\x01\x00\x00\x20a", ErrorCode::UnknownPolicy),

@@ -18,7 +18,7 @@ mod response;
 mod wire;
 
 pub use request::{
-    encode_describe, DescribeRequest, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_reserve, encode_settle, SettleRequest, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
+    encode_describe, encode_describe_uses, DescribeRequest, PolicyUse, PolicyUses, FLAG_DESCRIBE_USES, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request, encode_reserve, encode_settle, SettleRequest, encode_request_with, parse_request, Bounds, CheckArgs, CheckRequest, Inbound, ItemArgs, LeaseArgs,
     LeaseRequest, MultiCheckRequest, PolicyCheckArgs, PolicyCheckRequest, PolicyItem, PolicyLeaseArgs, PolicyLeaseRequest, encode_policy_lease_request, encode_lease_share, ReserveRequest, RefundRequest, Request, RequestCodec,
 };
 pub use describe::{unknown_policy_response, PolicyDescription};

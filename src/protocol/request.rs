@@ -227,12 +227,95 @@ pub struct PolicyLeaseArgs<'a> {
     pub local_limit: u32,
 }
 
+/// DESCRIBE_POLICY's flag: a uses byte (`PolicyUses`) follows the name.
+/// A request without it (a client of an earlier release) describes a
+/// single check.
+pub const FLAG_DESCRIBE_USES: u16 = 0x0001;
+
+/// One way a client's limiter uses a policy: each is its own kind of
+/// request to the daemon, refused or not by the policy's settings
+/// (src/decision/resolve.rs, `kind_refusal`), so a reload must keep every
+/// use nginx described possible (docs/OPERATIONS.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyUse {
+    /// CHECK_POLICY of one item, without flags (`ratelimitd.new{ policy = ... }`).
+    Single = 0,
+    /// CHECK_POLICY of several items, all or nothing (`policies = { ... }`).
+    Multi = 1,
+    /// CHECK_POLICY with the refundable flag, and its REFUND (`refundable = true`).
+    Refundable = 2,
+    /// CHECK_POLICY with the settle flag, and its SETTLE (`settle = true`).
+    Reserve = 3,
+    /// LEASE_SHARE: units of the daemon's lease kept by a worker (`share_dict`).
+    Share = 4,
+    /// ACQUIRE_POLICY and its release (`ratelimitd.concurrency{ policy = ... }`).
+    Acquire = 5,
+}
+
+impl PolicyUse {
+    pub const ALL: [PolicyUse; 6] = [Self::Single, Self::Multi, Self::Refundable, Self::Reserve, Self::Share, Self::Acquire];
+
+    /// Its bit in the uses byte.
+    pub const fn bit(self) -> u8 {
+        1 << self as u8
+    }
+
+    /// As logs and check-config name it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Single => "single check",
+            Self::Multi => "multi-item check",
+            Self::Refundable => "refundable check",
+            Self::Reserve => "reserve and settle",
+            Self::Share => "worker share",
+            Self::Acquire => "concurrency acquire",
+        }
+    }
+}
+
+/// The uses byte of a DESCRIBE_POLICY: a set of `PolicyUse` bits. Bits
+/// this daemon does not know (a later client's uses) are dropped, so such
+/// a client is still answered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyUses(u8);
+
+impl PolicyUses {
+    /// What a request without the uses byte describes.
+    pub const SINGLE: Self = Self(PolicyUse::Single.bit());
+    const KNOWN: u8 = (1 << PolicyUse::ALL.len()) - 1;
+
+    pub const fn from_wire(b: u8) -> Self {
+        Self(b & Self::KNOWN)
+    }
+
+    pub const fn to_wire(self) -> u8 {
+        self.0
+    }
+
+    #[must_use]
+    pub const fn with(self, u: PolicyUse) -> Self {
+        Self(self.0 | u.bit())
+    }
+
+    pub const fn contains(self, u: PolicyUse) -> bool {
+        self.0 & u.bit() != 0
+    }
+
+    /// The uses in the set, in `PolicyUse::ALL`'s order.
+    pub fn iter(self) -> impl Iterator<Item = PolicyUse> {
+        PolicyUse::ALL.into_iter().filter(move |u| self.contains(*u))
+    }
+}
+
 /// A validated DESCRIBE_POLICY: the name as sent (not yet looked up).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DescribeRequest {
     pub id: u32,
     /// 1..=`MAX_POLICY_NAME_LEN` bytes of `[A-Za-z0-9_.-]`.
     pub name: Bytes,
+    /// How the client uses the policy: its uses byte, or a single check
+    /// when it sent none (`FLAG_DESCRIBE_USES`).
+    pub uses: PolicyUses,
 }
 
 /// One validated request: what the daemon decides (src/decision/). The
@@ -562,34 +645,52 @@ fn parse_describe(body: Bytes, id: u32) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("describe body of {} bytes is shorter than the {} fixed bytes and a name", body.len(), DESCRIBE_HEADER_LEN));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
-        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes none"));
+    if flags & !FLAG_DESCRIBE_USES != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: DESCRIBE_POLICY takes 0x0001 (a uses byte follows the name) only"));
     }
+    // The uses byte, when the flag says one follows the name.
+    let trailer = usize::from(flags & FLAG_DESCRIBE_USES != 0);
     let name_len = body[8] as usize;
     if name_len == 0 || name_len > MAX_POLICY_NAME_LEN {
         return invalid(id, op, ErrorCode::UnknownPolicy, format!("policy name length {name_len} is outside 1..={MAX_POLICY_NAME_LEN}"));
     }
-    if body.len() != DESCRIBE_HEADER_LEN + name_len {
-        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} does not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
+    if body.len() != DESCRIBE_HEADER_LEN + name_len + trailer {
+        return invalid(id, op, ErrorCode::Malformed, format!("name length {name_len} and {trailer} uses byte do not match the {} bytes left in the frame", body.len() - DESCRIBE_HEADER_LEN));
     }
-    let name = body.slice(DESCRIBE_HEADER_LEN..);
+    let name = body.slice(DESCRIBE_HEADER_LEN..DESCRIBE_HEADER_LEN + name_len);
     if !name.iter().all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-')) {
         return invalid(id, op, ErrorCode::UnknownPolicy, "a policy name is of A-Z a-z 0-9 _ . - only");
     }
-    Inbound::Request(Request::Describe(DescribeRequest { id, name }))
+    let uses = if trailer == 1 { PolicyUses::from_wire(body[body.len() - 1]) } else { PolicyUses::SINGLE };
+    Inbound::Request(Request::Describe(DescribeRequest { id, name, uses }))
 }
 
 /// Appends a DESCRIBE_POLICY frame for `name` (not validated: tests send
-/// hostile names with it).
+/// hostile names with it), as a client of an earlier release sends it:
+/// without a uses byte.
 pub fn encode_describe(id: u32, name: &[u8], dst: &mut BytesMut) {
-    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len());
-    dst.put_u32((DESCRIBE_HEADER_LEN + name.len()) as u32);
+    encode_describe_frame(id, name, None, dst);
+}
+
+/// Appends a DESCRIBE_POLICY frame for `name` saying how the client uses
+/// the policy (flag 0x0001 and the uses byte), as the Lua client sends it.
+pub fn encode_describe_uses(id: u32, name: &[u8], uses: PolicyUses, dst: &mut BytesMut) {
+    encode_describe_frame(id, name, Some(uses), dst);
+}
+
+fn encode_describe_frame(id: u32, name: &[u8], uses: Option<PolicyUses>, dst: &mut BytesMut) {
+    let trailer = usize::from(uses.is_some());
+    dst.reserve(4 + DESCRIBE_HEADER_LEN + name.len() + trailer);
+    dst.put_u32((DESCRIBE_HEADER_LEN + name.len() + trailer) as u32);
     dst.put_u8(VERSION);
     dst.put_u8(OP_DESCRIBE_POLICY);
     dst.put_u32(id);
-    dst.put_u16(0);
+    dst.put_u16(if uses.is_some() { FLAG_DESCRIBE_USES } else { 0 });
     dst.put_u8(name.len() as u8);
     dst.put_slice(name);
+    if let Some(u) = uses {
+        dst.put_u8(u.to_wire());
+    }
 }
 
 /// A CHECK_POLICY with the settle flag (docs/PROTOCOL.md 4f): 1..=

@@ -7,6 +7,10 @@
 --     a multi-policy limiter each policy's own: window_ms and local_limit
 --     need not be repeated in nginx (given, they win, for every policy of
 --     the limiter, and a window that differs from a policy's is logged).
+-- Each description says how this worker's limiters use the policy (a
+-- single check, an item of several, refundable, reserve and settle, worker
+-- shares, a concurrency acquire): the daemon refuses a reload that would
+-- make one of them impossible (docs/OPERATIONS.md).
 -- Every limiter that names policies registers here when it is made;
 -- schedule() (called by limiters.build, or by verify_policies() from
 -- init_worker_by_lua) describes them in a timer right after the worker
@@ -19,9 +23,13 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local log = require "resty.ratelimitd.log"
 
+local bit = require "bit"
+
 local ngx = ngx
 local ngx_log, ERR, INFO = ngx.log, ngx.ERR, ngx.INFO
 local min = math.min
+local bor = bit.bor
+local USE = wire.USE
 local pairs, ipairs, setmetatable, tostring, type = pairs, ipairs, setmetatable, tostring, type
 
 local _M = {}
@@ -40,16 +48,45 @@ end
 -- One line per host, not one per worker (log.lua).
 local loud = log.loud
 
+--- How `lim` uses its policies: a sum of wire.USE bits, as
+-- DESCRIBE_POLICY's uses byte carries it.
+function _M.uses(lim)
+    if lim._kind_wanted == "concurrency" then
+        return USE.acquire
+    end
+    if lim._names then
+        if lim._flags == wire.FLAG_SETTLE then
+            return USE.reserve
+        end
+        local several = #lim._names > 1 and USE.multi or 0
+        if lim._flags == wire.FLAG_REFUNDABLE then
+            return bor(USE.refundable, several)
+        end
+        return several ~= 0 and several or USE.single
+    end
+    return lim._share_dict and bor(USE.single, USE.share) or USE.single
+end
+
+-- A daemon of an earlier release answers a uses byte with
+-- UNSUPPORTED_FLAGS: it is asked again without (once per worker).
+local plain_only = false
+
 --- The daemon's description of policy `name` (a table, wire.description),
 -- false and the daemon's message for a name it does not have, or nil and
--- an error (daemon unreachable, a bad answer).
-function _M.describe(name)
+-- an error (daemon unreachable, a bad answer). `uses`: how this worker
+-- uses it (wire.USE bits), recorded by the daemon.
+function _M.describe(name, uses)
     local id = conn.next_id()
-    local head, message = conn.transact(wire.describe(id, name), id)
+    local head, message = conn.transact(wire.describe(id, name, not plain_only and uses or nil), id)
     if not head then
         return nil, message
     end
-    return wire.description(head, message)
+    local d, err = wire.description(head, message)
+    if d == nil and uses and not plain_only and tostring(err):find("^UNSUPPORTED_FLAGS") then
+        plain_only = true
+        return _M.describe(name)
+    end
+    return d, err
 end
 
 -- What a limiter calls itself in a log line.
@@ -158,8 +195,9 @@ end
 function _M.now(lim)
     if lim._names then
         local ds = {}
+        local uses = _M.uses(lim)
         for i, name in ipairs(lim._names) do
-            local d, err = _M.describe(name)
+            local d, err = _M.describe(name, uses)
             if not d then
                 if d == false then
                     lim._described, lim._unknown = true, true
@@ -172,7 +210,7 @@ function _M.now(lim)
         lim._unknown = nil
         return _M.apply_many(lim, ds)
     end
-    local d, err = _M.describe(lim._policy)
+    local d, err = _M.describe(lim._policy, _M.uses(lim))
     if d then
         lim._unknown = nil
         return _M.apply(lim, d)
@@ -214,6 +252,16 @@ local running = false
 -- Describes every registered limiter not yet described; true when none is
 -- left (or nil and the error that stopped it: the daemon is unreachable).
 local function verify_all()
+    -- Every use of each name by the limiters left, in one description.
+    local uses = {}
+    for lim in pairs(registered) do
+        if not lim._described then
+            local u = _M.uses(lim)
+            for _, name in ipairs(lim._names or { lim._policy }) do
+                uses[name] = bor(uses[name] or 0, u)
+            end
+        end
+    end
     local seen = {}
     for lim in pairs(registered) do
         if not lim._described then
@@ -224,7 +272,7 @@ local function verify_all()
                 local d = seen[name]
                 if d == nil then
                     local err
-                    d, err = _M.describe(name)
+                    d, err = _M.describe(name, uses[name])
                     if d == nil then
                         return nil, err
                     end

@@ -21,7 +21,13 @@ _M.OP_ACQUIRE_POLICY, _M.FLAG_RELEASE = 7, 1
 -- DESCRIBE_POLICY (section 4g): what the daemon's configuration says of a
 -- policy name; the answer is in the response's fixed fields.
 _M.OP_DESCRIBE_POLICY = 8
+-- DESCRIBE_POLICY's flag 0x0001: a uses byte follows the name, one bit per
+-- way a limiter uses the policy (a reload refuses to make one impossible).
+_M.FLAG_DESCRIBE_USES = 1
+_M.USE = { single = 0x01, multi = 0x02, refundable = 0x04, reserve = 0x08, share = 0x10, acquire = 0x20 }
 _M.FLAG_REFUNDABLE = 1
+-- CHECK_POLICY flag 0x0002: the check reserves its cost (section 4f).
+_M.FLAG_SETTLE = 2
 _M.MAX_POLICY_ITEMS = 8
 _M.MAX_POLICY_NAME_LEN = 31
 _M.UNKNOWN_POLICY = 12
@@ -167,10 +173,14 @@ function _M.refund(id, handle)
     return u32(#body) .. body
 end
 
--- DESCRIBE_POLICY of `name`: version, op, id, flags (0), the name's length
--- and the name.
-function _M.describe(id, name)
-    return head(9 + #name, 8, id) .. char(0, 0, #name) .. name
+-- DESCRIBE_POLICY of `name`: version, op, id, flags, the name's length
+-- and the name; with `uses` (a sum of USE bits), flag 0x0001 and the uses
+-- byte after the name (without: a daemon takes it for a single check).
+function _M.describe(id, name, uses)
+    if not uses then
+        return head(9 + #name, 8, id) .. char(0, 0, #name) .. name
+    end
+    return head(10 + #name, 8, id) .. char(0, _M.FLAG_DESCRIBE_USES, #name) .. name .. char(uses)
 end
 
 local KIND = { [0] = "rate", [1] = "concurrency" }
