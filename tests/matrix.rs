@@ -38,9 +38,22 @@
 //! denial cache is off then: a refusal it remembers from before the outage
 //! may answer during it. No faults on the Cluster (issue 26's belong to a
 //! later run). Reloads change limits (upwards, never GCRA's), shadow, and
-//! remove or restore policies; never algorithms, shards, windows or the
-//! allowlist. The state of sharded GCRA keys is not read back (a shard's
-//! part is not in its key).
+//! remove or restore policies; never the allowlist. A reload may also
+//! rekey a policy (other than the logs p0 and p1): change its window
+//! (an hour doubled, a day halved), algorithm, shards (1 and 3) or kind
+//! (rate and concurrency).
+//! Sent with SIGHUP it must be refused (docs/CONFIG.md "Signals and
+//! reload": with Redis any policy's, in memory one in use, so there it is
+//! drawn for a policy the model holds counts of): the daemon logs the
+//! refusal naming the policy and "their counts would restart from zero",
+//! and every later answer is compared with the model's counts, kept. Half
+//! of them are forced with SIGUSR1 instead (never a window's: the model's
+//! windows have the algorithm's length): applied, the policy's counts
+//! start from zero in the model, its old keys stay in Redis outside every
+//! window the daemon reads (the final state leaves them out), a forced
+//! rekey never goes back to a kind the policy had (that would bring the
+//! old keys' counts back). No rekey in a case with an outage. The state of
+//! sharded GCRA keys is not read back (a shard's part is not in its key).
 //!
 //! Environment:
 //! - `MATRIX_SEED=<n>`: run only that case (printed by every case);
@@ -245,6 +258,11 @@ enum Op {
     Refund { kind: &'static str, handle_of: Option<usize>, guess: u64, items_of: Vec<Item>, valid: Option<usize> },
     Lease { policy: Option<String>, key: String, lease: String, cost: u32, release: bool, fail: Fail },
     Reload(String),
+    /// A reload that names other keys for `policy` (its window, algorithm,
+    /// shards or kind changed, `change` says how): refused (SIGHUP) while
+    /// the policy is in use, as every policy is with Redis; applied when
+    /// `forced` (SIGUSR1), its counts restarting from zero.
+    Rekey { policy: String, change: Rekey, forced: bool },
     /// Redis killed: the fail policies decide until `Recover`.
     Outage,
     /// A fresh, empty redis-server at the same address; the daemon's store
@@ -304,7 +322,7 @@ impl Op {
                     policy_features(p, key, &mut f);
                 }
             }
-            Op::Reload(_) => f.push("reload".into()),
+            Op::Reload(_) | Op::Rekey { .. } => f.push("reload".into()),
             Op::Outage | Op::Recover => f.push("outage".into()),
         }
         f.sort();
@@ -329,6 +347,10 @@ struct Gen {
     /// The requests' local quota (one per case: GCRA's per-host bucket
     /// must keep its limit).
     local_limit: u32,
+    /// The kinds (algorithm and shards, or concurrency) each policy has had
+    /// in force: a forced rekey goes to a new one only, since going back
+    /// would bring the old keys' counts back in force.
+    kinds_had: HashSet<(String, String)>,
 }
 
 impl Gen {
@@ -504,6 +526,11 @@ fn draw_op(g: &mut Gen, m: &Model, s: &Settings) -> Op {
                 let fail = g.fail();
                 return Op::Lease { policy, key, lease, cost, release, fail };
             }
+            93..=99 if s.has("reload") && !m.outage && g.rng.chance(40) => {
+                if let Some(op) = draw_rekey(g, m, s) {
+                    return op;
+                }
+            }
             93..=99 if s.has("reload") && !m.outage => {
                 let mut cfg = cfg.clone();
                 let what = reload(&mut g.rng, &mut cfg, s);
@@ -536,6 +563,111 @@ fn reload(rng: &mut Rng, cfg: &mut Config, s: &Settings) -> String {
             format!("{}: {}", p.name, if p.removed { "removed" } else { "restored" })
         }
         _ => String::new(),
+    }
+}
+
+/// Rekeys refused and forced in this run, printed with its totals.
+static REKEYS: [std::sync::atomic::AtomicUsize; 2] = [std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0)];
+
+/// How a rekey changes a policy (`Op::Rekey`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Rekey {
+    /// Another kind: a rate policy's algorithm or shards, or rate to
+    /// concurrency and back.
+    Kind(Kind),
+    /// Another window: an hour doubled, a day halved (refused only: the
+    /// model's windows have the algorithm's length).
+    Window,
+}
+
+fn kind_text(k: &Kind) -> String {
+    match k {
+        Kind::Rate { algorithm, shards } => format!("{} x{shards}", algorithm.as_str()),
+        Kind::Concurrency => "concurrency".into(),
+    }
+}
+
+/// A rekey of a policy other than the logs p0 and p1 (which multi-item
+/// checks and refunds need): `None` when none fits. With Redis any policy's
+/// is refused unless forced; in memory only one in use, so there it is
+/// drawn for a policy the model holds counts of. Never in a case with an
+/// outage (the per-host fallback windows of the old keys would be a state
+/// the model does not name); a forced one only to a kind the policy never
+/// had.
+fn draw_rekey(g: &mut Gen, m: &Model, s: &Settings) -> Option<Op> {
+    if g.outage_case || !m.local.is_empty() || !m.local_leases.is_empty() {
+        return None;
+    }
+    let counted = |name: &str| m.windows.iter().any(|((sc, _), &n)| n > 0 && *sc == Scope::Policy(name.into())) || m.leases.iter().any(|((sc, _), h)| !h.is_empty() && *sc == Scope::Leases(Some(name.into())));
+    let candidates: Vec<&PolicySpec> = m.config.policies.iter().filter(|p| !p.removed && p.name != "p0" && p.name != "p1" && (m.store != Store::Memory || counted(&p.name))).collect();
+    if candidates.is_empty() {
+        return None;
+    }
+    let p = (*g.rng.pick(&candidates)).clone();
+    let forced = g.rng.chance(50);
+    // Shards need a part of the limit each (the file's overrides too).
+    let shardable = p.limit >= 3 && p.overrides.iter().all(|(_, l)| !matches!(l, Limit::N(n) if *n < 3));
+    let mut kinds: Vec<Kind> = Vec::new();
+    match p.kind {
+        Kind::Rate { algorithm, shards } => {
+            kinds.extend(algorithms(s, g.day_ok).into_iter().filter(|a| *a != algorithm).map(|a| Kind::Rate { algorithm: a, shards }));
+            if shards > 1 {
+                kinds.push(Kind::Rate { algorithm, shards: 1 });
+            } else if shardable && s.has("shards") {
+                kinds.push(Kind::Rate { algorithm, shards: 3 });
+            }
+            if s.has("lease") {
+                kinds.push(Kind::Concurrency);
+            }
+        }
+        Kind::Concurrency => kinds.push(Kind::Rate { algorithm: Algorithm::Log, shards: 1 }),
+    }
+    if forced {
+        kinds.retain(|k| !g.kinds_had.contains(&(p.name.clone(), kind_text(k))));
+    }
+    let change = if !forced && p.algorithm().is_some() && g.rng.chance(25) {
+        Rekey::Window
+    } else if kinds.is_empty() {
+        return None;
+    } else {
+        Rekey::Kind(g.rng.pick(&kinds).clone())
+    };
+    Some(Op::Rekey { policy: p.name.clone(), change, forced })
+}
+
+/// The configuration file with `policy` rekeyed by `change`.
+fn rekeyed_toml(cfg: &Config, policy: &str, change: &Rekey) -> String {
+    let mut cfg = cfg.clone();
+    let p = cfg.policies.iter_mut().find(|p| p.name == policy).unwrap();
+    match change {
+        Rekey::Kind(k) => {
+            p.kind = k.clone();
+            cfg.policies_toml()
+        }
+        Rekey::Window => {
+            let text = cfg.policies_toml();
+            let at = text.find(&format!("name = \"{policy}\"\n")).unwrap();
+            let w = text[at..].find("window = \"").unwrap() + at;
+            let end = text[w..].find('\n').unwrap() + w;
+            // A day is the longest window (limits.max_window_ms): halved.
+            let other = if text[w..end].contains("1d") { "window = \"12h\"" } else { "window = \"2h\"" };
+            format!("{}{other}{}", &text[..w], &text[end..])
+        }
+    }
+}
+
+/// Applies a forced rekey to the model: the policy's kind, and its counts
+/// start from zero (its old keys are still in Redis, in no window the
+/// daemon reads again: `read_state` leaves them out). Units a refundable
+/// admission recorded in the old keys can no longer be refunded.
+fn apply_rekey(m: &mut Model, policy: &str, kind: &Kind) {
+    let p = m.config.policies.iter_mut().find(|p| p.name == policy).unwrap();
+    p.kind = kind.clone();
+    let old = |sc: &Scope| *sc == Scope::Policy(policy.into()) || *sc == Scope::Leases(Some(policy.into()));
+    m.windows.retain(|(sc, _), _| !old(sc));
+    m.leases.retain(|(sc, _), _| !old(sc));
+    for h in &mut m.issued {
+        h.recorded.retain(|((sc, _), _)| !old(sc));
     }
 }
 
@@ -619,6 +751,13 @@ fn describe(op: &Op) -> String {
             format!("{} {}/{key} lease {lease} cost {cost}{}", if *release { "RELEASE" } else { "ACQUIRE" }, policy.as_deref().unwrap_or("(inline)"), on_error(fail))
         }
         Op::Reload(what) => format!("RELOAD {what}"),
+        Op::Rekey { policy, change, forced } => {
+            let what = match change {
+                Rekey::Kind(k) => format!("kind {}", kind_text(k)),
+                Rekey::Window => "window changed".into(),
+            };
+            format!("RELOAD {policy}: {what} ({})", if *forced { "forced, SIGUSR1: its counts restart" } else { "SIGHUP: refused, the counts kept" })
+        }
         Op::Outage => "OUTAGE: redis-server killed".into(),
         Op::Recover => "RECOVER: a fresh redis-server, the daemon reconnected".into(),
     }
@@ -662,7 +801,7 @@ impl PolicyCounts {
     fn count(&mut self, cfg: &Config, op: &Op, r: &Response) {
         let known = |n: &str| cfg.policy(n).is_some();
         match op {
-            Op::Check { .. } | Op::Reload(_) | Op::Outage | Op::Recover => {}
+            Op::Check { .. } | Op::Reload(_) | Op::Rekey { .. } | Op::Outage | Op::Recover => {}
             Op::Policy(it, _) if known(&it.policy) => self.add(&it.policy, r.decision == Decision::ShadowDenied),
             Op::Multi { items, refundable: false, .. } if items.len() == 1 && known(&items[0].policy) => self.add(&items[0].policy, r.decision == Decision::ShadowDenied),
             Op::Multi { items, refundable: false, .. } if items.len() == 1 => {}
@@ -749,7 +888,7 @@ async fn send(c: &mut Client, op: &Op, g: &Gen, cfg: &Config) -> Response {
             let args = LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit: cfg.inline_lease_limit(key), lease_ms: LEASE_MS, cost: *cost, on_error: fail.0, local_limit: fail.1 };
             c.lease(if *release { OP_RELEASE } else { OP_ACQUIRE }, &args).await
         }
-        Op::Reload(_) | Op::Outage | Op::Recover => unreachable!("not sent"),
+        Op::Reload(_) | Op::Rekey { .. } | Op::Outage | Op::Recover => unreachable!("not sent"),
     };
     r.unwrap_or_else(|e| panic!("{}: {e}", describe(op)))
 }
@@ -802,7 +941,8 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
     }
     let local_limit = rng.range(1, 3);
     let outage_case = store == Store::Redis && !cfg.denial_cache && s.has("outage") && rng.chance(30);
-    let mut g = Gen { rng, keys, handles: Vec::new(), pending: Vec::new(), day_ok, local_limit, outage_case };
+    let kinds_had = cfg.policies.iter().map(|p| (p.name.clone(), kind_text(&p.kind))).collect();
+    let mut g = Gen { rng, keys, handles: Vec::new(), pending: Vec::new(), day_ok, local_limit, outage_case, kinds_had };
     backend.flush();
     let rest = format!("socket_mode = \"0600\"\n{}\n{}", backend.redis_toml(&cfg), cfg.policies_toml());
     let d = Daemon::start_config_with_metrics(&rest);
@@ -848,6 +988,40 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                     features.push("renew".into());
                 }
             }
+            if let Op::Rekey { policy, change, forced } = &op {
+                let text = d.config_text();
+                let head = &text[..text.find("[[policy]]").unwrap()];
+                let tail = text.find("[metrics]").map_or("", |i| &text[i..]);
+                d.rewrite_config(&format!("{head}{}{tail}", rekeyed_toml(&model.config, policy, change)));
+                let log = d.log();
+                let refused_before = log.matches("configuration reload refused").count();
+                let _ = writeln!(trace, "{n:3} {}", describe(&op));
+                REKEYS[usize::from(*forced)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if *forced {
+                    reloads += 1;
+                    d.signal(nix::sys::signal::Signal::SIGUSR1);
+                    wait_until("configuration reloaded", Duration::from_secs(10), || d.log().matches("configuration reloaded").count() >= reloads);
+                    let Rekey::Kind(kind) = change else { unreachable!("a window change is never forced") };
+                    apply_rekey(&mut model, policy, kind);
+                    g.kinds_had.insert((policy.clone(), kind_text(kind)));
+                    // (Its request counters are the policy's, by name: kept.)
+                } else {
+                    d.signal(nix::sys::signal::Signal::SIGHUP);
+                    let failed_before = log.matches("configuration reload failed").count();
+                    wait_until("the reload's outcome", Duration::from_secs(10), || {
+                        let log = d.log();
+                        log.matches("configuration reload refused").count() > refused_before || log.matches("configuration reloaded").count() > reloads || log.matches("configuration reload failed").count() > failed_before
+                    });
+                    let log = d.log();
+                    let said = log.lines().filter(|l| l.contains("configuration reload refused")).last().unwrap_or("");
+                    if log.matches("configuration reloaded").count() > reloads || !said.contains("their counts would restart from zero") || !said.contains(&format!("{policy} (")) {
+                        return Err(fail(vec!["reload".into()], &trace, format!("the reload that rekeys {policy} was not refused as one that restarts counts (the model holds its counts)\n{log}")));
+                    }
+                    // The answers that follow are compared with the model's
+                    // counts, kept.
+                }
+                continue;
+            }
             if let Op::Reload(what) = &op {
                 apply_reload(&mut model.config, what);
                 let (name, change) = what.split_once(": ").unwrap();
@@ -881,7 +1055,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                 Op::Multi { items, refundable, fail } => model.check_multi(items, *refundable, *fail, clock),
                 Op::Refund { items_of, valid, .. } => model.refund(items_of, *valid),
                 Op::Lease { policy, key, lease, cost, release, fail } => model.lease(LeaseOp { policy: policy.as_deref(), key, lease, cost: *cost, release: *release }, *fail, clock),
-                Op::Reload(_) | Op::Outage | Op::Recover => unreachable!(),
+                Op::Reload(_) | Op::Rekey { .. } | Op::Outage | Op::Recover => unreachable!(),
             };
             let slow = if took > Duration::from_millis(200) { format!(" (answered in {took:.0?})") } else { String::new() };
             let _ = writeln!(trace, "{n:3} {} -> {}{slow}", describe(&op), short(&resp));
@@ -996,6 +1170,9 @@ fn read_state(backend: &Backend, cfg: &Config, raw: &mut BTreeMap<WinKey, Vec<St
                 out.insert((Scope::Inline(255), String::from_utf8_lossy(&rk).into_owned()), 1);
                 continue;
             };
+            if is_left_by_rekey(&rk, &scope, alg, cfg) {
+                continue;
+            }
             let limit = || match &scope {
                 Scope::Policy(n) => cfg.any_policy(n).and_then(|p| p.limit_for(&key)).unwrap_or(1),
                 Scope::Inline(a) => cfg.inline_limit(&key, Algorithm::from_wire(*a).unwrap()),
@@ -1025,6 +1202,19 @@ fn read_state(backend: &Backend, cfg: &Config, raw: &mut BTreeMap<WinKey, Vec<St
         }
     }
     out
+}
+
+/// A key of a policy's kind before a forced rekey (`apply_rekey`): of
+/// another algorithm, sharded or not when the policy is the other, a rate
+/// window of a concurrency policy or leases of a rate one. No window the
+/// daemon reads again (a forced rekey never goes back to a kind the policy
+/// had).
+fn is_left_by_rekey(rk: &[u8], scope: &Scope, alg: Option<Algorithm>, cfg: &Config) -> bool {
+    match scope {
+        Scope::Policy(n) => cfg.any_policy(n).is_some_and(|p| p.algorithm() != alg || rk.contains(&0x1f) != (p.shards() > 1)),
+        Scope::Leases(Some(n)) => cfg.any_policy(n).is_some_and(|p| p.algorithm().is_some()),
+        _ => false,
+    }
 }
 
 /// `ratelimitd:{<scoped>}:<W>ms[:<alg>]` or `ratelimitd:{<scoped>}:concurrency`
@@ -1089,7 +1279,8 @@ fn run(mut backend: Backend, base: u64, s: Settings) {
             }
         }
     }
-    eprintln!("matrix {store:?}: {} cases, {ops} operations passed in {:.1?}", seeds.len(), started.elapsed());
+    let rekeys = REKEYS.each_ref().map(|n| n.load(std::sync::atomic::Ordering::Relaxed));
+    eprintln!("matrix {store:?}: {} cases, {ops} operations passed in {:.1?} (rekeying reloads of the run's tests so far: {} refused, {} forced)", seeds.len(), started.elapsed(), rekeys[0], rekeys[1]);
     if !failures.is_empty() {
         let mut by_feature: BTreeMap<String, Vec<u64>> = BTreeMap::new();
         for f in &failures {

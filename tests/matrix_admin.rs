@@ -14,8 +14,22 @@
 //!   refresh's timing is never a guess. Overrides need Redis: the memory
 //!   backend runs the penalty box only. GCRA's limits are never overridden
 //!   (its state is tokens of window/limit each: a change of limit is not a
-//!   counter's), the ring's and the day-aligned counters' only upwards (as
-//!   tests/matrix.rs's reloads);
+//!   counter's), the ring's only upwards (a ring under a lowered limit
+//!   keeps only its newest entries, ALGORITHMS.md); the log's and the
+//!   day-aligned counters' are lowered below the window's count too, whose
+//!   answers then say count = the limit in force (count + remaining is the
+//!   limit in force, checked on every single check besides the model's
+//!   numbers). One override in five is set with a ttl of 300 ms and
+//!   awaited until the API no longer shows it: expired, the file's value
+//!   applies again;
+//! - the admin API's key operations as model operations: a reset (`DELETE
+//!   /v1/keys`) forgets the key's windows (the model's count goes to 0;
+//!   nothing is outstanding here, no leases nor reservations, so
+//!   `kept_outstanding` is 0 and `before_in_window` is the model's count);
+//!   a peek (`GET /v1/keys`) of a limited key shows the model's count, the
+//!   limit in force and what remains, and records nothing (every later
+//!   answer is compared with a model the peek did not change); a lift
+//!   (`DELETE /v1/bans`) of a banned key forgets the ban and its strikes;
 //! - the penalty box (`pen`, `pen_s` its shadow twin: log, limit 2, a ban
 //!   of an hour after 2 refusals within an hour): a refusal by the window is
 //!   a strike; the `after`-th bans the key, that refusal answering
@@ -45,9 +59,8 @@ use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, 
 use common::redis_cluster::RedisCluster;
 use common::rng::Rng;
 use common::{Daemon, RedisServer};
-use ratelimitd::admin_api::client::{encode, request, Reply};
+use ratelimitd::admin_api::client::{encode, Reply};
 use ratelimitd::client::Client;
-use ratelimitd::config::AdminListen;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
 use serde_json::json;
 
@@ -182,13 +195,28 @@ impl Live {
         self.overrides.insert((policy.to_string(), key.to_string()));
     }
 
-    /// The file's value again.
+    /// The file's value of the key again (the live overrides of the
+    /// policy's other keys stay).
     fn delete_override(&mut self, policy: &str, key: &str) {
         let file = self.file.policy(policy).expect("drawn policy").clone();
         let p = self.model.config.policies.iter_mut().find(|p| p.name == policy).expect("drawn policy");
-        p.allowlist = file.allowlist;
-        p.overrides = file.overrides;
+        p.allowlist.retain(|k| k != key);
+        p.allowlist.extend(file.allowlist.into_iter().filter(|k| k == key));
+        p.overrides.retain(|(k, _)| k != key);
+        p.overrides.extend(file.overrides.into_iter().filter(|(k, _)| k == key));
         self.overrides.remove(&(policy.to_string(), key.to_string()));
+    }
+
+    /// A ban lifted (`DELETE /v1/bans`): the ban and the key's strikes go.
+    fn lift(&mut self, policy: &str, key: &str) {
+        let id = (policy.to_string(), key.to_string());
+        self.banned.remove(&id);
+        self.strikes.remove(&id);
+    }
+
+    /// The limit in force for (policy, key) now, `None`: exempt.
+    fn limit_for(&self, policy: &str, key: &str) -> Option<u32> {
+        self.model.config.policy(policy).and_then(|p| p.limit_for(key))
     }
 }
 
@@ -235,21 +263,13 @@ impl Backend {
 }
 
 fn admin(dir: &Path, method: &str, path: &str, body: Option<serde_json::Value>) -> Reply {
-    request(&AdminListen::Unix { path: dir.join("admin.sock"), mode: 0o600 }, None, method, path, body.map(|b| b.to_string()).as_deref()).unwrap()
+    common::admin::admin(&dir.join("admin.sock"), method, path, body)
 }
 
 /// Waits until the daemon's table has (or has not) the live override of
 /// (policy, key): what its peek reports as `limit_from`.
 async fn until_applied(dir: &Path, policy: &str, key: &str, in_force: bool, d: &Daemon) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let r = admin(dir, "GET", &format!("/v1/keys?policy={}&key={}", encode(policy), encode(key)), None);
-        if (r.body["limit_from"] == json!("api_override")) == in_force {
-            return;
-        }
-        assert!(Instant::now() < deadline, "override of {policy}/{key} never {}: {:?}\n{}", if in_force { "applied" } else { "gone" }, r.body, d.log());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    common::admin::until_applied(&dir.join("admin.sock"), policy, key, in_force, None, || d.log()).await;
 }
 
 enum Op {
@@ -259,7 +279,19 @@ enum Op {
     Refund(usize),
     SetOverride(String, String, Limit),
     DeleteOverride(String, String),
+    /// An override with a ttl of `EXPIRING_TTL`: awaited until the admin
+    /// API no longer shows it in force, then the file's value again.
+    ExpireOverride(String, String, Limit),
+    /// `DELETE /v1/keys?policy=P&key=K`: the key's windows forgotten.
+    Reset(String, String),
+    /// `GET /v1/keys?policy=P&key=K`: the model's count, nothing recorded.
+    Peek(String, String),
+    /// `DELETE /v1/bans?policy=P&key=K` of a banned key.
+    Lift(String, String),
 }
+
+/// The ttl of an override drawn to expire during the case.
+const EXPIRING_TTL: &str = "300ms";
 
 fn draw_fail(rng: &mut Rng) -> (FailPolicy, u32) {
     [(FailPolicy::Open, 0), (FailPolicy::Closed, 0), (FailPolicy::Local, 2)][rng.below(3) as usize]
@@ -280,16 +312,35 @@ fn draw_op(rng: &mut Rng, live: &Live, handles: &[(Vec<Item>, usize, [u8; 16])],
         let k = key(rng);
         let limit = if rng.below(4) == 0 {
             Limit::Unlimited
-        } else if p.algorithm() == Some(Algorithm::Log) {
-            // At least the shards' number (each shard needs one).
+        } else if matches!(p.algorithm(), Some(Algorithm::Log | Algorithm::Fixed | Algorithm::SlidingCounter)) {
+            // Lower or higher than the file's, at least the shards' number
+            // (each shard needs one). A counter's count above a lowered
+            // limit refuses and answers count = limit.
             Limit::N((p.shards() + rng.below(6) as u32).max(1))
         } else {
             Limit::N(p.limit + 1 + rng.below(4) as u32)
         };
+        if rng.below(5) == 0 {
+            return Op::ExpireOverride(p.name.clone(), k, limit);
+        }
         return Op::SetOverride(p.name.clone(), k, limit);
     }
     if store != Store::Memory && roll < 16 && !handles.is_empty() {
         return Op::Refund(rng.below(handles.len() as u64) as usize);
+    }
+    if store != Store::Memory && roll < 24 {
+        // The admin API's key operations, on any policy (the penalty box's
+        // too: a reset clears the windows, not a ban).
+        let p = names[rng.below(names.len() as u64) as usize].clone();
+        let k = key(rng);
+        return match rng.below(10) {
+            0..=3 => Op::Reset(p, k),
+            4..=7 => Op::Peek(p, k),
+            _ => match live.banned.iter().nth(rng.below(live.banned.len() as u64) as usize) {
+                Some((p, k)) => Op::Lift(p.clone(), k.clone()),
+                None => Op::Peek(p, k),
+            },
+        };
     }
     if roll < 30 {
         // Two or three items of log policies (a penalty one now and then).
@@ -319,6 +370,12 @@ fn draw_op(rng: &mut Rng, live: &Live, handles: &[(Vec<Item>, usize, [u8; 16])],
     Op::Check(Item { policy, key: key(rng), cost }, draw_fail(rng))
 }
 
+/// Whether the reset's `before_in_window` is the model's count: the log's
+/// and the counters' admissions are (GCRA's `in_window` is not its tokens).
+fn is_counted_in_window(p: Option<&PolicySpec>) -> bool {
+    p.and_then(PolicySpec::algorithm).is_some_and(|a| a != Algorithm::Gcra)
+}
+
 fn args(items: &[Item]) -> Vec<ItemArgs<'_>> {
     items.iter().map(|i| ItemArgs { policy: i.policy.as_bytes(), key: i.key.as_bytes(), cost: i.cost }).collect()
 }
@@ -342,8 +399,9 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
     let mut live = Live { model: Model::new(store, cfg.clone()), file: cfg, strikes: BTreeMap::new(), banned: BTreeSet::new(), overrides: BTreeSet::new() };
     live.model.decisions += 1; // the store probe
     let mut handles: Vec<(Vec<Item>, usize, [u8; 16])> = Vec::new();
-    // What the case exercised, printed at its end: [checks, multi, refunds, overrides set, deleted].
-    let mut done = [0u32; 5];
+    // What the case exercised, printed at its end: [checks, multi, refunds,
+    // overrides set, deleted, expired, resets, peeks, lifts].
+    let mut done = [0u32; 9];
     let mut refused_multi_19 = 0;
     let start = Instant::now();
     for n in 0..ops {
@@ -352,8 +410,18 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
         let clock = || Clock { elapsed_ms: start.elapsed().as_millis() as u32 + 1, to_midnight_ms: to_midnight_ms(), to_midnight_sent_ms };
         let (what, expect, r) = match &op {
             Op::Check(item, fail) => {
+                // (The penalty box answers a ban remaining 0 whatever the window holds.)
+                let in_force = live.limit_for(&item.policy, &item.key).filter(|_| !is_penalized(&item.policy));
                 let r = c.check_policy(&PolicyCheckArgs { policy: item.policy.as_bytes(), key: item.key.as_bytes(), cost: item.cost, on_error: fail.0, local_limit: fail.1 }).await.unwrap();
                 done[0] += 1;
+                // Whatever the window holds (an override may have lowered
+                // the limit under it), count + remaining is the limit in
+                // force, which clients show as RateLimit-Limit.
+                if let Some(limit) = in_force.filter(|_| matches!(r.decision, Decision::Allowed | Decision::Denied | Decision::ShadowAllowed | Decision::ShadowDenied)) {
+                    if r.count + r.remaining != limit {
+                        return Err(format!("MATRIX_ADMIN_SEED={seed} ({store:?}) op {n}: check {}/{}: count {} + remaining {} is not the limit in force {limit}", item.policy, item.key, r.count, r.remaining));
+                    }
+                }
                 (format!("check {}/{} cost {}", item.policy, item.key, item.cost), live.check(item, *fail, clock()), r)
             }
             Op::Multi(items, refundable, fail) => {
@@ -399,12 +467,73 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
                 live.delete_override(policy, key);
                 continue;
             }
+            Op::ExpireOverride(policy, key, limit) => {
+                let l = match limit {
+                    Limit::N(n) => json!(n),
+                    Limit::Unlimited => json!("unlimited"),
+                };
+                let reply = admin(dir.path(), "PUT", "/v1/overrides", Some(json!({ "policy": policy, "key": key, "limit": l, "ttl": EXPIRING_TTL })));
+                if reply.status != 200 {
+                    return Err(format!("seed {seed} op {n}: expiring override of {policy}/{key} to {limit:?}: {:?}", reply.body));
+                }
+                // In force for a moment nobody can time from here: no
+                // request is sent until it is gone.
+                until_applied(dir.path(), policy, key, false, &d).await;
+                done[5] += 1;
+                live.delete_override(policy, key);
+                continue;
+            }
+            Op::Reset(policy, key) => {
+                let reply = admin(dir.path(), "DELETE", &format!("/v1/keys?policy={}&key={}", encode(policy), encode(key)), None);
+                // Nothing is outstanding in this matrix (no leases, no
+                // reservations): the whole window goes.
+                if reply.status != 200 || reply.body["kept_outstanding"] != json!(0) {
+                    return Err(format!("MATRIX_ADMIN_SEED={seed} op {n}: reset of {policy}/{key}: {} {:?}", reply.status, reply.body));
+                }
+                let before = u64::from(live.model.peek(policy, key));
+                if is_counted_in_window(live.model.config.policy(policy)) && reply.body["before_in_window"] != json!(before) {
+                    return Err(format!("MATRIX_ADMIN_SEED={seed} op {n}: reset of {policy}/{key} found {} in the window, the model {before}", reply.body["before_in_window"]));
+                }
+                done[6] += 1;
+                live.model.reset(policy, key);
+                continue;
+            }
+            Op::Peek(policy, key) => {
+                let reply = admin(dir.path(), "GET", &format!("/v1/keys?policy={}&key={}", encode(policy), encode(key)), None);
+                if reply.status != 200 {
+                    return Err(format!("MATRIX_ADMIN_SEED={seed} op {n}: peek of {policy}/{key}: {} {:?}", reply.status, reply.body));
+                }
+                done[7] += 1;
+                // An exempt key's peek shows its windows under no limit:
+                // only a limited key's numbers are the model's.
+                if let Some(limit) = live.limit_for(policy, key) {
+                    let count = live.model.peek(policy, key);
+                    let want = json!({ "limit": limit, "count": count, "remaining": limit.saturating_sub(count) });
+                    let got = json!({ "limit": reply.body["limit"], "count": reply.body["count"], "remaining": reply.body["remaining"] });
+                    if got != want {
+                        return Err(format!("MATRIX_ADMIN_SEED={seed} ({store:?}) op {n}: peek of {policy}/{key}: {got} (the model: {want})\n  {}\n  overrides in force {:?}", reply.body, live.overrides));
+                    }
+                }
+                continue;
+            }
+            Op::Lift(policy, key) => {
+                let reply = admin(dir.path(), "DELETE", &format!("/v1/bans?policy={}&key={}", encode(policy), encode(key)), None);
+                if reply.status != 200 {
+                    return Err(format!("MATRIX_ADMIN_SEED={seed} op {n}: lift of the ban of {policy}/{key}: {} {:?}", reply.status, reply.body));
+                }
+                done[8] += 1;
+                live.lift(policy, key);
+                continue;
+            }
         };
         if let Err(why) = expect.check(&r) {
             return Err(format!("MATRIX_ADMIN_SEED={seed} ({store:?}) op {n}: {what}: {why}\n  got {}\n  overrides in force {:?}, banned {:?}", short(&r), live.overrides, live.banned));
         }
     }
-    eprintln!("seed {seed} ({store:?}): {} checks, {} multi ({refused_multi_19} with a penalty policy), {} refunds, {} overrides set, {} deleted; banned at the end {:?}", done[0], done[1], done[2], done[3], done[4], live.banned);
+    eprintln!(
+        "seed {seed} ({store:?}): {} checks, {} multi ({refused_multi_19} with a penalty policy), {} refunds, {} overrides set, {} deleted, {} expired, {} resets, {} peeks, {} bans lifted; banned at the end {:?}",
+        done[0], done[1], done[2], done[3], done[4], done[5], done[6], done[7], done[8], live.banned
+    );
     // The decisions metric is not read here (no [metrics]); the bans the
     // model holds are the daemon's, through the admin API (Redis) or the
     // memory backend's refusals above.

@@ -106,6 +106,15 @@ impl Daemon {
         }
     }
 
+    /// `kill -9` (no shutdown: leases, shares and reservations are left
+    /// outstanding), reaped, then started again with the same config and
+    /// socket.
+    pub fn kill9_and_start_again(&mut self) {
+        self.child.signal(Signal::SIGKILL);
+        self.child.kill();
+        self.start_again();
+    }
+
     /// Starts the daemon again with the same config and socket, after `terminate`.
     pub fn start_again(&mut self) {
         let before = redis_start_lines(&self.log());

@@ -7,6 +7,7 @@
 //! what one file does not use is not dead code.
 #![allow(dead_code, unused_imports)]
 
+pub mod admin;
 pub mod daemon;
 pub mod http;
 pub mod model;

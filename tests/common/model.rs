@@ -62,7 +62,7 @@ pub enum Limit {
     Unlimited,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Kind {
     Rate { algorithm: Algorithm, shards: u32 },
     Concurrency,
@@ -583,7 +583,11 @@ impl Model {
             (Algorithm::SlidingCounter, true) => ((0, 0), (day_end.0, day_end.1 + w)),
             (Algorithm::SlidingCounter, false) => ((day_end.0, day_end.1 + w), (day_end.0, day_end.1 + w)),
         };
-        let (count, remaining) = if fits { (n + cost, limit - n - cost) } else { (n, limit.saturating_sub(n)) };
+        // A refusal's count is at most the limit in force (PROTOCOL.md
+        // section 7): a window counted under a larger limit (an override or
+        // a reload lowered it since) answers `limit`, so that count +
+        // remaining is the limit a client shows.
+        let (count, remaining) = if fits { (n + cost, limit - n - cost) } else { (n.min(limit), limit.saturating_sub(n)) };
         let mut want = Want {
             decision: if fits { Decision::Allowed } else { Decision::Denied },
             sources: if fits { vec![self.store_source()] } else { self.refusal_sources() },
@@ -986,10 +990,35 @@ impl Model {
                 // Until the earliest and the last lease expire; nothing held
                 // (a cost above the local quota): 0.
                 let near = if total == 0 { (0, 0) } else { (LEASE_MS - e, LEASE_MS) };
-                Want { decision, sources: vec![src], count: Num::Is(total), remaining: Num::Is(limit.saturating_sub(total)), retry: near, reset: near, ..Want::error(code::OK) }
+                Want { decision, sources: vec![src], count: Num::Is(total.min(limit)), remaining: Num::Is(limit.saturating_sub(total)), retry: near, reset: near, ..Want::error(code::OK) }
             }
         };
         want
+    }
+
+    /// An admin reset (`DELETE /v1/keys?policy=P&key=K`, docs/ADMIN.md
+    /// "Reset") of a policy's key: every admission of its windows (every
+    /// shard's) is forgotten, and its leases. Units outstanding in quota
+    /// leases, worker shares or unsettled reservations are kept by the
+    /// daemon; the model has none of them (tests/matrix_leases.rs checks
+    /// those by bounds).
+    pub fn reset(&mut self, policy: &str, key: &str) {
+        let Some(p) = self.config.any_policy(policy) else { return };
+        let wk = (policy_scope(p), key.to_string());
+        self.windows.remove(&wk);
+        self.leases.remove(&wk);
+    }
+
+    /// What an admin peek (`GET /v1/keys?policy=P&key=K`) must count: the
+    /// units of the key's window (its shards summed; GCRA: tokens in use).
+    /// A peek records nothing: the model does not change.
+    pub fn peek(&self, policy: &str, key: &str) -> u32 {
+        let Some(p) = self.config.any_policy(policy) else { return 0 };
+        let wk = (policy_scope(p), key.to_string());
+        match p.kind {
+            Kind::Rate { .. } => self.windows.get(&wk).copied().unwrap_or(0),
+            Kind::Concurrency => self.leases.get(&wk).map_or(0, |h| h.values().sum()),
+        }
     }
 
     /// What Redis must hold at the end: units per window (sharded keys
