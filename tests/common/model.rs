@@ -998,7 +998,8 @@ impl Model {
 
     /// An admin reset (`DELETE /v1/keys?policy=P&key=K`, docs/ADMIN.md
     /// "Reset") of a policy's key: every admission of its windows (every
-    /// shard's) is forgotten, and its leases. Units outstanding in quota
+    /// shard's) is forgotten, and its leases; a refundable admission's units
+    /// in them too. Units outstanding in quota
     /// leases, worker shares or unsettled reservations are kept by the
     /// daemon; the model has none of them (tests/matrix_leases.rs checks
     /// those by bounds).
@@ -1007,6 +1008,10 @@ impl Model {
         let wk = (policy_scope(p), key.to_string());
         self.windows.remove(&wk);
         self.leases.remove(&wk);
+        // A refund after it finds none of the members it names there.
+        for h in &mut self.issued {
+            h.recorded.retain(|(k, _)| *k != wk);
+        }
     }
 
     /// What an admin peek (`GET /v1/keys?policy=P&key=K`) must count: the
