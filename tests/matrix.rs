@@ -37,23 +37,25 @@
 //! model forgets Redis's windows and leases and every handle's members). The
 //! denial cache is off then: a refusal it remembers from before the outage
 //! may answer during it. No faults on the Cluster (issue 26's belong to a
-//! later run). Reloads change limits (upwards, never GCRA's), shadow, and
-//! remove or restore policies; never the allowlist. A reload may also
-//! rekey a policy (other than the logs p0 and p1): change its window
-//! (an hour doubled, a day halved), algorithm, shards (1 and 3) or kind
-//! (rate and concurrency).
-//! Sent with SIGHUP it must be refused (docs/CONFIG.md "Signals and
-//! reload": with Redis any policy's, in memory one in use, so there it is
-//! drawn for a policy the model holds counts of): the daemon logs the
-//! refusal naming the policy and "their counts would restart from zero",
-//! and every later answer is compared with the model's counts, kept. Half
-//! of them are forced with SIGUSR1 instead (never a window's: the model's
-//! windows have the algorithm's length): applied, the policy's counts
-//! start from zero in the model, its old keys stay in Redis outside every
-//! window the daemon reads (the final state leaves them out), a forced
-//! rekey never goes back to a kind the policy had (that would bring the
-//! old keys' counts back). No rekey in a case with an outage. The state of
-//! sharded GCRA keys is not read back (a shard's part is not in its key).
+//! later run). Reloads change limits (upwards, never GCRA's; downwards too
+//! for the log, the fixed window and the sliding counter, unsharded, the
+//! model's counts kept and its refusals' count at most the new limit),
+//! shadow, and remove or restore policies; never the allowlist. A reload
+//! may also rekey a policy (other than the logs p0 and p1): change its
+//! window (an hour doubled, a day halved), algorithm, shards (1 and 3) or
+//! kind (rate and concurrency). Sent with SIGHUP it must be refused
+//! (docs/CONFIG.md "Signals and reload": with Redis any policy's, in memory
+//! one in use, so there it is drawn for a policy the model holds counts
+//! of): the daemon logs the refusal naming the policy and "their counts
+//! would restart from zero", and every later answer is compared with the
+//! model's counts, kept. Half of them are forced with SIGUSR1 instead
+//! (never a window's: the model's windows have the algorithm's length):
+//! applied, the policy's counts start from zero in the model, its old keys
+//! stay in Redis outside every window the daemon reads (the final state
+//! leaves them out), a forced rekey never goes back to a kind the policy
+//! had (that would bring the old keys' counts back). No rekey in a case
+//! with an outage. The state of sharded GCRA keys is not read back (a
+//! shard's part is not in its key).
 //!
 //! Environment:
 //! - `MATRIX_SEED=<n>`: run only that case (printed by every case);
@@ -549,6 +551,15 @@ fn reload(rng: &mut Rng, cfg: &mut Config, s: &Settings) -> String {
     let i = rng.below(cfg.policies.len() as u64) as usize;
     let p = &mut cfg.policies[i];
     match rng.below(3) {
+        // Lowered (under the window's count too: its answers say count =
+        // the limit in force) only where the window is one counter the
+        // limit does not reshape: not the ring (it keeps its newest
+        // entries), not GCRA (tokens of window/limit), not shards (parts).
+        0 if matches!(p.algorithm(), Some(Algorithm::Log | Algorithm::Fixed | Algorithm::SlidingCounter)) && p.shards() == 1 && p.limit > 1 && !p.removed && rng.chance(50) => {
+            let by = rng.range(1, 2).min(p.limit - 1);
+            p.limit -= by;
+            format!("{}: limit -{by} = {}", p.name, p.limit)
+        }
         0 if p.algorithm() != Some(Algorithm::Gcra) && !p.removed => {
             let by = rng.range(1, 2);
             p.limit += by;
@@ -676,7 +687,7 @@ fn apply_rekey(m: &mut Model, policy: &str, kind: &Kind) {
 fn apply_reload(cfg: &mut Config, what: &str) {
     let (name, change) = what.split_once(": ").unwrap();
     let p = cfg.policies.iter_mut().find(|p| p.name == name).unwrap();
-    if let Some(rest) = change.strip_prefix("limit +") {
+    if let Some(rest) = change.strip_prefix("limit +").or_else(|| change.strip_prefix("limit -")) {
         p.limit = rest.split(" = ").nth(1).unwrap().parse().unwrap();
     } else if let Some(v) = change.strip_prefix("shadow = ") {
         p.shadow = v == "true";

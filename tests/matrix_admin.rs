@@ -614,3 +614,53 @@ async fn while_redis_is_down_a_banned_key_is_refused_from_the_ban_cache_and_othe
     let r = c.check_policy(&check("y", FailPolicy::Closed)).await.unwrap();
     assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{}", short(&r));
 }
+
+/// The smallest case of what the generated matrices found (tests/matrix.rs
+/// seed 65181906758 after a reload lowered p0's limit from 3 to 2, and the
+/// same with an override): a check refused by a window that holds more than
+/// the limit in force (counted under a larger one before an override
+/// lowered it) must answer count = the limit in force, so that count +
+/// remaining is the limit in force (PROTOCOL.md section 7): a single check
+/// (from Redis, then from the denial cache), and a multi-item or
+/// refundable check, for the refusing item and in the fixed fields; with
+/// the denial cache off (Redis answers) and on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most_the_limit() {
+    let redis = RedisServer::start_unix();
+    let mut failures = Vec::new();
+    for cache in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = Daemon::start_config(&format!(
+            "[redis]\nurl = \"{}\"\n[denial_cache]\nenabled = {cache}\n[admin]\nlisten = \"{}\"\n[[policy]]\nname = \"lowered\"\nlimit = 5\nwindow = \"1h\"\n[[policy]]\nname = \"other\"\nlimit = 100\nwindow = \"1h\"\n",
+            redis.url(),
+            dir.path().join("admin.sock").display()
+        ));
+        let mut c = d.client().await;
+        wait_for_store(&mut c, &d).await;
+        let key = if cache { "cached" } else { "uncached" };
+        let check = PolicyCheckArgs { policy: b"lowered", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+        for _ in 0..4 {
+            assert_eq!(c.check_policy(&check).await.unwrap().decision, Decision::Allowed);
+        }
+        let reply = admin(dir.path(), "PUT", "/v1/overrides", Some(json!({ "policy": "lowered", "key": key, "limit": 2, "ttl": "1h" })));
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        // Single checks: count 2, remaining 0 (the window holds 4).
+        for i in 0..2 {
+            let r = c.check_policy(&check).await.unwrap();
+            if (r.decision, r.count, r.remaining) != (Decision::Denied, 2, 0) {
+                failures.push(format!("denial cache {cache}: single check {i}: {}", short(&r)));
+            }
+        }
+        let lowered = ItemArgs { policy: b"lowered", key: key.as_bytes(), cost: 1 };
+        let other = ItemArgs { policy: b"other", key: key.as_bytes(), cost: 1 };
+        for (what, refundable, items) in [("two items", false, vec![other, lowered]), ("refundable, one item", true, vec![lowered])] {
+            let r = c.check_multi(FailPolicy::Closed, 0, refundable, &items).await.unwrap();
+            let ext = r.extension.as_deref().expect("a multi-item answer");
+            let it = ext.items.last().expect("the lowered item");
+            if (r.decision, it.decision, it.limit, it.count, it.remaining, r.count, r.remaining) != (Decision::Denied, Decision::Denied, 2, 2, 0, 2, 0) {
+                failures.push(format!("denial cache {cache}: {what}: item {:?} {:?} count {} remaining {} limit {}; fixed fields {}", it.decision, it.source, it.count, it.remaining, it.limit, short(&r)));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "count + remaining is not the limit in force 2 (the window holds 4):\n{}", failures.join("\n"));
+}
