@@ -75,6 +75,18 @@
 //! - `MATRIX_KEEP_GOING=1`: run every case even after one failed;
 //! - `MATRIX_FIXED=1`: the same seeds every run (by default each run draws
 //!   new ones from the clock, so CI explores; every seed is printed).
+//!
+//! Long run (`MATRIX_LONG=1`, 10 times the default operations: 400 cases x
+//! 200 on one Redis and in memory, 100 x 150 on the Cluster, 175,000
+//! operations, seeds drawn from the clock and printed): passed in 246 s
+//! with 307 rekeying reloads (137 refused, 170 forced) and the limits
+//! lowered by reloads, with the one-line fix that
+//! `a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most_the_limit`
+//! (tests/matrix_admin.rs) asks for in src/decision/multi.rs; without it a
+//! multi-item check refused by a window above a lowered limit answers a
+//! count above the limit (most default runs meet one). Before reloads
+//! lowered limits, the same long run passed on main's daemon in 521 s
+//! (396 rekeys: 206 refused, 190 forced).
 
 mod common;
 

@@ -560,7 +560,11 @@ async fn two_daemons_with_quota_leases_on_a_cluster_never_admit_past_the_limit_t
 //
 // `MATRIX_LEASES_SEED=<n>` runs one case; `MATRIX_LEASES_CASES` and
 // `MATRIX_LEASES_OPS` size the run (defaults: one Redis 4 x 40, Cluster
-// 2 x 30).
+// 2 x 30, about 25 s for both tests on 2 shared cores). Long run, 10 times
+// the cases (`MATRIX_LEASES_CASES=40`: seeds 33000-33039 on one Redis,
+// 33100-33139 on the Cluster, 2,800 operations): passed in 255 s, with 146
+// kills, 1,769 units kept outstanding by resets, 1,078 units handed out in
+// worker shares and 55 overrides set below the admitted count.
 
 mod generated {
     use super::*;

@@ -22,7 +22,11 @@
 //! never settled, shares left unused) is printed, not asserted.
 //!
 //! `NGINX_MATRIX_SHARES_SEED=<n>` runs one case; `NGINX_MATRIX_SHARES_CASES`
-//! and `NGINX_MATRIX_SHARES_OPS` size the run (defaults 3 x 25).
+//! and `NGINX_MATRIX_SHARES_OPS` size the run (defaults 3 x 25, about 22 s
+//! on 2 shared cores). Long run, 10 times the cases
+//! (`NGINX_MATRIX_SHARES_CASES=30`: seeds 33500-33529, 750 operations):
+//! passed in 176 s, with 5,835 admissions from worker shares, 62 kills of
+//! the daemon and 1,936 units kept outstanding by resets.
 
 mod common;
 
