@@ -629,7 +629,9 @@ async fn while_redis_is_down_a_banned_key_is_refused_from_the_ban_cache_and_othe
 /// remaining is the limit in force (PROTOCOL.md section 7): a single check
 /// (from Redis, then from the denial cache), and a multi-item or
 /// refundable check, for the refusing item and in the fixed fields; with
-/// the denial cache off (Redis answers) and on.
+/// the denial cache off (Redis answers) and on. And a reserve refused by a
+/// window in debt (a settle's actual cost above its estimate, PROTOCOL.md
+/// 4f; tests/matrix_settle.rs found it once the model said so).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most_the_limit() {
     let redis = RedisServer::start_unix();
@@ -637,7 +639,7 @@ async fn a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most
     for cache in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let d = Daemon::start_config(&format!(
-            "[redis]\nurl = \"{}\"\n[denial_cache]\nenabled = {cache}\n[admin]\nlisten = \"{}\"\n[[policy]]\nname = \"lowered\"\nlimit = 5\nwindow = \"1h\"\n[[policy]]\nname = \"other\"\nlimit = 100\nwindow = \"1h\"\n",
+            "[redis]\nurl = \"{}\"\n[denial_cache]\nenabled = {cache}\n[admin]\nlisten = \"{}\"\n[[policy]]\nname = \"lowered\"\nlimit = 5\nwindow = \"1h\"\n[[policy]]\nname = \"other\"\nlimit = 100\nwindow = \"1h\"\n[[policy]]\nname = \"owed\"\nalgorithm = \"fixed\"\nlimit = 5\nwindow = \"1h\"\n",
             redis.url(),
             dir.path().join("admin.sock").display()
         ));
@@ -667,6 +669,22 @@ async fn a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most
                 failures.push(format!("denial cache {cache}: {what}: item {:?} {:?} count {} remaining {} limit {}; fixed fields {}", it.decision, it.source, it.count, it.remaining, it.limit, short(&r)));
             }
         }
+        // A reserve of 1 settled to 8: the window holds 8 under a limit of 5
+        // (the fixed window ends on the hour: not in between).
+        let to_the_hour = HOUR as u64 - now_ms() % HOUR as u64;
+        if to_the_hour < 10_000 {
+            tokio::time::sleep(Duration::from_millis(to_the_hour + 100)).await;
+        }
+        let owed = ItemArgs { policy: b"owed", key: key.as_bytes(), cost: 1 };
+        let r = c.reserve(FailPolicy::Closed, 0, &owed).await.unwrap();
+        let handle = r.extension.as_deref().and_then(|e| e.handle).unwrap_or_else(|| panic!("a reserve admitted: {}", short(&r)));
+        let s = c.settle(&handle, &ItemArgs { cost: 8, ..owed }).await.unwrap();
+        assert_eq!(s.decision, Decision::Allowed, "settle: {}", short(&s));
+        let r = c.reserve(FailPolicy::Closed, 0, &owed).await.unwrap();
+        let it = r.extension.as_deref().and_then(|e| e.items.first().copied()).expect("a reserve's item");
+        if (r.decision, it.count, it.remaining, r.count, r.remaining) != (Decision::Denied, 5, 0, 5, 0) {
+            failures.push(format!("denial cache {cache}: a reserve in debt (8 under 5): item {:?} count {} remaining {} limit {}; fixed fields {}", it.source, it.count, it.remaining, it.limit, short(&r)));
+        }
     }
-    assert!(failures.is_empty(), "count + remaining is not the limit in force 2 (the window holds 4):\n{}", failures.join("\n"));
+    assert!(failures.is_empty(), "count + remaining is not the limit in force (2, the window holding 4; 5, holding 8):\n{}", failures.join("\n"));
 }
