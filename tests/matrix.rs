@@ -1036,7 +1036,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                         log.matches("configuration reload refused").count() > refused_before || log.matches("configuration reloaded").count() > reloads || log.matches("configuration reload failed").count() > failed_before
                     });
                     let log = d.log();
-                    let said = log.lines().filter(|l| l.contains("configuration reload refused")).last().unwrap_or("");
+                    let said = log.lines().rev().find(|l| l.contains("configuration reload refused")).unwrap_or("");
                     if log.matches("configuration reloaded").count() > reloads || !said.contains("their counts would restart from zero") || !said.contains(&format!("{policy} (")) {
                         return Err(fail(vec!["reload".into()], &trace, format!("the reload that rekeys {policy} was not refused as one that restarts counts (the model holds its counts)\n{log}")));
                     }

@@ -532,8 +532,9 @@ async fn two_daemons_with_quota_leases_on_a_cluster_never_admit_past_the_limit_t
 // counter), two keys each, limit 48. Operations, drawn from a seed:
 // - a burst of 1 to 16 serial single checks through one daemon (8 within a
 //   lease's life take a lease);
-// - a worker share (op 10) of up to 8 units (the log's only): its units
-//   count as admitted when handed out, as a worker may use them at once;
+// - 8 checks of one of the log's keys through one daemon (it takes a
+//   lease), then a worker share (op 10) of up to 8 units: its units count
+//   as admitted when handed out, as a worker may use them at once;
 // - an admin reset of a key through either daemon;
 // - an override of a key set through either daemon, to a limit from 8 to 80
 //   (below the window's count too), or deleted; awaited until both daemons'

@@ -18,6 +18,7 @@
 //!   admissions since the last reset and at most the highest limit in force
 //!   since then, or what the reset kept outstanding (units of the daemon's
 //!   lease and of the workers' shares) if more.
+//!
 //! Under-admission (refusals with room: units a killed daemon leased and
 //! never settled, shares left unused) is printed, not asserted.
 //!
