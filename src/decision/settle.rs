@@ -30,7 +30,7 @@ use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 use super::count::Charge;
-use super::limiter::{Backend, Limiter};
+use super::limiter::Limiter;
 use super::plan::Planned;
 use super::resolve::{Item, Kind};
 use super::respond::{self, error_code, verdict_item, Executed};
@@ -42,7 +42,7 @@ fn spec_of<'a>(item: &Item<'a>) -> LimitSpec<'a> {
 
 /// An item's result from its verdict, with its limit.
 fn result_of(item: &Item<'_>, v: Verdict, source: Source) -> ItemResult {
-    ItemResult { limit: item.limit.unwrap_or(0), ..verdict_item(v, source, item.window_ms) }
+    verdict_item(v, source, item.limit.unwrap_or(0), item.window_ms)
 }
 
 /// One pass over the items in Redis: per item of `order`, its verdict
@@ -88,9 +88,9 @@ impl Limiter {
             Executed { results, handle: None, failure: None }
         } else {
             let handle: [u8; 16] = rand::random();
-            let done = match &self.backend {
-                Backend::Redis(redis) => self.reserve_in_redis(redis, &items, &stored, &handle, results).await,
-                Backend::Local => self.reserve_in_memory(&items, &stored, &handle, results),
+            let done = match self.store.redis() {
+                Some(redis) => self.reserve_in_redis(redis, &items, &stored, &handle, results).await,
+                None => self.reserve_in_memory(&items, &stored, &handle, results),
             };
             match done {
                 Ok(done) => done,
@@ -247,9 +247,9 @@ impl Limiter {
         if stored.is_empty() {
             return (done(Source::Exempt, 0, 0, 0), Charge::Nobody);
         }
-        let (source, outcomes): (Source, Vec<Result<Option<Verdict>, StoreError>>) = match &self.backend {
-            Backend::Redis(redis) => (Source::Redis, join_all(stored.iter().map(|&i| { let items = &items; async move { redis.settle_reserve(&spec_of(&items[i]), items[i].algorithm, &r.handle).await } })).await),
-            Backend::Local => (Source::Memory, stored.iter().map(|&i| Ok(self.local.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle))).collect()),
+        let (source, outcomes): (Source, Vec<Result<Option<Verdict>, StoreError>>) = match self.store.redis() {
+            Some(redis) => (Source::Redis, join_all(stored.iter().map(|&i| { let items = &items; async move { redis.settle_reserve(&spec_of(&items[i]), items[i].algorithm, &r.handle).await } })).await),
+            None => (Source::Memory, stored.iter().map(|&i| Ok(self.local.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle))).collect()),
         };
         // A surplus given back may end a refusal the cache holds.
         if let Some(d) = &self.denials {
@@ -313,7 +313,7 @@ mod tests {
     }
 
     fn limiter(policies: &[PolicyConfig]) -> Arc<Limiter> {
-        Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(policies, None))))
+        Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(policies, None))))
     }
 
     fn handle(r: &Response) -> Option<[u8; 16]> {

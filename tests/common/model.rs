@@ -583,7 +583,9 @@ impl Model {
             (Algorithm::SlidingCounter, true) => ((0, 0), (day_end.0, day_end.1 + w)),
             (Algorithm::SlidingCounter, false) => ((day_end.0, day_end.1 + w), (day_end.0, day_end.1 + w)),
         };
-        let (count, remaining) = if fits { (n + cost, limit - n - cost) } else { (n, limit.saturating_sub(n)) };
+        // A window holding more than the limit in force (counted under a
+        // larger one) answers count = limit (docs/PROTOCOL.md section 7).
+        let (count, remaining) = if fits { (n + cost, limit - n - cost) } else { (n.min(limit), limit.saturating_sub(n)) };
         let mut want = Want {
             decision: if fits { Decision::Allowed } else { Decision::Denied },
             sources: if fits { vec![self.store_source()] } else { self.refusal_sources() },
@@ -986,7 +988,7 @@ impl Model {
                 // Until the earliest and the last lease expire; nothing held
                 // (a cost above the local quota): 0.
                 let near = if total == 0 { (0, 0) } else { (LEASE_MS - e, LEASE_MS) };
-                Want { decision, sources: vec![src], count: Num::Is(total), remaining: Num::Is(limit.saturating_sub(total)), retry: near, reset: near, ..Want::error(code::OK) }
+                Want { decision, sources: vec![src], count: Num::Is(total.min(limit)), remaining: Num::Is(limit.saturating_sub(total)), retry: near, reset: near, ..Want::error(code::OK) }
             }
         };
         want
