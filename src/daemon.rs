@@ -12,7 +12,7 @@ use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
 use crate::decision::{kind_refusal, Kind, Limiter, QuotaLeases};
-use crate::store::Store;
+use crate::window_store::Store;
 use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;

@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use crate::local_store::LocalStoreFull;
 use crate::metrics::METRICS;
 use crate::protocol::{ErrorCode, Response, Source};
-use crate::store::NoVerdict;
+use crate::window_store::NoVerdict;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 use super::fail::{acquire_fallback, fallback, Fallback};
@@ -117,7 +117,7 @@ impl Limiter {
                 if !acquire {
                     self.local.release(item.key, lease);
                 }
-                verdict_response(id, op, self.store.source(), v.under(limit))
+                verdict_response(id, op, self.store.origin(), v.under(limit))
             }
             Err(NoVerdict::Full(full)) => self.capacity_error(id, op, Source::Memory, full),
             Err(NoVerdict::Store(e)) => {

@@ -9,7 +9,7 @@
 
 use crate::denial_cache::{is_exact_for, Lookup};
 use crate::protocol::{Algorithm, Source};
-use crate::store::NoVerdict;
+use crate::window_store::NoVerdict;
 use crate::window::{LimitSpec, Verdict};
 
 use super::lease::Take;
@@ -20,7 +20,7 @@ impl Limiter {
     pub(super) async fn verdict(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<(Source, Verdict), NoVerdict> {
         // 1. A quota lease (log, fixed, sliding counter; Redis only).
         let leased = match self.leases.as_ref().map(|l| (l, l.take(spec, algorithm))) {
-            Some((_, Take::Admitted(v))) => return Ok((self.store.source(), v)),
+            Some((_, Take::Admitted(v))) => return Ok((self.store.origin(), v)),
             Some((l, Take::Lease { fp, want })) => Some((l, fp, want)),
             _ => None,
         };
@@ -45,6 +45,6 @@ impl Limiter {
         if let (Some(d), Some(t)) = (denials, ticket) {
             d.record(t, spec.cost, &v);
         }
-        Ok((self.store.source(), v))
+        Ok((self.store.origin(), v))
     }
 }

@@ -11,7 +11,7 @@ use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::log_limit::RateLimitedLog;
 use crate::policies::Policies;
-use crate::store::Store;
+use crate::window_store::Store;
 
 use super::lease::QuotaLeases;
 

@@ -12,7 +12,7 @@ use crate::protocol::{Algorithm, Decision, ErrorCode, ItemResult, Response, Sour
 use crate::redis::{MultiAsk, RefundItem};
 use crate::window::{LimitSpec, Verdict};
 
-use crate::store::{ManyVerdicts, NoVerdict, RefundUnsupported};
+use crate::window_store::{ManyVerdicts, NoVerdict, RefundUnsupported};
 
 use super::execute::{merge_refusals, whole_key};
 use super::fail::{fallback, Fallback};

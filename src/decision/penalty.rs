@@ -12,7 +12,7 @@ use crate::penalty_box::BANS;
 use crate::protocol::{Response, Source};
 use crate::window::{LimitSpec, Verdict};
 
-use crate::store::NoVerdict;
+use crate::window_store::NoVerdict;
 
 use super::limiter::Limiter;
 use super::respond::verdict_response;
@@ -39,7 +39,7 @@ impl Limiter {
             if let Some(ends_at_ms) = state.engaged {
                 policy.penalty_counters.bans.fetch_add(1, Ordering::Relaxed);
                 // Listed by the admin API: one write per ban, off the request path.
-                if let Some(redis) = self.store.redis() {
+                if let Some(redis) = self.store.as_redis() {
                     let (redis, scoped) = (redis.clone(), item.key.clone());
                     tokio::spawn(async move {
                         let index = redis.penalty_index_key();
@@ -49,7 +49,7 @@ impl Limiter {
                     });
                 }
             }
-            (self.store.source(), v)
+            (self.store.origin(), v)
         });
         match answer {
             Ok((source, v)) => verdict_response(id, op, source, v.under(limit)),

@@ -88,7 +88,7 @@ impl Limiter {
             Executed { results, handle: None, failure: None }
         } else {
             let handle: [u8; 16] = rand::random();
-            let done = match self.store.redis() {
+            let done = match self.store.as_redis() {
                 Some(redis) => self.reserve_in_redis(redis, &items, &stored, &handle, results).await,
                 None => self.reserve_in_memory(&items, &stored, &handle, results),
             };
@@ -247,7 +247,7 @@ impl Limiter {
         if stored.is_empty() {
             return (done(Source::Exempt, 0, 0, 0), Charge::Nobody);
         }
-        let (source, outcomes): (Source, Vec<Result<Option<Verdict>, StoreError>>) = match self.store.redis() {
+        let (source, outcomes): (Source, Vec<Result<Option<Verdict>, StoreError>>) = match self.store.as_redis() {
             Some(redis) => (Source::Redis, join_all(stored.iter().map(|&i| { let items = &items; async move { redis.settle_reserve(&spec_of(&items[i]), items[i].algorithm, &r.handle).await } })).await),
             None => (Source::Memory, stored.iter().map(|&i| Ok(self.local.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle))).collect()),
         };

@@ -60,7 +60,7 @@ pub struct RefundUnsupported;
 impl Store {
     /// Who a stored verdict comes from.
     #[inline]
-    pub fn source(&self) -> Source {
+    pub fn origin(&self) -> Source {
         match self {
             Self::Redis(_) => Source::Redis,
             Self::Memory(_) => Source::Memory,
@@ -78,7 +78,7 @@ impl Store {
     }
 
     /// The Redis behind it, for the layers only Redis has (quota leases).
-    pub fn redis(&self) -> Option<&Arc<RedisWindow>> {
+    pub fn as_redis(&self) -> Option<&Arc<RedisWindow>> {
         match self {
             Self::Redis(r) => Some(r),
             Self::Memory(_) => None,
