@@ -135,6 +135,21 @@ impl Store {
         }
     }
 
+    /// Lists a ban `check_penalized` engaged, ending at `ends_at_ms`, in
+    /// the admin API's index (Redis only: the memory store's bans are its
+    /// ban table, which the API reads). One write per ban, in a task of its
+    /// own, off the request path.
+    pub fn note_ban(&self, scoped: &[u8], ends_at_ms: u64) {
+        let Self::Redis(redis) = self else { return };
+        let (redis, scoped) = (redis.clone(), scoped.to_vec());
+        tokio::spawn(async move {
+            let index = redis.penalty_index_key();
+            if let Err(e) = redis.note_ban(&index, &scoped, ends_at_ms).await {
+                tracing::debug!(error = %e, "could not add a ban to the admin index");
+            }
+        });
+    }
+
     /// ACQUIRE (`acquire`) or RELEASE of concurrency lease `lease` on
     /// `key`. A release also frees the per-host lease the `local` fail
     /// policy may hold under the same id.

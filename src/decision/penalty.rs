@@ -38,16 +38,7 @@ impl Limiter {
             }
             if let Some(ends_at_ms) = state.engaged {
                 policy.penalty_counters.bans.fetch_add(1, Ordering::Relaxed);
-                // Listed by the admin API: one write per ban, off the request path.
-                if let Some(redis) = self.store.as_redis() {
-                    let (redis, scoped) = (redis.clone(), item.key.clone());
-                    tokio::spawn(async move {
-                        let index = redis.penalty_index_key();
-                        if let Err(e) = redis.note_ban(&index, &scoped, ends_at_ms).await {
-                            tracing::debug!(error = %e, "could not add a ban to the admin index");
-                        }
-                    });
-                }
+                self.store.note_ban(item.key, ends_at_ms);
             }
             (self.store.origin(), v)
         });
