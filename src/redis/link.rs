@@ -176,10 +176,12 @@ fn classify(e: &RedisError) -> Failure {
     if e.is_timeout() {
         return Failure::Slow;
     }
-    // A demoted master (READONLY) or a server not ready to serve (LOADING,
+    // A demoted master (READONLY), a master that lost the replicas
+    // `min-replicas-to-write` asks for (NOREPLICAS: at a failover, the
+    // promoted replica left it), or a server not ready to serve (LOADING,
     // MASTERDOWN): the link must find the master again.
     match e.code() {
-        Some("READONLY" | "LOADING" | "MASTERDOWN" | "NOAUTH" | "WRONGPASS") => Failure::Link,
+        Some("READONLY" | "NOREPLICAS" | "LOADING" | "MASTERDOWN" | "NOAUTH" | "WRONGPASS") => Failure::Link,
         _ => Failure::Call,
     }
 }
@@ -214,14 +216,14 @@ impl RedisLink {
         METRICS.redis_in_flight_limit(link.in_flight.limit());
         if let Connector::Sentinel(s) = &connector {
             let link = Arc::downgrade(&link);
-            let on_switch = move || match link.upgrade() {
+            let on_leave = move || match link.upgrade() {
                 Some(l) => {
                     l.failover_announced();
                     true
                 }
                 None => false,
             };
-            tokio::spawn(SentinelConnector::watch_switches(s.switch_watch(), on_switch, shutdown.clone()));
+            tokio::spawn(SentinelConnector::watch_failovers(s.failover_watch(), on_leave, shutdown.clone()));
         }
         if matches!(connector, Connector::Cluster { .. }) {
             tokio::spawn(watch_cluster(Arc::downgrade(&link), shutdown.clone()));
@@ -346,7 +348,8 @@ impl RedisLink {
         self.in_flight.answered(took, now, permit.admitted_us);
     }
 
-    /// A sentinel announced that our master changed: stop using the old one now.
+    /// A sentinel announced a failover of our master (its first step, or
+    /// the switch to another server than ours): stop using it now.
     fn failover_announced(&self) {
         if self.breaker.trip() {
             METRICS.breaker_opened();
