@@ -129,9 +129,8 @@ impl Group {
         // (SCALING.md), and a failover then would lose everything.
         // (Retried: with `min-replicas-to-write` the master refuses it
         // until the replicas are there.)
-        wait_until("replicas online and caught up", Duration::from_secs(20), || {
-            master.conn().set::<_, _, ()>("synced", 1).is_ok() && offsets_equal(&master, replicas.len())
-        });
+        wait_until("a write the master accepts", Duration::from_secs(20), || master.conn().set::<_, _, ()>("synced", 1).is_ok());
+        wait_until("replicas online and caught up", Duration::from_secs(20), || offsets_equal(&master, replicas.len()));
         let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start_with_quorum(master.port, 2)).collect();
         wait_until("the sentinels know the replicas and each other", Duration::from_secs(30), || {
             sentinels.iter().all(|s| s.known_replicas() == replicas.len() && s.known_sentinels() == 2)
