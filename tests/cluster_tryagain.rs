@@ -135,13 +135,13 @@ async fn a_migrating_slot_sends_no_call_to_the_fail_policy_and_a_ban_holds() {
     }
     let during = |at: &Duration| *at >= began && *at <= ended;
     let names = ["penalty checks", "checks of the banned key", "reserves", "plain checks"];
-    for kind in 0..4 {
+    for (kind, name) in names.iter().enumerate() {
         let mine: Vec<&(usize, Duration, Response)> = answers.iter().filter(|(k, _, _)| *k == kind).collect();
         let while_moving = mine.iter().filter(|(_, at, _)| during(at)).count();
         let to_policy: Vec<_> = mine.iter().filter(|(_, _, r)| !by_redis(r)).collect();
-        eprintln!("{}: {} ({while_moving} during the {:?} migration in {moved} steps), {} to the fail policy", names[kind], mine.len(), ended - began, to_policy.len());
-        assert!(while_moving > 0, "{}: some during the migration", names[kind]);
-        assert!(to_policy.is_empty(), "{}: none to the fail policy: {:?}\n{}", names[kind], to_policy.first(), d.log());
+        eprintln!("{name}: {} ({while_moving} during the {:?} migration in {moved} steps), {} to the fail policy", mine.len(), ended - began, to_policy.len());
+        assert!(while_moving > 0, "{name}: some during the migration");
+        assert!(to_policy.is_empty(), "{name}: none to the fail policy: {:?}\n{}", to_policy.first(), d.log());
     }
     let banned: Vec<&(usize, Duration, Response)> = answers.iter().filter(|(k, _, _)| *k == 1).collect();
     let (_, first_at, first) = banned[0];
