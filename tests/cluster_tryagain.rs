@@ -90,27 +90,35 @@ async fn a_migrating_slot_sends_no_call_to_the_fail_policy_and_a_ban_holds() {
     let from = cluster.owner(slot);
     let to = cluster.primaries().into_iter().find(|&p| p != from).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
+    let moving = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let mut tasks = Vec::new();
     for kind in 0..4 {
         let mut c = d.client().await;
-        let stop = stop.clone();
+        let (stop, moving) = (stop.clone(), moving.clone());
         tasks.push(tokio::spawn(async move {
             let mut answers = Vec::new();
             if kind == 1 {
-                // The banned key's first call once the slot migrates (it
-                // starts 100 ms in): that call is the one Redis answers,
-                // the next ones are answered from the ban it taught `d`.
-                tokio::time::sleep(Duration::from_millis(300)).await;
+                // The banned key's first call once the slot migrates (150 ms
+                // into a migration of at least 300 ms): that call is the one
+                // Redis answers, the next ones are answered from the ban it
+                // taught `d`.
+                while !moving.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(150)).await;
             }
             while !stop.load(Ordering::Relaxed) {
+                // When sent: a call sent during the migration may be
+                // answered after it, once its retries succeed.
+                let sent = start.elapsed();
                 let r = match kind {
                     0 => c.check_policy(&policy("pen", "{mig}pen", FailPolicy::Closed)).await,
                     1 => c.check_policy(&policy("strict", "{mig}banned", FailPolicy::Open)).await,
                     2 => c.reserve(FailPolicy::Closed, 0, &ItemArgs { policy: b"fixed_big", key: b"{mig}res", cost: 1 }).await,
                     _ => c.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("{mig}plain", 100_000, 60_000) }).await,
                 };
-                answers.push((kind, start.elapsed(), r.expect("answered")));
+                answers.push((kind, sent, r.expect("answered")));
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             answers
@@ -118,6 +126,7 @@ async fn a_migrating_slot_sends_no_call_to_the_fail_policy_and_a_ban_holds() {
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
     let began = start.elapsed();
+    moving.store(true, Ordering::Relaxed);
     // The slot's keys (the penalty boxes' windows, bans and strikes, the
     // plain and fixed windows, the reserves' settle records) in halves, 50 ms
     // apart: about half a second of migration, under the 1.5 s deadline.
@@ -133,6 +142,7 @@ async fn a_migrating_slot_sends_no_call_to_the_fail_policy_and_a_ban_holds() {
     for t in tasks {
         answers.extend(t.await.unwrap());
     }
+    // Sent while the slot migrated.
     let during = |at: &Duration| *at >= began && *at <= ended;
     let names = ["penalty checks", "checks of the banned key", "reserves", "plain checks"];
     for (kind, name) in names.iter().enumerate() {
