@@ -43,7 +43,7 @@ use crate::config::{HostPort, SentinelConfig};
 /// missed announcement (every sentinel connection lost) must not keep the
 /// link off Redis for the sentinels' `failover-timeout` (3 min by
 /// default). A promotion takes about a second (`tests/sentinel.rs`).
-pub const FENCE_LIMIT: Duration = Duration::from_secs(10);
+const FENCE_LIMIT: Duration = Duration::from_secs(10);
 
 /// The steps of a failover that fence the old master: sent by the leading
 /// sentinel only, in this order; from `+selected-slave` on they name the
@@ -252,20 +252,21 @@ impl SentinelConnector {
     pub async fn watch_failovers(watch: FailoverWatch, on_leave: impl Fn() -> bool, shutdown: CancellationToken) {
         let watch = &watch;
         let on_leave = &on_leave;
+        // The link is gone (one watch learnt it): every watch stops.
+        let gone = &shutdown.child_token();
         let each = watch.addresses.iter().map(|sentinel| async move {
             loop {
                 match watch.one(sentinel, on_leave).await {
-                    Ok(false) => return,
+                    Ok(false) => return gone.cancel(),
                     Ok(true) => tracing::debug!(%sentinel, "sentinel closed the subscription; subscribing again"),
                     Err(e) => tracing::debug!(%sentinel, error = %e, "sentinel watch ended; subscribing again"),
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         });
-        let all = futures_util::future::join_all(each);
         tokio::select! {
-            _ = shutdown.cancelled() => {}
-            _ = all => {}
+            _ = gone.cancelled() => {}
+            _ = futures_util::future::join_all(each) => {}
         }
     }
 
