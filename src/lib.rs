@@ -19,6 +19,7 @@
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window; cold keys batched across keys), `shard` (hot-key shard keys) |
 //! | policies | `policies`, `live_overrides` | the configured `[[policy]]` tables by name, overrides, per-policy counters; the admin API's overrides in force |
+//! | retries | `settle_retry` | settles and reserve take-backs that met a Redis failure, retried in the background until Redis answers or their record's life ends |
 //! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores (a quota `lease` first) with the fail policies, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
@@ -48,6 +49,7 @@ mod policies;
 pub mod protocol;
 mod redis;
 mod server;
+mod settle_retry;
 mod socket;
 pub mod terminal;
 pub mod top;

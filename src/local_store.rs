@@ -76,6 +76,11 @@ struct KeyWindow {
     /// GCRA's theoretical arrival time in ms (GCRA windows only; their
     /// `entries` stay empty).
     tat_ms: f64,
+    /// GCRA once a reserve touched the window (src/redis/gcra.lua,
+    /// "Reserved keys"): the ms of tokens charged since, and which
+    /// window that is (0: none yet; a new one after a sweep).
+    gcra_charged: f64,
+    gcra_born: u64,
     /// Fixed windows and the sliding counter: the current fixed window's
     /// start on the wall clock (UTC-aligned), its count and the previous
     /// window's.
@@ -91,6 +96,7 @@ struct KeyWindow {
 #[derive(Clone, Copy, Debug)]
 struct O1State {
     tat_ms: f64,
+    gcra_charged: f64,
     fixed_start: u64,
     fixed_count: u64,
     prev_count: u64,
@@ -99,11 +105,11 @@ struct O1State {
 
 impl KeyWindow {
     fn o1_state(&self) -> O1State {
-        O1State { tat_ms: self.tat_ms, fixed_start: self.fixed_start, fixed_count: self.fixed_count, prev_count: self.prev_count, until_ms: self.until_ms }
+        O1State { tat_ms: self.tat_ms, gcra_charged: self.gcra_charged, fixed_start: self.fixed_start, fixed_count: self.fixed_count, prev_count: self.prev_count, until_ms: self.until_ms }
     }
 
     fn set_o1_state(&mut self, s: O1State) {
-        (self.tat_ms, self.fixed_start, self.fixed_count, self.prev_count, self.until_ms) = (s.tat_ms, s.fixed_start, s.fixed_count, s.prev_count, s.until_ms);
+        (self.tat_ms, self.gcra_charged, self.fixed_start, self.fixed_count, self.prev_count, self.until_ms) = (s.tat_ms, s.gcra_charged, s.fixed_start, s.fixed_count, s.prev_count, s.until_ms);
     }
 
     /// Moves a fixed window or sliding counter to the window `wall_ms` is
@@ -221,7 +227,7 @@ impl KeyWindow {
         let count = up(weighted + cur as f64);
         let to_end = w - elapsed;
         let (retry, reset) = if !sliding {
-            (to_end, to_end)
+            (debt_end(spec.window_ms, start, w, cur, cost, limit) - wall_ms, to_end)
         } else if limit >= cur + cost {
             let e = w as f64 - (limit - cur - cost) as f64 * w as f64 / prev as f64;
             ((up(e).saturating_sub(elapsed)).max(1), if cur > 0 { to_end + w } else { to_end })
@@ -266,6 +272,9 @@ impl KeyWindow {
         let up = |x: f64| (x - EPS).ceil().max(0.0) as u32;
         if new_tat - now <= window + EPS {
             self.tat_ms = new_tat;
+            if self.gcra_born != 0 {
+                self.gcra_charged += f64::from(spec.cost) * t;
+            }
             self.until_ms = new_tat.ceil() as u64;
             let count = up((new_tat - now) / t);
             return Verdict { allowed: true, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(tat - now), reset_ms: up(new_tat - now) };
@@ -273,6 +282,27 @@ impl KeyWindow {
         let count = up((tat - now) / t);
         Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
     }
+}
+
+/// When (wall clock) a fixed window starting at `start` (`w`: a plain
+/// window's length) holding `count` takes `cost` again, as
+/// src/redis/fixed_window.lua's `debt_end`: the next window, or, with
+/// debt (count above the limit), the first window the carried debt leaves
+/// room in. Calendar windows are walked one by one, no further than a
+/// response's retry_after can say (u32 ms, 49.7 days).
+fn debt_end(window_ms: u32, start: u64, w: u64, count: u64, cost: u64, limit: u64) -> u64 {
+    let k = if count > limit && limit > 0 { (count + cost - limit).div_ceil(limit).max(1) } else { 1 };
+    if window_ms < crate::window::CALENDAR {
+        return start.saturating_add(k.saturating_mul(w));
+    }
+    let mut at = start;
+    for _ in 0..k {
+        at = crate::window::fixed_bounds(window_ms, at).1;
+        if at - start > u64::from(u32::MAX) {
+            break;
+        }
+    }
+    at
 }
 
 /// Fixed windows from the one starting at `from` to the one starting at
@@ -296,12 +326,22 @@ const SETTLE_LIFE_MS: u64 = 86_400_000;
 
 /// A reserve's record in memory (docs/PROTOCOL.md 4f): the fixed window
 /// it was counted in (wall clock; 0 for GCRA), its estimate, and until
-/// when (store clock) it may be settled.
+/// when (store clock) it may be settled; GCRA: the window's charged and
+/// born after the reserve.
 #[derive(Clone, Copy, Debug)]
 struct SettleRecord {
     start: u64,
     estimate: u64,
     until_ms: u64,
+    charged: f64,
+    born: u64,
+}
+
+/// Names a GCRA window a reserve touched, never twice in a process (as
+/// the time of its first reserve does in Redis).
+fn next_born() -> u64 {
+    static BORN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    BORN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A duration in ms as the response's `u32` carries it: the sliding
@@ -561,6 +601,9 @@ impl LocalStore {
         let mut verdicts = Vec::with_capacity(items.len());
         for (k, (spec, algorithm, _)) in items.iter().enumerate() {
             let w = guards[at[k]].get_mut(&names[k]).expect("inserted above");
+            if *algorithm == Algorithm::Gcra && w.gcra_born == 0 {
+                w.gcra_born = next_born();
+            }
             before.push(w.o1_state());
             verdicts.push(w.decide_o1(spec, *algorithm, now_ms, wall_ms));
         }
@@ -578,10 +621,10 @@ impl LocalStore {
         let mut settles = self.settles.lock().unwrap_or_else(|e| e.into_inner());
         for (k, (spec, _, _)) in items.iter().enumerate() {
             if verdicts[k].allowed {
-                let start = guards[at[k]].get(&names[k]).map_or(0, |w| w.fixed_start);
+                let (start, charged, born) = guards[at[k]].get(&names[k]).map_or((0, 0.0, 0), |w| (w.fixed_start, w.gcra_charged, w.gcra_born));
                 let mut key = names[k].to_vec();
                 key.extend_from_slice(handle);
-                settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS });
+                settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS, charged, born });
             }
         }
         Ok((true, verdicts))
@@ -612,9 +655,25 @@ impl LocalStore {
         let (actual, est, limit) = (u64::from(spec.cost), rec.estimate, u64::from(spec.limit));
         match algorithm {
             Algorithm::Gcra => {
+                // As src/redis/gcra.lua: a surplus gives back no more than
+                // charging the actual at the reserve's time would have left.
                 let t = f64::from(spec.window_ms) / f64::from(spec.limit);
                 let now = now_ms as f64;
-                w.tat_ms = if actual >= est { w.tat_ms.max(now) + (actual - est) as f64 * t } else { (w.tat_ms - (est - actual) as f64 * t).max(now) };
+                let tat = w.tat_ms.max(now);
+                if actual >= est {
+                    let debt = (actual - est) as f64 * t;
+                    w.tat_ms = tat + debt;
+                    if w.gcra_born != 0 {
+                        w.gcra_charged += debt;
+                    }
+                } else if rec.born != 0 && rec.born == w.gcra_born {
+                    let since = w.gcra_charged - rec.charged;
+                    let back = (est - actual) as f64 * t;
+                    w.tat_ms = (tat - back).max(tat.min(now + since)).max(now);
+                    if since == 0.0 {
+                        w.gcra_charged -= back;
+                    }
+                }
                 w.until_ms = w.until_ms.max(w.tat_ms.ceil() as u64);
             }
             Algorithm::Fixed | Algorithm::SlidingCounter => {

@@ -23,10 +23,13 @@
 
 use std::borrow::Cow;
 
+use std::sync::Arc;
+
 use futures_util::future::join_all;
 
 use crate::protocol::{Decision, ErrorCode, ItemResult, ReserveRequest, Response, SettleRequest, Source, FailPolicy, OP_CHECK_POLICY, OP_SETTLE};
 use crate::redis::RedisWindow;
+use crate::settle_retry::settle_later;
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 use super::count::Charge;
@@ -46,10 +49,12 @@ fn result_of(item: &Item<'_>, v: Verdict, source: Source) -> ItemResult {
 }
 
 /// One pass over the items in Redis: per item of `order`, its verdict
-/// (`None`: not asked), and the first failure.
+/// (`None`: not asked, or failed), the first failure, and the items whose
+/// call failed (Redis may have charged them all the same).
 struct Pass {
     verdicts: Vec<Option<Verdict>>,
     failure: Option<StoreError>,
+    failed: Vec<usize>,
 }
 
 impl Pass {
@@ -64,11 +69,23 @@ impl Pass {
     }
 }
 
+/// The items of `pass` whose call failed may have been charged, their
+/// record written, with nothing answered: each is settled to 0 (taken
+/// back) in the background (src/settle_retry.rs); one never charged finds
+/// no record.
+fn take_back_later(redis: &Arc<RedisWindow>, items: &[Item<'_>], pass: &Pass, handle: &[u8; 16]) {
+    let Some(e) = &pass.failure else { return };
+    for &i in &pass.failed {
+        settle_later(redis, &LimitSpec { cost: 0, ..spec_of(&items[i]) }, items[i].algorithm, handle, e);
+    }
+}
+
 impl Limiter {
     /// A reserve: every item's estimate checked and, when the request is
     /// admitted, recorded under one new handle (the response's extension
     /// carries it). Redis failing: the fail policies decide and no handle
-    /// is given (nothing to settle).
+    /// is given; what a failed call may have charged is taken back in the
+    /// background (`take_back_later`).
     pub(super) async fn reserve<'a>(&'a self, r: &'a ReserveRequest) -> (Response, Charge<'a>) {
         let op = OP_CHECK_POLICY;
         let items = match self.resolve_all(r.id, op, &r.items, r.on_error, r.local_limit, Kind::Reserve) {
@@ -115,13 +132,14 @@ impl Limiter {
         Ok(Executed { results, handle: recorded.then_some(*handle), failure: None })
     }
 
-    async fn reserve_in_redis(&self, redis: &RedisWindow, items: &[Item<'_>], stored: &[usize], handle: &[u8; 16], mut results: Vec<ItemResult>) -> Result<Executed, crate::local_store::LocalStoreFull> {
+    async fn reserve_in_redis(&self, redis: &Arc<RedisWindow>, items: &[Item<'_>], stored: &[usize], handle: &[u8; 16], mut results: Vec<ItemResult>) -> Result<Executed, crate::local_store::LocalStoreFull> {
         let first = self.reserve_pass(redis, items, stored, handle, true).await;
         if first.failure.is_none() && !first.refused(items, stored) {
             return Ok(self.admitted(items, stored, &first, handle, results));
         }
         let held = first.held(stored);
         let cancelled = self.cancel(redis, items, &held, handle).await;
+        take_back_later(redis, items, &first, handle);
         self.fill_refused(items, stored, &first, &cancelled, &mut results);
         if let Some(e) = first.failure {
             return Ok(self.reserve_failed(items, stored, results, e));
@@ -136,6 +154,7 @@ impl Limiter {
             return Ok(self.admitted(items, stored, &second, handle, results));
         }
         let cancelled = self.cancel(redis, items, &second.held(stored), handle).await;
+        take_back_later(redis, items, &second, handle);
         self.fill_refused(items, stored, &second, &cancelled, &mut results);
         match second.failure {
             Some(e) => Ok(self.reserve_failed(items, stored, results, e)),
@@ -146,13 +165,16 @@ impl Limiter {
     /// Reserves the items of `order` under `handle`: all at once, or one
     /// by one stopping at the first enforced refusal or failure.
     async fn reserve_pass(&self, redis: &RedisWindow, items: &[Item<'_>], order: &[usize], handle: &[u8; 16], at_once: bool) -> Pass {
-        let mut pass = Pass { verdicts: vec![None; order.len()], failure: None };
+        let mut pass = Pass { verdicts: vec![None; order.len()], failure: None, failed: Vec::new() };
         if at_once {
             let got = join_all(order.iter().map(|&i| async move { redis.reserve(&spec_of(&items[i]), items[i].algorithm, handle).await })).await;
             for (k, g) in got.into_iter().enumerate() {
                 match g {
                     Ok(v) => pass.verdicts[k] = Some(v),
-                    Err(e) => pass.failure = pass.failure.take().or(Some(e)),
+                    Err(e) => {
+                        pass.failure = pass.failure.take().or(Some(e));
+                        pass.failed.push(order[k]);
+                    }
                 }
             }
             return pass;
@@ -167,6 +189,7 @@ impl Limiter {
                 }
                 Err(e) => {
                     pass.failure = Some(e);
+                    pass.failed.push(i);
                     break;
                 }
             }
@@ -177,8 +200,8 @@ impl Limiter {
     /// Cancels the reserves of `held`: each settled to 0, the window put
     /// back as it was. Per item the window after it (`None`: the cancel
     /// failed; the estimate then stays charged: a refusal too many, never
-    /// an admission).
-    async fn cancel(&self, redis: &RedisWindow, items: &[Item<'_>], held: &[usize], handle: &[u8; 16]) -> Vec<(usize, Option<Verdict>)> {
+    /// an admission; it is retried in the background, src/settle_retry.rs).
+    async fn cancel(&self, redis: &Arc<RedisWindow>, items: &[Item<'_>], held: &[usize], handle: &[u8; 16]) -> Vec<(usize, Option<Verdict>)> {
         let got = join_all(held.iter().map(|&i| async move { redis.settle_reserve(&LimitSpec { cost: 0, ..spec_of(&items[i]) }, items[i].algorithm, handle).await })).await;
         held.iter()
             .zip(got)
@@ -187,8 +210,9 @@ impl Limiter {
                     d.forget_window(items[i].key, items[i].window_ms);
                 }
                 if let Err(e) = &g {
+                    settle_later(redis, &LimitSpec { cost: 0, ..spec_of(&items[i]) }, items[i].algorithm, handle, e);
                     if let Some(suppressed) = self.failure_log.permit() {
-                        tracing::warn!(error = %e, suppressed, "a reserve's cancel failed: its estimate stays charged until its window ends");
+                        tracing::warn!(error = %e, suppressed, "a reserve's cancel failed: retried in the background");
                     }
                 }
                 (i, g.ok().flatten())
@@ -251,6 +275,13 @@ impl Limiter {
             Backend::Redis(redis) => (Source::Redis, join_all(stored.iter().map(|&i| { let items = &items; async move { redis.settle_reserve(&spec_of(&items[i]), items[i].algorithm, &r.handle).await } })).await),
             Backend::Local => (Source::Memory, stored.iter().map(|&i| Ok(self.local.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle))).collect()),
         };
+        if let Backend::Redis(redis) = &self.backend {
+            for (&i, o) in stored.iter().zip(&outcomes) {
+                if let Err(e) = o {
+                    settle_later(redis, &spec_of(&items[i]), items[i].algorithm, &r.handle, e);
+                }
+            }
+        }
         // A surplus given back may end a refusal the cache holds.
         if let Some(d) = &self.denials {
             for &i in &stored {

@@ -1,0 +1,111 @@
+//! Settles and reserve take-backs that meet a Redis failure are retried by
+//! the daemon in the background until Redis answers (issue 33 items 7b and
+//! 7d; src/settle_retry.rs, docs/FAILURES.md "Settles during a failure"),
+//! through the real daemon and a real redis-server stopped with SIGSTOP:
+//!
+//! - settles refused with `CIRCUIT_OPEN` (never sent) are applied once
+//!   Redis answers again: the window holds the actuals, no record is left;
+//! - a reserve whose call timed out (Redis ran it on SIGCONT: charged, its
+//!   record written) gets no handle, and the daemon takes it back: the
+//!   window returns to 0, no record is left.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Daemon, RedisServer};
+use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, PolicyCheckArgs, Response, HANDLE_LEN};
+
+const POLICY: &str = "[[policy]]\nname = \"tokens\"\nalgorithm = \"fixed\"\nlimit = 100000\nwindow = \"1d\"\n";
+
+fn start(redis: &RedisServer, breaker_failures: u32) -> Daemon {
+    Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 200\nbreaker_failures = {breaker_failures}\n{POLICY}", redis.url()))
+}
+
+fn item(key: &str, cost: u32) -> ItemArgs<'_> {
+    ItemArgs { policy: b"tokens", key: key.as_bytes(), cost }
+}
+
+fn handle(r: &Response) -> Option<[u8; HANDLE_LEN]> {
+    r.extension.as_ref().and_then(|e| e.handle)
+}
+
+/// The key's fixed window count and the settle records left in Redis.
+fn count_and_records(redis: &RedisServer, key: &str) -> (u64, usize) {
+    let mut c = redis.conn();
+    let pattern = format!("ratelimitd:{{\u{6}tokens{key}}}:*");
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(pattern.as_bytes()).query(&mut c).unwrap();
+    let records = keys.iter().filter(|k| k.windows(8).any(|w| w == b":settle:")).count();
+    let count = keys
+        .iter()
+        .find(|k| !k.windows(8).any(|w| w == b":settle:"))
+        .map_or(0, |k| redis::cmd("GET").arg(k.as_slice()).query::<String>(&mut c).unwrap().split(' ').nth(1).unwrap().parse().unwrap());
+    (count, records)
+}
+
+/// Polls until the key's window holds `want` with no record left; the time
+/// it took, or a panic with what Redis holds after `limit`.
+async fn settled_within(redis: &RedisServer, key: &str, want: u64, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let got = count_and_records(redis, key);
+        if got == (want, 0) {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < limit, "after {limit:?} Redis holds (count, records) {got:?}, want ({want}, 0)");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settles_refused_while_the_breaker_is_open_are_applied_once_redis_answers() {
+    let redis = RedisServer::start_unix();
+    let d = start(&redis, 1);
+    let mut c = d.client().await;
+    let mut handles = Vec::new();
+    for _ in 0..5 {
+        let r = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
+        handles.push(handle(&r).expect("a reserve admitted"));
+    }
+    assert_eq!(count_and_records(&redis, "t"), (5000, 5));
+    redis.pause();
+    // One timeout opens the breaker (breaker_failures = 1): from then on
+    // nothing is sent to Redis.
+    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let opened = Instant::now();
+    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
+        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
+    }
+    for h in &handles {
+        let s = c.settle(h, &item("t", 100)).await.unwrap();
+        assert_eq!((s.decision, s.error), (Decision::Error, ErrorCode::CircuitOpen), "{s:?}");
+    }
+    redis.resume();
+    let took = settled_within(&redis, "t", 500, Duration::from_secs(20)).await;
+    eprintln!("5 settles met CIRCUIT_OPEN; applied {took:?} after Redis resumed");
+    // Applied once: a client's own retry now finds no record.
+    let again = c.settle(&handles[0], &item("t", 100)).await.unwrap();
+    assert_eq!((again.decision, again.count), (Decision::Allowed, 0), "{again:?}");
+    assert_eq!(count_and_records(&redis, "t"), (500, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_whose_call_timed_out_is_taken_back() {
+    let redis = RedisServer::start_unix();
+    // The breaker stays closed: every reserve reaches Redis's socket.
+    let d = start(&redis, 1000);
+    let mut c = d.client().await;
+    redis.pause();
+    for _ in 0..5 {
+        let r = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
+        assert_eq!((r.error, handle(&r)), (ErrorCode::RedisTimeout, None), "{r:?}");
+    }
+    let resumed = Instant::now();
+    redis.resume();
+    // Redis runs the five reserves now (5000 charged, 5 records), then the
+    // daemon's take-backs.
+    let took = settled_within(&redis, "t", 0, Duration::from_secs(20)).await;
+    eprintln!("5 reserves timed out; taken back {took:?} after Redis resumed ({:?} in all)", resumed.elapsed());
+    let r = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
+    assert_eq!((r.decision, r.count), (Decision::Allowed, 1000), "nothing of the timed-out reserves is left: {r:?}");
+}
