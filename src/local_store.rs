@@ -908,4 +908,97 @@ mod tests {
         assert!(!w.fixed(&s, apr1 - 1, 8, false).allowed);
         assert!(w.fixed(&s, apr1, 9, false).allowed);
     }
+
+    /// GCRA settles against the history they stand for (src/redis/gcra.lua,
+    /// "Reserved keys"; issue 33 item 2): after every operation of a random
+    /// trace the bucket leaves no more room than replaying what was
+    /// admitted with each settled reserve charged its actual at its
+    /// reserve's time (the others their estimate), and exactly as much
+    /// while every settle met nothing charged since its reserve.
+    #[test]
+    fn a_gcra_settle_never_leaves_more_room_than_the_actual_charged_at_the_reserve() {
+        let (limit, window) = (10u32, 2000u32);
+        let tok = f64::from(window) / f64::from(limit);
+        let (mut exact_traces, mut settles) = (0, 0);
+        // A third of the traces settle each reserve before anything else
+        // is charged: exact throughout.
+        for seed in 1..400u64 {
+            let m = LocalStore::new(1000);
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = move |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n.max(1)
+            };
+            // What was admitted, in order: (time, Some(cost)) for a check,
+            // (time, None) then the reserve's index for a reserve.
+            let mut admitted: Vec<(u64, Result<u32, usize>)> = Vec::new();
+            // Per reserve: estimate, actual once settled, the charge count at it.
+            let mut reserves: Vec<(u32, Option<u32>, u64)> = Vec::new();
+            let mut open: Vec<usize> = Vec::new();
+            let (mut now, mut charges, mut exact) = (1000u64, 0u64, true);
+            let orderly = seed % 3 == 0;
+            for _ in 0..80 {
+                now += rnd(500);
+                let op = if orderly && !open.is_empty() { 2 } else { rnd(3) };
+                match op {
+                    0 => {
+                        let c = 1 + rnd(3) as u32;
+                        if m.check_at(&spec(b"g", limit, window, c), Algorithm::Gcra, now).unwrap().allowed {
+                            admitted.push((now, Ok(c)));
+                            charges += 1;
+                        }
+                    }
+                    1 => {
+                        let est = 1 + rnd(6) as u32;
+                        let id = reserves.len();
+                        let handle = (id as u128).to_be_bytes();
+                        let (ok, v) = m.reserve_at(&[(spec(b"g", limit, window, est), Algorithm::Gcra, false)], &handle, now, now).unwrap();
+                        if ok && v[0].allowed {
+                            charges += 1;
+                            admitted.push((now, Err(id)));
+                            reserves.push((est, None, charges));
+                            open.push(id);
+                        }
+                    }
+                    _ if !open.is_empty() => {
+                        let id = open.swap_remove(rnd(open.len() as u64) as usize);
+                        let est = reserves[id].0;
+                        let actual = rnd(u64::from(2 * est) + 1) as u32;
+                        // Exact: nothing charged since the reserve, and a
+                        // shortfall met its tokens still in the bucket (one
+                        // charged after the bucket drained is charged from
+                        // now: less room than the history, never more).
+                        let name = WindowName::new(&spec(b"g", limit, window, 1), Algorithm::Gcra);
+                        let drained = m.shard(name.as_bytes()).get(name.as_bytes()).is_none_or(|w| w.tat_ms < now as f64);
+                        exact &= reserves[id].2 == charges && !(actual > est && drained);
+                        if actual > est {
+                            charges += 1;
+                        }
+                        m.settle_at(&spec(b"g", limit, window, actual), Algorithm::Gcra, &(id as u128).to_be_bytes(), now, now).expect("its record");
+                        reserves[id].1 = Some(actual);
+                        settles += 1;
+                    }
+                    _ => {}
+                }
+                let history = admitted.iter().fold(0.0f64, |tat, &(t, what)| {
+                    let cost = match what {
+                        Ok(c) => c,
+                        Err(id) => reserves[id].1.unwrap_or(reserves[id].0),
+                    };
+                    tat.max(t as f64) + f64::from(cost) * tok
+                });
+                let name = WindowName::new(&spec(b"g", limit, window, 1), Algorithm::Gcra);
+                let real = m.shard(name.as_bytes()).get(name.as_bytes()).map_or(0.0, |w| w.tat_ms);
+                let (real, history) = (real.max(now as f64), history.max(now as f64));
+                assert!(real >= history - 1e-6, "seed {seed} at {now}: the bucket full at {real}, the history's at {history}: more room");
+                if exact {
+                    assert!((real - history).abs() < 1e-6, "seed {seed} at {now}: {real} where the history has {history}");
+                }
+            }
+            exact_traces += usize::from(exact);
+        }
+        assert!(settles > 3000 && exact_traces > 20, "the traces settle, some of them exactly throughout: {settles} settles, {exact_traces} exact traces");
+    }
 }
