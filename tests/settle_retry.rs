@@ -109,3 +109,57 @@ async fn a_reserve_whose_call_timed_out_is_taken_back() {
     let r = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
     assert_eq!((r.decision, r.count), (Decision::Allowed, 1000), "nothing of the timed-out reserves is left: {r:?}");
 }
+
+/// The bound docs/FAILURES.md states: at most 16,384 settles wait
+/// (`MAX_PENDING`); one more is dropped and counted. 16,484 settles (with
+/// handles of no reserve: queued all the same) while the breaker is open;
+/// once Redis answers, every queued one is answered (no record: nothing
+/// changes). The counters say so, and the daemon's memory grows by less
+/// than 40 MB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_16384_settles_wait_and_one_more_is_dropped_and_counted() {
+    let redis = RedisServer::start_unix();
+    let d = Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 200\nbreaker_failures = 1\n{POLICY}", redis.url()));
+    let metric = |name: &str| -> u64 {
+        let text = common::http::get(&common::http::agent(), &d.metrics_url(), &[]).body;
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or_else(|| panic!("{name} in {text}"))
+    };
+    let rss_kb = || std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap().lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").trim().parse::<u64>().unwrap();
+    let mut c = d.client().await;
+    redis.pause();
+    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let opened = Instant::now();
+    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
+        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
+    }
+    let before = rss_kb();
+    let tasks: Vec<_> = (0..4u32)
+        .map(|t| {
+            let socket = d.socket.clone();
+            tokio::spawn(async move {
+                let mut c = ratelimitd::client::Client::connect(&socket).await.unwrap();
+                for i in 0..4121u32 {
+                    let mut h = [0u8; HANDLE_LEN];
+                    h[..4].copy_from_slice(&t.to_be_bytes());
+                    h[4..8].copy_from_slice(&i.to_be_bytes());
+                    let s = c.settle(&h, &ItemArgs { policy: b"tokens", key: b"flood", cost: 1 }).await.unwrap();
+                    assert_eq!(s.error, ErrorCode::CircuitOpen, "{s:?}");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let grown = rss_kb().saturating_sub(before);
+    assert_eq!((metric("ratelimitd_settle_retries_queued_total"), metric("ratelimitd_settle_retries_dropped_total")), (16_384, 100));
+    assert!(d.log().contains("a settle to retry was dropped: too many wait already"), "{}", d.log());
+    assert!(grown < 40_000, "16,384 settles waiting grew the daemon by {grown} kB");
+    redis.resume();
+    let resumed = Instant::now();
+    while metric("ratelimitd_settle_retries_applied_total") < 16_384 {
+        assert!(resumed.elapsed() < Duration::from_secs(60), "applied {} of 16384 after 60 s", metric("ratelimitd_settle_retries_applied_total"));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("16,384 settles waited ({grown} kB of daemon memory), 100 dropped; all answered {:?} after Redis resumed", resumed.elapsed());
+}
