@@ -79,6 +79,15 @@ fn retries() -> &'static Retries {
     r
 }
 
+/// Whether a call that failed with `e` may have run in Redis all the
+/// same: it was sent (a timeout, a connection lost, an error reply). The
+/// breaker open and the in-flight limit refuse before sending: nothing to
+/// take back then (an outage would otherwise fill the queue with
+/// take-backs of reserves Redis never saw, and drop real settles).
+pub fn may_have_run(e: &StoreError) -> bool {
+    !matches!(e, StoreError::CircuitOpen | StoreError::Overloaded(_))
+}
+
 /// Settles `spec` (its cost the actual; 0 to take a reserve back) under
 /// `handle` again later, `why` being the failure its call met. Never
 /// blocks; the queue full, it is dropped (counted, logged).

@@ -132,6 +132,12 @@ async fn at_most_16384_settles_wait_and_one_more_is_dropped_and_counted() {
     while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
         assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
     }
+    // Reserves refused before they were sent (the breaker open) have
+    // nothing to take back: none is queued (else 50 more would be dropped).
+    for _ in 0..50 {
+        let r = c.reserve(FailPolicy::Closed, 0, &item("t", 10)).await.unwrap();
+        assert_eq!(r.error, ErrorCode::CircuitOpen, "{r:?}");
+    }
     let before = rss_kb();
     let tasks: Vec<_> = (0..4u32)
         .map(|t| {

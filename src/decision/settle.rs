@@ -29,7 +29,7 @@ use futures_util::future::join_all;
 
 use crate::protocol::{Decision, ErrorCode, ItemResult, ReserveRequest, Response, SettleRequest, Source, FailPolicy, OP_CHECK_POLICY, OP_SETTLE};
 use crate::redis::RedisWindow;
-use crate::settle_retry::settle_later;
+use crate::settle_retry::{may_have_run, settle_later};
 use crate::window::{LimitSpec, StoreError, Verdict};
 
 use super::count::Charge;
@@ -50,7 +50,7 @@ fn result_of(item: &Item<'_>, v: Verdict, source: Source) -> ItemResult {
 
 /// One pass over the items in Redis: per item of `order`, its verdict
 /// (`None`: not asked, or failed), the first failure, and the items whose
-/// call failed (Redis may have charged them all the same).
+/// call failed after it was sent (Redis may have charged them all the same).
 struct Pass {
     verdicts: Vec<Option<Verdict>>,
     failure: Option<StoreError>,
@@ -172,8 +172,10 @@ impl Limiter {
                 match g {
                     Ok(v) => pass.verdicts[k] = Some(v),
                     Err(e) => {
+                        if may_have_run(&e) {
+                            pass.failed.push(order[k]);
+                        }
                         pass.failure = pass.failure.take().or(Some(e));
-                        pass.failed.push(order[k]);
                     }
                 }
             }
@@ -188,8 +190,10 @@ impl Limiter {
                     }
                 }
                 Err(e) => {
+                    if may_have_run(&e) {
+                        pass.failed.push(i);
+                    }
                     pass.failure = Some(e);
-                    pass.failed.push(i);
                     break;
                 }
             }
