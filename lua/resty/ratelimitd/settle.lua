@@ -111,7 +111,8 @@ end
 local NO_COSOCKET = { log = true, header_filter = true, body_filter = true, set = true, init_worker = true }
 
 --- Settles a reserve (res.handle of a settle limiter) to `actual` units:
--- a surplus is given back, a shortfall charged (debt past the limit). From
+-- a surplus is given back, a shortfall charged (debt past the limit); sent
+-- once more after a transport error or a retryable code (above). From
 -- log_by_lua* it runs in a 0-delay timer and returns true at once;
 -- elsewhere true and the daemon's answer, or nil and an error. A false/nil
 -- handle (nothing was reserved: exempt, fail policy) is a no-op. An actual
