@@ -169,3 +169,33 @@ async fn at_most_16384_settles_wait_and_one_more_is_dropped_and_counted() {
     }
     eprintln!("16,384 settles waited ({grown} kB of daemon memory), 100 dropped; all answered {:?} after Redis resumed", resumed.elapsed());
 }
+
+/// Idempotence: a settle sent to a stopped Redis times out, is queued,
+/// and runs when Redis resumes (applied, never answered); its retries
+/// then find no record. Another reserve held in the same window shows
+/// that the surplus was given back once: 1000 + 100, not 1000 + 100 - 900.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_applied_but_unanswered_is_not_applied_again_by_its_retries() {
+    let redis = RedisServer::start_unix();
+    let d = Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 200\nbreaker_failures = 1000\n{POLICY}", redis.url()));
+    let applied = || {
+        let text = common::http::get(&common::http::agent(), &d.metrics_url(), &[]).body;
+        text.lines().find_map(|l| l.strip_prefix("ratelimitd_settle_retries_applied_total ")?.parse::<u64>().ok()).unwrap()
+    };
+    let mut c = d.client().await;
+    let held = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
+    let settled = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
+    assert!(handle(&held).is_some());
+    redis.pause();
+    let s = c.settle(&handle(&settled).unwrap(), &item("t", 100)).await.unwrap();
+    assert_eq!(s.error, ErrorCode::RedisTimeout, "{s:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.resume();
+    // Redis ran the settle on resuming; the daemon's retry finds no record.
+    let resumed = Instant::now();
+    while applied() < 1 {
+        assert!(resumed.elapsed() < Duration::from_secs(20), "the retry was never answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(count_and_records(&redis, "t"), (1100, 1), "the surplus given back once; the held reserve's record left");
+}
