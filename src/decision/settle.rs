@@ -22,7 +22,6 @@
 //! all or nothing with nothing seen in between.
 
 use std::borrow::Cow;
-
 use std::sync::Arc;
 
 use futures_util::future::join_all;
