@@ -1,5 +1,5 @@
 //! Settles that must not be lost (docs/PROTOCOL.md 4f, docs/FAILURES.md
-//! "Settles and take-backs during a failure"): a SETTLE item whose Redis
+//! "Settles during a failure"): a SETTLE item whose Redis
 //! call failed (an error, a timeout, the breaker open) and the take-back
 //! of a reserve that could not be confirmed (its call failed: Redis may
 //! have charged it and written its record all the same) are settled again
@@ -15,7 +15,9 @@
 //! handle); one more is dropped, counted and logged (rate-limited), its
 //! estimate left charged as before this module. Each is tried again after
 //! a backoff doubling from `FIRST_DELAY` to `MAX_DELAY`; `MAX_AT_ONCE` of
-//! them per round. Pending settles are lost when the daemon exits.
+//! them per round. Pending settles are lost when the daemon exits; they are
+//! retried on the Redis backend of the latest one queued (after a reload,
+//! the fresh link).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -44,7 +46,6 @@ const RECORD_LIFE: Duration = Duration::from_secs(86_400);
 
 /// One settle of one item to `cost`, owned.
 struct Pending {
-    redis: Arc<RedisWindow>,
     key: Box<[u8]>,
     limit: u32,
     window_ms: u32,
@@ -59,6 +60,10 @@ struct Pending {
 
 struct Retries {
     pending: Mutex<VecDeque<Pending>>,
+    /// The Redis backend of the latest settle queued: a reload replaces
+    /// the backend (a fresh link; the old one stops after the shutdown
+    /// grace), and every pending settle is retried on the newest one.
+    backend: Mutex<Option<Arc<RedisWindow>>>,
     wake: Notify,
     dropped_log: RateLimitedLog,
     failed_log: RateLimitedLog,
@@ -71,7 +76,7 @@ fn retries() -> &'static Retries {
     let mut started = false;
     let r = RETRIES.get_or_init(|| {
         started = true;
-        Retries { pending: Mutex::new(VecDeque::new()), wake: Notify::new(), dropped_log: RateLimitedLog::new(Duration::from_secs(10)), failed_log: RateLimitedLog::new(Duration::from_secs(10)) }
+        Retries { pending: Mutex::new(VecDeque::new()), backend: Mutex::new(None), wake: Notify::new(), dropped_log: RateLimitedLog::new(Duration::from_secs(10)), failed_log: RateLimitedLog::new(Duration::from_secs(10)) }
     });
     if started {
         tokio::spawn(run(r));
@@ -94,7 +99,7 @@ pub fn may_have_run(e: &StoreError) -> bool {
 pub fn settle_later(redis: &Arc<RedisWindow>, spec: &LimitSpec<'_>, algorithm: Algorithm, handle: &[u8; 16], why: &StoreError) {
     let r = retries();
     let now = Instant::now();
-    let p = Pending { redis: redis.clone(), key: spec.key.into(), limit: spec.limit, window_ms: spec.window_ms, cost: spec.cost, algorithm, handle: *handle, due: now + FIRST_DELAY, delay: FIRST_DELAY, until: now + RECORD_LIFE };
+    let p = Pending { key: spec.key.into(), limit: spec.limit, window_ms: spec.window_ms, cost: spec.cost, algorithm, handle: *handle, due: now + FIRST_DELAY, delay: FIRST_DELAY, until: now + RECORD_LIFE };
     {
         let mut q = r.pending.lock().unwrap_or_else(|e| e.into_inner());
         if q.len() >= MAX_PENDING {
@@ -105,6 +110,8 @@ pub fn settle_later(redis: &Arc<RedisWindow>, spec: &LimitSpec<'_>, algorithm: A
             }
             return;
         }
+        // The backend first: the worker finds it for every entry it sees.
+        *r.backend.lock().unwrap_or_else(|e| e.into_inner()) = Some(redis.clone());
         q.push_back(p);
     }
     METRICS.settle_retry_queued();
@@ -142,9 +149,15 @@ async fn run(r: &'static Retries) {
             }
             continue;
         }
+        let current = r.backend.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(redis) = current else {
+            // Not reached: set before any entry is queued.
+            r.pending.lock().unwrap_or_else(|e| e.into_inner()).extend(due);
+            continue;
+        };
         let answers = join_all(due.iter().map(|p| {
-            let spec = LimitSpec { key: &p.key, limit: p.limit, window_ms: p.window_ms, cost: p.cost };
-            async move { p.redis.settle_reserve(&spec, p.algorithm, &p.handle).await.map(|_| ()) }
+            let (spec, redis) = (LimitSpec { key: &p.key, limit: p.limit, window_ms: p.window_ms, cost: p.cost }, &redis);
+            async move { redis.settle_reserve(&spec, p.algorithm, &p.handle).await.map(|_| ()) }
         }))
         .await;
         let mut again = Vec::new();
