@@ -16,8 +16,8 @@
 //! estimate left charged as before this module. Each is tried again after
 //! a backoff doubling from `FIRST_DELAY` to `MAX_DELAY`; `MAX_AT_ONCE` of
 //! them per round. Pending settles are lost when the daemon exits; they are
-//! retried on the Redis backend of the latest one queued (after a reload,
-//! the fresh link).
+//! retried on the daemon's current Redis backend (a reload's fresh link:
+//! `use_backend`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -82,6 +82,14 @@ fn retries() -> &'static Retries {
         tokio::spawn(run(r));
     }
     r
+}
+
+/// The daemon's Redis backend is now `redis` (a reload replaced it): the
+/// settles waiting are retried on it from now on.
+pub fn use_backend(redis: &Arc<RedisWindow>) {
+    if let Some(r) = RETRIES.get() {
+        *r.backend.lock().unwrap_or_else(|e| e.into_inner()) = Some(redis.clone());
+    }
 }
 
 /// Whether a call that failed with `e` may have run in Redis all the

@@ -199,3 +199,37 @@ async fn a_settle_applied_but_unanswered_is_not_applied_again_by_its_retries() {
     }
     assert_eq!(count_and_records(&redis, "t"), (1100, 1), "the surplus given back once; the held reserve's record left");
 }
+
+/// A reload during the outage replaces the Redis link (the old one stops
+/// after the shutdown grace, 2 s here): the settles queued before it are
+/// retried on the new link once Redis answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settles_queued_before_a_reload_are_retried_on_the_new_link() {
+    let redis = RedisServer::start_unix();
+    let d = start(&redis, 1);
+    let mut c = d.client().await;
+    let mut handles = Vec::new();
+    for _ in 0..3 {
+        handles.push(handle(&c.reserve(FailPolicy::Closed, 0, &item("r", 1000)).await.unwrap()).expect("admitted"));
+    }
+    redis.pause();
+    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let opened = Instant::now();
+    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
+        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
+    }
+    for h in &handles {
+        assert_eq!(c.settle(h, &item("r", 100)).await.unwrap().error, ErrorCode::CircuitOpen);
+    }
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    let reloaded = Instant::now();
+    while !d.log().contains("configuration reloaded") {
+        assert!(reloaded.elapsed() < Duration::from_secs(10), "no reload: {}", d.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The old link is stopped by now.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    redis.resume();
+    let took = settled_within(&redis, "r", 300, Duration::from_secs(20)).await;
+    eprintln!("3 settles queued before a reload applied {took:?} after Redis resumed");
+}
