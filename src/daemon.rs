@@ -645,6 +645,9 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
             Ok(fresh) if fresh.is_ready() || !active.is_ready() => {
                 let old = std::mem::replace(active, fresh);
                 old.retire(current.server.shutdown_grace);
+                if let Store::Redis(r) = &active.backend {
+                    crate::settle_retry::use_backend(r);
+                }
             }
             Ok(fresh) => {
                 tracing::error!("the new [redis] settings do not reach a working Redis; keeping the running backend");

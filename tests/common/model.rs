@@ -579,7 +579,12 @@ impl Model {
                 }
             }
             (Algorithm::Fixed, true) => ((0, 0), day_end),
-            (Algorithm::Fixed, false) => (day_end, day_end),
+            (Algorithm::Fixed, false) => {
+                // In debt (n past the limit, carried k windows on as n - k
+                // limit): the first window with room for the cost.
+                let k = if n > limit { (n + cost - limit).div_ceil(limit).max(1) } else { 1 };
+                ((day_end.0 + (k - 1) * w, day_end.1 + (k - 1) * w), day_end)
+            }
             (Algorithm::SlidingCounter, true) => ((0, 0), (day_end.0, day_end.1 + w)),
             (Algorithm::SlidingCounter, false) => ((day_end.0, day_end.1 + w), (day_end.0, day_end.1 + w)),
         };
@@ -1151,7 +1156,8 @@ impl Model {
     /// `reserved` (`None`: forged or foreign): each item with a record
     /// moves its window by actual - estimate (never below 0; past the limit:
     /// debt), once. Answer: allowed, the enforced settled item with the
-    /// least room's numbers, count 0 when nothing matched.
+    /// least room's numbers, count 0 when nothing matched (its retry_after:
+    /// a fixed window's debt may span many windows, up to 20 days here).
     pub fn settle(&mut self, items: &[Item], reserved: Option<&mut Reserved>) -> Expect {
         self.decisions += 1;
         let resolved = match self.resolve_o1(items, true) {
@@ -1184,6 +1190,6 @@ impl Model {
             }
         }
         let (count, remaining) = main.map_or((0, 0), |(_, n, l)| (n, l));
-        Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 2 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
+        Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 20 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
     }
 }
