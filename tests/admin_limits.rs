@@ -2,7 +2,7 @@
 //! real daemon binary: a second `serve` with the running daemon's
 //! configuration leaves its sockets alone; idle TCP connections to the
 //! admin API cannot take the descriptors the data plane needs (a daemon
-//! with a low RLIMIT_NOFILE, set with prlimit on the running process);
+//! started with a low RLIMIT_NOFILE);
 //! every phase of an admin request, the body included, has a read timeout.
 
 mod common;
@@ -67,6 +67,20 @@ fn tcp_daemon(dir: &Path, admin_extra: &str) -> (Daemon, u16, u16) {
     })
 }
 
+/// Runs `f` with this process's soft RLIMIT_NOFILE at `soft` (prlimit, from
+/// util-linux), then puts the previous one back.
+fn with_soft_nofile<T>(soft: u64, f: impl FnOnce() -> T) -> T {
+    let me = std::process::id().to_string();
+    let out = Command::new("prlimit").args(["--pid", &me, "--nofile", "--raw", "--noheadings", "--output=SOFT"]).output().unwrap();
+    let before = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(out.status.success() && !before.is_empty(), "prlimit: {}", String::from_utf8_lossy(&out.stderr));
+    let set = |to: &str| assert!(Command::new("prlimit").args(["--pid", &me, &format!("--nofile={to}:")]).status().unwrap().success());
+    set(&soft.to_string());
+    let result = f();
+    set(&before);
+    result
+}
+
 fn eventually(limit: Duration, ready: impl FnMut() -> bool) -> bool {
     poll(limit, None, ready) == Waited::Ready
 }
@@ -78,10 +92,13 @@ fn metrics_of(port: u16) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_admin_connections_leave_the_data_plane_its_descriptors() {
     let dir = tempfile::tempdir().unwrap();
-    let (d, admin, metrics) = tcp_daemon(dir.path(), "");
-    // The daemon's descriptors: 256, as a small LimitNOFILE would give.
-    let out = Command::new("prlimit").arg(format!("--pid={}", d.pid())).arg("--nofile=256:").output().unwrap();
-    assert!(out.status.success(), "prlimit: {}", String::from_utf8_lossy(&out.stderr));
+    // The daemon started with 256 descriptors, as a small LimitNOFILE gives:
+    // this process's soft limit lowered while it spawns (the child inherits
+    // it), then given back for the 600 connections below.
+    let (d, admin, metrics) = with_soft_nofile(256, || tcp_daemon(dir.path(), ""));
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", d.pid())).unwrap();
+    let nofile = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    assert_eq!(nofile.split_whitespace().nth(3), Some("256"), "{nofile}");
     // 600 connections that send nothing (no token, no byte): more than the
     // daemon has descriptors.
     let mut idle = Vec::new();
