@@ -36,7 +36,7 @@ pub enum DaemonError {
     #[error("metrics.listen: {0}")]
     Metrics(std::io::Error),
     #[error("admin.listen: {0}")]
-    Admin(std::io::Error),
+    Admin(#[from] admin_api::BindError),
 }
 
 /// Tells systemd (Type=notify) about the daemon's state; a no-op elsewhere.
@@ -492,9 +492,20 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     }
     let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, &live, None));
     let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
+    // Every check that can fail before any socket file is touched: a second
+    // daemon started with a running one's configuration exits here, leaving
+    // the running one's sockets alone (each bind checks its own file again).
+    if inherited.is_none() {
+        crate::socket::refuse_if_live(&s.listen)?;
+    }
+    if let Some(crate::config::AdminListen::Unix { path, .. }) = &cfg.admin.listen {
+        crate::socket::refuse_if_live(path)?;
+    }
+    let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
+    endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let _admin_listener_guard = match &cfg.admin.listen {
         Some(listen) => {
-            let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await.map_err(DaemonError::Admin)?;
+            let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await?;
             tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), tls = cfg.admin.tls.is_some(), "serving the admin API");
             let token = background.child_token();
             tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), reloadable_rx.clone(), token.clone()));
@@ -502,8 +513,6 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         }
         None => None,
     };
-    let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
-    endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     // The request socket last: once clients can connect, the admin API and
     // the metrics endpoint answer too (tests and health checks wait for it).
     // A socket bound here is removed when `socket_file` drops; one passed by

@@ -441,12 +441,27 @@ impl AdminResult {
 }
 
 static ADMIN_REQUESTS: [[AtomicU64; AdminResult::ALL.len()]; AdminOp::ALL.len()] = [const { [ZERO; AdminResult::ALL.len()] }; AdminOp::ALL.len()];
+static ADMIN_CONNECTIONS_OPEN: AtomicU64 = ZERO;
+static ADMIN_CONNECTIONS_REFUSED: AtomicU64 = ZERO;
 static LIVE_OVERRIDES: AtomicU64 = ZERO;
 static LIVE_OVERRIDES_REFRESH_FAILURES: AtomicU64 = ZERO;
 
 impl Metrics {
     pub fn admin_request(&self, op: AdminOp, result: AdminResult) {
         ADMIN_REQUESTS[op as usize][result as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn admin_connection_opened(&self) {
+        ADMIN_CONNECTIONS_OPEN.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn admin_connection_closed(&self) {
+        ADMIN_CONNECTIONS_OPEN.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A connection the admin listener closed at once: it held its cap.
+    pub fn admin_connection_refused(&self) {
+        ADMIN_CONNECTIONS_REFUSED.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn live_overrides(&self, in_force: usize) {
@@ -465,6 +480,8 @@ fn render_admin(out: &mut String) {
             let _ = writeln!(out, "ratelimitd_admin_requests_total{{op=\"{}\",result=\"{}\"}} {}", op.as_str(), r.as_str(), n.load(Ordering::Relaxed));
         }
     }
+    let _ = writeln!(out, "# HELP ratelimitd_admin_connections_open Admin API connections open now.\n# TYPE ratelimitd_admin_connections_open gauge\nratelimitd_admin_connections_open {}", ADMIN_CONNECTIONS_OPEN.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# HELP ratelimitd_admin_connections_refused_total Admin API connections closed at once because the listener held its cap (admin.max_connections, at most a quarter of RLIMIT_NOFILE).\n# TYPE ratelimitd_admin_connections_refused_total counter\nratelimitd_admin_connections_refused_total {}", ADMIN_CONNECTIONS_REFUSED.load(Ordering::Relaxed));
     let _ = writeln!(out, "# HELP ratelimitd_live_overrides Admin API overrides in force on this daemon.\n# TYPE ratelimitd_live_overrides gauge\nratelimitd_live_overrides {}", LIVE_OVERRIDES.load(Ordering::Relaxed));
     let _ = writeln!(out, "# HELP ratelimitd_live_overrides_refresh_failures_total Background reads of the overrides from Redis that failed.\n# TYPE ratelimitd_live_overrides_refresh_failures_total counter\nratelimitd_live_overrides_refresh_failures_total {}", LIVE_OVERRIDES_REFRESH_FAILURES.load(Ordering::Relaxed));
 }
