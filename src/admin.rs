@@ -268,12 +268,13 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Poli
     Ok(out)
 }
 
-/// A GCRA key (src/redis/gcra.lua): one number, the theoretical arrival
-/// time in ms. `newest_age_ms` is now − TAT: negative while the bucket is
+/// A GCRA key (src/redis/gcra.lua): the theoretical arrival time in ms
+/// (then, on a key a reserve touched, what settles need). `newest_age_ms` is now − TAT: negative while the bucket is
 /// not full (by as many ms as it needs to fill); members and in_window are
 /// 1 while it is not full, else 0.
 fn inspect_gcra(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, ttl_ms: i64) -> Inspection {
-    let tat = std::str::from_utf8(bytes).ok().and_then(|s| s.parse::<f64>().ok()).map(|t| t.ceil() as i64);
+    // "<TAT>", or "<TAT> <charged> <born>" once a reserve touched it.
+    let tat = std::str::from_utf8(bytes).ok().and_then(|s| s.split(' ').next()?.parse::<f64>().ok()).map(|t| t.ceil() as i64);
     let busy = u64::from(tat.is_some_and(|t| t > now_ms));
     Inspection {
         redis_key: String::from_utf8_lossy(&redis_key).into_owned(),

@@ -11,7 +11,8 @@ use tokio_util::sync::CancellationToken;
 use crate::admin_api::{self, View};
 use crate::config::{Config, ConfigError, Resolved};
 use crate::denial_cache::DenialCache;
-use crate::decision::{kind_refusal, Backend, Kind, Limiter, QuotaLeases};
+use crate::decision::{kind_refusal, Kind, Limiter, QuotaLeases};
+use crate::window_store::Store;
 use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::metrics::METRICS;
@@ -35,7 +36,7 @@ pub enum DaemonError {
     #[error("metrics.listen: {0}")]
     Metrics(std::io::Error),
     #[error("admin.listen: {0}")]
-    Admin(std::io::Error),
+    Admin(#[from] admin_api::BindError),
 }
 
 /// Tells systemd (Type=notify) about the daemon's state; a no-op elsewhere.
@@ -97,7 +98,7 @@ const SETTLE_LIMIT: Duration = crate::redis::RESERVATION_LIFE;
 
 /// A backend and the token that stops its background tasks.
 struct ActiveBackend {
-    backend: Backend,
+    backend: Store,
     /// With the Redis backend, unless `[denial_cache]` turns it off; new with
     /// each backend, so no entry outlives the link (and key prefix) it came from.
     denials: Option<Arc<DenialCache>>,
@@ -108,7 +109,7 @@ struct ActiveBackend {
 }
 
 impl ActiveBackend {
-    async fn start(cfg: &Config, resolved: &Resolved, wait: Wait) -> Result<Self, StartError> {
+    async fn start(cfg: &Config, resolved: &Resolved, local: &Arc<LocalStore>, wait: Wait) -> Result<Self, StartError> {
         let token = CancellationToken::new();
         let backend = match &cfg.redis {
             Some(r) => {
@@ -116,23 +117,23 @@ impl ActiveBackend {
                 if wait == Wait::UntilReady {
                     log_readiness(r, &redis, redis.wait_ready(READY_WAIT).await);
                 }
-                Backend::Redis(redis)
+                Store::Redis(redis)
             }
             None => {
                 tracing::warn!("no [redis] configured: using the in-memory backend; limits are per host, not shared between gateways");
-                Backend::Local
+                Store::Memory(local.clone())
             }
         };
         let denials = match &backend {
-            Backend::Redis(_) => DenialCache::from_config(&cfg.denial_cache).map(Arc::new),
-            Backend::Local => None,
+            Store::Redis(_) => DenialCache::from_config(&cfg.denial_cache).map(Arc::new),
+            Store::Memory(_) => None,
         };
         // Refunds and reservations taken back forget what they free.
-        if let (Backend::Redis(r), Some(d)) = (&backend, &denials) {
+        if let (Store::Redis(r), Some(d)) = (&backend, &denials) {
             r.set_denial_cache(d.clone());
         }
         let leases = match (&backend, &cfg.redis) {
-            (Backend::Redis(r), Some(c)) if c.quota_leases => Some(QuotaLeases::new(r.clone(), 4096, denials.clone())),
+            (Store::Redis(r), Some(c)) if c.quota_leases => Some(QuotaLeases::new(r.clone(), 4096)),
             _ => None,
         };
         Ok(Self { backend, denials, leases, token })
@@ -140,8 +141,8 @@ impl ActiveBackend {
 
     fn is_ready(&self) -> bool {
         match &self.backend {
-            Backend::Redis(r) => r.is_ready(),
-            Backend::Local => true,
+            Store::Redis(r) => r.is_ready(),
+            Store::Memory(_) => true,
         }
     }
 
@@ -158,12 +159,12 @@ impl ActiveBackend {
 fn breaker_state(reloadable: watch::Receiver<Reloadable>) -> BreakerState {
     Arc::new(move || {
         let current = reloadable.borrow();
-        let (breaker_open, backend_ready) = match current.limiter.backend() {
-            Backend::Redis(r) => {
+        let (breaker_open, backend_ready) = match current.limiter.store() {
+            Store::Redis(r) => {
                 let open = r.breaker_open();
                 (Some(open), !open && r.is_ready())
             }
-            Backend::Local => (None, true),
+            Store::Memory(_) => (None, true),
         };
         Live { breaker_open, backend_ready, policies: current.limiter.policies().clone(), live_overrides: current.limiter.live_overrides().clone() }
     })
@@ -454,7 +455,7 @@ fn log_readiness(r: &crate::config::RedisConfig, redis: &RedisWindow, ready: boo
 /// decided by Redis rather than by their fail policy; a Redis that is down
 /// holds them only as long as it takes to refuse.
 async fn wait_for_redis_at_start(cfg: &Config, active: &ActiveBackend) {
-    if let (Some(r), Backend::Redis(redis)) = (&cfg.redis, &active.backend) {
+    if let (Some(r), Store::Redis(redis)) = (&cfg.redis, &active.backend) {
         log_readiness(r, redis, redis.wait_first_answer(READY_WAIT).await);
     }
 }
@@ -478,7 +479,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let status = Arc::new(ConfigStatus::default());
     status.loaded(cfg.dump());
     tokio::spawn(crate::top_refused::TOP_REFUSED.rotate_every_slot(background.clone()));
-    let mut active = ActiveBackend::start(&cfg, &resolved, Wait::No).await?;
+    let mut active = ActiveBackend::start(&cfg, &resolved, &local, Wait::No).await?;
     let s = &cfg.server;
     if !cfg.policies.is_empty() {
         tracing::info!(policies = cfg.policies.len(), "named policies loaded");
@@ -491,9 +492,20 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     }
     let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, &live, None));
     let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
+    // Every check that can fail before any socket file is touched: a second
+    // daemon started with a running one's configuration exits here, leaving
+    // the running one's sockets alone (each bind checks its own file again).
+    if inherited.is_none() {
+        crate::socket::refuse_if_live(&s.listen)?;
+    }
+    if let Some(crate::config::AdminListen::Unix { path, .. }) = &cfg.admin.listen {
+        crate::socket::refuse_if_live(path)?;
+    }
+    let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
+    endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let _admin_listener_guard = match &cfg.admin.listen {
         Some(listen) => {
-            let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await.map_err(DaemonError::Admin)?;
+            let listener = admin_api::bind(listen, cfg.admin.tls.as_ref()).await?;
             tracing::info!(listen = ?listen, tokens = cfg.admin.token_file.is_some() || cfg.admin.read_token_file.is_some(), tls = cfg.admin.tls.is_some(), "serving the admin API");
             let token = background.child_token();
             tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), reloadable_rx.clone(), token.clone()));
@@ -501,8 +513,6 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         }
         None => None,
     };
-    let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
-    endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     // The request socket last: once clients can connect, the admin API and
     // the metrics endpoint answer too (tests and health checks wait for it).
     // A socket bound here is removed when `socket_file` drops; one passed by
@@ -545,7 +555,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     .await;
     // Multi-item checks cut by the shutdown still finish across their
     // slots (docs/PROTOCOL.md 4b): wait for them, bounded.
-    if let Backend::Redis(r) = &active.backend {
+    if let Store::Redis(r) = &active.backend {
         if !r.settle(SETTLE_LIMIT).await {
             tracing::warn!(limit_ms = SETTLE_LIMIT.as_millis() as u64, "multi-item checks still unsettled at exit: their reservations leave the windows by themselves");
         }
@@ -573,7 +583,7 @@ async fn reload_once(force: bool, current: &mut Config, active: &mut ActiveBacke
     match (reload.load)() {
         Ok((new, resolved)) => {
             let running = reloadable_tx.borrow().limiter.policies().clone();
-            let breaks = Breaks::of(&running, &new, matches!(active.backend, Backend::Redis(_)));
+            let breaks = Breaks::of(&running, &new, matches!(active.backend, Store::Redis(_)));
             let reasons = breaks.reasons();
             if !reasons.is_empty() && !force {
                 METRICS.reloaded(false);
@@ -640,10 +650,13 @@ async fn apply(current: &mut Config, mut new: Config, resolved: &Resolved, activ
     // Always a fresh link when Redis is configured: secrets and certificate
     // files may have changed behind the same paths.
     if new.redis.is_some() || current.redis.is_some() {
-        match ActiveBackend::start(&new, resolved, Wait::UntilReady).await {
+        match ActiveBackend::start(&new, resolved, local, Wait::UntilReady).await {
             Ok(fresh) if fresh.is_ready() || !active.is_ready() => {
                 let old = std::mem::replace(active, fresh);
                 old.retire(current.server.shutdown_grace);
+                if let Store::Redis(r) = &active.backend {
+                    crate::settle_retry::use_backend(r);
+                }
             }
             Ok(fresh) => {
                 tracing::error!("the new [redis] settings do not reach a working Redis; keeping the running backend");

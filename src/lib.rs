@@ -18,8 +18,10 @@
 //! | refusals | `penalty_box` | the penalty box's bans this daemon knows: Redis's cached until their end, the memory backend's own, lifted by the admin API |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
 //! | stores | `redis` | `connector`, `sentinel`, `link` (shared connection, breaker, admission limit, `eval`), `keys` (window keys, slots, replies), `window` (a script per algorithm), `multi` (all-or-nothing items, reservations across Cluster slots, refunds), `coalesce` (calls in flight per window; cold keys batched across keys), `shard` (hot-key shard keys) |
+//! | retries | `settle_retry` | settles and reserve take-backs that met a Redis failure, retried in the background until Redis answers or their record's life ends |
+//! | store interface | `window_store` | the one store interface the pipeline asks (check, check several, the penalty box's check, concurrency leases, refunds) with one Redis, a Cluster or the per-host windows behind it: the only module that knows which |
 //! | policies | `policies`, `live_overrides` | the configured `[[policy]]` tables by name, overrides, per-policy counters; the admin API's overrides in force |
-//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` against the stores (a quota `lease` first) with the fail policies, `respond` and count once |
+//! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` through the cache `layers` (a quota `lease`, the denial cache) to the `store`, with one `fail` policy function, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
 //! | operations | `admin` | a key's windows in Redis: inspect, reset |
@@ -48,7 +50,9 @@ mod policies;
 pub mod protocol;
 mod redis;
 mod server;
+mod settle_retry;
 mod socket;
+mod window_store;
 pub mod terminal;
 pub mod top;
 mod top_refused;

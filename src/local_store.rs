@@ -76,6 +76,11 @@ struct KeyWindow {
     /// GCRA's theoretical arrival time in ms (GCRA windows only; their
     /// `entries` stay empty).
     tat_ms: f64,
+    /// GCRA once a reserve touched the window (src/redis/gcra.lua,
+    /// "Reserved keys"): the ms of tokens charged since, and which
+    /// window that is (0: none yet; a new one after a sweep).
+    gcra_charged: f64,
+    gcra_born: u64,
     /// Fixed windows and the sliding counter: the current fixed window's
     /// start on the wall clock (UTC-aligned), its count and the previous
     /// window's.
@@ -91,6 +96,7 @@ struct KeyWindow {
 #[derive(Clone, Copy, Debug)]
 struct O1State {
     tat_ms: f64,
+    gcra_charged: f64,
     fixed_start: u64,
     fixed_count: u64,
     prev_count: u64,
@@ -99,11 +105,11 @@ struct O1State {
 
 impl KeyWindow {
     fn o1_state(&self) -> O1State {
-        O1State { tat_ms: self.tat_ms, fixed_start: self.fixed_start, fixed_count: self.fixed_count, prev_count: self.prev_count, until_ms: self.until_ms }
+        O1State { tat_ms: self.tat_ms, gcra_charged: self.gcra_charged, fixed_start: self.fixed_start, fixed_count: self.fixed_count, prev_count: self.prev_count, until_ms: self.until_ms }
     }
 
     fn set_o1_state(&mut self, s: O1State) {
-        (self.tat_ms, self.fixed_start, self.fixed_count, self.prev_count, self.until_ms) = (s.tat_ms, s.fixed_start, s.fixed_count, s.prev_count, s.until_ms);
+        (self.tat_ms, self.gcra_charged, self.fixed_start, self.fixed_count, self.prev_count, self.until_ms) = (s.tat_ms, s.gcra_charged, s.fixed_start, s.fixed_count, s.prev_count, s.until_ms);
     }
 
     /// Moves a fixed window or sliding counter to the window `wall_ms` is
@@ -221,7 +227,7 @@ impl KeyWindow {
         let count = up(weighted + cur as f64);
         let to_end = w - elapsed;
         let (retry, reset) = if !sliding {
-            (to_end, to_end)
+            (debt_end(spec.window_ms, start, w, cur, cost, limit) - wall_ms, to_end)
         } else if limit >= cur + cost {
             let e = w as f64 - (limit - cur - cost) as f64 * w as f64 / prev as f64;
             ((up(e).saturating_sub(elapsed)).max(1), if cur > 0 { to_end + w } else { to_end })
@@ -266,6 +272,9 @@ impl KeyWindow {
         let up = |x: f64| (x - EPS).ceil().max(0.0) as u32;
         if new_tat - now <= window + EPS {
             self.tat_ms = new_tat;
+            if self.gcra_born != 0 {
+                self.gcra_charged += f64::from(spec.cost) * t;
+            }
             self.until_ms = new_tat.ceil() as u64;
             let count = up((new_tat - now) / t);
             return Verdict { allowed: true, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(tat - now), reset_ms: up(new_tat - now) };
@@ -273,6 +282,27 @@ impl KeyWindow {
         let count = up((tat - now) / t);
         Verdict { allowed: false, count, remaining: spec.limit.saturating_sub(count), retry_after_ms: up(new_tat - window - now), reset_ms: up(tat - now) }
     }
+}
+
+/// When (wall clock) a fixed window starting at `start` (`w`: a plain
+/// window's length) holding `count` takes `cost` again, as
+/// src/redis/fixed_window.lua's `debt_end`: the next window, or, with
+/// debt (count above the limit), the first window the carried debt leaves
+/// room in. Calendar windows are walked one by one, no further than a
+/// response's retry_after can say (u32 ms, 49.7 days).
+fn debt_end(window_ms: u32, start: u64, w: u64, count: u64, cost: u64, limit: u64) -> u64 {
+    let k = if count > limit && limit > 0 { (count + cost - limit).div_ceil(limit).max(1) } else { 1 };
+    if window_ms < crate::window::CALENDAR {
+        return start.saturating_add(k.saturating_mul(w));
+    }
+    let mut at = start;
+    for _ in 0..k {
+        at = crate::window::fixed_bounds(window_ms, at).1;
+        if at - start > u64::from(u32::MAX) {
+            break;
+        }
+    }
+    at
 }
 
 /// Fixed windows from the one starting at `from` to the one starting at
@@ -296,12 +326,22 @@ const SETTLE_LIFE_MS: u64 = 86_400_000;
 
 /// A reserve's record in memory (docs/PROTOCOL.md 4f): the fixed window
 /// it was counted in (wall clock; 0 for GCRA), its estimate, and until
-/// when (store clock) it may be settled.
+/// when (store clock) it may be settled; GCRA: the window's charged and
+/// born after the reserve.
 #[derive(Clone, Copy, Debug)]
 struct SettleRecord {
     start: u64,
     estimate: u64,
     until_ms: u64,
+    charged: f64,
+    born: u64,
+}
+
+/// Names a GCRA window a reserve touched, never twice in a process (as
+/// the time of its first reserve does in Redis).
+fn next_born() -> u64 {
+    static BORN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    BORN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A duration in ms as the response's `u32` carries it: the sliding
@@ -561,6 +601,9 @@ impl LocalStore {
         let mut verdicts = Vec::with_capacity(items.len());
         for (k, (spec, algorithm, _)) in items.iter().enumerate() {
             let w = guards[at[k]].get_mut(&names[k]).expect("inserted above");
+            if *algorithm == Algorithm::Gcra && w.gcra_born == 0 {
+                w.gcra_born = next_born();
+            }
             before.push(w.o1_state());
             verdicts.push(w.decide_o1(spec, *algorithm, now_ms, wall_ms));
         }
@@ -578,10 +621,10 @@ impl LocalStore {
         let mut settles = self.settles.lock().unwrap_or_else(|e| e.into_inner());
         for (k, (spec, _, _)) in items.iter().enumerate() {
             if verdicts[k].allowed {
-                let start = guards[at[k]].get(&names[k]).map_or(0, |w| w.fixed_start);
+                let (start, charged, born) = guards[at[k]].get(&names[k]).map_or((0, 0.0, 0), |w| (w.fixed_start, w.gcra_charged, w.gcra_born));
                 let mut key = names[k].to_vec();
                 key.extend_from_slice(handle);
-                settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS });
+                settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS, charged, born });
             }
         }
         Ok((true, verdicts))
@@ -612,9 +655,25 @@ impl LocalStore {
         let (actual, est, limit) = (u64::from(spec.cost), rec.estimate, u64::from(spec.limit));
         match algorithm {
             Algorithm::Gcra => {
+                // As src/redis/gcra.lua: a surplus gives back no more than
+                // charging the actual at the reserve's time would have left.
                 let t = f64::from(spec.window_ms) / f64::from(spec.limit);
                 let now = now_ms as f64;
-                w.tat_ms = if actual >= est { w.tat_ms.max(now) + (actual - est) as f64 * t } else { (w.tat_ms - (est - actual) as f64 * t).max(now) };
+                let tat = w.tat_ms.max(now);
+                if actual >= est {
+                    let debt = (actual - est) as f64 * t;
+                    w.tat_ms = tat + debt;
+                    if w.gcra_born != 0 {
+                        w.gcra_charged += debt;
+                    }
+                } else if rec.born != 0 && rec.born == w.gcra_born {
+                    let since = w.gcra_charged - rec.charged;
+                    let back = (est - actual) as f64 * t;
+                    w.tat_ms = (tat - back).max(tat.min(now + since)).max(now);
+                    if since == 0.0 {
+                        w.gcra_charged -= back;
+                    }
+                }
                 w.until_ms = w.until_ms.max(w.tat_ms.ceil() as u64);
             }
             Algorithm::Fixed | Algorithm::SlidingCounter => {
@@ -848,5 +907,98 @@ mod tests {
         assert!(w.fixed(&s, apr1 - 1, 8, false).allowed);
         assert!(!w.fixed(&s, apr1 - 1, 8, false).allowed);
         assert!(w.fixed(&s, apr1, 9, false).allowed);
+    }
+
+    /// GCRA settles against the history they stand for (src/redis/gcra.lua,
+    /// "Reserved keys"; issue 33 item 2): after every operation of a random
+    /// trace the bucket leaves no more room than replaying what was
+    /// admitted with each settled reserve charged its actual at its
+    /// reserve's time (the others their estimate), and exactly as much
+    /// while every settle met nothing charged since its reserve.
+    #[test]
+    fn a_gcra_settle_never_leaves_more_room_than_the_actual_charged_at_the_reserve() {
+        let (limit, window) = (10u32, 2000u32);
+        let tok = f64::from(window) / f64::from(limit);
+        let (mut exact_traces, mut settles) = (0, 0);
+        // A third of the traces settle each reserve before anything else
+        // is charged: exact throughout.
+        for seed in 1..400u64 {
+            let m = LocalStore::new(1000);
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = move |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n.max(1)
+            };
+            // What was admitted, in order: (time, Some(cost)) for a check,
+            // (time, None) then the reserve's index for a reserve.
+            let mut admitted: Vec<(u64, Result<u32, usize>)> = Vec::new();
+            // Per reserve: estimate, actual once settled, the charge count at it.
+            let mut reserves: Vec<(u32, Option<u32>, u64)> = Vec::new();
+            let mut open: Vec<usize> = Vec::new();
+            let (mut now, mut charges, mut exact) = (1000u64, 0u64, true);
+            let orderly = seed % 3 == 0;
+            for _ in 0..80 {
+                now += rnd(500);
+                let op = if orderly && !open.is_empty() { 2 } else { rnd(3) };
+                match op {
+                    0 => {
+                        let c = 1 + rnd(3) as u32;
+                        if m.check_at(&spec(b"g", limit, window, c), Algorithm::Gcra, now).unwrap().allowed {
+                            admitted.push((now, Ok(c)));
+                            charges += 1;
+                        }
+                    }
+                    1 => {
+                        let est = 1 + rnd(6) as u32;
+                        let id = reserves.len();
+                        let handle = (id as u128).to_be_bytes();
+                        let (ok, v) = m.reserve_at(&[(spec(b"g", limit, window, est), Algorithm::Gcra, false)], &handle, now, now).unwrap();
+                        if ok && v[0].allowed {
+                            charges += 1;
+                            admitted.push((now, Err(id)));
+                            reserves.push((est, None, charges));
+                            open.push(id);
+                        }
+                    }
+                    _ if !open.is_empty() => {
+                        let id = open.swap_remove(rnd(open.len() as u64) as usize);
+                        let est = reserves[id].0;
+                        let actual = rnd(u64::from(2 * est) + 1) as u32;
+                        // Exact: nothing charged since the reserve, and a
+                        // shortfall met its tokens still in the bucket (one
+                        // charged after the bucket drained is charged from
+                        // now: less room than the history, never more).
+                        let name = WindowName::new(&spec(b"g", limit, window, 1), Algorithm::Gcra);
+                        let drained = m.shard(name.as_bytes()).get(name.as_bytes()).is_none_or(|w| w.tat_ms < now as f64);
+                        exact &= reserves[id].2 == charges && !(actual > est && drained);
+                        if actual > est {
+                            charges += 1;
+                        }
+                        m.settle_at(&spec(b"g", limit, window, actual), Algorithm::Gcra, &(id as u128).to_be_bytes(), now, now).expect("its record");
+                        reserves[id].1 = Some(actual);
+                        settles += 1;
+                    }
+                    _ => {}
+                }
+                let history = admitted.iter().fold(0.0f64, |tat, &(t, what)| {
+                    let cost = match what {
+                        Ok(c) => c,
+                        Err(id) => reserves[id].1.unwrap_or(reserves[id].0),
+                    };
+                    tat.max(t as f64) + f64::from(cost) * tok
+                });
+                let name = WindowName::new(&spec(b"g", limit, window, 1), Algorithm::Gcra);
+                let real = m.shard(name.as_bytes()).get(name.as_bytes()).map_or(0.0, |w| w.tat_ms);
+                let (real, history) = (real.max(now as f64), history.max(now as f64));
+                assert!(real >= history - 1e-6, "seed {seed} at {now}: the bucket full at {real}, the history's at {history}: more room");
+                if exact {
+                    assert!((real - history).abs() < 1e-6, "seed {seed} at {now}: {real} where the history has {history}");
+                }
+            }
+            exact_traces += usize::from(exact);
+        }
+        assert!(settles > 3000 && exact_traces > 20, "the traces settle, some of them exactly throughout: {settles} settles, {exact_traces} exact traces");
     }
 }

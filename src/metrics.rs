@@ -115,6 +115,9 @@ pub struct Metrics {
     refunds_unmatched: AtomicU64,
     settles: AtomicU64,
     settles_unmatched: AtomicU64,
+    settle_retries_queued: AtomicU64,
+    settle_retries_applied: AtomicU64,
+    settle_retries_dropped: AtomicU64,
     lease_share_requests: AtomicU64,
     lease_shares: AtomicU64,
     lease_share_units: AtomicU64,
@@ -157,6 +160,9 @@ impl Metrics {
             refunds_unmatched: ZERO,
             settles: ZERO,
             settles_unmatched: ZERO,
+            settle_retries_queued: ZERO,
+            settle_retries_applied: ZERO,
+            settle_retries_dropped: ZERO,
             lease_share_requests: ZERO,
             lease_shares: ZERO,
             lease_share_units: ZERO,
@@ -200,6 +206,21 @@ impl Metrics {
         if !matched {
             self.settles_unmatched.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A settle (or a reserve's take-back) handed to src/settle_retry.rs
+    /// after a Redis failure; later answered by Redis, or dropped (too
+    /// many waiting, or its record's life over).
+    pub fn settle_retry_queued(&self) {
+        self.settle_retries_queued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn settle_retry_applied(&self) {
+        self.settle_retries_applied.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn settle_retry_dropped(&self) {
+        self.settle_retries_dropped.fetch_add(1, Ordering::Relaxed);
     }
 
     #[inline]
@@ -314,7 +335,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 15] = [
+        let counters: [(&str, &str, &AtomicU64); 18] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -327,6 +348,9 @@ impl Metrics {
             ("ratelimitd_refunds_unmatched_total", "REFUNDs that removed nothing: a forged, replayed or foreign handle, or admissions already out of their window.", &self.refunds_unmatched),
             ("ratelimitd_settles_total", "SETTLE requests carried out in Redis (a repeated one included).", &self.settles),
             ("ratelimitd_settles_unmatched_total", "SETTLEs that changed nothing: a forged, replayed or expired handle.", &self.settles_unmatched),
+            ("ratelimitd_settle_retries_queued_total", "Settles and reserve take-backs that met a Redis failure and were queued to be retried in the background.", &self.settle_retries_queued),
+            ("ratelimitd_settle_retries_applied_total", "Settles retried in the background that Redis answered (applied, or their record already gone).", &self.settle_retries_applied),
+            ("ratelimitd_settle_retries_dropped_total", "Settles not retried: the retry queue full, or their record's life (24 h) over; their reserves stay charged their estimates.", &self.settle_retries_dropped),
             ("ratelimitd_lease_share_requests_total", "LEASE_SHAREs (op 10) answered, with units or without (errors excluded).", &self.lease_share_requests),
             ("ratelimitd_lease_shares_total", "LEASE_SHAREs (op 10) that handed units of a quota lease to an nginx worker's shared dict.", &self.lease_shares),
             ("ratelimitd_lease_share_units_total", "Units of quota leases handed to nginx workers (each counted in Redis as used at the lease's latest time).", &self.lease_share_units),
@@ -417,12 +441,27 @@ impl AdminResult {
 }
 
 static ADMIN_REQUESTS: [[AtomicU64; AdminResult::ALL.len()]; AdminOp::ALL.len()] = [const { [ZERO; AdminResult::ALL.len()] }; AdminOp::ALL.len()];
+static ADMIN_CONNECTIONS_OPEN: AtomicU64 = ZERO;
+static ADMIN_CONNECTIONS_REFUSED: AtomicU64 = ZERO;
 static LIVE_OVERRIDES: AtomicU64 = ZERO;
 static LIVE_OVERRIDES_REFRESH_FAILURES: AtomicU64 = ZERO;
 
 impl Metrics {
     pub fn admin_request(&self, op: AdminOp, result: AdminResult) {
         ADMIN_REQUESTS[op as usize][result as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn admin_connection_opened(&self) {
+        ADMIN_CONNECTIONS_OPEN.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn admin_connection_closed(&self) {
+        ADMIN_CONNECTIONS_OPEN.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A connection the admin listener closed at once: it held its cap.
+    pub fn admin_connection_refused(&self) {
+        ADMIN_CONNECTIONS_REFUSED.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn live_overrides(&self, in_force: usize) {
@@ -441,6 +480,8 @@ fn render_admin(out: &mut String) {
             let _ = writeln!(out, "ratelimitd_admin_requests_total{{op=\"{}\",result=\"{}\"}} {}", op.as_str(), r.as_str(), n.load(Ordering::Relaxed));
         }
     }
+    let _ = writeln!(out, "# HELP ratelimitd_admin_connections_open Admin API connections open now.\n# TYPE ratelimitd_admin_connections_open gauge\nratelimitd_admin_connections_open {}", ADMIN_CONNECTIONS_OPEN.load(Ordering::Relaxed));
+    let _ = writeln!(out, "# HELP ratelimitd_admin_connections_refused_total Admin API connections closed at once because the listener held its cap (admin.max_connections, at most a quarter of RLIMIT_NOFILE).\n# TYPE ratelimitd_admin_connections_refused_total counter\nratelimitd_admin_connections_refused_total {}", ADMIN_CONNECTIONS_REFUSED.load(Ordering::Relaxed));
     let _ = writeln!(out, "# HELP ratelimitd_live_overrides Admin API overrides in force on this daemon.\n# TYPE ratelimitd_live_overrides gauge\nratelimitd_live_overrides {}", LIVE_OVERRIDES.load(Ordering::Relaxed));
     let _ = writeln!(out, "# HELP ratelimitd_live_overrides_refresh_failures_total Background reads of the overrides from Redis that failed.\n# TYPE ratelimitd_live_overrides_refresh_failures_total counter\nratelimitd_live_overrides_refresh_failures_total {}", LIVE_OVERRIDES_REFRESH_FAILURES.load(Ordering::Relaxed));
 }

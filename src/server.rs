@@ -635,7 +635,6 @@ impl Handler {
 mod tests {
     use super::*;
     use crate::client::Client;
-    use crate::decision::Backend;
     use crate::local_store::LocalStore;
     use crate::protocol::{CheckArgs, Decision, FailPolicy};
 
@@ -701,7 +700,7 @@ mod tests {
         let path = dir.path().join("d.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let limiter = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))));
+        let limiter = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))));
         let (_keep, reloadable) = watch::channel(Reloadable { bounds: Bounds::default(), limiter });
         let server = tokio::spawn(run(listener, reloadable, settings(), rx));
         let mut c = Client::connect(&path).await.unwrap();

@@ -10,12 +10,31 @@ use tokio::net::UnixListener;
 /// Why the socket could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum SocketError {
-    #[error("{path}: another process is listening on this socket; stop it or choose another server.listen")]
+    #[error("{path}: another process is listening on this socket; stop it or choose another path (server.listen, admin.listen)")]
     InUse { path: PathBuf },
     #[error("{path}: exists and is not a socket; refusing to replace it")]
     NotASocket { path: PathBuf },
     #[error("{path}: {action}: {err}")]
     Io { path: PathBuf, action: &'static str, err: io::Error },
+}
+
+/// Refuses `path` if a process listens on it (or it is not a socket), and
+/// touches nothing: `Ok(true)` when a stale socket file is there, to be
+/// replaced, `Ok(false)` when nothing is. Start-up asks this of every socket
+/// before it binds any, so a daemon that cannot start never removes another
+/// daemon's files (`daemon::serve`).
+pub fn refuse_if_live(path: &Path) -> Result<bool, SocketError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(SocketError::InUse { path: path.into() });
+            }
+            Ok(true)
+        }
+        Ok(_) => Err(SocketError::NotASocket { path: path.into() }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(err) => Err(SocketError::Io { path: path.into(), action: "inspect", err }),
+    }
 }
 
 /// A bound listener whose file is removed on drop (if it is still ours).
@@ -31,17 +50,9 @@ impl BoundSocket {
     /// (resolved by the configuration's preflight).
     pub fn bind(path: &Path, mode: u32, gid: Option<u32>) -> Result<Self, SocketError> {
         let io_err = |action: &'static str| move |err| SocketError::Io { path: path.into(), action, err };
-        match std::fs::symlink_metadata(path) {
-            Ok(meta) if meta.file_type().is_socket() => {
-                if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                    return Err(SocketError::InUse { path: path.into() });
-                }
-                tracing::info!(path = %path.display(), "removing stale socket file");
-                std::fs::remove_file(path).map_err(io_err("remove stale socket"))?;
-            }
-            Ok(_) => return Err(SocketError::NotASocket { path: path.into() }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err("inspect")(e)),
+        if refuse_if_live(path)? {
+            tracing::info!(path = %path.display(), "removing stale socket file");
+            std::fs::remove_file(path).map_err(io_err("remove stale socket"))?;
         }
         // Bind under a temporary name, set group and mode, then rename into
         // place: clients never see the socket with the umask's permissions.

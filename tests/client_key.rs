@@ -39,6 +39,48 @@ server {
 }
 "#;
 
+/// A daemon (limit 3 per key) and nginx with `SITE`.
+fn gateway() -> (RedisServer, Daemon, Nginx) {
+    let redis = RedisServer::start_unix();
+    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"per_client\"\nlimit = 3\nwindow = \"60s\"\n", redis.url()));
+    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let nginx = Nginx::start(&format!("{snippet}\n{SITE}"));
+    (redis, d, nginx)
+}
+
+#[test]
+fn ipv4_clients_in_their_ipv6_forms_are_their_ipv4_selves_not_one_shared_64() {
+    let (_redis, _d, nginx) = gateway();
+    let http = agent();
+    let url = nginx.url("/");
+    let from = |addr: &str| get(&http, &url, &[("X-Forwarded-For", addr)]);
+    // One IPv4 client natively, through NAT64/SIIT (RFC 6052's 64:ff9b::/96)
+    // and IPv4-translated (::ffff:0:a.b.c.d): one key, one limit.
+    let native = from("198.51.100.20");
+    assert_eq!((native.status, native.header("x-client-key")), (200, "ip4:198.51.100.20/32"));
+    let nat64 = from("64:ff9b::198.51.100.20");
+    assert_eq!((nat64.status, nat64.header("x-client-key")), (200, "ip4:198.51.100.20/32"));
+    let translated = from("::ffff:0:198.51.100.20");
+    assert_eq!((translated.status, translated.header("x-client-key")), (200, "ip4:198.51.100.20/32"));
+    assert_eq!(from("64:ff9b::c633:6414").status, 429, "the fourth from the same IPv4 client");
+    // Behind SIIT-DC every IPv4 client is its own, not one /64.
+    for i in 1..=4 {
+        let r = from(&format!("64:ff9b::203.0.113.{i}"));
+        assert_eq!((r.status, r.header("x-client-key")), (200, format!("ip4:203.0.113.{i}/32").as_str()));
+    }
+    // IPv4-compatible ::a.b.c.d is not ::1's key.
+    let compat = from("::192.0.2.9");
+    assert_eq!((compat.status, compat.header("x-client-key")), (200, "ip4:192.0.2.9/32"));
+    assert_eq!(from("::1").header("x-client-key"), "ip6:0:0:0:0::/64");
+    // Two Teredo clients of one relay (RFC 4380's example server): each its
+    // NAT's public IPv4 (the last 32 bits inverted), not the relay's /64.
+    let a = from("2001:0:4136:e378:8000:63bf:3fff:fdd2");
+    let b = from("2001:0:4136:e378:8000:63bf:3fff:fdd1");
+    assert_eq!((a.header("x-client-key"), b.header("x-client-key")), ("ip4:192.0.2.45/32", "ip4:192.0.2.46/32"));
+    assert!(!nginx.error_log().contains("[error]"), "{}", nginx.error_log());
+}
+
 #[test]
 fn an_ipv6_client_rotating_through_its_64_hits_one_limit_and_mapped_ipv4_is_its_ipv4_self() {
     let redis = RedisServer::start_unix();

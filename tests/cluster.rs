@@ -413,7 +413,12 @@ async fn partial_coverage_keeps_other_primaries_serving() {
 /// does not hold, i.e. what asynchronous replication had not carried over
 /// when the primary died. Runs `RATELIMITD_FAILOVER_RUNS` times (default 1;
 /// `scripts/bench-cluster-failover` runs more) and prints each run's figures.
+/// A measurement, not a check of the default suite: it asserts only what
+/// any run must hold and prints the lost admissions; one run is 10-20 s of
+/// a cluster's start and failover. `scripts/bench-cluster-failover [RUNS]`
+/// runs it (`--ignored`, release build) and SCALING.md quotes its figures.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: scripts/bench-cluster-failover runs it"]
 async fn failover_lost_admissions() {
     let runs: usize = std::env::var("RATELIMITD_FAILOVER_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let mut lost = Vec::new();

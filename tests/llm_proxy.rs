@@ -53,13 +53,18 @@ struct Setup {
 }
 
 fn setup() -> Setup {
+    setup_with("")
+}
+
+/// `setup`, with more `[redis]` settings for the daemon.
+fn setup_with(redis_extra: &str) -> Setup {
     let redis = RedisServer::start_unix();
     // The example's limits and policies; its [server] and [redis] point at this test's.
     // A tenant with a small month, to see the month refuse after the minute admitted.
     let rest = &EXAMPLE_TOML[EXAMPLE_TOML.find("[limits]").unwrap()..];
     let rest = rest.replacen("\"tenant-big\" = 1000000000", "\"tenant-big\" = 1000000000\n\"tenant-small\" = 1000", 1);
     let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    let daemon = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{rest}", redis.url()));
+    let daemon = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{redis_extra}{rest}", redis.url()));
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", daemon.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let site = EXAMPLE_NGINX.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replace("127.0.0.1:18081", "127.0.0.1:{PORT:stub}");
     let nginx = Nginx::start(&format!("{snippet}\n{site}\n{PROBES}"));
@@ -216,4 +221,36 @@ fn the_budget_audited_from_redis_across_estimate_errors() {
         settled(&s.redis, "t6", model);
     }
     assert!(admitted > 3 && refused > 3, "{admitted} admitted, {refused} refused");
+}
+
+/// Settles from log_by_lua that meet `CIRCUIT_OPEN` (Redis stopped, the
+/// breaker open) are not lost (issue 33 item 7b: 1800 of 4250 tokens had
+/// never been charged): resty.ratelimitd.settle sends once more, the
+/// daemon keeps retrying in the background, and once Redis answers both
+/// windows hold every request's usage, not its estimate.
+#[test]
+fn settles_that_meet_an_open_breaker_are_charged_once_redis_answers() {
+    away_from_a_minute_boundary();
+    let s = setup_with("breaker_failures = 1\n");
+    // 4 answers of 50 tokens (+10 of prompt), one every 40 ms: 2 s each,
+    // ending (and settling) well after the breaker opened.
+    let streams: Vec<_> = (0..4)
+        .map(|_| {
+            let url = s.nginx.url("/v1/completions?max_tokens=400&tokens=50&ms=40");
+            std::thread::spawn(move || get(&agent(), &url, &[("X-Tenant-Id", "t7")]).status)
+        })
+        .collect();
+    wait_until("4 reserves of 400", Duration::from_secs(5), || count(&s.redis, "tokens_minute", "t7") == 1600 && count(&s.redis, "tokens_month", "t7") == 1600);
+    s.redis.pause();
+    // A reserve that times out opens the breaker (breaker_failures = 1).
+    let probe = completion(&s, "t8", 10, 1);
+    assert_ne!(probe.status, 200, "{}", probe.body);
+    for st in streams {
+        assert_eq!(st.join().unwrap(), 200);
+    }
+    // (One line a second per worker: the log is rate-limited.)
+    wait_until("the settles met the open breaker", Duration::from_secs(5), || s.nginx.error_log().contains("settle_failed"));
+    std::thread::sleep(Duration::from_millis(300));
+    s.redis.resume();
+    wait_until("t7: both windows at 4 x 60", Duration::from_secs(20), || count(&s.redis, "tokens_minute", "t7") == 240 && count(&s.redis, "tokens_month", "t7") == 240);
 }

@@ -2,8 +2,9 @@
 //! `ratelimitd` as `share_dict`), a real daemon with `quota_leases` and a
 //! real Redis: a hot key's admissions need almost no daemon round trip
 //! (counted by the daemon's own metrics), Redis's record never holds more
-//! than the limit, and neither a `kill -9` of the daemon nor an nginx
-//! reload while workers hold shares lets more than the limit through.
+//! than the limit, and neither a `kill -9` of the daemon, an nginx reload
+//! nor an admin reset while workers hold shares lets more than the limit
+//! through.
 
 mod common;
 
@@ -19,8 +20,13 @@ const POLICIES: &str = "[[policy]]\nname = \"hot\"\nlimit = 100000\nwindow = \"1
 [[policy]]\nname = \"tight\"\nlimit = 400\nwindow = \"1m\"\n";
 
 fn daemon(redis: &RedisServer) -> Daemon {
+    daemon_with(redis, "")
+}
+
+/// `daemon`, with `admin` lines in an `[admin]` table.
+fn daemon_with(redis: &RedisServer, admin: &str) -> Daemon {
     let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
-    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\nquota_leases = true\n{POLICIES}", redis.url()))
+    Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\nquota_leases = true\n[admin]\n{admin}\n{POLICIES}", redis.url()))
 }
 
 const BODY: &str = r#"
@@ -138,3 +144,29 @@ fn shares_never_let_a_key_past_its_limit_through_a_kill_9_and_an_nginx_reload() 
     assert!(recorded <= 400 && recorded >= admitted, "Redis's record {recorded}: at least the {admitted} admitted, at most the limit");
     assert!(errors(&nginx).iter().all(|l| l.contains("ratelimitd") && (l.contains("connect") || l.contains("closed"))), "{:?}", errors(&nginx));
 }
+
+#[test]
+fn an_admin_reset_while_workers_hold_shares_lets_no_more_than_the_limit_through() {
+    use ratelimitd::admin_api::client::request;
+    use ratelimitd::config::AdminListen;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let admin = dir.path().join("admin.sock");
+    let d = daemon_with(&redis, &format!("listen = \"{}\"", admin.display()));
+    let nginx = nginx(&d);
+    // Hot, and held in shares: 150 of 400 admitted, most from shares.
+    let (a1, s1) = load(&nginx, "tight", "k3", 150, 2);
+    assert!(s1 > 0, "worker shares were used before the reset: {a1} admitted, {s1} from shares");
+    let reset = request(&AdminListen::Unix { path: admin, mode: 0o600 }, None, "DELETE", "/v1/keys?policy=tight&key=k3", None).unwrap();
+    assert_eq!(reset.status, 200, "{reset:?}");
+    // A fresh window's worth: the reset forgot the 150, not the units the
+    // workers and the daemon hold.
+    let (a2, s2) = load(&nginx, "tight", "k3", 800, 2);
+    eprintln!("limit 400: {a1} admitted before the reset ({s1} from shares), {a2} after it ({s2} from shares); reset: {}", reset.body);
+    assert!(a2 <= 400, "over-admission after the reset: {a2} at a limit of 400");
+    std::thread::sleep(Duration::from_millis(2500));
+    let recorded = zcard(&redis, "tight", "k3");
+    assert!(recorded <= 400 && recorded >= a2, "Redis's record {recorded}: at least the {a2} admitted after the reset, at most the limit");
+    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+}
+

@@ -220,3 +220,23 @@ fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
     let log = nginx.error_log();
     assert!(!log.contains("[error]") && !log.contains("[crit]"), "nginx error log:\n{log}");
 }
+
+#[test]
+fn the_headers_show_the_limit_in_force_after_a_reload_lowers_it() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    let a = agent();
+    d.rewrite_config(&d.config_text().replace("name = \"tight\"\nlimit = 2", "name = \"tight\"\nlimit = 5"));
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    wait_until("configuration reloaded", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 1);
+    assert_eq!(statuses(&a, &nginx.url("/tight"), "low", 4), [200; 4]);
+    // Lowered to 2 with 4 in the window: the client is told 2, not the 4
+    // the window holds (count + remaining, docs/PROTOCOL.md section 7).
+    d.rewrite_config(&d.config_text().replace("name = \"tight\"\nlimit = 5", "name = \"tight\"\nlimit = 2"));
+    d.signal(nix::sys::signal::Signal::SIGHUP);
+    wait_until("configuration reloaded again", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
+    let r = get(&a, &nginx.url("/tight"), "low");
+    assert_eq!(r.status, 429);
+    assert_eq!((r.header("RateLimit-Limit"), r.header("RateLimit-Remaining")), ("2", "0"));
+}

@@ -184,7 +184,9 @@ async fn a_fixed_windows_debt_is_paid_out_of_the_next_windows() {
     assert_eq!((s.count, s.remaining), (250, 0), "{s:?}");
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let next = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "t", 1)).await.unwrap();
-    assert_eq!((next.decision, next.count), (Decision::Denied, 150), "{next:?}");
+    // 150 carried; a refusal tells the limit in force (count at most the
+    // limit, docs/PROTOCOL.md section 7), the debt by its retry-after.
+    assert_eq!((next.decision, next.count, next.remaining), (Decision::Denied, 100, 0), "{next:?}");
     tokio::time::sleep(Duration::from_millis(1000)).await;
     assert_eq!(c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "t", 51)).await.unwrap().decision, Decision::Denied);
     let last = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "t", 50)).await.unwrap();
@@ -397,4 +399,204 @@ fn check_config_refuses_a_settle_limiter_naming_a_log_or_sharded_policy() {
     assert!(out.contains("policy \"tokens_month\" in a settle = true limiter: every request refused with UNSUPPORTED_COMBINATION: the log keeps one Redis member per unit"), "{out}");
     assert!(out.contains("policy \"tokens_minute\" in a settle = true limiter: every request refused with UNSUPPORTED_COMBINATION: a sharded key"), "{out}");
     assert!(out.contains("0 of 2 policy names used by") && out.contains("2 cannot be reserved"), "{out}");
+}
+
+/// GCRA, 10 per 2 s: a reserve of the whole burst, then (the bucket full
+/// again) 10 single admissions, then the reserve settled to 0. Charged 0
+/// at the reserve's time, the bucket would hold the 10 singles now: the
+/// settle gives nothing back, and no 11th request passes (issue 33 item
+/// 2: the surplus had been given back out of the singles' tokens, 20
+/// admitted within a few ms where the burst is 10).
+async fn a_gcra_surplus_already_refilled_by_time_is_not_given_back_again(d: &Daemon) {
+    let mut c = d.client().await;
+    let check = |key: &'static str| ratelimitd::protocol::PolicyCheckArgs { policy: b"gcra_10", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let r = c.reserve(FailPolicy::Closed, 0, &item("gcra_10", "t", 10)).await.unwrap();
+    assert_eq!(r.decision, Decision::Allowed, "{r:?}");
+    let h = handle(&r).unwrap();
+    // The whole reserve has drained by 2 s (generous: 2.15 s).
+    tokio::time::sleep(Duration::from_millis(2150)).await;
+    // A token comes back every 200 ms: a machine stalled meanwhile may see
+    // that many more, never the 10 given back twice.
+    let refilled = |since: Instant| since.elapsed().as_millis() as u32 / 200;
+    let singles = Instant::now();
+    let mut admitted = 0;
+    for _ in 0..10 {
+        admitted += u32::from(c.check_policy(&check("t")).await.unwrap().decision == Decision::Allowed);
+    }
+    assert_eq!(admitted, 10, "a full bucket again");
+    let s = c.settle(&h, &item("gcra_10", "t", 0)).await.unwrap();
+    assert!(s.decision == Decision::Allowed && s.count + refilled(singles) >= 10, "nothing given back: {s:?}");
+    let mut more = 0;
+    for _ in 0..10 {
+        more += u32::from(c.check_policy(&check("t")).await.unwrap().decision == Decision::Allowed);
+    }
+    assert!(more <= refilled(singles), "the burst is 10: {more} more passed within {:?}", singles.elapsed());
+
+    // A surplus settled while the reserve still holds its tokens is given
+    // back whole: 10 reserved, 4 used, 6 admitted at once.
+    let reserved = Instant::now();
+    let r = c.reserve(FailPolicy::Closed, 0, &item("gcra_10", "u", 10)).await.unwrap();
+    let s = c.settle(&handle(&r).unwrap(), &item("gcra_10", "u", 4)).await.unwrap();
+    assert!(s.count <= 4 && s.count + refilled(reserved) >= 4, "{s:?}");
+    let mut again = 0;
+    for _ in 0..7 {
+        again += u32::from(c.check_policy(&check("u")).await.unwrap().decision == Decision::Allowed);
+    }
+    assert!(again >= 6 && again <= 6 + refilled(reserved), "{again} admitted after the settle");
+}
+
+const GCRA_10: &str = "\n[[policy]]\nname = \"gcra_10\"\nalgorithm = \"gcra\"\nlimit = 10\nwindow = \"2s\"\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gcra_settle_gives_back_no_token_time_refilled_in_redis() {
+    let redis = RedisServer::start_unix();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}{GCRA_10}", redis.url()));
+    a_gcra_surplus_already_refilled_by_time_is_not_given_back_again(&d).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gcra_settle_gives_back_no_token_time_refilled_in_memory() {
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}{GCRA_10}"));
+    a_gcra_surplus_already_refilled_by_time_is_not_given_back_again(&d).await;
+}
+
+/// Debt spanning windows: 250 settled on 100 per 1 s leaves 150 the next
+/// window (refused whatever the cost) and 50 the one after. Every refusal
+/// says when the debt leaves room for its cost, not the current window's
+/// end (issue 33 item 6): the `Retry-After` a client is told to wait.
+async fn a_refusal_in_debt_is_told_when_the_debt_ends(d: &Daemon) {
+    let mut c = d.client().await;
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    tokio::time::sleep(Duration::from_millis(1000 - ms % 1000 + 20)).await;
+    let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 10)).await.unwrap();
+    let s = c.settle(&handle(&r).unwrap(), &item("fixed_1s", "d", 250)).await.unwrap();
+    assert_eq!((s.count, s.remaining), (250, 0), "{s:?}");
+    // A cost of 1 fits two windows on (at 50): this window's end + 1 s.
+    // (Past this window's end, 1 s at most: where the old answer stopped.)
+    assert!((1001..=2000).contains(&s.retry_after_ms), "the settle's retry: {s:?}");
+    let refused = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 1)).await.unwrap();
+    assert_eq!(refused.decision, Decision::Denied);
+    assert!((1001..=2000).contains(&refused.retry_after_ms), "{refused:?}");
+    assert!(refused.retry_after_ms > refused.reset_ms, "past the window's reset: {refused:?}");
+    tokio::time::sleep(Duration::from_millis(u64::from(refused.reset_ms) + 20)).await;
+    // Next window, 150 carried: a cost of 1 fits at its end (50 carried
+    // then), a cost of 60 one window later (50 + 60 > 100; then 0 + 60).
+    let one = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 1)).await.unwrap();
+    assert_eq!((one.decision, one.count, one.remaining), (Decision::Denied, 100, 0), "{one:?}");
+    assert!(one.retry_after_ms <= 1000 && one.retry_after_ms == one.reset_ms, "{one:?}");
+    let sixty = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 60)).await.unwrap();
+    assert_eq!(sixty.decision, Decision::Denied);
+    assert!(sixty.retry_after_ms > 1000 && sixty.retry_after_ms <= 2000 && sixty.retry_after_ms == sixty.reset_ms + 1000, "{sixty:?}");
+    // Told right: at the time said, it fits.
+    tokio::time::sleep(Duration::from_millis(u64::from(one.retry_after_ms) + 20)).await;
+    let ok = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 1)).await.unwrap();
+    assert_eq!((ok.decision, ok.count), (Decision::Allowed, 51), "{ok:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_in_debt_is_told_when_the_debt_ends_in_redis() {
+    let redis = RedisServer::start_unix();
+    a_refusal_in_debt_is_told_when_the_debt_ends(&start(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_in_debt_is_told_when_the_debt_ends_in_memory() {
+    a_refusal_in_debt_is_told_when_the_debt_ends(&Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}"))).await;
+}
+
+/// The debt bound docs/POLICIES.md and PROTOCOL.md 4f state: the units a
+/// window holds past its limit are at most the sum of the shortfalls of
+/// the reserves in flight at its last admission (not the last shortfall
+/// alone: 16 in flight owe together). Random reserves and settles, one
+/// window (fixed_min, 1000 per 10 min; gcra_min, a bucket of 1000 refilled
+/// in 10 min), every reserve settled in the end.
+async fn the_debt_is_at_most_the_shortfalls_in_flight_at_the_last_admission(d: &Daemon, policy: &str, seed: u64) {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    if 600_000 - ms % 600_000 < 30_000 {
+        tokio::time::sleep(Duration::from_millis(600_000 - ms % 600_000 + 100)).await;
+    }
+    let mut c = d.client().await;
+    let mut rng = common::rng::Rng(seed);
+    let key = format!("debt{seed}");
+    // In flight: (handle, estimate, actual); the shortfalls owed by those
+    // in flight at the last admission.
+    let mut in_flight: Vec<([u8; HANDLE_LEN], u32, u32)> = Vec::new();
+    let mut at_last_admission: Vec<[u8; HANDLE_LEN]> = Vec::new();
+    let mut shortfall = std::collections::HashMap::new();
+    let (mut largest, mut count) = (0, 0);
+    for _ in 0..300 {
+        if rng.below(100) < 55 || in_flight.is_empty() {
+            let est = 20 + rng.below(60) as u32;
+            let r = c.reserve(FailPolicy::Closed, 0, &item(policy, &key, est)).await.unwrap();
+            if let Some(h) = handle(&r) {
+                let actual = (u64::from(est) * (5 + rng.below(21)) / 10) as u32;
+                in_flight.push((h, est, actual));
+                at_last_admission = in_flight.iter().map(|f| f.0).collect();
+            }
+        } else {
+            let (h, est, actual) = in_flight.swap_remove(rng.below(in_flight.len() as u64) as usize);
+            shortfall.insert(h, actual.saturating_sub(est));
+            largest = largest.max(actual.saturating_sub(est));
+            count = c.settle(&h, &item(policy, &key, actual)).await.unwrap().count;
+        }
+    }
+    for (h, est, actual) in std::mem::take(&mut in_flight) {
+        shortfall.insert(h, actual.saturating_sub(est));
+        largest = largest.max(actual.saturating_sub(est));
+        count = c.settle(&h, &item(policy, &key, actual)).await.unwrap().count;
+    }
+    let bound: u32 = at_last_admission.iter().map(|h| shortfall[h]).sum();
+    let past = count.saturating_sub(1000);
+    assert!(past <= bound, "{policy}, seed {seed}: {count} held, {past} past the limit, the bound {bound}");
+    eprintln!("{policy}, seed {seed}: {past} past the limit; the shortfalls in flight at the last admission {bound}, the largest single one {largest}");
+}
+
+/// Issue 33's case: 16 reserves of 60 in flight at once (16 connections)
+/// on 1000, settled to 80..155: the window ends past its limit by more
+/// than any single shortfall (the old docs' bound), within their sum.
+async fn sixteen_concurrent_reserves_owe_together(d: &Daemon, policy: &'static str) {
+    let key = format!("sixteen-{policy}");
+    let tasks: Vec<_> = (0..16u32)
+        .map(|i| {
+            let (socket, key) = (d.socket.clone(), key.clone());
+            tokio::spawn(async move {
+                let mut c = ratelimitd::client::Client::connect(&socket).await.unwrap();
+                let r = c.reserve(FailPolicy::Closed, 0, &item(policy, &key, 60)).await.unwrap();
+                let h = handle(&r).expect("16 x 60 fit 1000");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                c.settle(&h, &item(policy, &key, 80 + 5 * i)).await.unwrap().count
+            })
+        })
+        .collect();
+    let mut counts = Vec::new();
+    for t in tasks {
+        counts.push(t.await.unwrap());
+    }
+    let shortfalls: u32 = (0..16).map(|i| 20 + 5 * i).sum();
+    let past = counts.iter().max().unwrap().saturating_sub(1000);
+    // GCRA drains a token every 600 ms meanwhile: two allowed for.
+    let charged = 960 + shortfalls - 1000;
+    assert!(past <= charged && past + 2 >= charged, "{policy}: every shortfall charged, {past} past the limit");
+    assert!(past > 95 && past <= shortfalls, "{policy}: {past} past the limit, the largest shortfall 95, their sum {shortfalls}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_concurrent_reserves_owe_together_in_redis_and_in_memory() {
+    let redis = RedisServer::start_unix();
+    let memory = Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}"));
+    for policy in ["fixed_min", "gcra_min"] {
+        sixteen_concurrent_reserves_owe_together(&start(&redis), policy).await;
+        sixteen_concurrent_reserves_owe_together(&memory, policy).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_debt_is_at_most_the_shortfalls_in_flight_at_the_last_admission_in_redis_and_in_memory() {
+    let redis = RedisServer::start_unix();
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    let memory = Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}"));
+    for policy in ["fixed_min", "gcra_min"] {
+        the_debt_is_at_most_the_shortfalls_in_flight_at_the_last_admission(&start(&redis), policy, seed).await;
+        the_debt_is_at_most_the_shortfalls_in_flight_at_the_last_admission(&memory, policy, seed).await;
+    }
 }

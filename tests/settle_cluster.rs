@@ -150,3 +150,33 @@ impl Connect {
 fn connector(d: &Daemon) -> Connect {
     Connect(d.socket.clone())
 }
+
+/// A reserve over a tenant's hour and month, whose month primary is
+/// paused past the daemon's deadline (`CLIENT PAUSE`: Redis runs the
+/// call when the pause ends, charging the estimate and writing its
+/// record): the request gets no handle, the hour's reserve is cancelled
+/// at once, and the month's is taken back by the daemon once its primary
+/// answers (issue 33 item 7d; src/settle_retry.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_whose_call_timed_out_on_one_primary_is_taken_back() {
+    let cluster = RedisCluster::start();
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\ncluster = [{}]\ntimeout_ms = 300\nbreaker_failures = 1000\n{POLICIES}", seeds.join(", ")));
+    let mut c = d.client().await;
+    let t = tenant_across_primaries(&cluster, "paused-");
+    let month = primary_of(&cluster, "tokens_month", &t);
+    assert_eq!(cluster.cli(month, &["CLIENT", "PAUSE", "1500", "ALL"]).trim(), "OK");
+    let r = c.reserve_items(FailPolicy::Closed, 0, &[item("tokens_hour", &t, 500), item("tokens_month", &t, 500)]).await.unwrap();
+    assert_eq!(handle(&r), None, "{r:?}");
+    assert_ne!(r.decision, Decision::Allowed, "{r:?}");
+    let start = std::time::Instant::now();
+    loop {
+        let now = (held(&cluster, "tokens_hour", &t), held(&cluster, "tokens_month", &t));
+        if now == ((0, 0), (0, 0)) {
+            break;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(20), "after 20 s the primaries hold (count, records) {now:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    eprintln!("a reserve timed out on a paused primary: taken back {:?} after the answer", start.elapsed());
+}

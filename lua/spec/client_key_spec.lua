@@ -26,6 +26,37 @@ describe("client keys", function()
         assert.equals("ip4:203.0.113.7/32", ck:key("0:0:0:0:0:ffff:203.0.113.7"))
     end)
 
+    it("takes the IPv6 forms that embed an IPv4 address as that IPv4 client", function()
+        -- RFC 6052's well-known NAT64 prefix 64:ff9b::/96 (NAT64, SIIT, SIIT-DC).
+        assert.equals("ip4:203.0.113.7/32", ck:key("64:ff9b::203.0.113.7"))
+        assert.equals("ip4:203.0.113.7/32", ck:key("64:ff9b::cb00:7107"))
+        assert.equals("ip4:198.51.100.1/32", ck:key("64:FF9B:0:0:0:0:c633:6401"))
+        -- IPv4-translated (RFC 2765, SIIT): ::ffff:0:a.b.c.d.
+        assert.equals("ip4:203.0.113.7/32", ck:key("::ffff:0:203.0.113.7"))
+        assert.equals("ip4:203.0.113.7/32", ck:key("0:0:0:0:ffff:0:cb00:7107"))
+        -- IPv4-compatible (RFC 4291, deprecated): ::a.b.c.d; :: and ::1 stay IPv6.
+        assert.equals("ip4:203.0.113.7/32", ck:key("::203.0.113.7"))
+        assert.equals("ip4:0.0.0.2/32", ck:key("::2"))
+        -- Teredo (RFC 4380): 2001:0::/32, the client's public IPv4 in the
+        -- last 32 bits, each bit inverted: two clients of one relay differ.
+        assert.equals("ip4:192.0.2.45/32", ck:key("2001:0:4136:e378:8000:63bf:3fff:fdd2"))
+        assert.equals("ip4:192.0.2.46/32", ck:key("2001:0:4136:e378:8000:63bf:3fff:fdd1"))
+        assert.equals("ip4:192.0.2.45/32", ck:key("2001::ffff:3fff:fdd2"))
+        -- 6to4 (RFC 3056): 2002:V4ADDR::/48, one IPv4 host's.
+        assert.equals("ip4:192.0.2.45/32", ck:key("2002:c000:22d:1::1"))
+        assert.equals("ip4:192.0.2.45/32", ck:key("2002:c000:22d:ffff::1"))
+        -- The configured IPv4 prefix applies to all of them.
+        local wide = assert(client_key.new({ ipv4_prefix = 24 }))
+        assert.equals("ip4:203.0.113.0/24", wide:key("64:ff9b::203.0.113.250"))
+        assert.equals("ip4:192.0.2.0/24", wide:key("2001:0:4136:e378:8000:63bf:3fff:fdd2"))
+        -- Next to them, other IPv6 addresses keep their /64.
+        assert.equals("ip6:64:ff9a:0:0::/64", ck:key("64:ff9a::203.0.113.7"))
+        assert.equals("ip6:64:ff9b:1:0::/64", ck:key("64:ff9b:1::203.0.113.7"), "RFC 8215's local-use prefix: where the IPv4 sits is the operator's choice")
+        assert.equals("ip6:2001:1:0:0::/64", ck:key("2001:1::1"))
+        assert.equals("ip6:2001:db8:0:0::/64", ck:key("2001:db8::203.0.113.7"))
+        assert.equals("ip6:0:0:0:0::/64", ck:key("::ffff:1:203.0.113.7"))
+    end)
+
     it("applies configured prefixes", function()
         local wide = assert(client_key.new({ ipv4_prefix = 24, ipv6_prefix = 48 }))
         assert.equals("ip4:203.0.113.0/24", wide:key("203.0.113.77"))

@@ -31,6 +31,25 @@ describe("keys", function()
         assert.equals(string.rep("x", settings.max_key_len), key.wire(string.rep("x", settings.max_key_len)))
     end)
 
+    it("hashes a key that begins with the hashed keys' md5: so no key a client sends can be another's hash", function()
+        -- A 600-byte tenant id is sent as md5:<its hash>; a client sending
+        -- that text literally must not spend the tenant's window, nor one
+        -- sending md5:<hash of ""> every keyless request's.
+        local long = string.rep("t", 600)
+        local literal = key.wire(long)
+        assert.equals("md5:h(" .. long .. ")", literal)
+        assert.equals("md5:h(" .. literal .. ")", key.wire(literal))
+        local hex = "md5:0123456789abcdef0123456789abcdef" -- what ngx.md5 gives, sent literally
+        assert.equals("md5:h(" .. hex .. ")", key.wire(hex))
+        assert.are_not.equals(key.wire(""), key.wire(key.wire("")))
+        assert.equals("md5:h(md5:)", key.wire("md5:"))
+        assert.equals("md5:h(md5:x)", key.wire({ "md5:x" }), "a repeated header's joined values too")
+        -- Only that exact prefix: other keys are sent as they are.
+        assert.equals("md5", key.wire("md5"))
+        assert.equals("MD5:x", key.wire("MD5:x"))
+        assert.equals("tenant:md5:x", key.wire("tenant:md5:x"))
+    end)
+
     it("takes a number and a repeated header's list of values", function()
         assert.equals("42", key.wire(42))
         assert.equals("a, b", key.wire({ "a", "b" }))

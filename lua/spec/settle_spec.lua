@@ -28,3 +28,52 @@ describe("settle: frames", function()
         assert.has_error(function() settle.settle(handle .. "x", 700) end)
     end)
 end)
+
+describe("settle: one retry", function()
+    -- conn.ask answers from a script of answers, counting the sends.
+    local conn = require "resty.ratelimitd.conn"
+    local real_ask, real_next_id = conn.ask, conn.next_id
+    local sent, answers
+    before_each(function()
+        sent, answers = 0, {}
+        conn.next_id = function() return 1 end
+        conn.ask = function()
+            sent = sent + 1
+            local a = answers[sent] or { decision = "allowed", count = 0 }
+            if a.transport then
+                return nil, a.transport
+            end
+            return a
+        end
+        _G.ngx.sleep = function() end
+    end)
+    after_each(function()
+        conn.ask, conn.next_id = real_ask, real_next_id
+    end)
+    local handle = string.char(1) .. string.rep("\171", 16) .. item(500, "m", "t1")
+
+    it("sends once more after a transport error or a retryable code, and stops there", function()
+        for _, first in ipairs({ { transport = "timeout" }, { decision = "error", error = "CIRCUIT_OPEN", message = "open" },
+                                 { decision = "error", error = "REDIS_TIMEOUT", message = "slow" } }) do
+            sent, answers = 0, { first, { decision = "allowed", count = 7 } }
+            local ok, res = settle._send(handle, 700)
+            assert.is_true(ok)
+            assert.equals(7, res.count)
+            assert.equals(2, sent)
+        end
+        sent, answers = 0, { { transport = "closed" }, { transport = "closed" } }
+        local ok, err = settle._send(handle, 700)
+        assert.is_nil(ok)
+        assert.equals("closed", err)
+        assert.equals(2, sent, "one retry, not more")
+    end)
+
+    it("does not send again after an answer or an error a retry cannot mend", function()
+        answers = { { decision = "error", error = "UNSUPPORTED_COMBINATION", message = "log" } }
+        assert.is_nil((settle._send(handle, 700)))
+        assert.equals(1, sent)
+        sent, answers = 0, {}
+        assert.is_true((settle._send(handle, 700)))
+        assert.equals(1, sent)
+    end)
+end)

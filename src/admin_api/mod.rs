@@ -12,4 +12,4 @@ pub mod store;
 pub mod time;
 pub mod tls;
 
-pub use server::{bind, serve, AdminListener, View};
+pub use server::{bind, serve, AdminListener, BindError, View};

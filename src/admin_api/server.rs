@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,10 +31,12 @@ use super::store::{self, Stored, MAX_OVERRIDES};
 use super::time::{format_utc, parse_utc};
 use crate::admin::{self, AdminError, Inspection, Target};
 use crate::config::{parse_duration, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
+use crate::log_limit::RateLimitedLog;
 use crate::live_overrides::{scoped_key, split_scoped, LiveOverride, LiveOverrides};
 use crate::server::Reloadable;
 use crate::metrics::{AdminOp, AdminResult, METRICS};
 use crate::policies::shard_limit;
+use crate::socket::{BoundSocket, SocketError};
 use crate::terminal::escape_bytes;
 
 /// Largest request body (an override is a few hundred bytes).
@@ -50,40 +53,41 @@ pub struct View {
 
 /// A bound admin listener.
 pub enum AdminListener {
-    Unix { listener: tokio::net::UnixListener, path: PathBuf },
+    /// `file` removes the socket file on drop, if it is still the one bound.
+    Unix { listener: tokio::net::UnixListener, file: BoundSocket },
     /// With `tls`, every connection is a TLS one (handshake in its task).
     Tcp { listener: tokio::net::TcpListener, tls: Option<tokio_rustls::TlsAcceptor> },
 }
 
-impl Drop for AdminListener {
-    fn drop(&mut self) {
-        if let Self::Unix { path, .. } = self {
-            let _ = std::fs::remove_file(path);
-        }
-    }
+/// Why the admin listener could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    #[error(transparent)]
+    Tls(#[from] super::tls::TlsFileError),
+    #[error("{addr}: {err}")]
+    Tcp { addr: std::net::SocketAddr, err: std::io::Error },
 }
 
-/// Binds `listen`: a socket file of its mode (a stale one replaced), or a
-/// TCP address, with `tls` when given (its files read now).
-pub async fn bind(listen: &AdminListen, tls: Option<&AdminTls>) -> std::io::Result<AdminListener> {
+/// Binds `listen`: a socket file of its mode, with the request socket's
+/// checks (a live one is refused, a stale one replaced, never another
+/// process's removed), or a TCP address, with `tls` when given (its files
+/// read now).
+pub async fn bind(listen: &AdminListen, tls: Option<&AdminTls>) -> Result<AdminListener, BindError> {
     match listen {
         AdminListen::Unix { path, mode } => {
-            use std::os::unix::fs::PermissionsExt;
-            match std::fs::remove_file(path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
-            }
-            let listener = tokio::net::UnixListener::bind(path)?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode))?;
-            Ok(AdminListener::Unix { listener, path: path.clone() })
+            let mut file = BoundSocket::bind(path, *mode, None)?;
+            let listener = file.take_listener().expect("a fresh socket has its listener");
+            Ok(AdminListener::Unix { listener, file })
         }
         AdminListen::Tcp(addr) => {
             let tls = match tls {
-                Some(t) => Some(tokio_rustls::TlsAcceptor::from(super::tls::server_config(t).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?)),
+                Some(t) => Some(tokio_rustls::TlsAcceptor::from(super::tls::server_config(t)?)),
                 None => None,
             };
-            Ok(AdminListener::Tcp { listener: tokio::net::TcpListener::bind(addr).await?, tls })
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError::Tcp { addr: *addr, err })?;
+            Ok(AdminListener::Tcp { listener, tls })
         }
     }
 }
@@ -96,9 +100,51 @@ struct State {
     reloadable: watch::Receiver<Reloadable>,
 }
 
+/// The admin listener's share of the process's descriptors: it never holds
+/// more than this fraction of RLIMIT_NOFILE, so the data plane (nginx
+/// workers' connections, Redis) keeps the rest whatever admin peers do.
+const DESCRIPTOR_SHARE: u64 = 4;
+
+/// How many connections the admin listener may hold now: `[admin]
+/// max_connections`, and at most a quarter of the descriptor limit (read
+/// at each accept: an admin connection is rare, and a limit raised with
+/// prlimit applies at once).
+fn connection_cap(max_connections: usize) -> usize {
+    match nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE) {
+        Ok((soft, _)) => max_connections.min(usize::try_from(soft / DESCRIPTOR_SHARE).unwrap_or(usize::MAX)).max(1),
+        Err(_) => max_connections,
+    }
+}
+
+/// The admin connections open now; the slot is given back on drop.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(open: &Arc<AtomicUsize>, cap: usize) -> Option<Self> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1)).ok()?;
+        METRICS.admin_connection_opened();
+        Some(Self(open.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+        METRICS.admin_connection_closed();
+    }
+}
+
+/// A connection may last at most this many read timeouts in all (head,
+/// body, the handler's Redis calls and writing the answer): a backstop for
+/// a peer that reads the answer slowly.
+const LIFETIME_READ_TIMEOUTS: u32 = 6;
+
 /// Serves the API on `listener` until `shutdown`.
 pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, live: Arc<LiveOverrides>, reloadable: watch::Receiver<Reloadable>, shutdown: CancellationToken) {
     let state = Arc::new(State { view, live, reloadable });
+    let open = Arc::new(AtomicUsize::new(0));
+    let refused_log = RateLimitedLog::new(Duration::from_secs(1));
+    let accept_log = RateLimitedLog::new(Duration::from_secs(1));
     loop {
         let accepted: std::io::Result<(Box<dyn Stream>, String)> = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -107,10 +153,29 @@ pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, li
         let (stream, peer) = match accepted {
             Ok(a) => a,
             Err(e) => {
-                tracing::debug!(error = %e, "admin accept failed");
+                // Out of descriptors (EMFILE) comes back at once: one line a
+                // second, not one per try.
+                if let Some(suppressed) = accept_log.permit() {
+                    tracing::warn!(error = %e, suppressed, "admin accept failed");
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
+        };
+        let (max_connections, read_timeout) = {
+            let view = state.view.borrow();
+            (view.config.admin.max_connections, view.config.admin.read_timeout)
+        };
+        let cap = connection_cap(max_connections);
+        // Over the cap the connection is closed at once (its descriptor
+        // given back), not left in the accept queue: a flood of idle peers
+        // then holds `cap` descriptors at most, and is counted and logged.
+        let Some(slot) = Slot::take(&open, cap) else {
+            METRICS.admin_connection_refused();
+            if let Some(suppressed) = refused_log.permit() {
+                tracing::warn!(peer, cap, max_connections, suppressed, "admin connection refused: the admin listener holds its cap of connections (admin.max_connections, at most a quarter of RLIMIT_NOFILE)");
+            }
+            continue;
         };
         let state = state.clone();
         let tls = match &listener {
@@ -118,32 +183,43 @@ pub async fn serve(listener: AdminListener, view: watch::Receiver<Arc<View>>, li
             AdminListener::Unix { .. } => None,
         };
         tokio::spawn(async move {
-            // The handshake here, not in the accept loop: a slow or silent
-            // peer holds only its own task, for 10 s at most.
-            let stream: Box<dyn Stream> = match tls {
-                None => stream,
-                Some(acceptor) => match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
-                    Ok(Ok(s)) => Box::new(s),
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, peer, "admin TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(peer, "admin TLS handshake timed out");
-                        return;
-                    }
-                },
-            };
-            let service = service_fn(move |req| {
-                let state = state.clone();
-                let peer = peer.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&state, &peer, req).await) }
-            });
-            let conn = http1::Builder::new().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(Duration::from_secs(10)).serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "admin connection ended");
+            let _slot = slot;
+            let lifetime = read_timeout * LIFETIME_READ_TIMEOUTS;
+            if tokio::time::timeout(lifetime, connection(state, stream, peer.clone(), tls, read_timeout)).await.is_err() {
+                tracing::debug!(peer, lifetime_ms = lifetime.as_millis() as u64, "admin connection closed at the end of its lifetime");
             }
         });
+    }
+}
+
+/// One admin connection: its TLS handshake, then one request (no
+/// keep-alive: an idle connection holds no slot), each phase bounded by
+/// `read_timeout`.
+async fn connection(state: Arc<State>, stream: Box<dyn Stream>, peer: String, tls: Option<tokio_rustls::TlsAcceptor>, read_timeout: Duration) {
+    // The handshake here, not in the accept loop: a slow or silent peer
+    // holds only its own task, for `read_timeout` at most.
+    let stream: Box<dyn Stream> = match tls {
+        None => stream,
+        Some(acceptor) => match tokio::time::timeout(read_timeout, acceptor.accept(stream)).await {
+            Ok(Ok(s)) => Box::new(s),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, peer, "admin TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(peer, "admin TLS handshake timed out");
+                return;
+            }
+        },
+    };
+    let service = service_fn(move |req| {
+        let state = state.clone();
+        let peer = peer.clone();
+        async move { Ok::<_, std::convert::Infallible>(handle(&state, &peer, req, read_timeout).await) }
+    });
+    let conn = http1::Builder::new().timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(read_timeout).keep_alive(false).serve_connection(TokioIo::new(stream), service);
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "admin connection ended");
     }
 }
 
@@ -261,7 +337,7 @@ fn percent_decode(s: &str) -> Result<String, Answer> {
     String::from_utf8(out).map_err(|_| bad())
 }
 
-async fn handle(state: &State, peer: &str, req: Request<hyper::body::Incoming>) -> Response<Full<Bytes>> {
+async fn handle(state: &State, peer: &str, req: Request<hyper::body::Incoming>, read_timeout: Duration) -> Response<Full<Bytes>> {
     let view = state.view.borrow().clone();
     let op = match (req.method(), req.uri().path()) {
         (&Method::GET, "/v1/keys") => Some(AdminOp::Peek),
@@ -283,7 +359,7 @@ async fn handle(state: &State, peer: &str, req: Request<hyper::body::Incoming>) 
                     // One word (no spaces): the peer and how it was let in.
                     let how = if view.config.admin.token_file.is_none() && view.config.admin.read_token_file.is_none() { "socket" } else if scope == Scope::Write { "write-token" } else { "read-token" };
                     let who = format!("{peer}/{how}");
-                    route(state, &view, op, &who, req).await
+                    route(state, &view, op, &who, req, read_timeout).await
                 }
             };
             METRICS.admin_request(op, answer.result);
@@ -294,7 +370,7 @@ async fn handle(state: &State, peer: &str, req: Request<hyper::body::Incoming>) 
     Response::builder().status(answer.status).header("content-type", "application/json").body(Full::new(Bytes::from(body))).expect("static response parts")
 }
 
-async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<hyper::body::Incoming>) -> Answer {
+async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<hyper::body::Incoming>, read_timeout: Duration) -> Answer {
     let q = match query(&req) {
         Ok(q) => q,
         Err(a) => return a,
@@ -303,9 +379,12 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
         AdminOp::Peek => peek(state, view, &q).await,
         AdminOp::Reset => reset(state, view, &q, who).await,
         AdminOp::OverrideList => list(view, &q).await,
-        AdminOp::OverrideSet => match Limited::new(req.into_body(), MAX_BODY).collect().await {
-            Ok(body) => set(state, view, &body.to_bytes(), who).await,
-            Err(_) => Err(Answer::err(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is larger than {MAX_BODY} bytes, or was cut"))),
+        // The whole body within one read timeout: a peer that sends it a
+        // byte at a time holds its slot no longer than one that sends none.
+        AdminOp::OverrideSet => match tokio::time::timeout(read_timeout, Limited::new(req.into_body(), MAX_BODY).collect()).await {
+            Ok(Ok(body)) => set(state, view, &body.to_bytes(), who).await,
+            Ok(Err(_)) => Err(Answer::err(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is larger than {MAX_BODY} bytes, or was cut"))),
+            Err(_) => Err(Answer::err(StatusCode::REQUEST_TIMEOUT, format!("the body did not arrive within admin.read_timeout ({} ms)", read_timeout.as_millis()))),
         },
         AdminOp::OverrideDelete => delete(state, view, &q, who).await,
         AdminOp::BanList => ban_list(view, &q).await,

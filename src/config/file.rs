@@ -123,11 +123,26 @@ pub(super) struct AdminSection {
     pub tls_key_file: Option<PathBuf>,
     /// The CA the command line trusts for the API (default: `tls_cert_file`).
     pub tls_ca_file: Option<PathBuf>,
+    /// Connections the admin listener holds open at most.
+    pub max_connections: u64,
+    /// How long each phase of an admin request may wait for the peer.
+    pub read_timeout: String,
 }
 
 impl Default for AdminSection {
     fn default() -> Self {
-        Self { listen: None, socket_mode: "0600".into(), token_file: None, read_token_file: None, overrides_refresh: "1s".into(), tls_cert_file: None, tls_key_file: None, tls_ca_file: None }
+        Self {
+            listen: None,
+            socket_mode: "0600".into(),
+            token_file: None,
+            read_token_file: None,
+            overrides_refresh: "1s".into(),
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_file: None,
+            max_connections: super::model::ADMIN_MAX_CONNECTIONS_DEFAULT as u64,
+            read_timeout: "10s".into(),
+        }
     }
 }
 

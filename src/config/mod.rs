@@ -21,7 +21,7 @@ mod validate;
 
 pub use model::{
     redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
-    ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
+    ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 pub use nginx_names::{nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
 pub use reserve::{multi_refusal, reserve_refusal};

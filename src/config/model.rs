@@ -404,7 +404,19 @@ pub struct AdminConfig {
     pub overrides_refresh: Duration,
     /// TLS on a TCP listener (a token is still required).
     pub tls: Option<AdminTls>,
+    /// Connections the admin listener holds open at most (and never more
+    /// than a quarter of the process's descriptors: `admin_api::server`).
+    pub max_connections: usize,
+    /// How long the TLS handshake, the request head and the body may each
+    /// wait for the peer.
+    pub read_timeout: Duration,
 }
+
+/// `[admin] max_connections` when not set: enough for operators and their
+/// scripts, few enough that a daemon with 1024 descriptors keeps 960.
+pub const ADMIN_MAX_CONNECTIONS_DEFAULT: usize = 64;
+/// The largest `[admin] max_connections`.
+pub const ADMIN_MAX_CONNECTIONS_MAX: usize = 4096;
 
 /// `[admin] tls_cert_file`, `tls_key_file` (PEM; read when the listener is
 /// bound) and `tls_ca_file` (the command line's trust; the daemon does not
@@ -419,7 +431,15 @@ pub struct AdminTls {
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        Self { listen: None, token_file: None, read_token_file: None, overrides_refresh: Duration::from_secs(1), tls: None }
+        Self {
+            listen: None,
+            token_file: None,
+            read_token_file: None,
+            overrides_refresh: Duration::from_secs(1),
+            tls: None,
+            max_connections: ADMIN_MAX_CONNECTIONS_DEFAULT,
+            read_timeout: Duration::from_secs(10),
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::file;
 use super::model::{
     redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
-    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
+    SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
 
@@ -389,7 +389,25 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
             None
         }
     };
-    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh, tls }
+    let max_connections = match usize::try_from(a.max_connections) {
+        Ok(n) if (1..=ADMIN_MAX_CONNECTIONS_MAX).contains(&n) => n,
+        _ => {
+            p.add("admin.max_connections", format!("{} is not between 1 and {ADMIN_MAX_CONNECTIONS_MAX}", a.max_connections));
+            ADMIN_MAX_CONNECTIONS_DEFAULT
+        }
+    };
+    let read_timeout = match parse_duration(&a.read_timeout) {
+        Ok(d) if d >= Duration::from_millis(100) && d <= Duration::from_secs(300) => d,
+        Ok(_) => {
+            p.add("admin.read_timeout", "must be between 100ms and 5m");
+            Duration::from_secs(10)
+        }
+        Err(e) => {
+            p.add("admin.read_timeout", e);
+            Duration::from_secs(10)
+        }
+    };
+    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh, tls, max_connections, read_timeout }
 }
 
 /// A duration such as "500ms", "1s", "2m", "1h" or "1d": a whole number and
@@ -816,6 +834,18 @@ mod tests {
         assert!(e.contains("admin.listen") && e.contains("token_file"), "{e}");
         let e = parse("[admin]\nlisten = \"admin.sock\"\noverrides_refresh = \"1ms\"\n").unwrap_err().to_string();
         assert!(e.contains("absolute socket path") && e.contains("admin.overrides_refresh"), "{e}");
+    }
+
+    #[test]
+    fn the_admin_listener_has_a_connection_cap_and_a_read_timeout_within_bounds() {
+        let c = parse("[admin]\nlisten = \"/run/a.sock\"\n").unwrap();
+        assert_eq!((c.admin.max_connections, c.admin.read_timeout), (64, Duration::from_secs(10)));
+        let c = parse("[admin]\nmax_connections = 8\nread_timeout = \"500ms\"\n").unwrap();
+        assert_eq!((c.admin.max_connections, c.admin.read_timeout), (8, Duration::from_millis(500)));
+        for (bad, field) in [("max_connections = 0", "admin.max_connections"), ("max_connections = 4097", "admin.max_connections"), ("read_timeout = \"50ms\"", "admin.read_timeout"), ("read_timeout = \"6m\"", "admin.read_timeout"), ("read_timeout = \"soon\"", "admin.read_timeout")] {
+            let e = parse(&format!("[admin]\n{bad}\n")).unwrap_err().to_string();
+            assert!(e.contains(&format!("{field}: ")), "{bad}: {e}");
+        }
     }
 
     #[test]

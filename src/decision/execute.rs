@@ -1,29 +1,21 @@
-//! Execution of one item: the store's verdict on its window (the memory
-//! backend, or the denial cache then Redis with coalescing, every
-//! algorithm), on its shards one after another, or on its lease; and the
-//! fail policy when Redis cannot answer.
+//! Execution of one item: the verdict of the layers and the store on its
+//! window (`layers::verdict`), on its shards one after another, or on its
+//! concurrency lease; and its fail policy (`fail::fallback`) when the store
+//! cannot answer.
 
 use std::borrow::Cow;
 
-use crate::denial_cache::{is_exact_for, Lookup};
 use crate::local_store::LocalStoreFull;
 use crate::metrics::METRICS;
-use crate::protocol::{Algorithm, ErrorCode, FailPolicy, Response, Source};
-use crate::window::{nominal_window_ms, LimitSpec, StoreError, Verdict};
+use crate::protocol::{ErrorCode, Response, Source};
+use crate::window_store::NoVerdict;
+use crate::window::{LimitSpec, StoreError, Verdict};
 
-use super::lease::Take;
+use super::fail::{acquire_fallback, fallback, Fallback};
+use super::limiter::Limiter;
 use super::plan::ShardOrder;
 use super::respond::{error_code, verdict_response, OVERLOADED_MESSAGE};
 use super::resolve::Item;
-use super::limiter::{Backend, Limiter};
-
-/// Why a store gave no verdict.
-pub(super) enum NoVerdict {
-    /// Redis failed: the fail policy decides.
-    Store(StoreError),
-    /// The in-memory windows are full.
-    Full(LocalStoreFull),
-}
 
 impl Limiter {
     /// Decides one item with a limit: its window, or its shards. Never
@@ -40,44 +32,6 @@ impl Limiter {
             Ok((source, v)) => verdict_response(id, op, source, v.under(limit)),
             Err(NoVerdict::Full(full)) => self.capacity_error(id, op, Source::Memory, full),
             Err(NoVerdict::Store(e)) => self.on_store_error(id, op, item, limit, e),
-        }
-    }
-
-    /// The store's verdict on `spec`: the in-memory backend's, or the denial
-    /// cache's (for the algorithms it is exact for), or Redis's (recorded in
-    /// the denial cache). No fail policy.
-    pub(super) async fn verdict(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<(Source, Verdict), NoVerdict> {
-        match &self.backend {
-            Backend::Local => self.local.check(spec, algorithm).map(|v| (Source::Memory, v)).map_err(NoVerdict::Full),
-            Backend::Redis(redis) => {
-                // A quota lease first (log, fixed, sliding counter): admitted
-                // with no Redis call.
-                let leased = match self.leases.as_ref().map(|l| (l, l.take(spec, algorithm))) {
-                    Some((_, Take::Admitted(v))) => return Ok((Source::Redis, v)),
-                    Some((l, Take::Lease { fp, want })) => Some((l, fp, want)),
-                    _ => None,
-                };
-                let denials = self.denials.as_deref().filter(|_| is_exact_for(algorithm));
-                let ticket = match denials.map(|d| d.check(spec, algorithm)) {
-                    Some(Lookup::Refused(v)) => {
-                        if let Some((l, fp, _)) = leased {
-                            l.abandon(fp);
-                        }
-                        return Ok((Source::DenialCache, v));
-                    }
-                    Some(Lookup::Miss(ticket)) => Some(ticket),
-                    None => None,
-                };
-                let v = match leased {
-                    Some((l, fp, want)) => l.lease(fp, spec, algorithm, want).await,
-                    None => redis.check(spec, algorithm).await,
-                }
-                .map_err(NoVerdict::Store)?;
-                if let (Some(d), Some(t)) = (denials, ticket) {
-                    d.record(t, spec.cost, &v);
-                }
-                Ok((Source::Redis, v))
-            }
         }
     }
 
@@ -126,34 +80,17 @@ impl Limiter {
         Response { source, ..Response::error(id, op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) }
     }
 
-    /// Redis could not decide one item: its fail policy does.
+    /// The store could not decide one item: its fail policy does.
     pub(super) fn on_store_error(&self, id: u32, op: u8, item: &Item<'_>, limit: u32, e: StoreError) -> Response {
-        METRICS.fail_policy_applied(item.on_error);
         self.log_store_error(&e, item);
-        let mut r = match item.on_error {
-            FailPolicy::Open => verdict_response(id, op, Source::FailOpen, Verdict { allowed: true, remaining: limit, ..Verdict::default() }),
-            // Ask clients to come back once, not to hammer a failing store.
-            FailPolicy::Closed => verdict_response(id, op, Source::FailClosed, Verdict { retry_after_ms: item.window_ms.min(1000), ..Verdict::default() }),
-            FailPolicy::Local => {
-                let v = if item.cost > item.local_limit {
-                    // Can never fit the local quota: deny without recording.
-                    Verdict { remaining: item.local_limit, retry_after_ms: nominal_window_ms(item.window_ms), ..Verdict::default() }
-                } else {
-                    let spec = LimitSpec { key: item.key, limit: item.local_limit, window_ms: item.window_ms, cost: item.cost };
-                    match self.local.check(&spec, item.algorithm) {
-                        Ok(v) => v,
-                        Err(full) => return self.capacity_error(id, op, Source::LocalFallback, full),
-                    }
-                };
-                verdict_response(id, op, Source::LocalFallback, v)
-            }
+        let (source, v) = match fallback(item, limit) {
+            Fallback::Decided(source, v) => (source, v),
+            Fallback::Local(local_limit) => match self.local.check(&LimitSpec { key: item.key, limit: local_limit, window_ms: item.window_ms, cost: item.cost }, item.algorithm) {
+                Ok(v) => (Source::LocalFallback, v),
+                Err(full) => return self.capacity_error(id, op, Source::LocalFallback, full),
+            },
         };
-        r.error = error_code(&e);
-        r.message = match e {
-            StoreError::Overloaded(_) => Cow::Borrowed(OVERLOADED_MESSAGE),
-            e => Cow::Owned(e.to_string()),
-        };
-        r
+        with_error(verdict_response(id, op, source, v), e)
     }
 
     fn log_store_error(&self, e: &StoreError, item: &Item<'_>) {
@@ -170,55 +107,48 @@ impl Limiter {
 
     /// ACQUIRE or RELEASE of a concurrency lease (SEMANTICS S4: an acquire
     /// of an id held renews it). Never coalesced, never answered by the
-    /// denial cache (a release frees a slot at any moment). An ACQUIRE
-    /// Redis cannot decide follows its fail policy (`local`: the per-host
+    /// denial cache (a release frees a slot at any moment). An ACQUIRE the
+    /// store cannot decide follows its fail policy (`local`: the per-host
     /// leases, with `local_limit`); a RELEASE is also applied to the
     /// per-host leases, which hold it if the fallback acquired it.
     pub(super) async fn lease(&self, id: u32, op: u8, acquire: bool, item: &Item<'_>, limit: u32, lease: &[u8]) -> Response {
-        let local = |limit| {
-            if acquire {
-                self.local.acquire(item.key, lease, limit, item.window_ms, item.cost)
-            } else {
-                Ok(self.local.release(item.key, lease))
-            }
-        };
-        let capacity = |source, full: LocalStoreFull| Response { source, ..Response::error(id, op, ErrorCode::LocalCapacity, Cow::Owned(full.to_string())) };
-        let redis = match &self.backend {
-            Backend::Local => {
-                return match local(limit) {
-                    Ok(v) => verdict_response(id, op, Source::Memory, v.under(limit)),
-                    Err(full) => capacity(Source::Memory, full),
-                };
-            }
-            Backend::Redis(redis) => redis,
-        };
-        match redis.lease(acquire, item.key, lease, limit, item.window_ms, item.cost).await {
+        match self.store.lease(acquire, item.key, lease, limit, item.window_ms, item.cost).await {
             Ok(v) => {
                 if !acquire {
                     self.local.release(item.key, lease);
                 }
-                verdict_response(id, op, Source::Redis, v.under(limit))
+                verdict_response(id, op, self.store.origin(), v.under(limit))
             }
-            Err(e) => {
-                METRICS.fail_policy_applied(item.on_error);
+            Err(NoVerdict::Full(full)) => self.capacity_error(id, op, Source::Memory, full),
+            Err(NoVerdict::Store(e)) => {
                 if let Some(suppressed) = self.failure_log.permit() {
                     tracing::warn!(error = %e, on_error = item.on_error.as_str(), policy = logged_policy(item), key = %logged_key(item), suppressed, "redis failed on a concurrency lease; the request's fail policy decides");
                 }
-                let mut r = match (acquire, item.on_error) {
-                    (false, _) => verdict_response(id, op, Source::LocalFallback, self.local.release(item.key, lease)),
-                    (true, FailPolicy::Open) => verdict_response(id, op, Source::FailOpen, Verdict { allowed: true, remaining: limit, ..Verdict::default() }),
-                    (true, FailPolicy::Closed) => verdict_response(id, op, Source::FailClosed, Verdict { retry_after_ms: item.window_ms.min(1000), ..Verdict::default() }),
-                    (true, FailPolicy::Local) => match local(item.local_limit) {
-                        Ok(v) => verdict_response(id, op, Source::LocalFallback, v),
-                        Err(full) => capacity(Source::LocalFallback, full),
+                if !acquire {
+                    METRICS.fail_policy_applied(item.on_error);
+                    return with_error(verdict_response(id, op, Source::LocalFallback, self.local.release(item.key, lease)), e);
+                }
+                let (source, v) = match acquire_fallback(item, limit) {
+                    Fallback::Decided(source, v) => (source, v),
+                    Fallback::Local(local_limit) => match self.local.acquire(item.key, lease, local_limit, item.window_ms, item.cost) {
+                        Ok(v) => (Source::LocalFallback, v),
+                        Err(full) => return self.capacity_error(id, op, Source::LocalFallback, full),
                     },
                 };
-                r.error = error_code(&e);
-                r.message = Cow::Owned(e.to_string());
-                r
+                with_error(verdict_response(id, op, source, v), e)
             }
         }
     }
+}
+
+/// A fail policy's response with the store's error it answers for.
+fn with_error(mut r: Response, e: StoreError) -> Response {
+    r.error = error_code(&e);
+    r.message = match e {
+        StoreError::Overloaded(_) => Cow::Borrowed(OVERLOADED_MESSAGE),
+        e => Cow::Owned(e.to_string()),
+    };
+    r
 }
 
 /// An admitting shard's verdict as the key's: count and remaining

@@ -28,7 +28,6 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::denial_cache::DenialCache;
 use crate::log_limit::RateLimitedLog;
 use crate::protocol::{Algorithm, MAX_SHARE_UNITS};
 use crate::redis::RedisWindow;
@@ -299,10 +298,9 @@ pub struct QuotaLeases {
     /// fingerprint no client can aim at.
     hashers: (RandomState, RandomState),
     epoch: Instant,
+    /// The store; it tells the denial cache of every settle (units
+    /// removed: Redis may admit sooner than a cached refusal says).
     redis: Arc<RedisWindow>,
-    /// Told of every settle, before and after: it removes members, so
-    /// Redis may admit sooner than a cached refusal says.
-    denials: Option<Arc<DenialCache>>,
     settle_log: RateLimitedLog,
 }
 
@@ -313,11 +311,10 @@ impl std::fmt::Debug for QuotaLeases {
 }
 
 impl QuotaLeases {
-    /// A table of `slots` keys (rounded up to a power of two) over `redis`,
-    /// with the denial cache in front of it.
-    pub fn new(redis: Arc<RedisWindow>, slots: usize, denials: Option<Arc<DenialCache>>) -> Arc<Self> {
+    /// A table of `slots` keys (rounded up to a power of two) over `redis`.
+    pub fn new(redis: Arc<RedisWindow>, slots: usize) -> Arc<Self> {
         let n = slots.max(1).next_power_of_two();
-        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, denials, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
+        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
     }
 
     fn now_us(&self) -> u64 {
@@ -576,13 +573,7 @@ impl QuotaLeases {
         tokio::spawn(async move {
             if let Some((algorithm, handle)) = lease.reserve {
                 let spec = LimitSpec { key: &key, limit: lease.limit, window_ms, cost: lease.used() };
-                if let Some(d) = &leases.denials {
-                    d.forget_window(&key, window_ms);
-                }
                 let settled = leases.redis.settle_reserve(&spec, algorithm, &handle).await;
-                if let Some(d) = &leases.denials {
-                    d.forget_window(&key, window_ms);
-                }
                 if let Err(e) = settled {
                     if let Some(suppressed) = leases.settle_log.permit() {
                         tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until their window ends");
@@ -591,14 +582,7 @@ impl QuotaLeases {
                 return;
             }
             let scores: Vec<u64> = lease.used_scores().collect();
-            let forget = || {
-                if let Some(d) = &leases.denials {
-                    d.forget_window(&key, window_ms);
-                }
-            };
-            forget();
             let settled = leases.redis.settle_lease(&key, window_ms, lease.seq(), lease.granted(), &scores).await;
-            forget();
             if let Err(e) = settled {
                 if let Some(suppressed) = leases.settle_log.permit() {
                     tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");

@@ -1,6 +1,7 @@
-//! The decision engine's state: the backend, the per-host store, the
-//! denial cache, the policies and the rate-limited logs. The pipeline's
-//! steps are `impl Limiter` blocks in the sibling files.
+//! The decision engine's state: the store, the per-host windows of the
+//! `local` fail policy, the cache layers in front of the store (denial
+//! cache, quota leases), the policies and the rate-limited logs. The
+//! pipeline's steps are `impl Limiter` blocks in the sibling files.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,24 +11,16 @@ use crate::live_overrides::LiveOverrides;
 use crate::local_store::LocalStore;
 use crate::log_limit::RateLimitedLog;
 use crate::policies::Policies;
-use crate::redis::RedisWindow;
+use crate::window_store::Store;
 
 use super::lease::QuotaLeases;
-
-/// Where decisions are made.
-#[derive(Debug, Clone)]
-pub enum Backend {
-    Redis(Arc<RedisWindow>),
-    /// No Redis configured: the per-host store decides; limits are per host.
-    Local,
-}
 
 /// The decision engine shared by all connections; replaced whole on reload.
 #[derive(Debug)]
 pub struct Limiter {
-    pub(super) backend: Backend,
-    /// The store of the local backend, and the fallback of the `local` fail
-    /// policy with Redis; outlives reloads.
+    pub(super) store: Store,
+    /// The per-host windows of the `local` fail policy (with the memory
+    /// store, the store's own); outlive reloads.
     pub(super) local: Arc<LocalStore>,
     pub(super) failure_log: RateLimitedLog,
     pub(super) capacity_log: RateLimitedLog,
@@ -45,9 +38,9 @@ pub struct Limiter {
 
 
 impl Limiter {
-    pub fn new(backend: Backend, local: Arc<LocalStore>) -> Self {
+    pub fn new(store: Store, local: Arc<LocalStore>) -> Self {
         Self {
-            backend,
+            store,
             local,
             failure_log: RateLimitedLog::new(Duration::from_secs(1)),
             capacity_log: RateLimitedLog::new(Duration::from_secs(10)),
@@ -58,6 +51,11 @@ impl Limiter {
             live_overrides: Arc::default(),
             leases: None,
         }
+    }
+
+    /// A limiter on the memory store, which is also its `local` fallback.
+    pub fn memory(local: Arc<LocalStore>) -> Self {
+        Self::new(Store::Memory(local.clone()), local)
     }
 
     /// The policies requests are decided with.
@@ -89,8 +87,8 @@ impl Limiter {
         &self.live_overrides
     }
 
-    pub fn backend(&self) -> &Backend {
-        &self.backend
+    pub fn store(&self) -> &Store {
+        &self.store
     }
 
     /// `key`'s window of `window_ms` changed outside the request path (an

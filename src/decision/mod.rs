@@ -25,6 +25,8 @@
 
 mod count;
 mod execute;
+mod fail;
+mod layers;
 mod lease;
 mod limiter;
 mod multi;
@@ -46,7 +48,7 @@ use crate::window::LimitSpec;
 
 pub(crate) use count::count_undecoded;
 pub use lease::{lease_life_ms, leasable, reserved_life_ms, QuotaLease, QuotaLeases, ShareAnswer, WorkerShare, MAX_LEASE_UNITS, MAX_SHARE_MS};
-pub use limiter::{Backend, Limiter};
+pub use limiter::Limiter;
 pub use resolve::{kind_refusal, Kind};
 
 use count::{account, Charge};
@@ -286,7 +288,7 @@ mod tests {
 
     #[tokio::test]
     async fn policies_resolve_limits_overrides_and_unknown_names() {
-        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(policies(false)));
+        let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(policies(false)));
         let run = |key| {
             let l = &l;
             async move {
@@ -319,7 +321,7 @@ mod tests {
     async fn sharded_policy_admits_exactly_its_limit() {
         use crate::config::PolicyConfig;
         let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, lease_ms: None, shards: 3, penalty: None, overrides: Default::default() };
-        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None))));
+        let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None))));
         let mut admitted = 0;
         for n in 0..25 {
             let r = l.clone().decide(Request::PolicyCheck(policy_req("hot", "t1"))).await;
@@ -349,7 +351,7 @@ mod tests {
 
     #[tokio::test]
     async fn shadow_policies_report_refusals_and_admit() {
-        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(policies(true)));
+        let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(policies(true)));
         let mut got = Vec::new();
         for _ in 0..4 {
             got.push(l.clone().decide(Request::PolicyCheck(policy_req("order", "t1"))).await.decision);
@@ -362,7 +364,7 @@ mod tests {
 
     #[tokio::test]
     async fn memory_backend_answers_with_source_memory() {
-        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))));
+        let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))));
         let r = l.clone().decide(Request::Check(req("a", 1, FailPolicy::Closed))).await;
         assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, Source::Memory, 1, 0));
         let r = l.clone().decide(Request::Check(req("a", 1, FailPolicy::Closed))).await;
@@ -372,7 +374,7 @@ mod tests {
 
     #[test]
     fn fail_policies_decide_on_backend_errors() {
-        let l = Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))));
+        let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))));
         let e = || StoreError::Timeout(Duration::from_millis(20));
         let item = |r: &'static CheckRequest| Item::inline(r);
         let open: &'static CheckRequest = Box::leak(Box::new(req("k", 10, FailPolicy::Open)));

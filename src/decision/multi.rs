@@ -8,24 +8,18 @@
 use std::borrow::Cow;
 
 use crate::denial_cache::Lookup;
-use crate::metrics::METRICS;
-use crate::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, ItemResult, Response, Source};
+use crate::protocol::{Algorithm, Decision, ErrorCode, ItemResult, Response, Source};
 use crate::redis::{MultiAsk, RefundItem};
 use crate::window::{LimitSpec, Verdict};
 
-use super::execute::{merge_refusals, whole_key, NoVerdict};
-use super::limiter::{Backend, Limiter};
+use crate::window_store::{ManyVerdicts, NoVerdict, RefundUnsupported};
+
+use super::execute::{merge_refusals, whole_key};
+use super::fail::{fallback, Fallback};
+use super::limiter::Limiter;
 use super::plan::{refund_windows, Planned};
 use super::resolve::Item;
 use super::respond::{error_code, verdict_item, Executed};
-
-/// One attempt's answer: whether it committed, and per planned item its
-/// verdict (`None`: not asked) and where it came from.
-struct Attempt {
-    committed: bool,
-    verdicts: Vec<Option<(Source, Verdict)>>,
-    handle: Option<[u8; 16]>,
-}
 
 impl Limiter {
     /// Decides `items` all or nothing. `Err`: the in-memory windows are
@@ -138,32 +132,22 @@ impl Limiter {
         }
     }
 
-    /// One all-or-nothing try of the planned windows: the memory backend,
-    /// or the denial cache (any enforced item it refuses decides, exact:
-    /// Redis would refuse that item) then one Redis call, its members named
-    /// by `under` (an admission's handle) or a fresh handle.
-    async fn attempt(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], under: Option<[u8; 16]>) -> Result<Attempt, NoVerdict> {
-        fn spec<'s>(items: &[Item<'_>], (i, p): &'s (usize, Planned<'_>)) -> LimitSpec<'s> {
-            LimitSpec { key: &p.window.key, limit: p.window.limit, window_ms: items[*i].window_ms, cost: items[*i].cost }
-        }
-        let spec = |s| spec(items, s);
-        let redis = match &self.backend {
-            Backend::Local => {
-                let specs: Vec<(LimitSpec<'_>, bool)> = stored.iter().map(|s| (spec(s), items[s.0].shadow)).collect();
-                return match self.local.check_multi(&specs) {
-                    Ok((committed, verdicts)) => Ok(Attempt { committed, verdicts: verdicts.into_iter().map(|v| Some((Source::Memory, v))).collect(), handle: None }),
-                    Err(full) => Err(NoVerdict::Full(full)),
-                };
-            }
-            Backend::Redis(redis) => redis,
-        };
+    /// One all-or-nothing try of the planned windows: the denial cache (any
+    /// enforced item it refuses decides, exact: the store would refuse that
+    /// item), then one store call, its members named by `under` (an
+    /// admission's handle) or a fresh handle.
+    async fn attempt(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], under: Option<[u8; 16]>) -> Result<ManyVerdicts, NoVerdict> {
+        let asks: Vec<MultiAsk<'_>> = stored
+            .iter()
+            .map(|(i, p)| MultiAsk { key: &p.window.key, window_ms: items[*i].window_ms, limit: p.window.limit, cost: items[*i].cost, shadow: items[*i].shadow, number: (*i + 1) as u8 })
+            .collect();
         let mut tickets = Vec::with_capacity(stored.len());
         if let Some(d) = self.denials.as_deref() {
             let mut cached = vec![None; stored.len()];
             let mut refused = false;
-            for (k, s) in stored.iter().enumerate() {
-                match d.check(&spec(s), Algorithm::Log) {
-                    Lookup::Refused(v) if !items[s.0].shadow => {
+            for (k, a) in asks.iter().enumerate() {
+                match d.check(&a.spec(), Algorithm::Log) {
+                    Lookup::Refused(v) if !a.shadow => {
                         cached[k] = Some((Source::DenialCache, v));
                         refused = true;
                     }
@@ -172,75 +156,58 @@ impl Limiter {
                 }
             }
             if refused {
-                return Ok(Attempt { committed: false, verdicts: cached, handle: None });
+                return Ok(ManyVerdicts { committed: false, verdicts: cached, handle: None });
             }
         }
-        let asks: Vec<MultiAsk<'_>> = stored
-            .iter()
-            .map(|s| {
-                let l = spec(s);
-                MultiAsk { key: l.key, window_ms: l.window_ms, limit: l.limit, cost: l.cost, shadow: items[s.0].shadow, number: (s.0 + 1) as u8 }
-            })
-            .collect();
-        let answer = match &under {
-            Some(h) => redis.check_multi_under(h, &asks).await,
-            None => redis.check_multi(&asks).await,
-        }
-        .map_err(NoVerdict::Store)?;
-        let mut verdicts = Vec::with_capacity(stored.len());
-        for (k, (s, v)) in stored.iter().zip(&answer.verdicts).enumerate() {
-            if let (Some(v), Some(d), Some(Some(t))) = (v, &self.denials, tickets.get(k)) {
-                d.record(*t, spec(s).cost, v);
+        let answer = self.store.check_many(&asks, under.as_ref()).await?;
+        if let Some(d) = &self.denials {
+            for ((a, v), t) in asks.iter().zip(&answer.verdicts).zip(&tickets) {
+                if let (Some((_, v)), Some(t)) = (v, t) {
+                    d.record(*t, a.cost, v);
+                }
             }
-            verdicts.push(v.map(|v| (Source::Redis, v)));
         }
-        Ok(Attempt { committed: answer.committed, verdicts, handle: Some(answer.handle) })
+        Ok(answer)
     }
 
-    /// Redis could not decide a multi-item check: each item's fail policy
-    /// decides, all or nothing: `closed` refuses, `open` admits, `local`
-    /// items are checked together in the per-host windows of their keys
-    /// (a sharded key's own, not a shard's) with their local quota.
+    /// The store could not decide a multi-item check: each item's fail
+    /// policy decides (`fail::fallback`), all or nothing: a refusal refuses
+    /// the request; `local` items are checked together in the per-host
+    /// windows of their keys (a sharded key's own, not a shard's) with
+    /// their local quota.
     pub(super) fn fail_policies(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], results: &mut [ItemResult]) {
         let mut refused = false;
-        let mut local: Vec<usize> = Vec::new();
+        let mut local: Vec<(usize, u32)> = Vec::new();
         for (i, _) in stored {
             let (i, item) = (*i, &items[*i]);
             let limit = item.limit.unwrap_or(0);
-            let base = ItemResult { limit, window_ms: item.window_ms, ..ItemResult::NOT_EVALUATED };
-            METRICS.fail_policy_applied(item.on_error);
-            results[i] = match item.on_error {
-                FailPolicy::Open => ItemResult { decision: Decision::Allowed, source: Source::FailOpen, remaining: limit, ..base },
-                FailPolicy::Closed => {
-                    refused |= !item.shadow;
-                    ItemResult { decision: Decision::Denied, source: Source::FailClosed, retry_after_ms: item.window_ms.min(1000), ..base }
+            match fallback(item, limit) {
+                Fallback::Decided(source, v) => {
+                    refused |= !v.allowed && !item.shadow;
+                    let limit = if source == Source::LocalFallback { item.local_limit } else { limit };
+                    results[i] = verdict_item(v, source, limit, item.window_ms);
                 }
-                FailPolicy::Local if item.cost > item.local_limit => {
-                    refused |= !item.shadow;
-                    ItemResult { decision: Decision::Denied, source: Source::LocalFallback, remaining: item.local_limit, retry_after_ms: item.window_ms, limit: item.local_limit, ..base }
+                Fallback::Local(local_limit) => {
+                    results[i] = ItemResult { limit, window_ms: item.window_ms, ..ItemResult::NOT_EVALUATED };
+                    local.push((i, local_limit));
                 }
-                FailPolicy::Local => {
-                    local.push(i);
-                    base
-                }
-            };
+            }
         }
         if refused || local.is_empty() {
             return;
         }
-        let specs: Vec<(LimitSpec<'_>, bool)> =
-            local.iter().map(|&i| (LimitSpec { key: items[i].key, limit: items[i].local_limit, window_ms: items[i].window_ms, cost: items[i].cost }, items[i].shadow)).collect();
+        let specs: Vec<(LimitSpec<'_>, bool)> = local.iter().map(|&(i, l)| (LimitSpec { key: items[i].key, limit: l, window_ms: items[i].window_ms, cost: items[i].cost }, items[i].shadow)).collect();
         match self.local.check_multi(&specs) {
             Ok((_, verdicts)) => {
-                for ((&i, v), (s, _)) in local.iter().zip(verdicts).zip(&specs) {
-                    results[i] = ItemResult { limit: s.limit, ..verdict_item(v, Source::LocalFallback, s.window_ms) };
+                for ((&(i, _), v), (s, _)) in local.iter().zip(verdicts).zip(&specs) {
+                    results[i] = verdict_item(v, Source::LocalFallback, s.limit, s.window_ms);
                 }
             }
             Err(full) => {
                 if let Some(suppressed) = self.capacity_log.permit() {
                     tracing::warn!(error = %full, suppressed, "in-memory windows full: a multi-item check's local fallback refuses");
                 }
-                for &i in &local {
+                for &(i, _) in &local {
                     results[i].source = Source::LocalFallback;
                 }
             }
@@ -252,17 +219,15 @@ impl Limiter {
     /// not found); a sharded item names every shard's window. The in-memory
     /// backend keeps no member ids: `REFUND_UNSUPPORTED`.
     pub(super) async fn refund_items(&self, id: u32, op: u8, handle: &[u8; 16], items: &[Item<'_>]) -> Result<u64, Response> {
-        let redis = match &self.backend {
-            Backend::Local => return Err(Response::error(id, op, ErrorCode::RefundUnsupported, Cow::Borrowed("the in-memory backend keeps no member ids: refunds need the Redis backend"))),
-            Backend::Redis(redis) => redis,
-        };
         // Per item its windows (a sharded item: every shard's).
         let windows: Vec<(usize, bytes::Bytes)> =
             items.iter().enumerate().flat_map(|(i, item)| refund_windows(item, item.limit.unwrap_or(0)).into_iter().map(move |(k, _)| (i, k))).collect();
         let refund: Vec<RefundItem<'_>> = windows.iter().map(|(i, k)| RefundItem { key: k, window_ms: items[*i].window_ms, cost: items[*i].cost, number: (*i + 1) as u8 }).collect();
         // The store tells the denial cache of every window it touched,
         // refunded or not (docs/PROTOCOL.md 4c).
-        let outcome = redis.refund_outcome(handle, &refund).await;
+        let outcome = self.store.refund(handle, &refund).await.map_err(|RefundUnsupported| {
+            Response::error(id, op, ErrorCode::RefundUnsupported, Cow::Borrowed("the in-memory backend keeps no member ids: refunds need the Redis backend"))
+        })?;
         match outcome.failure {
             None => Ok(outcome.removed),
             // The slots that answered were refunded: `count` says how much (PROTOCOL.md 4c).
@@ -279,7 +244,7 @@ impl Limiter {
 fn item_result(item: &Item<'_>, p: &Planned<'_>, source: Source, v: Verdict) -> ItemResult {
     let limit = item.limit.unwrap_or(0);
     if p.rest.is_none() {
-        return ItemResult { limit, ..verdict_item(v, source, item.window_ms) };
+        return verdict_item(v, source, limit, item.window_ms);
     }
     let v = match (v.allowed, p.refusals) {
         (true, _) => whole_key(v, limit, item.cost, item.shards),
@@ -289,5 +254,5 @@ fn item_result(item: &Item<'_>, p: &Planned<'_>, source: Source, v: Verdict) -> 
         }
         (false, None) => v,
     };
-    ItemResult { limit, ..verdict_item(v, source, item.window_ms) }
+    verdict_item(v, source, limit, item.window_ms)
 }

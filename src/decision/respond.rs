@@ -40,10 +40,12 @@ pub(super) fn verdict_response(id: u32, op: u8, source: Source, v: Verdict) -> R
     Response { decision, source, count: v.count, remaining: v.remaining, retry_after_ms: v.retry_after_ms, reset_ms: v.reset_ms, ..Response::error(id, op, ErrorCode::None, Cow::Borrowed("")) }
 }
 
-/// A store's verdict as one item's result (its limit set by the caller).
-pub(super) fn verdict_item(v: Verdict, source: Source, window_ms: u32) -> ItemResult {
+/// A store's verdict as one item's result under `limit`, the limit in
+/// force (`Verdict::under`).
+pub(super) fn verdict_item(v: Verdict, source: Source, limit: u32, window_ms: u32) -> ItemResult {
     let decision = if v.allowed { Decision::Allowed } else { Decision::Denied };
-    ItemResult { decision, source, count: v.count, remaining: v.remaining, retry_after_ms: v.retry_after_ms, reset_ms: v.reset_ms, limit: 0, window_ms }
+    let v = v.under(limit);
+    ItemResult { decision, source, count: v.count, remaining: v.remaining, retry_after_ms: v.retry_after_ms, reset_ms: v.reset_ms, limit, window_ms }
 }
 
 /// An exempt key's answer: allowed, nothing asked or recorded.

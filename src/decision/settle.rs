@@ -9,28 +9,24 @@
 //! no record and changes nothing. Both go through resolve (Kind::Reserve,
 //! Kind::Settle: O(1) algorithms only), the stores, respond and count.
 //!
-//! Several items, in Redis: each item is its own script call (its keys are
-//! in its own Cluster slot, and the algorithms differ), all sent at once.
-//! When an enforced item refuses, the items that reserved are cancelled (a
-//! settle to 0 of the record just written: the window is put back exactly,
-//! src/redis/*.lua 's' mode) and, some having held a reserve, tried once
-//! more one by one in the request's order (two requests over the same
-//! policies that refused each other: the first past the first item wins).
-//! Between a reserve and its cancel another request may see the estimate
-//! held and be refused: a refusal too many, never an admission too many.
-//! In the memory backend every item is decided under the windows' locks:
-//! all or nothing with nothing seen in between.
+//! How a store reserves several items all or nothing is the store's
+//! (`Store::reserve`, src/window_store.rs): in Redis each item is its own
+//! script call, all sent at once, and a refused request's reserves are
+//! cancelled (a refusal too many, never an admission too many, while one is
+//! held); in memory every item is decided under the windows' locks. A
+//! settle that meets a Redis failure is retried by the store in the
+//! background (src/settle_retry.rs).
 
 use std::borrow::Cow;
 
 use futures_util::future::join_all;
 
 use crate::protocol::{Decision, ErrorCode, ItemResult, ReserveRequest, Response, SettleRequest, Source, FailPolicy, OP_CHECK_POLICY, OP_SETTLE};
-use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
+use crate::window_store::{ReserveAsk, Reserved};
 
 use super::count::Charge;
-use super::limiter::{Backend, Limiter};
+use super::limiter::Limiter;
 use super::plan::Planned;
 use super::resolve::{Item, Kind};
 use super::respond::{self, error_code, verdict_item, Executed};
@@ -42,33 +38,15 @@ fn spec_of<'a>(item: &Item<'a>) -> LimitSpec<'a> {
 
 /// An item's result from its verdict, with its limit.
 fn result_of(item: &Item<'_>, v: Verdict, source: Source) -> ItemResult {
-    ItemResult { limit: item.limit.unwrap_or(0), ..verdict_item(v, source, item.window_ms) }
-}
-
-/// One pass over the items in Redis: per item of `order`, its verdict
-/// (`None`: not asked), and the first failure.
-struct Pass {
-    verdicts: Vec<Option<Verdict>>,
-    failure: Option<StoreError>,
-}
-
-impl Pass {
-    /// An enforced item refused.
-    fn refused(&self, items: &[Item<'_>], order: &[usize]) -> bool {
-        order.iter().zip(&self.verdicts).any(|(&i, v)| matches!(v, Some(v) if !v.allowed && !items[i].shadow))
-    }
-
-    /// The items that reserved (and hold a record under the handle).
-    fn held(&self, order: &[usize]) -> Vec<usize> {
-        order.iter().zip(&self.verdicts).filter(|(_, v)| matches!(v, Some(v) if v.allowed)).map(|(&i, _)| i).collect()
-    }
+    verdict_item(v, source, item.limit.unwrap_or(0), item.window_ms)
 }
 
 impl Limiter {
     /// A reserve: every item's estimate checked and, when the request is
     /// admitted, recorded under one new handle (the response's extension
     /// carries it). Redis failing: the fail policies decide and no handle
-    /// is given (nothing to settle).
+    /// is given; what a failed call may have charged is taken back in the
+    /// background (`take_back_later`).
     pub(super) async fn reserve<'a>(&'a self, r: &'a ReserveRequest) -> (Response, Charge<'a>) {
         let op = OP_CHECK_POLICY;
         let items = match self.resolve_all(r.id, op, &r.items, r.on_error, r.local_limit, Kind::Reserve) {
@@ -88,12 +66,18 @@ impl Limiter {
             Executed { results, handle: None, failure: None }
         } else {
             let handle: [u8; 16] = rand::random();
-            let done = match &self.backend {
-                Backend::Redis(redis) => self.reserve_in_redis(redis, &items, &stored, &handle, results).await,
-                Backend::Local => self.reserve_in_memory(&items, &stored, &handle, results),
-            };
-            match done {
-                Ok(done) => done,
+            let asks: Vec<ReserveAsk<'_>> = stored.iter().map(|&i| ReserveAsk { spec: spec_of(&items[i]), algorithm: items[i].algorithm, shadow: items[i].shadow }).collect();
+            match self.store.reserve(&asks, &handle).await {
+                Ok(Reserved { failure: Some(e), .. }) => self.reserve_failed(&items, &stored, results, e),
+                Ok(Reserved { committed, verdicts, failure: None }) => {
+                    for (&i, v) in stored.iter().zip(&verdicts) {
+                        if let Some(v) = v {
+                            results[i] = result_of(&items[i], *v, self.store.origin());
+                        }
+                    }
+                    let recorded = committed && verdicts.iter().any(|v| matches!(v, Some(v) if v.allowed));
+                    Executed { results, handle: recorded.then_some(handle), failure: None }
+                }
                 Err(full) => return (self.capacity_error(r.id, op, Source::Memory, full), Charge::Nobody),
             }
         };
@@ -103,123 +87,6 @@ impl Limiter {
             }
         }
         (respond::aggregate(r.id, op, &items, done), charge)
-    }
-
-    fn reserve_in_memory(&self, items: &[Item<'_>], stored: &[usize], handle: &[u8; 16], mut results: Vec<ItemResult>) -> Result<Executed, crate::local_store::LocalStoreFull> {
-        let asks: Vec<_> = stored.iter().map(|&i| (spec_of(&items[i]), items[i].algorithm, items[i].shadow)).collect();
-        let (committed, verdicts) = self.local.reserve(&asks, handle)?;
-        for (&i, v) in stored.iter().zip(verdicts.iter()) {
-            results[i] = result_of(&items[i], *v, Source::Memory);
-        }
-        let recorded = committed && verdicts.iter().any(|v| v.allowed);
-        Ok(Executed { results, handle: recorded.then_some(*handle), failure: None })
-    }
-
-    async fn reserve_in_redis(&self, redis: &RedisWindow, items: &[Item<'_>], stored: &[usize], handle: &[u8; 16], mut results: Vec<ItemResult>) -> Result<Executed, crate::local_store::LocalStoreFull> {
-        let first = self.reserve_pass(redis, items, stored, handle, true).await;
-        if first.failure.is_none() && !first.refused(items, stored) {
-            return Ok(self.admitted(items, stored, &first, handle, results));
-        }
-        let held = first.held(stored);
-        let cancelled = self.cancel(redis, items, &held, handle).await;
-        self.fill_refused(items, stored, &first, &cancelled, &mut results);
-        if let Some(e) = first.failure {
-            return Ok(self.reserve_failed(items, stored, results, e));
-        }
-        if held.is_empty() || stored.len() == 1 {
-            return Ok(Executed { results, handle: None, failure: None });
-        }
-        // Some reserved while another refused: maybe another request's
-        // reserve, cancelled by now. Once more, one by one in order.
-        let second = self.reserve_pass(redis, items, stored, handle, false).await;
-        if second.failure.is_none() && !second.refused(items, stored) {
-            return Ok(self.admitted(items, stored, &second, handle, results));
-        }
-        let cancelled = self.cancel(redis, items, &second.held(stored), handle).await;
-        self.fill_refused(items, stored, &second, &cancelled, &mut results);
-        match second.failure {
-            Some(e) => Ok(self.reserve_failed(items, stored, results, e)),
-            None => Ok(Executed { results, handle: None, failure: None }),
-        }
-    }
-
-    /// Reserves the items of `order` under `handle`: all at once, or one
-    /// by one stopping at the first enforced refusal or failure.
-    async fn reserve_pass(&self, redis: &RedisWindow, items: &[Item<'_>], order: &[usize], handle: &[u8; 16], at_once: bool) -> Pass {
-        let mut pass = Pass { verdicts: vec![None; order.len()], failure: None };
-        if at_once {
-            let got = join_all(order.iter().map(|&i| async move { redis.reserve(&spec_of(&items[i]), items[i].algorithm, handle).await })).await;
-            for (k, g) in got.into_iter().enumerate() {
-                match g {
-                    Ok(v) => pass.verdicts[k] = Some(v),
-                    Err(e) => pass.failure = pass.failure.take().or(Some(e)),
-                }
-            }
-            return pass;
-        }
-        for (k, &i) in order.iter().enumerate() {
-            match redis.reserve(&spec_of(&items[i]), items[i].algorithm, handle).await {
-                Ok(v) => {
-                    pass.verdicts[k] = Some(v);
-                    if !v.allowed && !items[i].shadow {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    pass.failure = Some(e);
-                    break;
-                }
-            }
-        }
-        pass
-    }
-
-    /// Cancels the reserves of `held`: each settled to 0, the window put
-    /// back as it was. Per item the window after it (`None`: the cancel
-    /// failed; the estimate then stays charged: a refusal too many, never
-    /// an admission).
-    async fn cancel(&self, redis: &RedisWindow, items: &[Item<'_>], held: &[usize], handle: &[u8; 16]) -> Vec<(usize, Option<Verdict>)> {
-        let got = join_all(held.iter().map(|&i| async move { redis.settle_reserve(&LimitSpec { cost: 0, ..spec_of(&items[i]) }, items[i].algorithm, handle).await })).await;
-        held.iter()
-            .zip(got)
-            .map(|(&i, g)| {
-                if let Some(d) = &self.denials {
-                    d.forget_window(items[i].key, items[i].window_ms);
-                }
-                if let Err(e) = &g {
-                    if let Some(suppressed) = self.failure_log.permit() {
-                        tracing::warn!(error = %e, suppressed, "a reserve's cancel failed: its estimate stays charged until its window ends");
-                    }
-                }
-                (i, g.ok().flatten())
-            })
-            .collect()
-    }
-
-    /// The request admitted: every item's verdict, the handle when
-    /// something was recorded.
-    fn admitted(&self, items: &[Item<'_>], order: &[usize], pass: &Pass, handle: &[u8; 16], mut results: Vec<ItemResult>) -> Executed {
-        for (&i, v) in order.iter().zip(&pass.verdicts) {
-            if let Some(v) = v {
-                results[i] = result_of(&items[i], *v, Source::Redis);
-            }
-        }
-        let recorded = pass.verdicts.iter().any(|v| matches!(v, Some(v) if v.allowed));
-        Executed { results, handle: recorded.then_some(*handle), failure: None }
-    }
-
-    /// The request refused: a refusing item's verdict; an item that had
-    /// room, the window after its cancel (as it stands without this
-    /// request, SEMANTICS S8).
-    fn fill_refused(&self, items: &[Item<'_>], order: &[usize], pass: &Pass, cancelled: &[(usize, Option<Verdict>)], results: &mut [ItemResult]) {
-        for (&i, v) in order.iter().zip(&pass.verdicts) {
-            let Some(v) = v else { continue };
-            let v = match cancelled.iter().find(|(c, _)| *c == i) {
-                Some((_, Some(after))) => Verdict { allowed: true, retry_after_ms: 0, ..*after },
-                _ => *v,
-            };
-            results[i] = result_of(&items[i], v, Source::Redis);
-        }
     }
 
     /// Redis failed: the items' fail policies decide (no handle).
@@ -247,16 +114,13 @@ impl Limiter {
         if stored.is_empty() {
             return (done(Source::Exempt, 0, 0, 0), Charge::Nobody);
         }
-        let (source, outcomes): (Source, Vec<Result<Option<Verdict>, StoreError>>) = match &self.backend {
-            Backend::Redis(redis) => (Source::Redis, join_all(stored.iter().map(|&i| { let items = &items; async move { redis.settle_reserve(&spec_of(&items[i]), items[i].algorithm, &r.handle).await } })).await),
-            Backend::Local => (Source::Memory, stored.iter().map(|&i| Ok(self.local.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle))).collect()),
-        };
-        // A surplus given back may end a refusal the cache holds.
-        if let Some(d) = &self.denials {
-            for &i in &stored {
-                d.forget_window(items[i].key, items[i].window_ms);
-            }
-        }
+        let source = self.store.origin();
+        // A failed call is retried by the store in the background.
+        let outcomes: Vec<Result<Option<Verdict>, StoreError>> = join_all(stored.iter().map(|&i| {
+            let items = &items;
+            async move { self.store.settle(&spec_of(&items[i]), items[i].algorithm, &r.handle).await }
+        }))
+        .await;
         let matched = outcomes.iter().any(|o| matches!(o, Ok(Some(_))));
         if let Some(e) = outcomes.iter().find_map(|o| o.as_ref().err()) {
             return (Response { source, ..Response::error(r.id, op, error_code(e), Cow::Owned(e.to_string())) }, Charge::Settle { matched });
@@ -313,7 +177,7 @@ mod tests {
     }
 
     fn limiter(policies: &[PolicyConfig]) -> Arc<Limiter> {
-        Arc::new(Limiter::new(Backend::Local, Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(policies, None))))
+        Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(policies, None))))
     }
 
     fn handle(r: &Response) -> Option<[u8; 16]> {

@@ -13,9 +13,10 @@
 -- Replies, per request, {allowed (1|0), count, remaining, retry_after_ms,
 -- reset_ms}: count and remaining in the current window; reset_ms the time
 -- until the window ends (the real reset, what the headers report);
--- retry_after_ms 0 when admitted, else reset_ms (the next window takes any
--- cost up to the limit). Counts only grow inside a window, so a refusal
--- holds until the reset: the denial cache is exact for it.
+-- retry_after_ms 0 when admitted, else the start of the first window that
+-- takes the cost: the reset, or, in debt, the window the debt leaves room
+-- in (debt_end, below). Counts only grow inside a window, so a refusal
+-- holds until then: the denial cache is exact for it.
 --
 -- It admits up to 2 x limit in any sliding window of its length (a full
 -- window's end and the next one's start): see docs/ALGORITHMS.md.
@@ -129,6 +130,27 @@ if stored then
   end
 end
 
+-- When (ms from now) a cost fits again after a refusal at count c: the
+-- next window, unless debt carries into it (c > limit): k windows on it
+-- starts at c - k limit (above), so the first window with room for cost
+-- is k = ceil((c + cost - limit) / limit) (at least 1). A month's end is
+-- counted on the calendar.
+local function debt_end(c, cost, limit)
+  local k = 1
+  if c > limit then
+    k = math.max(1, math.ceil((c + cost - limit) / limit))
+  end
+  if not month_offset then
+    return reset + (k - 1) * length
+  end
+  local day = 86400000
+  local y, m = civil_from_days(math.floor((start + month_offset) / day))
+  m = m + k
+  y = y + math.floor((m - 1) / 12)
+  m = (m - 1) % 12 + 1
+  return days_from_civil(y, m, 1) * day - month_offset - now
+end
+
 -- How long the key must live: to the reset, or while debt is left, as
 -- many windows more as the debt needs to be paid.
 local function life(c, limit)
@@ -148,7 +170,7 @@ if mode == 's' then
     if left < 0 then
       left = 0
     end
-    return {ok, count, left, count >= first_limit and reset or 0, reset}
+    return {ok, count, left, count >= first_limit and debt_end(count, 1, first_limit) or 0, reset}
   end
   if not rec then
     return reply(0)
@@ -190,7 +212,7 @@ for j = 1, n do
     out[#out + 1] = 0
     out[#out + 1] = count
     out[#out + 1] = remaining
-    out[#out + 1] = reset
+    out[#out + 1] = debt_end(count, cost, limit)
     out[#out + 1] = reset
   end
 end

@@ -35,13 +35,24 @@
 -- ARGV[3]  member id (unused; kept so every script takes the same arguments),
 --          or 'r' (reserve) or 's' (settle), docs/PROTOCOL.md 4f:
 --   'r': one request; when admitted, KEYS[2] (the settle record) is set to
---        "0 <cost>" for SETTLE_LIFE ms.
+--        "0 <cost> <charged> <born>" for SETTLE_LIFE ms (below).
 --   's': ARGV[4], ARGV[5] the limit and the actual cost. KEYS[2] read and
 --        deleted; none: reply {0, ...} (nothing changes). Else a shortfall
 --        moves the TAT forward by (actual - estimate) T, past now + W if it
---        must: debt, every cost refused until the bucket has drained back;
---        a surplus moves it back by (estimate - actual) T, never before
---        now (a full bucket holds no more). Exact.
+--        must: debt, every cost refused until the bucket has drained back.
+--        A surplus gives back no more than charging the actual at the
+--        reserve's time would have left (issue 33): the bucket as that
+--        history has it is max(TAT - (estimate - actual) T, F), F the TAT
+--        the admissions since the reserve make by themselves, at most
+--        now + (what they charged). Tokens time has refilled since are not
+--        given back a second time.
+-- Reserved keys: "<TAT> <charged> <born>": charged, the ms of tokens the
+-- key's admissions, reserves and debts have added since born (the first
+-- reserve on it); the record keeps both as they were after its reserve.
+-- A settle whose key was born again since finds it drained in between:
+-- nothing to give back. When nothing was charged since its reserve, the
+-- settle is exact and rewrites history: charged goes down as if the
+-- actual had been reserved. A key no reserve touched stays "<TAT>".
 -- ARGV[4], ARGV[5]  limit and cost of the first request (1 <= cost <= limit)
 -- ARGV[6], ARGV[7]  ... of the second, and so on
 
@@ -60,11 +71,30 @@ local EPS = 1e-6
 
 local stored = redis.call('GET', key)
 local tat = now
+-- charged and born: nil until a reserve touches the key (above).
+local charged, born
 if stored then
+  local a, c, b = string.match(stored, '^(%S+) (%S+) (%S+)$')
+  if a then
+    stored, charged, born = a, tonumber(c), b
+  end
   tat = math.max(tonumber(stored), now)
 end
 local mode = ARGV[3]
 local SETTLE_LIFE = 86400000
+
+-- The key as "<TAT>[ <charged> <born>]"; a full bucket keeps none.
+local function save(at)
+  if at <= now then
+    redis.call('DEL', key)
+    return
+  end
+  local v = string.format('%.17g', at)
+  if born then
+    v = v .. ' ' .. string.format('%.17g', charged) .. ' ' .. born
+  end
+  redis.call('SET', key, v, 'PX', math.max(1, math.ceil(at - now)))
+end
 
 if mode == 's' then
   local limit = tonumber(ARGV[4])
@@ -83,17 +113,26 @@ if mode == 's' then
     return reply(0, tat)
   end
   redis.call('DEL', KEYS[2])
-  local est = tonumber(string.match(rec, '^%d+ (%d+)$'))
+  local e, rc, rb = string.match(rec, '^%d+ (%d+) ?(%S*) ?(%S*)$')
+  local est = tonumber(e)
   if actual >= est then
     tat = tat + (actual - est) * t
-  else
-    tat = math.max((stored and tonumber(stored) or now) - (est - actual) * t, now)
+    if born then
+      charged = charged + (actual - est) * t
+    end
+  elseif rb ~= '' and rb == born then
+    -- F is at most now + what was charged since the reserve (and at most
+    -- the TAT itself).
+    local since = charged - tonumber(rc)
+    local back = (est - actual) * t
+    tat = math.max(tat - back, math.min(tat, now + since), now)
+    if since == 0 then
+      charged = charged - back
+    end
   end
-  if tat > now then
-    redis.call('SET', key, string.format('%.17g', tat), 'PX', math.max(1, math.ceil(tat - now)))
-  else
-    redis.call('DEL', key)
-  end
+  -- Else the key was born again (or the record predates this layout):
+  -- the reserve drained in between, nothing is given back.
+  save(tat)
   return reply(1, tat)
 end
 local changed = false
@@ -113,8 +152,14 @@ for j = 1, n do
     out[#out + 1] = math.ceil(new_tat - now - EPS)
     tat = new_tat
     changed = true
+    if mode == 'r' and not born then
+      born, charged = string.format('%d', now), 0
+    end
+    if born then
+      charged = charged + cost * t
+    end
     if mode == 'r' then
-      redis.call('SET', KEYS[2], string.format('0 %d', cost), 'PX', SETTLE_LIFE)
+      redis.call('SET', KEYS[2], string.format('0 %d %.17g %s', cost, charged, born), 'PX', SETTLE_LIFE)
     end
   else
     local count = math.ceil((tat - now) / t - EPS)
@@ -132,6 +177,6 @@ end
 
 if changed then
   -- %.17g keeps the double exact; the key lives until the bucket is full.
-  redis.call('SET', key, string.format('%.17g', tat), 'PX', math.max(1, math.ceil(tat - now)))
+  save(tat)
 end
 return out

@@ -176,10 +176,12 @@ fn classify(e: &RedisError) -> Failure {
     if e.is_timeout() {
         return Failure::Slow;
     }
-    // A demoted master (READONLY) or a server not ready to serve (LOADING,
+    // A demoted master (READONLY), a master that lost the replicas
+    // `min-replicas-to-write` asks for (NOREPLICAS: at a failover, the
+    // promoted replica left it), or a server not ready to serve (LOADING,
     // MASTERDOWN): the link must find the master again.
     match e.code() {
-        Some("READONLY" | "LOADING" | "MASTERDOWN" | "NOAUTH" | "WRONGPASS") => Failure::Link,
+        Some("READONLY" | "NOREPLICAS" | "LOADING" | "MASTERDOWN" | "NOAUTH" | "WRONGPASS") => Failure::Link,
         _ => Failure::Call,
     }
 }
@@ -214,14 +216,14 @@ impl RedisLink {
         METRICS.redis_in_flight_limit(link.in_flight.limit());
         if let Connector::Sentinel(s) = &connector {
             let link = Arc::downgrade(&link);
-            let on_switch = move || match link.upgrade() {
+            let on_leave = move || match link.upgrade() {
                 Some(l) => {
                     l.failover_announced();
                     true
                 }
                 None => false,
             };
-            tokio::spawn(SentinelConnector::watch_switches(s.switch_watch(), on_switch, shutdown.clone()));
+            tokio::spawn(SentinelConnector::watch_failovers(s.failover_watch(), on_leave, shutdown.clone()));
         }
         if matches!(connector, Connector::Cluster { .. }) {
             tokio::spawn(watch_cluster(Arc::downgrade(&link), shutdown.clone()));
@@ -281,10 +283,7 @@ impl RedisLink {
         };
         let attempt = async {
             let seen = self.generation();
-            let first = match cmd.query_async::<T>(&mut conn).await {
-                Err(e) if is_redirect(&e) => follow_redirect(cmd, e, &mut conn).await,
-                other => other,
-            };
+            let first = routed(cmd, &mut conn, deadline).await;
             match first {
                 Err(e) if is_noscript(&e) && conn.is_cluster() => {
                     // One node of the cluster lost its script cache (a
@@ -295,10 +294,7 @@ impl RedisLink {
                     // goes to every node and fails if any one is down).
                     METRICS.noscript_reload();
                     let eval = eval_source(cmd, self.source_of(cmd));
-                    match eval.query_async::<T>(&mut conn).await {
-                        Err(e) if is_redirect(&e) => follow_redirect(&eval, e, &mut conn).await,
-                        other => other,
-                    }
+                    routed(&eval, &mut conn, deadline).await
                 }
                 Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                     METRICS.noscript_reload();
@@ -346,7 +342,8 @@ impl RedisLink {
         self.in_flight.answered(took, now, permit.admitted_us);
     }
 
-    /// A sentinel announced that our master changed: stop using the old one now.
+    /// A sentinel announced a failover of our master (its first step, or
+    /// the switch to another server than ours): stop using it now.
     fn failover_announced(&self) {
         if self.breaker.trip() {
             METRICS.breaker_opened();
@@ -788,6 +785,48 @@ async fn replace_stalled(link: &RedisLink, connector: &Connector, conn_cfg: &Asy
             }
         }
     }
+}
+
+/// Runs `cmd` where its slot is now: follows a redirect redis-rs gave up
+/// on (`follow_redirect`), and sends the call again on `TRYAGAIN` until
+/// `deadline`.
+///
+/// `TRYAGAIN`: while a Cluster slot migrates, a call naming several keys of
+/// the slot gets it from the source node when some of its keys have moved
+/// (or never existed: a penalty box's ban and strike keys, a settle record)
+/// and others have not, and from the importing node (after `ASKING`) when
+/// any is missing there; it lasts until the last key has moved or the slot
+/// is handed over. Every script but the plain checks' names more than one
+/// key, so a resharding sent them all to the fail policy (issue 33: 133 of
+/// 167 penalty checks, a banned key admitted under `on_error = "open"`).
+/// The call is sent again after a pause of 1 ms doubling up to 16 ms (a
+/// migration of a slot's keys takes milliseconds to seconds: often enough
+/// to catch its end, rarely enough not to load the nodes), as long as the
+/// pause ends before `deadline`; then the `TRYAGAIN` stands (an answer:
+/// the fail policy decides, and the breaker counts Redis alive). On the
+/// request path only after an error: no cost to a call that succeeds.
+async fn routed<T: FromRedisValue>(cmd: &Cmd, conn: &mut LinkConnection, deadline: Instant) -> Result<T, RedisError> {
+    let mut pause = TRYAGAIN_FIRST_PAUSE;
+    loop {
+        let reply = match cmd.query_async::<T>(conn).await {
+            Err(e) if is_redirect(&e) => follow_redirect(cmd, e, conn).await,
+            other => other,
+        };
+        match reply {
+            Err(e) if is_tryagain(&e) && conn.is_cluster() && Instant::now() + pause < deadline => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(TRYAGAIN_MAX_PAUSE);
+            }
+            other => return other,
+        }
+    }
+}
+
+const TRYAGAIN_FIRST_PAUSE: Duration = Duration::from_millis(1);
+const TRYAGAIN_MAX_PAUSE: Duration = Duration::from_millis(16);
+
+fn is_tryagain(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
 }
 
 /// A redirect redis-rs gave up on (see `follow_redirect`).

@@ -28,6 +28,6 @@ mod window;
 
 pub use connector::{Connector, ConnectorError, LinkConnection};
 pub use shard::shard_key;
-pub use multi::{MultiAsk, RefundItem, RESERVATION_LIFE};
+pub use multi::{MultiAsk, RefundItem, RefundOutcome, RESERVATION_LIFE};
 pub use keys::{glob_escaped, WindowKey};
-pub use window::{BatchAsk, LeaseGrant, RedisWindow, StartError};
+pub use window::{BatchAsk, LeaseGrant, PenaltyState, RedisWindow, StartError};

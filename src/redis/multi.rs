@@ -56,7 +56,7 @@ use crate::denial_cache::DenialCache;
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
 use crate::protocol::Algorithm;
-use crate::window::{StoreError, Verdict};
+use crate::window::{LimitSpec, StoreError, Verdict};
 
 /// How long an unconfirmed reservation counts: long enough for the
 /// confirmation to be retried through a short outage, short enough that a
@@ -84,6 +84,13 @@ pub struct MultiAsk<'a> {
     pub shadow: bool,
     /// The item's number in its request, 1-based: names its members.
     pub number: u8,
+}
+
+impl<'a> MultiAsk<'a> {
+    /// The item as one window's limit.
+    pub fn spec(&self) -> LimitSpec<'a> {
+        LimitSpec { key: self.key, limit: self.limit, window_ms: self.window_ms, cost: self.cost }
+    }
 }
 
 /// The answer of `check_multi`.

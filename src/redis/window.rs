@@ -530,6 +530,7 @@ impl RedisWindow {
     /// units 1..=scores.len() get those scores, the rest are removed.
     /// Returns (rescored, removed).
     pub async fn settle_lease(&self, key: &[u8], window_ms: u32, seq: u64, granted: u32, scores: &[u64]) -> Result<(i64, i64), StoreError> {
+        let _removing = self.removing(key, window_ms);
         let mut cmd = redis::Cmd::with_capacity(7 + scores.len(), 96 + self.key_prefix.len() + key.len() + 14 * scores.len());
         cmd.arg("EVALSHA")
             .arg(self.link.script_sha(Algorithm::Log.index()))
@@ -574,6 +575,7 @@ impl RedisWindow {
     /// atomically. `None`: no such record (forged, replayed, expired), and
     /// nothing changed. The verdict is the window after the settle.
     pub async fn settle_reserve(&self, spec: &LimitSpec<'_>, algorithm: Algorithm, handle: &[u8; 16]) -> Result<Option<Verdict>, StoreError> {
+        let _removing = self.removing(spec.key, spec.window_ms);
         let window = self.window_key(spec.key, spec.window_ms, algorithm);
         let mut cmd = redis::Cmd::with_capacity(10, 160 + 2 * (self.key_prefix.len() + spec.key.len()));
         cmd.arg("EVALSHA").arg(self.link.script_sha(algorithm.index())).arg(2).arg(window).arg(settle_record_key(window, handle));
@@ -619,10 +621,22 @@ impl RedisWindow {
     }
 
     /// Tells the backend of the denial cache in front of it: removals
-    /// (refunds, reservations taken back) forget the windows they touch.
-    /// Set once; later calls are ignored.
+    /// (refunds, reservations and quota leases settled or taken back)
+    /// forget the windows they touch. Set once; later calls are ignored.
     pub fn set_denial_cache(&self, denials: Arc<DenialCache>) {
         let _ = self.multi.denials.set(denials);
+    }
+
+    /// A removal from `key`'s window of `window_ms` is starting: the denial
+    /// cache forgets the window now (a refusal in flight is not recorded)
+    /// and again when the returned guard drops (the removal is done, or
+    /// its future was dropped), so no cached refusal outlives it.
+    fn removing<'a>(&'a self, key: &'a [u8], window_ms: u32) -> Removing<'a> {
+        let denials = self.multi.denials.get().map(|d| &**d);
+        if let Some(d) = denials {
+            d.forget_window(key, window_ms);
+        }
+        Removing { denials, key, window_ms }
     }
 
     /// Waits up to `limit` for multi-item checks still deciding, confirming
@@ -630,6 +644,21 @@ impl RedisWindow {
     /// connection); returns whether all finished.
     pub async fn settle(&self, limit: Duration) -> bool {
         self.multi.settle(limit).await
+    }
+}
+
+/// `RedisWindow::removing`'s guard.
+struct Removing<'a> {
+    denials: Option<&'a DenialCache>,
+    key: &'a [u8],
+    window_ms: u32,
+}
+
+impl Drop for Removing<'_> {
+    fn drop(&mut self) {
+        if let Some(d) = self.denials {
+            d.forget_window(self.key, self.window_ms);
+        }
     }
 }
 

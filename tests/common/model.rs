@@ -579,14 +579,17 @@ impl Model {
                 }
             }
             (Algorithm::Fixed, true) => ((0, 0), day_end),
-            (Algorithm::Fixed, false) => (day_end, day_end),
+            (Algorithm::Fixed, false) => {
+                // In debt (n past the limit, carried k windows on as n - k
+                // limit): the first window with room for the cost.
+                let k = if n > limit { (n + cost - limit).div_ceil(limit).max(1) } else { 1 };
+                ((day_end.0 + (k - 1) * w, day_end.1 + (k - 1) * w), day_end)
+            }
             (Algorithm::SlidingCounter, true) => ((0, 0), (day_end.0, day_end.1 + w)),
             (Algorithm::SlidingCounter, false) => ((day_end.0, day_end.1 + w), (day_end.0, day_end.1 + w)),
         };
-        // A refusal's count is at most the limit in force (PROTOCOL.md
-        // section 7): a window counted under a larger limit (an override or
-        // a reload lowered it since) answers `limit`, so that count +
-        // remaining is the limit a client shows.
+        // A window holding more than the limit in force (counted under a
+        // larger one) answers count = limit (docs/PROTOCOL.md section 7).
         let (count, remaining) = if fits { (n + cost, limit - n - cost) } else { (n.min(limit), limit.saturating_sub(n)) };
         let mut want = Want {
             decision: if fits { Decision::Allowed } else { Decision::Denied },
@@ -999,10 +1002,9 @@ impl Model {
     /// An admin reset (`DELETE /v1/keys?policy=P&key=K`, docs/ADMIN.md
     /// "Reset") of a policy's key: every admission of its windows (every
     /// shard's) is forgotten, and its leases; a refundable admission's units
-    /// in them too. Units outstanding in quota
-    /// leases, worker shares or unsettled reservations are kept by the
-    /// daemon; the model has none of them (tests/matrix_leases.rs checks
-    /// those by bounds).
+    /// in them too. Units outstanding in quota leases, worker shares or
+    /// unsettled reservations are kept by the daemon; the model has none of
+    /// them (tests/matrix_leases.rs checks those by bounds).
     pub fn reset(&mut self, policy: &str, key: &str) {
         let Some(p) = self.config.any_policy(policy) else { return };
         let wk = (policy_scope(p), key.to_string());
@@ -1183,7 +1185,8 @@ impl Model {
     /// `reserved` (`None`: forged or foreign): each item with a record
     /// moves its window by actual - estimate (never below 0; past the limit:
     /// debt), once. Answer: allowed, the enforced settled item with the
-    /// least room's numbers, count 0 when nothing matched.
+    /// least room's numbers, count 0 when nothing matched (its retry_after:
+    /// a fixed window's debt may span many windows, up to 20 days here).
     pub fn settle(&mut self, items: &[Item], reserved: Option<&mut Reserved>) -> Expect {
         self.decisions += 1;
         let resolved = match self.resolve_o1(items, true) {
@@ -1216,6 +1219,6 @@ impl Model {
             }
         }
         let (count, remaining) = main.map_or((0, 0), |(_, n, l)| (n, l));
-        Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 2 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
+        Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 20 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
     }
 }

@@ -322,6 +322,40 @@ impl RedisCluster {
         }
     }
 
+    /// Moves `slot` as `move_slot` does, in steps: after `pause`, one
+    /// `MIGRATE` of half the keys left (at least one), until none is left,
+    /// then `pause` and the hand-over. Between two steps some of the slot's
+    /// keys are on `to` and some on `from`, and a call naming keys of both
+    /// gets `TRYAGAIN` (so does one naming a key that exists nowhere, from
+    /// the start of the migration to the hand-over). Returns the steps.
+    /// Blocks the calling thread.
+    pub fn move_slot_in_halves(&self, slot: u16, from: u16, to: u16, pause: Duration) -> usize {
+        let id = |p: u16| self.cli(p, &["CLUSTER", "MYID"]).trim().to_string();
+        let ok = |out: String| assert_eq!(out.trim(), "OK", "{out}");
+        let slot = slot.to_string();
+        let (from_id, to_id, to_port) = (id(from), id(to), to.to_string());
+        ok(self.cli(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]));
+        ok(self.cli(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]));
+        let mut steps = 0;
+        loop {
+            std::thread::sleep(pause);
+            let keys = self.cli(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
+            let keys: Vec<&str> = keys.lines().filter(|l| !l.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let mut migrate = vec!["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
+            migrate.extend(keys.iter().take(keys.len().div_ceil(2)).copied());
+            ok(self.cli(from, &migrate));
+            steps += 1;
+        }
+        std::thread::sleep(pause);
+        for p in self.primaries() {
+            ok(self.cli(p, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]));
+        }
+        steps
+    }
+
     /// The primary serving `slot` now (from `CLUSTER NODES` of a live node).
     pub fn owner(&self, slot: u16) -> u16 {
         self.primaries().into_iter().find(|&p| self.slot_ranges(p).iter().any(|&(a, b)| a <= slot && slot <= b)).expect("every slot is served")

@@ -22,6 +22,12 @@ impl Sentinel {
     /// Monitors the master on 127.0.0.1:`master_port` as `mymaster`, alone
     /// (quorum 1), declaring it down after 2 s.
     pub fn start(master_port: u16) -> Self {
+        Self::start_with_quorum(master_port, 1)
+    }
+
+    /// As `start`, one of several sentinels of the master: `quorum` of them
+    /// must agree it is down. They find each other through the master.
+    pub fn start_with_quorum(master_port: u16, quorum: u32) -> Self {
         on_own_port("redis sentinel", |port| {
             let dir = tempfile::tempdir().unwrap();
             let conf = dir.path().join("sentinel.conf");
@@ -30,7 +36,7 @@ impl Sentinel {
             std::fs::write(
                 &conf,
                 format!(
-                    "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 1\n\
+                    "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {quorum}\n\
                      sentinel down-after-milliseconds {MASTER_NAME} 2000\nsentinel failover-timeout {MASTER_NAME} 10000\n",
                     dir.path().display()
                 ),
@@ -59,6 +65,12 @@ impl Sentinel {
     pub fn known_replicas(&self) -> usize {
         let replicas: Vec<redis::Value> = redis::cmd("SENTINEL").arg("replicas").arg(MASTER_NAME).query(&mut self.conn().unwrap()).unwrap();
         replicas.len()
+    }
+
+    /// The other sentinels of the master it has heard of.
+    pub fn known_sentinels(&self) -> usize {
+        let others: Vec<redis::Value> = redis::cmd("SENTINEL").arg("sentinels").arg(MASTER_NAME).query(&mut self.conn().unwrap()).unwrap();
+        others.len()
     }
 
     pub fn log(&self) -> String {

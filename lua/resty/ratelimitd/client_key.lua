@@ -2,8 +2,11 @@
 -- client cannot dodge by changing address inside its own network: IPv4 by
 -- /32 (or a configured prefix), IPv6 by /64 (or a configured prefix: one
 -- subscriber usually gets a /64 or more, and can rotate through all of it).
--- An IPv4-mapped IPv6 address (::ffff:203.0.113.7, what a dual-stack socket
--- reports for an IPv4 client) is the IPv4 client it maps.
+-- An IPv6 address that embeds an IPv4 client is that IPv4 client: mapped
+-- (::ffff:203.0.113.7, what a dual-stack socket reports for an IPv4
+-- client), IPv4-translated, NAT64/SIIT's 64:ff9b::/96 (RFC 6052),
+-- IPv4-compatible, Teredo (RFC 4380) and 6to4 (`embedded_v4` below,
+-- docs/NGINX.md).
 --
 -- Behind proxies, nginx's realip module (set_real_ip_from the trusted
 -- proxies, real_ip_header X-Forwarded-For, real_ip_recursive on) makes
@@ -156,6 +159,57 @@ local function v4_key(self, o)
     return fmt("ip4:%d.%d.%d.%d/%d", out[1], out[2], out[3], out[4], keep)
 end
 
+-- The octets of the 32 bits `hi`, `lo` (two groups), each bit inverted
+-- when `invert`.
+local function octets(hi, lo, invert)
+    if invert then
+        hi, lo = 0xffff - hi, 0xffff - lo
+    end
+    return { floor(hi / 256), hi % 256, floor(lo / 256), lo % 256 }
+end
+
+-- The IPv4 client an IPv6 address stands for, or nil: each range below
+-- holds one IPv4 host's traffic in a single address (or one /48), so keyed
+-- by its /64 every IPv4 client behind one translator would share a limit
+-- (or one 6to4 host rotate through 65,536 of them).
+--   ::ffff:a.b.c.d        IPv4-mapped (a dual-stack socket's IPv4 client)
+--   ::ffff:0:a.b.c.d      IPv4-translated (RFC 2765, SIIT)
+--   64:ff9b::a.b.c.d      RFC 6052's well-known prefix (NAT64, SIIT-DC);
+--                         a network-specific prefix (RFC 8215's
+--                         64:ff9b:1::/48 included) puts the IPv4 where its
+--                         operator chose, and stays an IPv6 /64 here
+--   ::a.b.c.d             IPv4-compatible (RFC 4291, deprecated); :: and
+--                         ::1 (unspecified, loopback) stay IPv6
+--   2001:0::/32           Teredo (RFC 4380): the client's public IPv4 (its
+--                         NAT's) in the last 32 bits, each bit inverted;
+--                         by /64 every client of one Teredo server shares
+--   2002:V4ADDR::/48      6to4 (RFC 3056): the host's IPv4 in bits 16-47
+local function embedded_v4(g)
+    local zero64 = g[1] == 0 and g[2] == 0 and g[3] == 0 and g[4] == 0
+    if zero64 and g[5] == 0 then
+        if g[6] == 0xffff then
+            return octets(g[7], g[8])
+        end
+        if g[6] == 0 and (g[7] ~= 0 or g[8] > 1) then
+            return octets(g[7], g[8])
+        end
+        return nil
+    end
+    if zero64 and g[5] == 0xffff and g[6] == 0 then
+        return octets(g[7], g[8])
+    end
+    if g[1] == 0x64 and g[2] == 0xff9b and g[3] == 0 and g[4] == 0 and g[5] == 0 and g[6] == 0 then
+        return octets(g[7], g[8])
+    end
+    if g[1] == 0x2001 and g[2] == 0 then
+        return octets(g[7], g[8], true)
+    end
+    if g[1] == 0x2002 then
+        return octets(g[2], g[3])
+    end
+    return nil
+end
+
 -- The key of `addr` (default: ngx.var.remote_addr), or nil and a message.
 function _M.key(self, addr)
     if addr == nil and ngx and ngx.var then
@@ -178,9 +232,9 @@ function _M.key(self, addr)
     if not g then
         return nil, "not an IP address: " .. gsub(addr, "[%c\127-\255]", "?")
     end
-    -- ::ffff:a.b.c.d is the IPv4 client a.b.c.d.
-    if g[1] == 0 and g[2] == 0 and g[3] == 0 and g[4] == 0 and g[5] == 0 and g[6] == 0xffff then
-        return v4_key(self, { floor(g[7] / 256), g[7] % 256, floor(g[8] / 256), g[8] % 256 })
+    local v4 = embedded_v4(g)
+    if v4 then
+        return v4_key(self, v4)
     end
     local keep = self.v6
     local n = math.ceil(keep / 16)

@@ -104,6 +104,7 @@ local connect_retry_at, connect_pause, connect_error = 0, 0, nil
 local RESTART_GRACE = 1 -- s
 local MAX_FRESH_CLOSED = 2
 local PROBE_FIRST = 0.001 -- s
+local MIN_SLEEP = 0.001 -- s: ngx.sleep's resolution
 local last_connected = -RESTART_GRACE
 -- When the worker's next connect during a restart may be tried, and the
 -- wait after it.
@@ -133,7 +134,11 @@ local function connect(sock)
             return nil, err
         end
         if now < probe_at then
-            sleep(min(probe_at - now, deadline - now))
+            -- Never below 1 ms: ngx.sleep truncates to whole ms, and a
+            -- sleep of 0 returns at once (a spin until the clock moves)
+            -- and, without OpenResty's delayed-events patch, logs a warn
+            -- line each time: thousands per restart (tests/nginx_restart_log.rs).
+            sleep(max(min(probe_at - now, deadline - now), MIN_SLEEP))
         else
             probe_at = now + probe_step
             probe_step = probe_step * 2

@@ -7,7 +7,7 @@ local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
 local md5 = ngx.md5
-local byte, concat = string.byte, table.concat
+local byte, sub, concat = string.byte, string.sub, table.concat
 local type, tostring = type, tostring
 local floor = math.floor
 
@@ -46,19 +46,28 @@ local function as_string(key)
     end
 end
 
+-- What every hashed key begins with, and no key sent as it is: a key that
+-- begins with it is hashed too. So a client cannot send the text another
+-- key is hashed to (a 600-byte tenant id's "md5:<hex>", or the empty key's)
+-- and spend that key's window: a key sent as it is never begins with
+-- HASHED, and two keys hashed share a window only if their md5s collide
+-- (docs/NGINX.md section 5; docs/PROTOCOL.md, "Keys").
+local HASHED = "md5:"
+local HASHED_LEN = #HASHED
+
 --- The wire key of `key`: itself, or "md5:<hex>" of it when it is empty,
--- longer than max_key_len or holds a control byte (the daemon refuses
--- those). Computed once per request: the frame, the local fallback and
--- every log line use the same value. nil and a message only for a key no
--- request can produce (a boolean, a function): a bug in the code, which
--- the caller raises.
+-- longer than max_key_len, holds a control byte (the daemon refuses
+-- those) or begins with "md5:" (above). Computed once per request: the
+-- frame, the local fallback and every log line use the same value. nil
+-- and a message only for a key no request can produce (a boolean, a
+-- function): a bug in the code, which the caller raises.
 function _M.wire(key)
     local s = as_string(key)
     if not s then
         return nil, "key must be a string (or nil, a number, a list of strings), not a " .. type(key)
     end
-    if s == "" or #s > settings.max_key_len or has_control(s) then
-        return "md5:" .. md5(s)
+    if s == "" or #s > settings.max_key_len or has_control(s) or sub(s, 1, HASHED_LEN) == HASHED then
+        return HASHED .. md5(s)
     end
     return s
 end

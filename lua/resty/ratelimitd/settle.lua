@@ -61,19 +61,41 @@ end
 -- For the unit tests (lua/spec/settle_spec.lua: the daemon's golden hex).
 _M._frame = frame
 
--- Sends a SETTLE frame: true and the response (count: the window's count
--- after the settle, 0 for a handle already settled), or nil and an error.
-local function send_settle(handle, actual)
+-- Errors after which a settle is sent once more (PROTOCOL.md 4f): Redis
+-- did not answer, or answered too late; the daemon keeps retrying it
+-- too, and a settle applies at most once (its record is deleted with it),
+-- so a second send after one that was applied but not answered changes
+-- nothing.
+local RETRYABLE = { REDIS_TIMEOUT = true, REDIS_UNAVAILABLE = true, REDIS_ERROR = true, CIRCUIT_OPEN = true, OVERLOADED = true }
+_M.RETRY_DELAY = 0.05
+
+-- Sends a SETTLE frame once: true and the response (count: the window's
+-- count after the settle, 0 for a handle already settled), or nil, an
+-- error, and whether sending again may help.
+local function send_once(handle, actual)
     local id = conn.next_id()
     local res, err = conn.ask(nil, frame(id, handle, actual), id)
     if not res then
-        return nil, err
+        return nil, err, true
     end
     if res.decision ~= "allowed" then
-        return nil, res.error .. ": " .. res.message
+        return nil, res.error .. ": " .. res.message, RETRYABLE[res.error] or false
     end
     return true, res
 end
+
+-- Sends it, and once more after a transport error or a retryable code.
+local function send_settle(handle, actual)
+    local ok, res, again = send_once(handle, actual)
+    if ok or not again then
+        return ok, res
+    end
+    ngx.sleep(_M.RETRY_DELAY)
+    return send_once(handle, actual)
+end
+
+-- For the unit tests (lua/spec/settle_spec.lua).
+_M._send = send_settle
 
 local function settle_timer(premature, handle, actual)
     if premature then
@@ -89,7 +111,8 @@ end
 local NO_COSOCKET = { log = true, header_filter = true, body_filter = true, set = true, init_worker = true }
 
 --- Settles a reserve (res.handle of a settle limiter) to `actual` units:
--- a surplus is given back, a shortfall charged (debt past the limit). From
+-- a surplus is given back, a shortfall charged (debt past the limit); sent
+-- once more after a transport error or a retryable code (above). From
 -- log_by_lua* it runs in a 0-delay timer and returns true at once;
 -- elsewhere true and the daemon's answer, or nil and an error. A false/nil
 -- handle (nothing was reserved: exempt, fail policy) is a no-op. An actual
