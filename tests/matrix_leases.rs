@@ -794,7 +794,9 @@ mod generated {
             .iter()
             .map(|s: &PathBuf| {
                 let admin = format!("[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n", s.display());
-                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nquota_leases = true\n{admin}{policies}", backend.redis_toml()))
+                // connect_timeout: the admin API's connection per request (a
+                // Cluster's to every node) within it, on a loaded machine too.
+                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\nquota_leases = true\n{admin}{policies}", backend.redis_toml()))
             })
             .collect();
         let mut clients = Vec::new();
