@@ -53,7 +53,9 @@
 //! memory, 10,800 operations; 7,604 checks, 378 overrides set, 106 expired,
 //! 339 resets, 442 peeks, 61 lifts): passed in 39 s (on main at 44d2bd2
 //! with `a_check_refused_by_a_window_above_a_lowered_limit_...`'s fix
-//! applied; that fix is in main since b41c6ba).
+//! applied; that fix is in main since b41c6ba), and on main at b41c6ba
+//! (after a Cluster case, 24134, had met the admin API's 1 s connection
+//! timeout: connect_timeout is 5 s here since).
 
 mod common;
 
