@@ -326,7 +326,11 @@ fn refusal(e: &Entry, fingerprint: [u64; 2], cost: u32, now: u64) -> Option<Verd
     // Less the same 1 ms: never later than Redis's own answer would be.
     let left_ms = |ms: u32| (e.sent_ns + u64::from(ms) * MS).saturating_sub(now + MS).div_ceil(MS) as u32;
     let retry_after_ms = left_ms(e.retry_after_ms).max(1);
-    Some(Verdict { allowed: false, count: e.count, remaining: e.remaining, retry_after_ms, reset_ms: left_ms(e.reset_ms).max(retry_after_ms) })
+    // Reset no sooner than the retry, as Redis answered them; a fixed
+    // window in debt is refused past its own reset (its retry is the debt's
+    // end), and its reset stays the window's.
+    let reset_ms = if e.reset_ms >= e.retry_after_ms { left_ms(e.reset_ms).max(retry_after_ms) } else { left_ms(e.reset_ms) };
+    Some(Verdict { allowed: false, count: e.count, remaining: e.remaining, retry_after_ms, reset_ms })
 }
 
 #[cfg(test)]
