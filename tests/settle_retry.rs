@@ -44,6 +44,18 @@ fn count_and_records(redis: &RedisServer, key: &str) -> (u64, usize) {
 }
 
 /// Polls until the key's window holds `want` with no record left; the time
+/// Pauses `redis` and checks until the daemon's breaker is open: one
+/// timeout opens it (breaker_failures = 1), and from then on nothing is
+/// sent to Redis.
+async fn pause_until_the_breaker_opens(redis: &RedisServer, c: &mut ratelimitd::client::Client) {
+    redis.pause();
+    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let opened = Instant::now();
+    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
+        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
+    }
+}
+
 /// it took, or a panic with what Redis holds after `limit`.
 async fn settled_within(redis: &RedisServer, key: &str, want: u64, limit: Duration) -> Duration {
     let start = Instant::now();
@@ -68,14 +80,7 @@ async fn settles_refused_while_the_breaker_is_open_are_applied_once_redis_answer
         handles.push(handle(&r).expect("a reserve admitted"));
     }
     assert_eq!(count_and_records(&redis, "t"), (5000, 5));
-    redis.pause();
-    // One timeout opens the breaker (breaker_failures = 1): from then on
-    // nothing is sent to Redis.
-    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let opened = Instant::now();
-    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
-        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
-    }
+    pause_until_the_breaker_opens(&redis, &mut c).await;
     for h in &handles {
         let s = c.settle(h, &item("t", 100)).await.unwrap();
         assert_eq!((s.decision, s.error), (Decision::Error, ErrorCode::CircuitOpen), "{s:?}");
@@ -126,12 +131,7 @@ async fn at_most_16384_settles_wait_and_one_more_is_dropped_and_counted() {
     };
     let rss_kb = || std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap().lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches(" kB").trim().parse::<u64>().unwrap();
     let mut c = d.client().await;
-    redis.pause();
-    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let opened = Instant::now();
-    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
-        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
-    }
+    pause_until_the_breaker_opens(&redis, &mut c).await;
     // Reserves refused before they were sent (the breaker open) have
     // nothing to take back: none is queued (else 50 more would be dropped).
     for _ in 0..50 {
@@ -212,12 +212,7 @@ async fn settles_queued_before_a_reload_are_retried_on_the_new_link() {
     for _ in 0..3 {
         handles.push(handle(&c.reserve(FailPolicy::Closed, 0, &item("r", 1000)).await.unwrap()).expect("admitted"));
     }
-    redis.pause();
-    let probe = PolicyCheckArgs { policy: b"tokens", key: b"probe", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let opened = Instant::now();
-    while c.check_policy(&probe).await.unwrap().error != ErrorCode::CircuitOpen {
-        assert!(opened.elapsed() < Duration::from_secs(5), "the breaker never opened");
-    }
+    pause_until_the_breaker_opens(&redis, &mut c).await;
     for h in &handles {
         assert_eq!(c.settle(h, &item("r", 100)).await.unwrap().error, ErrorCode::CircuitOpen);
     }

@@ -1,15 +1,18 @@
-//! The cache layers in front of the store, in one order, for one item's
-//! window: a quota lease first (admits with no store call), then the
+//! The cache layers in front of the store, in one order. For one item's
+//! window (`verdict`): a quota lease first (admits with no store call), then the
 //! denial cache (refuses again what the store refused, for the algorithms
 //! it is exact for), then the store, whose refusal the denial cache
 //! records. Each layer hears of what the store removes from the store
 //! itself (`RedisWindow::set_denial_cache`) and of admin resets from the
 //! admin API (`Limiter::window_changed`), so none keeps answering from
-//! state the store no longer has. No fail policy here.
+//! state the store no longer has. For several items all or nothing
+//! (`many_verdicts`): the denial cache, then the store (never leased). No
+//! fail policy here.
 
 use crate::denial_cache::{is_exact_for, Lookup};
 use crate::protocol::{Algorithm, Source};
-use crate::window_store::NoVerdict;
+use crate::redis::MultiAsk;
+use crate::window_store::{ManyVerdicts, NoVerdict};
 use crate::window::{LimitSpec, Verdict};
 
 use super::lease::Take;
@@ -46,5 +49,39 @@ impl Limiter {
             d.record(t, spec.cost, &v);
         }
         Ok((self.store.origin(), v))
+    }
+
+    /// The verdicts of the layers and the store on several exact-log items,
+    /// all or nothing: an enforced item the denial cache refuses decides
+    /// (exact: the store would refuse it), else one store call, whose
+    /// refusals the cache records.
+    pub(super) async fn many_verdicts(&self, asks: &[MultiAsk<'_>], under: Option<&[u8; 16]>) -> Result<ManyVerdicts, NoVerdict> {
+        let mut tickets = Vec::with_capacity(asks.len());
+        if let Some(d) = self.denials.as_deref() {
+            let mut cached = vec![None; asks.len()];
+            let mut refused = false;
+            for (k, a) in asks.iter().enumerate() {
+                match d.check(&a.spec(), Algorithm::Log) {
+                    Lookup::Refused(v) if !a.shadow => {
+                        cached[k] = Some((Source::DenialCache, v));
+                        refused = true;
+                    }
+                    Lookup::Refused(_) => tickets.push(None),
+                    Lookup::Miss(t) => tickets.push(Some(t)),
+                }
+            }
+            if refused {
+                return Ok(ManyVerdicts { committed: false, verdicts: cached, handle: None });
+            }
+        }
+        let answer = self.store.check_many(asks, under).await?;
+        if let Some(d) = &self.denials {
+            for ((a, v), t) in asks.iter().zip(&answer.verdicts).zip(&tickets) {
+                if let (Some((_, v)), Some(t)) = (v, t) {
+                    d.record(*t, a.cost, v);
+                }
+            }
+        }
+        Ok(answer)
     }
 }

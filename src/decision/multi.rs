@@ -7,8 +7,7 @@
 
 use std::borrow::Cow;
 
-use crate::denial_cache::Lookup;
-use crate::protocol::{Algorithm, Decision, ErrorCode, ItemResult, Response, Source};
+use crate::protocol::{Decision, ErrorCode, ItemResult, Response, Source};
 use crate::redis::{MultiAsk, RefundItem};
 use crate::window::{LimitSpec, Verdict};
 
@@ -132,42 +131,15 @@ impl Limiter {
         }
     }
 
-    /// One all-or-nothing try of the planned windows: the denial cache (any
-    /// enforced item it refuses decides, exact: the store would refuse that
-    /// item), then one store call, its members named by `under` (an
-    /// admission's handle) or a fresh handle.
+    /// One all-or-nothing try of the planned windows, through the cache
+    /// layers to the store (`layers::many_verdicts`), its members named by
+    /// `under` (an admission's handle) or a fresh handle.
     async fn attempt(&self, items: &[Item<'_>], stored: &[(usize, Planned<'_>)], under: Option<[u8; 16]>) -> Result<ManyVerdicts, NoVerdict> {
         let asks: Vec<MultiAsk<'_>> = stored
             .iter()
             .map(|(i, p)| MultiAsk { key: &p.window.key, window_ms: items[*i].window_ms, limit: p.window.limit, cost: items[*i].cost, shadow: items[*i].shadow, number: (*i + 1) as u8 })
             .collect();
-        let mut tickets = Vec::with_capacity(stored.len());
-        if let Some(d) = self.denials.as_deref() {
-            let mut cached = vec![None; stored.len()];
-            let mut refused = false;
-            for (k, a) in asks.iter().enumerate() {
-                match d.check(&a.spec(), Algorithm::Log) {
-                    Lookup::Refused(v) if !a.shadow => {
-                        cached[k] = Some((Source::DenialCache, v));
-                        refused = true;
-                    }
-                    Lookup::Refused(_) => tickets.push(None),
-                    Lookup::Miss(t) => tickets.push(Some(t)),
-                }
-            }
-            if refused {
-                return Ok(ManyVerdicts { committed: false, verdicts: cached, handle: None });
-            }
-        }
-        let answer = self.store.check_many(&asks, under.as_ref()).await?;
-        if let Some(d) = &self.denials {
-            for ((a, v), t) in asks.iter().zip(&answer.verdicts).zip(&tickets) {
-                if let (Some((_, v)), Some(t)) = (v, t) {
-                    d.record(*t, a.cost, v);
-                }
-            }
-        }
-        Ok(answer)
+        self.many_verdicts(&asks, under.as_ref()).await
     }
 
     /// The store could not decide a multi-item check: each item's fail
