@@ -6,7 +6,7 @@
 //!
 //! | layer | module | concern |
 //! |---|---|---|
-//! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back |
+//! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back; the libraries' `log` lines under the same rule |
 //! | utilities | `terminal` | client-chosen text escaped for a terminal: controls and bidi overrides shown, never obeyed |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response`, `describe` (DESCRIBE_POLICY's answer) |
@@ -42,7 +42,7 @@ mod decision;
 mod denial_cache;
 mod live_overrides;
 mod local_store;
-mod log_limit;
+pub mod log_limit;
 mod metrics;
 mod metrics_server;
 mod penalty_box;

@@ -3,7 +3,9 @@
 //! gives one line a second (with `suppressed=N`), not 50k. Lock-free: one
 //! clock read and one or two relaxed atomic operations per call.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// One kind of log line, let through at most once per interval.
@@ -31,6 +33,92 @@ impl RateLimitedLog {
         self.suppressed.fetch_add(1, Ordering::Relaxed);
         None
     }
+
+    /// For a line that must never be held back (a recovery after a failure
+    /// that was logged): counts as the interval's line, and returns how many
+    /// were held back before it.
+    pub fn force(&self) -> u64 {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        self.next_ms.fetch_max(now + self.interval_ms, Ordering::Relaxed);
+        self.suppressed.swap(0, Ordering::Relaxed)
+    }
+}
+
+/// How often a library's module may log: the promise CONFIG.md makes for
+/// Redis failures ("at most once a second").
+pub const LIBRARY_LOG_INTERVAL: Duration = Duration::from_secs(1);
+/// Modules given a limit of their own; the rest share one (a library has a
+/// handful, and a map that grows with what it logs would be unbounded).
+const LIBRARY_TARGETS: usize = 64;
+
+/// The `log` records of the libraries the daemon uses (the Redis client's
+/// "Failed to connect to node", "beginning slot refresh": about two per
+/// request during a Cluster failover), passed on to `tracing` at most once
+/// per `LIBRARY_LOG_INTERVAL` per module, with a line that says how many
+/// were held back before each one let through. The daemon's own lines
+/// (`tracing`) do not come here; they have their own `RateLimitedLog`s.
+pub struct LibraryLog {
+    targets: Mutex<HashMap<String, Arc<RateLimitedLog>>>,
+    others: Arc<RateLimitedLog>,
+}
+
+impl Default for LibraryLog {
+    fn default() -> Self {
+        Self { targets: Mutex::new(HashMap::new()), others: Arc::new(RateLimitedLog::new(LIBRARY_LOG_INTERVAL)) }
+    }
+}
+
+impl LibraryLog {
+    fn limit_of(&self, target: &str) -> Arc<RateLimitedLog> {
+        let mut targets = self.targets.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(log) = targets.get(target) {
+            return log.clone();
+        }
+        if targets.len() >= LIBRARY_TARGETS {
+            return self.others.clone();
+        }
+        let log = Arc::new(RateLimitedLog::new(LIBRARY_LOG_INTERVAL));
+        targets.insert(target.to_owned(), log.clone());
+        log
+    }
+
+    /// Has `log` records go through this, and lets `log` call it only for
+    /// levels the `tracing` filter may pass (`set_max_level`, again after
+    /// every change of the filter).
+    pub fn install() -> Result<(), log::SetLoggerError> {
+        log::set_boxed_logger(Box::<Self>::default())?;
+        Self::follow_filter();
+        Ok(())
+    }
+
+    /// `log`'s own level check before it calls us, from the `tracing`
+    /// filter's most verbose level: a library's `trace!` on a request's
+    /// path then costs a compare, not a call.
+    pub fn follow_filter() {
+        use tracing_log::AsLog;
+        log::set_max_level(tracing::level_filters::LevelFilter::current().as_log());
+    }
+}
+
+impl log::Log for LibraryLog {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        use tracing_log::AsTrace;
+        tracing::dispatcher::get_default(|d| d.enabled(&metadata.as_trace()))
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        // A line the filter drops is not counted as held back.
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let Some(held_back) = self.limit_of(record.target()).permit() else { return };
+        if held_back > 0 {
+            tracing::warn!(library = record.target(), held_back, "log lines of a library held back (each of its modules logs at most once a second)");
+        }
+        let _ = tracing_log::format_trace(record);
+    }
+
+    fn flush(&self) {}
 }
 
 #[cfg(test)]

@@ -17,8 +17,10 @@ use crate::protocol::{Algorithm, Bounds, FailPolicy};
 pub enum ConfigError {
     #[error("{path}: cannot read: {err}")]
     Read { path: PathBuf, err: std::io::Error },
-    #[error("{path}: line {line}: {message}")]
-    Parse { path: PathBuf, line: usize, message: String },
+    /// The file does not fit its schema: every error found, in file order
+    /// (a syntax error alone: what follows it cannot be read).
+    #[error("{}", ParseErrors { path, errors })]
+    Parse { path: PathBuf, errors: Vec<super::file::ParseError> },
     /// Every field that parsed but cannot work, in file order.
     #[error("{}", FieldErrors { path, errors })]
     Invalid { path: PathBuf, errors: Vec<FieldError> },
@@ -43,6 +45,23 @@ impl fmt::Display for FieldErrors<'_> {
                 f.write_str("\n")?;
             }
             write!(f, "{}: {}: {}", self.path.display(), e.field, e.message)?;
+        }
+        Ok(())
+    }
+}
+
+struct ParseErrors<'a> {
+    path: &'a Path,
+    errors: &'a [super::file::ParseError],
+}
+
+impl fmt::Display for ParseErrors<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{}: line {}: {}", self.path.display(), e.line, e.message)?;
         }
         Ok(())
     }
@@ -327,15 +346,12 @@ pub struct TlsFiles {
 }
 
 impl Config {
-    /// The configuration as loaded, for `GET /config` and `ratelimitd
-    /// config show`: every typed value, the Redis URL without its password
-    /// (secret sources are files or variables, named, never read here).
+    /// The configuration in force, for `GET /config` and `ratelimitd
+    /// config-show`: TOML in the file's terms (`show`), the Redis URL
+    /// without its password (secret sources are files or variables, named,
+    /// never read here).
     pub fn dump(&self) -> String {
-        let mut shown = self.clone();
-        if let Some(RedisConfig { target: RedisTarget::Url(url), .. }) = &mut shown.redis {
-            *url = redacted_url(url);
-        }
-        format!("{shown:#?}\n")
+        super::show::to_toml(self)
     }
 }
 
