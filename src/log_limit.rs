@@ -134,6 +134,46 @@ mod tests {
         assert_eq!(log.suppressed.load(Ordering::Relaxed), 2);
     }
 
+    /// A library's lines: one per module per second, the others counted
+    /// and said before the next one let through; a line the filter drops
+    /// is not counted.
+    #[test]
+    fn a_library_logs_once_a_second_per_module_and_says_how_many_it_held_back() {
+        use log::Log;
+        #[derive(Clone, Default)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let out = buf.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || out.clone()).with_ansi(false).with_max_level(tracing::Level::INFO).finish();
+        let lib = LibraryLog::default();
+        let line = |target: &str, level: log::Level| lib.log(&log::Record::builder().level(level).target(target).args(format_args!("Failed to connect to node")).build());
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..5 {
+                line("redis::cluster", log::Level::Warn);
+                line("redis::cluster", log::Level::Debug);
+            }
+            line("redis::aio", log::Level::Warn);
+            std::thread::sleep(LIBRARY_LOG_INTERVAL + Duration::from_millis(100));
+            line("redis::cluster", log::Level::Warn);
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(lines[0].contains("WARN redis::cluster: Failed to connect to node"), "{text}");
+        assert!(lines[1].contains("WARN redis::aio: Failed to connect to node"), "{text}");
+        assert!(lines[2].contains("log lines of a library held back") && lines[2].contains("library=\"redis::cluster\" held_back=4"), "{text}");
+        assert!(lines[3].contains("WARN redis::cluster: Failed to connect to node"), "{text}");
+    }
+
     #[test]
     fn lets_the_next_one_through_after_the_interval() {
         let log = RateLimitedLog::new(Duration::from_millis(30));
