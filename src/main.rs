@@ -57,8 +57,9 @@ enum Command {
         #[arg(long, value_name = "RUNNING_CONFIG")]
         against: Option<PathBuf>,
     },
-    /// Print the configuration as the daemon would hold it (what GET
-    /// /config shows of the running one), secrets left out.
+    /// Print the configuration as the daemon would hold it, as TOML in the
+    /// file's own terms (what GET /config shows of the running one),
+    /// secrets left out.
     ConfigShow {
         #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
