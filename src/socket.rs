@@ -41,7 +41,7 @@ pub fn directory_mode(socket_mode: u32) -> u32 {
 /// a runtime directory such as /run must exist), with `directory_mode` and
 /// the socket's group: on a host without systemd nothing else makes
 /// /run/ratelimitd, which is not kept across reboots.
-fn make_directory(path: &Path, mode: u32, gid: Option<u32>) -> Result<(), SocketError> {
+pub fn make_directory(path: &Path, mode: u32, gid: Option<u32>) -> Result<(), SocketError> {
     let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
     if dir.is_dir() {
         return Ok(());

@@ -66,7 +66,10 @@ fn the_documented_start_without_systemd_makes_the_socket_s_directory_and_serves(
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let config = dir.path().join("ratelimitd.toml");
-    std::fs::write(&config, package_config(dir.path(), &redis)).unwrap();
+    // An admin socket (0600) beside the request socket: the directory must
+    // still let the socket's group in.
+    let admin = dir.path().join("run").join("ratelimitd").join("admin.sock");
+    std::fs::write(&config, format!("{}\n[admin]\nlisten = \"{}\"\n", package_config(dir.path(), &redis), admin.display())).unwrap();
     let as_written = |line: &str| -> Vec<String> {
         let command = line.split(" 2>>").next().unwrap().split(" #").next().unwrap();
         command.split_whitespace().skip(1).map(|w| if w == "/etc/ratelimitd/ratelimitd.toml" { config.display().to_string() } else { w.to_string() }).collect()
@@ -86,6 +89,7 @@ fn the_documented_start_without_systemd_makes_the_socket_s_directory_and_serves(
     let run = socket.parent().unwrap();
     assert_eq!(std::fs::metadata(run).unwrap().permissions().mode() & 0o7777, 0o750, "socket_mode 0660: the directory lets the group search it");
     assert!(daemon.log().contains("made the socket's directory"), "{}", daemon.log());
+    assert!(admin.exists(), "the admin socket is served in the same directory");
 
     let (code, out, err) = ratelimitd(&["query", "--socket", socket.to_str().unwrap(), "--key", "first-day", "--limit", "1", "--window-ms", "60000"]);
     assert_eq!(code, 0, "{out}{err}");
