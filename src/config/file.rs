@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::model::{ClockSource, ConfigError, LogFormat};
+use super::model::{ClockSource, ConfigError, LogFormat, ParseError};
 use crate::protocol::Bounds;
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -368,14 +368,6 @@ pub(super) fn parse(path: &Path, text: &str) -> Result<File, ConfigError> {
     // serde walks the tables in its own order, not the file's.
     errors.sort_by_key(|e| e.line);
     Err(ConfigError::Parse { path: path.into(), errors })
-}
-
-/// One error of a file that did not parse: its line (1-based; 0 when not
-/// known) and what is wrong, naming the field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParseError {
-    pub line: usize,
-    pub message: String,
 }
 
 fn line_of(text: &str, at: usize) -> usize {

@@ -22,10 +22,9 @@ mod show;
 mod validate;
 
 pub use model::{
-    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
+    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, ParseError, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
-pub use file::ParseError;
 pub use nginx_names::{check_limiter_options, nginx_limiter_tables, nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, LimiterCheckError, LimiterTable, NamedPolicy, NginxReadError};
 pub use reserve::{multi_refusal, reserve_refusal};
 pub use validate::parse_duration;

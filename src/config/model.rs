@@ -20,7 +20,7 @@ pub enum ConfigError {
     /// The file does not fit its schema: every error found, in file order
     /// (a syntax error alone: what follows it cannot be read).
     #[error("{}", ParseErrors { path, errors })]
-    Parse { path: PathBuf, errors: Vec<super::file::ParseError> },
+    Parse { path: PathBuf, errors: Vec<ParseError> },
     /// Every field that parsed but cannot work, in file order.
     #[error("{}", FieldErrors { path, errors })]
     Invalid { path: PathBuf, errors: Vec<FieldError> },
@@ -50,9 +50,17 @@ impl fmt::Display for FieldErrors<'_> {
     }
 }
 
+/// One error of a file that did not parse: its line (1-based; 0 when not
+/// known) and what is wrong, naming the field (`config::file::parse`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError {
+    pub line: usize,
+    pub message: String,
+}
+
 struct ParseErrors<'a> {
     path: &'a Path,
-    errors: &'a [super::file::ParseError],
+    errors: &'a [ParseError],
 }
 
 impl fmt::Display for ParseErrors<'_> {
@@ -346,13 +354,6 @@ pub struct TlsFiles {
 }
 
 impl Config {
-    /// The configuration in force, for `GET /config` and `ratelimitd
-    /// config-show`: TOML in the file's terms (`show`), the Redis URL
-    /// without its password (secret sources are files or variables, named,
-    /// never read here).
-    pub fn dump(&self) -> String {
-        super::show::to_toml(self)
-    }
 }
 
 impl RedisConfig {

@@ -57,7 +57,17 @@ fn secret(t: &mut Table, s: Option<&SecretSource>) {
     };
 }
 
-pub(super) fn to_toml(c: &Config) -> String {
+impl Config {
+    /// The configuration in force, for `GET /config` and `ratelimitd
+    /// config-show`: TOML in the file's terms, the Redis URL without its
+    /// password (secret sources are files or variables, named, never read
+    /// here).
+    pub fn dump(&self) -> String {
+        to_toml(self)
+    }
+}
+
+fn to_toml(c: &Config) -> String {
     let mut out = String::new();
     let mut section = |name: &str, t: &Table| {
         let _ = write!(out, "{}[{name}]\n{}", if out.is_empty() { "" } else { "\n" }, t.0);
