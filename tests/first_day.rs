@@ -34,6 +34,15 @@ fn without_systemd_lines() -> Vec<&'static str> {
     block.lines().skip(1).collect()
 }
 
+/// The `server {}` of the section's first limited location.
+fn without_systemd_nginx_server() -> &'static str {
+    let at = DOC.find("### Without systemd").unwrap();
+    let section = &DOC[at..at + DOC[at + 4..].find("\n### ").unwrap() + 4];
+    let block = section.split("```nginx\n").nth(1).expect("a first location").split("```").next().unwrap();
+    // Indented under its list item in the doc.
+    Box::leak(block.lines().map(|l| l.strip_prefix("  ").unwrap_or(l)).collect::<Vec<_>>().join("\n").into_boxed_str())
+}
+
 /// The package's configuration as `serve` reads it on a fresh host, but
 /// for Redis (the test's), the metrics port (none: 9464 may be taken) and
 /// the socket, in a directory that does not exist yet (`/run/ratelimitd`
@@ -42,7 +51,11 @@ fn package_config(dir: &std::path::Path, redis: &RedisServer) -> String {
     std::fs::create_dir(dir.join("run")).unwrap();
     let socket = dir.join("run").join("ratelimitd").join("ratelimitd.sock");
     assert!(PACKAGE.contains("\nlisten = \"/run/ratelimitd/ratelimitd.sock\"\n"));
+    // The nginx workers' group: www-data on Debian, the tests' workers'
+    // group here.
+    let group = if common::is_root() { format!("socket_group = \"{}\"", common::WORKER_GROUP) } else { String::new() };
     PACKAGE
+        .replacen("socket_group = \"www-data\"", &group, 1)
         .replacen("listen = \"/run/ratelimitd/ratelimitd.sock\"", &format!("listen = \"{}\"", socket.display()), 1)
         .replacen("url = \"redis://127.0.0.1:6379/0\"", &format!("url = \"{}\"", redis.url()), 1)
         .replacen("[metrics]\nlisten = \"127.0.0.1:9464\"\n", "", 1)
@@ -99,6 +112,16 @@ fn the_documented_start_without_systemd_makes_the_socket_s_directory_and_serves(
 
     daemon.signal(Signal::SIGHUP);
     daemon.wait_until("kill -HUP reloads", Duration::from_secs(10), || std::fs::read_to_string(&log).unwrap_or_default().contains("configuration reloaded"));
+    // The section's first limited location, through real nginx (its
+    // workers in the socket's group), as written but for its port.
+    let location = without_systemd_nginx_server();
+    let nginx = common::Nginx::start(&format!("{}\n{}", common::ops::snippet(&socket), location.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1)));
+    let agent = common::http::agent();
+    let statuses: Vec<u16> = (0..3).map(|_| common::http::get(&agent, &nginx.url("/hello"), &[]).status).collect();
+    assert_eq!(statuses, [200, 200, 429], "two a minute, then refused\n{}", nginx.error_log());
+    let refused = common::http::get(&agent, &nginx.url("/hello"), &[]);
+    assert_eq!(refused.header("ratelimit-remaining"), "0", "{:?}", refused.status);
+
     let status = daemon.terminate(Duration::from_secs(10));
     assert!(status.success(), "kill -TERM stops it cleanly: {status}\n{}", daemon.log());
     assert!(!socket.exists(), "the socket file is removed on exit");
