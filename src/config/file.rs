@@ -582,3 +582,36 @@ fn key_ending(b: &[u8], end: usize) -> Option<(String, usize)> {
     let start = b[..e].iter().rposition(|c| !(c.is_ascii_alphanumeric() || *c == b'_' || *c == b'-' || *c == b'.')).map_or(0, |p| p + 1);
     (start < e).then(|| (String::from_utf8_lossy(&b[start..e]).into_owned(), start))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        /// A hostile file never panics the error reporting (blanked lines,
+        /// multi-byte characters, inline tables, headers), and every error
+        /// it reports names a line of the file.
+        #[test]
+        fn any_text_gets_errors_not_a_panic(text in "(\\[\\[?[a-zé]{0,6}\\]\\]?\n|[a-zé_]{0,8} ?= ?(\"[a-zé5]{0,4}\"|[0-9]{1,3}|\\{ ?[a-z]{1,5} = [0-9\"]{1,3} ?\\}|\\[[0-9, \"]{0,6}\\]|true)\n|#é\n|\n){0,12}") {
+            if let Err(ConfigError::Parse { errors, .. }) = parse(Path::new("t.toml"), &text) {
+                let lines = text.lines().count().max(1);
+                for e in &errors {
+                    prop_assert!(e.line <= lines + 1, "{e:?} in\n{text}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nearest_names_and_paths() {
+        assert_eq!(edit_distance("redsi", "redis"), 1);
+        assert_eq!(edit_distance("limt", "limit"), 1);
+        let e = parse(Path::new("t.toml"), "[[policy]]\nname = \"a\"\nlimit = 5\nwindow = \"1s\"\npenalty = { after = \"3\", within = \"1m\", ban = \"1m\" }\n").unwrap_err().to_string();
+        assert_eq!(e, "t.toml: line 5: policy.penalty.after: policy 'a': invalid type: string \"3\", expected an integer");
+        let e = parse(Path::new("t.toml"), "[[policy]]\nlimit = 5\nwindow = \"1s\"\n[[policy]]\nname = \"b\"\nlimit = 5\nwindo = \"1s\"\n").unwrap_err().to_string();
+        assert!(e.contains("line 1: policy: missing field `name`") && e.contains("line 7: policy.windo: policy 'b': unknown field `windo`; did you mean `window`?"), "{e}");
+    }
+}
