@@ -83,8 +83,20 @@ fn errors(nginx: &Nginx) -> Vec<String> {
 
 #[test]
 fn a_server_level_limit_counts_a_request_once_whatever_internal_redirect_it_takes() {
+    counts_once(SNIPPET);
+}
+
+/// The same without the snippet's `map $request_id` line: the request's
+/// identity is what nginx keeps for it (request.lua). Before, each redirect
+/// was counted again (`RateLimit-Remaining` 8, then 6).
+#[test]
+fn without_the_map_line_a_server_level_limit_counts_a_request_once() {
+    counts_once(&SNIPPET.replacen(MAP_LINE, "", 1));
+}
+
+fn counts_once(snippet: &str) {
     let redis = RedisServer::start_unix();
-    let (_d, nginx) = start(&redis, "access_by_lua_block { per_key:limit(ngx.var.http_x_key) }", &redirect_locations("a", ""));
+    let (_d, nginx) = start_with(&redis, snippet, "access_by_lua_block { per_key:limit(ngx.var.http_x_key) }", &redirect_locations("a", ""));
     let agent = agent();
     let mut failures = Vec::new();
     for kind in REDIRECTS {
