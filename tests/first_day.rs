@@ -231,6 +231,14 @@ fn check_config_refuses_limiter_options_the_lua_client_refuses() {
     std::fs::write(&conf, nginx("closed")).unwrap();
     let (code, out, err) = ratelimitd(&["check-config", "--config", toml.to_str().unwrap(), "--nginx", conf.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}{err}");
+
+    // Without the client on luajit's path: said, and the rest checked.
+    std::fs::write(&conf, nginx("close")).unwrap();
+    let out = Command::new(BIN).args(["check-config", "--config", toml.to_str().unwrap(), "--nginx", conf.to_str().unwrap()]).env("LUA_PATH", "/nonexistent/?.lua").output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stderr.contains("is not on luajit's path") && stderr.contains("limiter options not checked"), "{stderr}");
+    assert!(stdout.contains("policy \"login\": ok"), "{stdout}");
 }
 
 /// Before: `scripts/demo` built with `cargo build --quiet`, silent for the
