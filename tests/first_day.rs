@@ -251,3 +251,29 @@ fn scripts_demo_shows_the_build_s_progress() {
     assert!(!build.contains("--quiet") && !build.contains(" -q"), "{build}");
     assert!(demo.contains("building the release binary"), "a first build is announced");
 }
+
+/// Before: on a host without systemd the package's postinst started nothing
+/// and said nothing. Now it says how to start the daemon. Run with stand-ins
+/// for the commands that would change the host (user, owners, units).
+#[test]
+fn the_package_says_how_to_start_the_daemon_where_systemd_does_not_run() {
+    if std::path::Path::new("/run/systemd/system").is_dir() {
+        eprintln!("systemd runs here: postinst starts the units instead");
+        return;
+    }
+    let stubs = tempfile::tempdir().unwrap();
+    for cmd in ["getent", "adduser", "chown", "chmod", "deb-systemd-helper"] {
+        let path = stubs.path().join(cmd);
+        std::fs::write(&path, "#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let out = Command::new("sh")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/debian/postinst"))
+        .arg("configure")
+        .env("PATH", format!("{}:/usr/bin:/bin", stubs.path().display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("systemd is not running, so the daemon was not started") && stderr.contains("ratelimitd serve --config /etc/ratelimitd/ratelimitd.toml"), "{stderr}");
+}
