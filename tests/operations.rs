@@ -149,7 +149,7 @@ fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
     assert_eq!(code, 200);
     // In the file's own terms (was a Rust Debug dump: `socket_mode: 432`,
     // `timeout: 500ms` as a Duration): TOML that reads back.
-    assert!(dump.contains("[[policy]]\nname = \"login\"\nlimit = 100\nwindow = \"1m\"\n"), "{dump}");
+    assert!(dump.contains("[[policy]]\nname = \"login\"\nlimit = 100\nwindow = \"60s\"\n"), "durations as written: {dump}");
     assert!(dump.contains("[server]\n") && dump.contains("\nsocket_mode = \"0660\"\n") && dump.contains("\ntimeout = \"500ms\"\n"), "{dump}");
     let shown = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(shown.path(), &dump).unwrap();

@@ -319,6 +319,41 @@ fn optional_duration_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Opti
     duration_text(d).map(Some)
 }
 
+impl File {
+    /// Every duration the file writes, by field path (`server.idle_timeout`,
+    /// `policy.login.window`), as written: `GET /config` shows a duration
+    /// as the file wrote it when it still holds that value (show.rs).
+    pub(super) fn written_durations(&self) -> std::collections::BTreeMap<String, String> {
+        let mut w = std::collections::BTreeMap::new();
+        let mut put = |path: String, text: Option<&String>| {
+            if let Some(t) = text.filter(|t| !t.is_empty()) {
+                w.insert(path, t.clone());
+            }
+        };
+        let s = &self.server;
+        put("server.shutdown_grace".into(), s.shutdown_grace.as_ref());
+        put("server.idle_timeout".into(), s.idle_timeout.as_ref());
+        put("server.frame_timeout".into(), s.frame_timeout.as_ref());
+        put("server.write_timeout".into(), s.write_timeout.as_ref());
+        if let Some(r) = &self.redis {
+            put("redis.timeout".into(), r.timeout.as_ref());
+            put("redis.connect_timeout".into(), r.connect_timeout.as_ref());
+        }
+        put("denial_cache.max_age".into(), self.denial_cache.max_age.as_ref());
+        put("admin.overrides_refresh".into(), Some(&self.admin.overrides_refresh));
+        put("admin.read_timeout".into(), Some(&self.admin.read_timeout));
+        for p in &self.policy {
+            put(format!("policy.{}.window", p.name), Some(&p.window));
+            put(format!("policy.{}.lease", p.name), p.lease.as_ref());
+            if let Some(pen) = &p.penalty {
+                put(format!("policy.{}.penalty.within", p.name), Some(&pen.within));
+                put(format!("policy.{}.penalty.ban", p.name), Some(&pen.ban));
+            }
+        }
+        w
+    }
+}
+
 /// Most errors one parse reports: each is found by parsing again without
 /// the lines of the ones before.
 const MAX_PARSE_ERRORS: usize = 32;

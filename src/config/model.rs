@@ -115,6 +115,10 @@ pub struct Config {
     /// Old spellings the file used, one line each, for the log and
     /// `check-config` (accepted, to be rewritten).
     pub deprecated: Vec<String>,
+    /// The durations as the file wrote them, by field path
+    /// (`policy.login.window` = "60s"): what `GET /config` shows for a
+    /// duration that still has that value.
+    pub written_durations: BTreeMap<String, String>,
 }
 
 /// One `[[policy]]` (docs/POLICIES.md).

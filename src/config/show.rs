@@ -11,7 +11,7 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use super::model::{AdminListen, Config, PolicyLimit, RedisTarget, SecretSource};
-use super::validate::duration_text_of;
+use super::validate::{duration_text_of, parse_duration};
 use crate::window::CALENDAR;
 
 /// `key = value` lines of one table.
@@ -31,8 +31,14 @@ impl Table {
         self
     }
 
-    fn duration(&mut self, key: &str, d: Duration) -> &mut Self {
-        self.put(key, duration_text_of(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+    /// `key` = the duration as `written` (the file's text, if it still
+    /// means `d`), else in its largest whole unit.
+    fn duration(&mut self, key: &str, d: Duration, written: Option<&String>) -> &mut Self {
+        let text = match written {
+            Some(t) if parse_duration(t).ok() == Some(d) => t.clone(),
+            _ => duration_text_of(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        };
+        self.put(key, text)
     }
 
     fn path(&mut self, key: &str, p: Option<&std::path::Path>) -> &mut Self {
@@ -77,7 +83,9 @@ fn to_toml(c: &Config) -> String {
     let mut t = Table::default();
     t.path("listen", Some(&s.listen)).put("socket_mode", mode(s.socket_mode)).some("socket_group", s.socket_group.as_deref());
     t.put("max_connections", int(s.max_connections)).put("max_in_flight_per_connection", int(s.max_in_flight_per_connection));
-    t.duration("shutdown_grace", s.shutdown_grace).duration("idle_timeout", s.idle_timeout).duration("frame_timeout", s.frame_timeout).duration("write_timeout", s.write_timeout);
+    let w = |path: &str| c.written_durations.get(path);
+    t.duration("shutdown_grace", s.shutdown_grace, w("server.shutdown_grace")).duration("idle_timeout", s.idle_timeout, w("server.idle_timeout"));
+    t.duration("frame_timeout", s.frame_timeout, w("server.frame_timeout")).duration("write_timeout", s.write_timeout, w("server.write_timeout"));
     t.put("worker_threads", int(s.worker_threads));
     section("server", &t);
 
@@ -105,7 +113,7 @@ fn to_toml(c: &Config) -> String {
         if let Some((cert, key)) = &r.tls.client {
             t.path("tls_cert_file", Some(cert)).path("tls_key_file", Some(key));
         }
-        t.duration("timeout", r.timeout).duration("connect_timeout", r.connect_timeout);
+        t.duration("timeout", r.timeout, w("redis.timeout")).duration("connect_timeout", r.connect_timeout, w("redis.connect_timeout"));
         t.put("breaker_failures", int(r.breaker_failures)).put("min_in_flight", int(r.min_in_flight)).put("max_in_flight", int(r.max_in_flight));
         t.put("key_prefix", r.key_prefix.as_str()).put("clock", format!("{:?}", r.clock).to_lowercase());
         t.put("quota_leases", r.quota_leases).put("batch_cold_keys", r.batch_cold_keys);
@@ -133,7 +141,7 @@ fn to_toml(c: &Config) -> String {
 
     let d = &c.denial_cache;
     let mut t = Table::default();
-    t.put("enabled", d.enabled).put("slots", int(d.slots)).duration("max_age", d.max_age);
+    t.put("enabled", d.enabled).put("slots", int(d.slots)).duration("max_age", d.max_age, w("denial_cache.max_age"));
     section("denial_cache", &t);
 
     let a = &c.admin;
@@ -148,11 +156,11 @@ fn to_toml(c: &Config) -> String {
         None => {}
     }
     t.path("token_file", a.token_file.as_deref()).path("read_token_file", a.read_token_file.as_deref());
-    t.duration("overrides_refresh", a.overrides_refresh);
+    t.duration("overrides_refresh", a.overrides_refresh, w("admin.overrides_refresh"));
     if let Some(tls) = &a.tls {
         t.path("tls_cert_file", Some(&tls.cert_file)).path("tls_key_file", Some(&tls.key_file)).path("tls_ca_file", tls.ca_file.as_deref());
     }
-    t.put("max_connections", int(a.max_connections)).duration("read_timeout", a.read_timeout);
+    t.put("max_connections", int(a.max_connections)).duration("read_timeout", a.read_timeout, w("admin.read_timeout"));
     section("admin", &t);
 
     for p in &c.policies {
@@ -160,7 +168,7 @@ fn to_toml(c: &Config) -> String {
         t.put("name", p.name.as_str()).put("limit", int(p.limit));
         match (p.lease_ms, p.calendar_window_ms) {
             (Some(lease), _) => {
-                t.put("algorithm", "concurrency").put("lease", duration_text_of(u64::from(lease)));
+                t.put("algorithm", "concurrency").duration("lease", Duration::from_millis(u64::from(lease)), w(&format!("policy.{}.lease", p.name)));
             }
             (None, Some(cal)) if cal >= CALENDAR => {
                 let code = cal - CALENDAR;
@@ -172,7 +180,7 @@ fn to_toml(c: &Config) -> String {
                 t.put("algorithm", p.algorithm.as_str());
             }
             (None, _) => {
-                t.duration("window", p.window).put("algorithm", p.algorithm.as_str());
+                t.duration("window", p.window, w(&format!("policy.{}.window", p.name))).put("algorithm", p.algorithm.as_str());
             }
         }
         t.some("on_error", p.fail_policy.map(|f| f.as_str())).some("local_limit", p.local_limit.map(int));
@@ -184,13 +192,11 @@ fn to_toml(c: &Config) -> String {
             t.put("shards", int(p.shards));
         }
         if let Some(pen) = &p.penalty {
-            let _ = writeln!(
-                t.0,
-                "penalty = {{ after = {}, within = \"{}\", ban = \"{}\" }}",
-                pen.after,
-                duration_text_of(u64::from(pen.within_ms)),
-                duration_text_of(u64::from(pen.ban_ms))
-            );
+            let mut inline = Table::default();
+            inline.duration("within", Duration::from_millis(u64::from(pen.within_ms)), w(&format!("policy.{}.penalty.within", p.name)));
+            inline.duration("ban", Duration::from_millis(u64::from(pen.ban_ms)), w(&format!("policy.{}.penalty.ban", p.name)));
+            let [within, ban] = [0, 1].map(|i| inline.0.lines().nth(i).unwrap_or_default().to_string());
+            let _ = writeln!(t.0, "penalty = {{ after = {}, {within}, {ban} }}", pen.after);
         }
         let _ = write!(out, "\n[[policy]]\n{}", t.0);
         if !p.overrides.is_empty() {
@@ -221,15 +227,21 @@ mod tests {
         let file = "[server]\nsocket_mode = \"0640\"\nidle_timeout = \"90s\"\n\
             [redis]\nurl = \"redis://u:secret@127.0.0.1:6379/0\"\ntimeout = \"25ms\"\n\
             [metrics]\nlisten = \"127.0.0.1:9464\"\n\
-            [[policy]]\nname = \"login\"\nlimit = 5\nwindow = \"1m\"\non_error = \"local\"\nlocal_limit = 2\npenalty = { after = 3, within = \"1m\", ban = \"10m\" }\n\
+            [[policy]]\nname = \"login\"\nlimit = 5\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\npenalty = { after = 3, within = \"1m\", ban = \"10m\" }\n\
             [policy.overrides]\n\"tenant \\\"x\\\"\" = 50\nvip = \"unlimited\"\n\
             [[policy]]\nname = \"monthly\"\nlimit = 1000\nwindow = \"month\"\nutc_offset = \"-05:30\"\nalgorithm = \"fixed\"\n\
             [[policy]]\nname = \"slots\"\nlimit = 4\nalgorithm = \"concurrency\"\nlease = \"30s\"\n";
         let c = Config::parse(Path::new("t.toml"), file).unwrap();
         let shown = c.dump();
         assert!(shown.contains("socket_mode = \"0640\"\n") && shown.contains("idle_timeout = \"90s\"\n") && shown.contains("timeout = \"25ms\"\n"), "{shown}");
+        // Durations as written (60s stays 60s), defaults in their largest unit.
+        assert!(shown.contains("window = \"60s\"\n") && shown.contains("shutdown_grace = \"5s\"\n") && shown.contains("ban = \"10m\" }"), "{shown}");
         assert!(shown.contains("url = \"redis://u:***@127.0.0.1:6379/0\"") && !shown.contains("secret"), "{shown}");
         let back = Config::parse(Path::new("shown.toml"), &shown.replace("u:***@", "u:secret@")).unwrap_or_else(|e| panic!("{e}\n{shown}"));
-        assert_eq!(back, c, "{shown}");
+        assert_eq!(back.dump(), shown, "shown again, the same text");
+        // The same configuration (the text writes out every default, so
+        // its own list of durations as written is longer).
+        let typed = |c: &Config| Config { written_durations: Default::default(), ..c.clone() };
+        assert_eq!(typed(&back), typed(&c), "{shown}");
     }
 }

@@ -69,6 +69,7 @@ impl Config {
 
     /// Turns the file's values into typed ones, reporting every bad field.
     fn from_file(path: &Path, f: file::File) -> Result<Self, ConfigError> {
+        let written_durations = f.written_durations();
         let mut p = Problems::default();
         let mut deprecated = Vec::new();
         let server = server_config(f.server, &mut p, &mut deprecated);
@@ -87,7 +88,7 @@ impl Config {
         let denial_cache = denial_cache_config(f.denial_cache, &mut p, &mut deprecated);
         let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
         let admin = admin_config(f.admin, &mut p);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated })
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated, written_durations })
     }
 }
 
