@@ -111,7 +111,9 @@ async fn a_cluster_failover_logs_the_redis_client_at_most_once_a_second() {
         after.len(),
         notes.values().sum::<usize>()
     );
-    assert!(requests as f64 / (secs + 0.5) > 200.0, "the load is a load: {requests} checks");
+    // A load at all (about 1,000 a second on a quiet machine, 340 seen on a
+    // loaded one; the library wrote about two lines per check before).
+    assert!(requests as f64 / (secs + 0.5) > 100.0, "the load is a load: {requests} checks");
     assert!(library_lines > 0, "the library's lines still come through:\n{}", shown.join("\n"));
     // At most once a second per module: one at the start of each second
     // from the first, so ceil(secs) + 1 at most over the run.
