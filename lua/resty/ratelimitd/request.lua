@@ -5,40 +5,56 @@
 -- again reuses its first answer (no second count), and its decision table
 -- for a later refund() or settle() (decision()).
 --
--- A request is known by its $request_id, the same for the whole request once
--- the configuration indexes it (the snippet's `map $request_id
--- $ratelimitd_request_id`; unindexed, each read makes a new id, and nothing
--- is kept: each run of the access phase decides, as before). nginx makes
--- the id (random hex): nothing a client sends chooses it.
+-- A request is found by the address of its nginx request object, which a
+-- redirect keeps, and told from an earlier request that nginx placed at the
+-- same address by $connection (a number nginx gives each connection, never
+-- twice on the host) and $connection_requests (the request's number on it,
+-- the same across redirects; each HTTP/2 stream has its own). nginx makes
+-- all three: nothing a client sends chooses them. $request_id would do too,
+-- but its first read per request draws 16 random bytes (OpenSSL) and every
+-- request would make a new 32-byte string and table here: measured at about
+-- 2 of the 3 us a request admitted from a worker share cost this module
+-- (docs/PERFORMANCE.md, "The share path in a worker"). The entry of an
+-- address is reused by the next request placed there: no table per request.
 --
--- Bounded: the worker keeps the decisions of the requests it decided last,
--- in two generations of GENERATION requests each; a full current
--- generation becomes the previous one and the older is dropped. So a
--- request's decisions are found again as long as fewer than GENERATION
--- other requests of the same worker were decided between its first decision
--- and its redirect (at least 1,024 requests, at most 2,048): always for
--- try_files, ngx.exec and an error_page of the access or content phase; an
--- error_page after a slow upstream on a busy worker may miss, and then it
--- is decided again (counted twice, as before this module).
+-- As before, the decisions are kept only where the snippet's `map
+-- $request_id` line is (looked at once per worker): without it the leases
+-- cannot survive a redirect either, and each run of the access phase
+-- decides, as the docs say.
+--
+-- Bounded: the worker keeps the entries of the request addresses it saw
+-- last, in two generations of GENERATION addresses each; a full current
+-- generation becomes the previous one and the older is dropped. An address
+-- recurs (nginx reuses a request object's memory for the next request on
+-- a connection), so a new generation starts only after GENERATION addresses
+-- new to the worker, at least 1,024: a request's decisions are found again
+-- unless that many requests with new addresses were decided between its
+-- first decision and its redirect (then it is decided again, counted
+-- twice, as before this module).
 
 local ngx = ngx
 local concat = table.concat
-local type = type
+local type, tonumber = type, tonumber
+local get_request = require("resty.core.base").get_request
+local clear = require "table.clear"
+local ffi = require "ffi"
+local cast = ffi.cast
 
 local _M = {}
 
 local GENERATION = 1024
 _M.GENERATION = GENERATION
 
--- request id -> { [limiter] = { [key|cost] = decision table }, ctx = the
--- decision table of ngx.ctx.ratelimitd }
+-- request address -> entry: { conn = $connection, nth = $connection_requests,
+-- [limiter] = its last decision table, [that table] = the call it answered
+-- (call_of), ctx = the decision table of ngx.ctx.ratelimitd }
 local current, previous, entries = {}, {}, 0
 
 -- nil until the first request has looked: whether $request_id is the same
--- at each read (indexed).
+-- at each read (indexed: the snippet's map line is there).
 local stable_id
 
---- The request's identity, the same across internal redirects when
+--- The request's $request_id, the same across internal redirects when
 -- `stable` (else only $request_id of this read).
 function _M.id()
     local id = ngx.var.request_id
@@ -49,29 +65,45 @@ function _M.id()
 end
 
 -- The entry of the request (made when `make`), or nil. One table per
--- request: limiter -> its last decision table, that table -> the call it
--- answered (call_of), and `ctx`.
+-- request address, emptied when a later request at the address uses it.
 local function entry(make)
-    local id, stable = _M.id()
-    if not stable or not id then
+    if stable_id == nil then
+        _M.id()
+    end
+    if not stable_id then
         return nil
     end
-    local e = current[id]
-    if e then
-        return e
+    local r = get_request()
+    if not r then
+        return nil
     end
-    e = previous[id]
+    -- A number: a cdata pointer as a table key would be a new key each time.
+    local at = tonumber(cast("uintptr_t", r))
+    local var = ngx.var
+    local conn, nth = var.connection, var.connection_requests
+    local e = current[at]
     if not e then
+        e = previous[at]
+        if not e then
+            if not make then
+                return nil
+            end
+            e = { conn = conn, nth = nth }
+        end
+        if entries >= GENERATION then
+            previous, current, entries = current, {}, 0
+        end
+        current[at] = e
+        entries = entries + 1
+    end
+    if e.conn ~= conn or e.nth ~= nth then
+        -- An earlier request's, at the same address.
         if not make then
             return nil
         end
-        e = {}
+        clear(e)
+        e.conn, e.nth = conn, nth
     end
-    if entries >= GENERATION then
-        previous, current, entries = current, {}, 0
-    end
-    current[id] = e
-    entries = entries + 1
     return e
 end
 
