@@ -3,7 +3,9 @@
 //! after an internal redirect (`try_files`, `ngx.exec`, `error_page` to a
 //! named location) reuses its first answer, and the refund and settle
 //! handles of a request survive the redirect (`ratelimitd.decision()`), both
-//! by the request's `$request_id` (docs/NGINX.md, "Internal redirects").
+//! by the request's identity (the address of nginx's request object,
+//! `$connection`, `$connection_requests`; docs/NGINX.md, "Internal
+//! redirects"), and no request takes another's decision.
 
 mod common;
 
@@ -186,5 +188,35 @@ fn without_the_map_line_a_lease_survives_every_internal_redirect_and_is_released
             wait_until(&format!("{kind} request {n}'s slot released"), Duration::from_secs(3), || recorded(&redis, &key) == 0);
         }
     }
+    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+}
+
+/// The client finds a request's earlier decisions by the address of nginx's
+/// request object, which the next request of a keepalive connection usually
+/// takes over, checked against `$connection` and `$connection_requests`
+/// (resty/ratelimitd/request.lua). A request that meets the limiter only
+/// after a redirect must never take the decision of the connection's
+/// previous request at that address: every one of them is counted.
+#[test]
+fn each_request_of_a_keepalive_connection_that_meets_its_limit_after_a_redirect_is_counted() {
+    let redis = RedisServer::start_unix();
+    let late = "location = /late-ok { access_by_lua_block { per_key:limit(ngx.var.http_x_key) } content_by_lua_block { ngx.say(\"ok\") } }\n\
+        \x20   location = /late/try_files { try_files $uri /late-ok; }\n\
+        \x20   location = /late/exec { content_by_lua_block { return ngx.exec(\"/late-ok\") } }\n";
+    let (_d, nginx) = start(&redis, "", late);
+    // One agent: its requests follow each other on one pooled connection.
+    let agent = agent();
+    let mut failures = Vec::new();
+    for kind in ["try_files", "exec"] {
+        let key = format!("late-{kind}");
+        for n in 1..=6u64 {
+            let r = get(&agent, &nginx.url(&format!("/late/{kind}")), &[("X-Key", &key)]);
+            let stored = recorded(&redis, &key);
+            if r.status != 200 || r.num("RateLimit-Remaining") != Some(10 - n) || stored != n {
+                failures.push(format!("{kind} request {n}: status {}, RateLimit-Remaining {:?}, {stored} recorded in Redis (want 200, {}, {n})", r.status, r.num("RateLimit-Remaining"), 10 - n));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
 }

@@ -12,6 +12,9 @@ rawset(_G, "ngx", {
     ctx = {},
 })
 
+-- request.lua finds a request by its nginx request object (lua-resty-core).
+package.loaded["resty.core.base"] = { get_request = function() return current end }
+
 local leases = require "resty.ratelimitd.leases"
 
 local function lease(name)

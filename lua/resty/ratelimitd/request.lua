@@ -4,65 +4,76 @@
 -- limit() calls made, so that the same limiter deciding the same request
 -- again reuses its first answer (no second count), and its decision table
 -- for a later refund() or settle() (decision()). leases.lua keeps a
--- request's concurrency leases under the same identity (id()).
+-- request's concurrency leases under its identity (id()).
 --
--- A request is known by its $request_id when the configuration indexes it
--- (the snippet's `map $request_id $ratelimitd_request_id`): the same for the
--- whole request. Without that line each read of $request_id makes a new id;
--- the request is then known by what nginx keeps for it across redirects:
--- the address of its request object, its start time (ms), its connection's
--- serial number and the connection's count of requests. Two requests of a
--- worker alive at once never share the address; a later request that gets
--- the freed address also has the same start millisecond, connection and
--- request count only if it is the same request. nginx makes all of these:
--- nothing a client sends chooses the identity.
+-- A request is found by the address of its nginx request object, which a
+-- redirect keeps, and told from an earlier request that nginx placed at the
+-- same address by $connection (a number nginx gives each connection, never
+-- twice on the host), $connection_requests (the request's number on it,
+-- the same across redirects) and its start time (ms). nginx makes all of
+-- them: nothing a client sends chooses them, and no line in nginx.conf is
+-- needed. $request_id would do too,
+-- but its first read per request draws 16 random bytes (OpenSSL) and every
+-- request would make a new 32-byte string and table here: measured at about
+-- 2 of the 3 us a request admitted from a worker share cost this module
+-- (docs/PERFORMANCE.md, "The share path in a worker"). The entry of an
+-- address is reused by the next request placed there: no table per request.
 --
--- Bounded: the worker keeps the decisions of the requests it decided last,
--- in two generations of GENERATION requests each; a full current
--- generation becomes the previous one and the older is dropped. So a
--- request's decisions are found again as long as fewer than GENERATION
--- other requests of the same worker were decided between its first decision
--- and its redirect (at least 1,024 requests, at most 2,048): always for
--- try_files, ngx.exec and an error_page of the access or content phase; an
--- error_page after a slow upstream on a busy worker may miss, and then it
--- is decided again (counted twice, as before this module).
+-- The identity of a request as a string (id(), a concurrency lease's id):
+-- its $request_id when the configuration indexes it (the snippet's `map
+-- $request_id $ratelimitd_request_id`), the same for the whole request;
+-- else the same parts as above, after 12 hex digits of one $request_id per
+-- worker, which tell apart two workers or hosts whose requests share an
+-- address, start and connection numbers.
+--
+-- Bounded: the worker keeps the entries of the request addresses it saw
+-- last, in two generations of GENERATION addresses each; a full current
+-- generation becomes the previous one and the older is dropped. An address
+-- recurs (nginx reuses a request object's memory for the next request on
+-- a connection), so a new generation starts only after GENERATION addresses
+-- new to the worker, at least 1,024: a request's decisions are found again
+-- unless that many requests with new addresses were decided between its
+-- first decision and its redirect (then it is decided again, counted
+-- twice, as before this module).
 
 local ngx = ngx
 local concat = table.concat
-local type, tostring, require = type, tostring, require
-local match, sub = string.match, string.sub
+local type, tonumber = type, tonumber
+local format, sub = string.format, string.sub
+local get_request = require("resty.core.base").get_request
+local clear = require "table.clear"
+local ffi = require "ffi"
+local cast = ffi.cast
 
 local _M = {}
 
 local GENERATION = 1024
 _M.GENERATION = GENERATION
 
--- request id -> { [limiter] = { [key|cost] = decision table }, ctx = the
--- decision table of ngx.ctx.ratelimitd }
+-- request address -> entry: { conn = $connection, nth = $connection_requests,
+-- start = the request's start time,
+-- [limiter] = its last decision table, [that table] = the call it answered
+-- (call_of), ctx = the decision table of ngx.ctx.ratelimitd }
 local current, previous, entries = {}, {}, 0
 
 -- nil until the first request has looked: whether $request_id is the same
 -- at each read (indexed).
 local stable_id
 
--- The request object's address, from lua-resty-core (which the Lua module
--- requires since 0.10.16), and 12 hex digits of nginx's own randomness (one
--- $request_id): loaded at the first request without an indexed $request_id.
--- The digits tell apart two workers or hosts whose requests share an
--- address, start and connection numbers (each host counts connections from
--- 1): a lease id need only be unique among the key's leases.
-local get_request, worker_token
+-- 12 hex digits of nginx's own randomness (one $request_id), read at the
+-- first request without an indexed $request_id.
+local worker_token
 
 -- The identity nginx keeps for a request across its internal redirects,
 -- when $request_id is not indexed (see above): at most 12 + 12 + 1 + 14 +
 -- 1 + 10 + 1 + 10 bytes, within a lease id's 64, without a space or `#`.
 local function own_id()
     local var = ngx.var
-    if not get_request then
-        get_request = require("resty.core.base").get_request
+    if not worker_token then
         worker_token = sub(var.request_id, 1, 12)
     end
-    return worker_token .. match(tostring(get_request()), "0x(%x+)") .. "-" .. ngx.req.start_time() .. "-" .. var.connection .. "-" .. var.connection_requests
+    local at = format("%x", tonumber(cast("uintptr_t", get_request())))
+    return worker_token .. at .. "-" .. ngx.req.start_time() .. "-" .. var.connection .. "-" .. var.connection_requests
 end
 
 --- The request's identity, the same across internal redirects: its
@@ -82,26 +93,39 @@ function _M.id()
 end
 
 -- The entry of the request (made when `make`), or nil. One table per
--- request: limiter -> its last decision table, that table -> the call it
--- answered (call_of), and `ctx`.
+-- request address, emptied when a later request at the address uses it.
 local function entry(make)
-    local id = _M.id()
-    local e = current[id]
-    if e then
-        return e
+    local r = get_request()
+    if not r then
+        return nil
     end
-    e = previous[id]
+    -- A number: a cdata pointer as a table key would be a new key each time.
+    local at = tonumber(cast("uintptr_t", r))
+    local var = ngx.var
+    local conn, nth, start = var.connection, var.connection_requests, ngx.req.start_time()
+    local e = current[at]
     if not e then
+        e = previous[at]
+        if not e then
+            if not make then
+                return nil
+            end
+            e = { conn = conn, nth = nth, start = start }
+        end
+        if entries >= GENERATION then
+            previous, current, entries = current, {}, 0
+        end
+        current[at] = e
+        entries = entries + 1
+    end
+    if e.conn ~= conn or e.nth ~= nth or e.start ~= start then
+        -- An earlier request's, at the same address.
         if not make then
             return nil
         end
-        e = {}
+        clear(e)
+        e.conn, e.nth, e.start = conn, nth, start
     end
-    if entries >= GENERATION then
-        previous, current, entries = current, {}, 0
-    end
-    current[id] = e
-    entries = entries + 1
     return e
 end
 

@@ -103,9 +103,18 @@ local function be32(s, i)
     return ((a * 256 + b) * 256 + c) * 256 + d
 end
 
---- The shared-dict entry of `lim`'s share for wire key `key`.
-local function entry(lim, key)
-    return "\2" .. lim._name_part .. key
+--- The shared-dict entries of `lim`'s share for wire key `key`: the units
+-- and the info entry. The limiter keeps the names of its last key, so a hot
+-- key's request makes no string (two concatenations and their interning,
+-- per request, before).
+local function entries(lim, key)
+    if lim._share_key == key then
+        return lim._share_entry, lim._share_info
+    end
+    local skey = "\2" .. lim._name_part .. key
+    local info = skey .. "\3"
+    lim._share_key, lim._share_entry, lim._share_info = key, skey, info
+    return skey, info
 end
 
 -- Asks the daemon for units of `lim`'s lease on `key` (entry `skey`, the
@@ -179,7 +188,7 @@ function _M.admit(lim, dict, key, cost)
     if cost > MAX_UNITS or not mono_us then
         return nil
     end
-    local skey = entry(lim, key)
+    local skey, ikey = entries(lim, key)
     local v = dict:incr(skey, -cost)
     if not v then
         return nil
@@ -193,7 +202,7 @@ function _M.admit(lim, dict, key, cost)
         -- Past the deadline: the unit is burnt (counted as used: under-admission only).
         return nil
     end
-    local info, window = dict:get(skey .. "\3")
+    local info, window = dict:get(ikey)
     if not info then
         return nil
     end
@@ -219,7 +228,7 @@ function _M.refill(lim, dict, key, res)
     if not mono_us or limit >= MAX_LIMIT or res.remaining < 4 then
         return
     end
-    local skey = entry(lim, key)
+    local skey = entries(lim, key)
     if hit(skey) < HOT_HITS or not dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
         return
     end
