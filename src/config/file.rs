@@ -29,6 +29,9 @@ pub(super) struct File {
     /// `[[policy]]` tables, in file order.
     #[serde(default)]
     pub policy: Vec<PolicySection>,
+    /// The Envoy rate limit service front (docs/ENVOY.md).
+    #[serde(default)]
+    pub envoy: Option<super::envoy::EnvoySection>,
 }
 
 /// One `[[policy]]` table.
@@ -72,6 +75,31 @@ pub(super) struct PolicySection {
     pub overrides: std::collections::BTreeMap<String, OverrideValue>,
     #[serde(default)]
     pub allowlist: Vec<String>,
+}
+
+impl PolicySection {
+    /// A policy written by another source (an envoyproxy/ratelimit YAML
+    /// limit), validated as if the file held it. `on_error = "local"`
+    /// takes the limit as the per-host quota.
+    pub fn synthesized(name: String, limit: u64, window: String, algorithm: String, on_error: String, shadow: bool) -> Self {
+        let local_limit = (on_error == "local").then_some(limit);
+        Self {
+            name,
+            limit,
+            window,
+            utc_offset: None,
+            on_error: Some(on_error),
+            fail_policy: None,
+            local_limit,
+            shadow,
+            algorithm: Some(algorithm),
+            lease: None,
+            shards: None,
+            penalty: None,
+            overrides: Default::default(),
+            allowlist: Vec::new(),
+        }
+    }
 }
 
 /// A policy's `penalty = { after = N, within = "W", ban = "D" }` as written.

@@ -85,6 +85,9 @@ pub struct Config {
     /// `[[policy]]`: named limits that CHECK_POLICY requests refer to, in
     /// file order; names are unique.
     pub policies: Vec<PolicyConfig>,
+    /// `[envoy]`: the Envoy rate limit service (docs/ENVOY.md); its YAML
+    /// files' limits are in `policies` too.
+    pub envoy: Option<super::envoy::EnvoyConfig>,
     /// Old spellings the file used, one line each, for the log and
     /// `check-config` (accepted, to be rewritten).
     pub deprecated: Vec<String>,

@@ -85,9 +85,18 @@ impl Config {
         });
         let log = LogConfig { level: f.log.level, format: f.log.format };
         let denial_cache = denial_cache_config(f.denial_cache, &mut p, &mut deprecated);
-        let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
+        let mut policy_sections = f.policy;
+        let envoy = f.envoy.map(|e| {
+            let read = super::envoy::read(e, path, &mut p);
+            policy_sections.extend(read.policies);
+            read.envoy
+        });
+        let policies = policies_config(policy_sections, &limits.bounds, &mut p, &mut deprecated);
+        if let Some(e) = &envoy {
+            super::envoy::check_routes(e, &policies, &mut p);
+        }
         let admin = admin_config(f.admin, &mut p);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated })
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, envoy, deprecated })
     }
 }
 
@@ -429,7 +438,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// Whether `name` may name a policy: it goes into metrics labels and logs as is.
-fn valid_policy_name(name: &str) -> bool {
+pub(super) fn valid_policy_name(name: &str) -> bool {
     (1..=MAX_POLICY_NAME_LEN).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
