@@ -34,7 +34,9 @@ impl Front {
         let socket = dir.path().join("envoy.sock");
         let file = dir.path().join("config.yaml");
         std::fs::write(&file, yaml).unwrap();
-        let redis_table = redis.as_ref().map(|r| format!("[redis]\nurl = \"{}\"\n", r.url())).unwrap_or_default();
+        // A generous Redis timeout: a loaded test machine must not turn a
+        // decision into the fail policy's.
+        let redis_table = redis.as_ref().map(|r| format!("[redis]\nurl = \"{}\"\ntimeout = \"2s\"\n", r.url())).unwrap_or_default();
         let config = format!("{redis_table}[envoy]\nsocket = \"{}\"\nconfig = [\"{}\"]\n{envoy_extra}\n{rest}", socket.display(), file.display());
         let daemon = Daemon::start_config(&config);
         Self { daemon, socket, dir, _redis: redis }

@@ -12,75 +12,17 @@
 //!
 //! Nothing here knows gRPC: `src/envoy/` asks `EnvoyRoutes::find`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::file::PolicySection;
-use super::model::{PolicyConfig, Problems};
+use super::descriptors::{entry_of, EnvoyRoutes, EnvoyUnit, Node, Target, MAX_ENVOY_DEPTH};
+use super::file::{EnvoySection, PolicySection, RouteSection};
+use super::model::{valid_policy_name, DescriptorMode, EnvoyConfig, EnvoyHeaderStyle, PolicyConfig, Problems};
 use super::reserve::multi_refusal;
 use crate::protocol::{Algorithm, FailPolicy};
-
-/// Most entries in one descriptor, in the configuration and in a request:
-/// deeper trees are not written by hand, and the lookup keeps which
-/// entries vary in a bit mask.
-pub const MAX_ENVOY_DEPTH: usize = 16;
-
-/// `[envoy]` as serde reads it.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct EnvoySection {
-    /// gRPC (HTTP/2 without TLS) on TCP, "host:port"; loopback or a private
-    /// address, as Envoy's rate limit cluster names it.
-    pub listen: Option<String>,
-    /// gRPC on a Unix socket (Envoy: `pipe: { path: ... }`).
-    pub socket: Option<PathBuf>,
-    #[serde(default = "default_socket_mode")]
-    pub socket_mode: String,
-    /// envoyproxy/ratelimit YAML files, or directories whose `*.yaml` and
-    /// `*.yml` files are read (as its `RUNTIME_ROOT/.../config`).
-    #[serde(default)]
-    pub config: Vec<PathBuf>,
-    /// The algorithm of the limits read from those files.
-    #[serde(default)]
-    pub algorithm: Option<String>,
-    /// "all_or_nothing" (default) or "each".
-    #[serde(default)]
-    pub descriptors: Option<String>,
-    /// The fail policy of the limits read from those files.
-    #[serde(default)]
-    pub on_error: Option<String>,
-    /// "none" (default), "ratelimit", "x" or "draft".
-    #[serde(default)]
-    pub header_style: Option<String>,
-    /// Connections served at once on each listener.
-    #[serde(default = "default_max_connections")]
-    pub max_connections: u64,
-    #[serde(default)]
-    pub route: Vec<RouteSection>,
-}
-
-fn default_max_connections() -> u64 {
-    1024
-}
-
-fn default_socket_mode() -> String {
-    "0660".into()
-}
-
-/// One `[[envoy.route]]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RouteSection {
-    pub domain: String,
-    /// The descriptor's entries in order: "key" (any value, part of the
-    /// policy's key) or "key=value" (that value only, not part of it).
-    pub descriptor: Vec<String>,
-    /// A rate `[[policy]]` of this file.
-    pub policy: String,
-}
 
 /// One envoyproxy/ratelimit file.
 #[derive(Debug, Deserialize)]
@@ -137,237 +79,6 @@ struct YamlRateLimit {
 #[serde(deny_unknown_fields)]
 struct YamlReplaces {
     name: String,
-}
-
-/// The time unit of a limit, as Envoy's `RateLimitResponse.RateLimit.Unit`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnvoyUnit {
-    Second,
-    Minute,
-    Hour,
-    Day,
-    Week,
-    Month,
-}
-
-impl EnvoyUnit {
-    fn parse(s: &str) -> Option<Self> {
-        Some(match s.to_ascii_lowercase().as_str() {
-            "second" => Self::Second,
-            "minute" => Self::Minute,
-            "hour" => Self::Hour,
-            "day" => Self::Day,
-            "week" => Self::Week,
-            "month" => Self::Month,
-            _ => return None,
-        })
-    }
-
-    /// The policy `window` of this unit.
-    fn window(self) -> &'static str {
-        match self {
-            Self::Second => "1s",
-            Self::Minute => "1m",
-            Self::Hour => "1h",
-            Self::Day => "1d",
-            Self::Week => "7d",
-            Self::Month => "month",
-        }
-    }
-
-    /// The unit a policy's window is shown as: the unit it is exactly, else
-    /// the largest unit that divides it (a 30 s window shows as seconds).
-    pub fn of_window_ms(ms: u32) -> Self {
-        match ms {
-            _ if ms >= crate::window::CALENDAR => Self::Month,
-            604_800_000 => Self::Week,
-            m if m % 86_400_000 == 0 => Self::Day,
-            m if m % 3_600_000 == 0 => Self::Hour,
-            m if m % 60_000 == 0 => Self::Minute,
-            _ => Self::Second,
-        }
-    }
-}
-
-/// How a request's descriptors are decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DescriptorMode {
-    /// One multi-item check: every limited descriptor admitted or none
-    /// (nothing recorded for a refused request).
-    AllOrNothing,
-    /// Each descriptor alone, as envoyproxy/ratelimit does: a refused
-    /// request may have spent the other descriptors' quota.
-    Each,
-}
-
-/// The quota headers added to Envoy's response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnvoyHeaderStyle {
-    None,
-    /// `RateLimit-Limit`, `-Remaining`, `-Reset` (envoyproxy/ratelimit's
-    /// `LIMIT_RESPONSE_HEADERS_ENABLED`).
-    Ratelimit,
-    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
-    X,
-    /// `RateLimit-Policy` and `RateLimit` of the IETF draft.
-    Draft,
-}
-
-/// `[envoy]`, validated.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EnvoyConfig {
-    pub listen: Option<SocketAddr>,
-    pub socket: Option<PathBuf>,
-    pub socket_mode: u32,
-    pub descriptors: DescriptorMode,
-    pub header_style: EnvoyHeaderStyle,
-    /// The fail policy of a routed `[[policy]]` without its own: open or
-    /// closed (the YAML files' limits carry `on_error` themselves).
-    pub on_error: FailPolicy,
-    pub max_connections: usize,
-    pub routes: EnvoyRoutes,
-}
-
-/// What a descriptor that matched counts under.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
-    /// The policy; None: `unlimited` (admitted, nothing counted).
-    pub policy: Option<String>,
-    /// The YAML limit's `name`, which other limits' `replaces` name.
-    pub name: Option<String>,
-    /// Limits of this request that this one replaces (not applied).
-    pub replaces: Vec<String>,
-    /// A `[[envoy.route]]` to a policy of the TOML (its name is shown).
-    pub routed: bool,
-}
-
-/// One level of a domain's tree.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Node {
-    /// `key`, then this exact value.
-    exact: HashMap<String, HashMap<String, Node>>,
-    /// `key` with a value matching a pattern of `*`s, in file order.
-    wildcard: Vec<(String, Vec<String>, Node)>,
-    /// `key` with any value.
-    any: HashMap<String, Node>,
-    target: Option<Target>,
-}
-
-/// Every domain's descriptors, as envoyproxy/ratelimit matches them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct EnvoyRoutes {
-    domains: HashMap<String, Node>,
-}
-
-/// A descriptor that matched: its target and which entries' values make
-/// the policy's key (bit i: entry i matched by a key without a fixed value).
-#[derive(Debug, Clone, Copy)]
-pub struct Found<'a> {
-    pub target: &'a Target,
-    pub varying: u32,
-}
-
-impl EnvoyRoutes {
-    /// The target of a request's descriptor, as envoyproxy/ratelimit's
-    /// `GetLimit`: at each level the entry's key with its value, else a
-    /// wildcard value, else the key alone; the limit applies when the last
-    /// entry lands on a node that has one. None: no limit (the descriptor
-    /// is answered OK and nothing is counted). `entries` is at most
-    /// `MAX_ENVOY_DEPTH` long (the caller refuses longer).
-    pub fn find<'a, 'e>(&'a self, domain: &str, entries: impl ExactSizeIterator<Item = (&'e str, &'e str)>) -> Option<Found<'a>> {
-        let mut node = self.domains.get(domain)?;
-        let last = entries.len().checked_sub(1)?;
-        let mut varying = 0u32;
-        for (i, (key, value)) in entries.enumerate() {
-            let next = match node.exact.get(key).and_then(|values| values.get(value)) {
-                Some(n) => Some(n),
-                None => match node.wildcard.iter().find(|(k, parts, _)| k == key && wildcard_match(parts, value)) {
-                    Some((_, _, n)) => {
-                        varying |= 1 << i;
-                        Some(n)
-                    }
-                    None => node.any.get(key).inspect(|_| varying |= 1 << i),
-                },
-            };
-            let next = next?;
-            if i == last {
-                return next.target.as_ref().map(|target| Found { target, varying });
-            }
-            node = next;
-        }
-        None
-    }
-
-    /// Every policy a domain's descriptors count under.
-    fn policies_of(&self) -> impl Iterator<Item = (&str, &str)> {
-        fn walk<'a>(domain: &'a str, n: &'a Node, out: &mut Vec<(&'a str, &'a str)>) {
-            if let Some(p) = n.target.as_ref().and_then(|t| t.policy.as_deref()) {
-                out.push((domain, p));
-            }
-            n.exact.values().flat_map(HashMap::values).chain(n.any.values()).chain(n.wildcard.iter().map(|(_, _, n)| n)).for_each(|c| walk(domain, c, out));
-        }
-        let mut out = Vec::new();
-        for (d, n) in &self.domains {
-            walk(d, n, &mut out);
-        }
-        out.into_iter()
-    }
-}
-
-/// envoyproxy/ratelimit's wildcard: each `*` matches any run of bytes.
-fn wildcard_match(parts: &[String], value: &str) -> bool {
-    let (first, rest) = match parts.split_first() {
-        Some(p) => p,
-        None => return value.is_empty(),
-    };
-    let Some(mut remaining) = value.strip_prefix(first.as_str()) else { return false };
-    let Some((last, middle)) = rest.split_last() else { return remaining.is_empty() };
-    for part in middle {
-        match remaining.find(part.as_str()) {
-            Some(i) => remaining = &remaining[i + part.len()..],
-            None => return false,
-        }
-    }
-    remaining.len() >= last.len() && remaining.ends_with(last.as_str())
-}
-
-/// One descriptor entry of the configuration.
-enum Entry<'a> {
-    Exact(&'a str, &'a str),
-    Wildcard(&'a str, &'a str),
-    Any(&'a str),
-}
-
-impl Node {
-    /// The child for `entry`, and whether it was there already.
-    fn child(&mut self, entry: Entry<'_>) -> (&mut Node, bool) {
-        match entry {
-            Entry::Exact(k, v) => {
-                let values = self.exact.entry(k.into()).or_default();
-                let existed = values.contains_key(v);
-                (values.entry(v.into()).or_default(), existed)
-            }
-            Entry::Any(k) => {
-                let existed = self.any.contains_key(k);
-                (self.any.entry(k.into()).or_default(), existed)
-            }
-            Entry::Wildcard(k, v) => match self.wildcard.iter().position(|(wk, parts, _)| wk == k && parts.join("*") == v) {
-                Some(i) => (&mut self.wildcard[i].2, true),
-                None => {
-                    self.wildcard.push((k.into(), v.split('*').map(String::from).collect(), Node::default()));
-                    (&mut self.wildcard.last_mut().expect("just pushed").2, false)
-                }
-            },
-        }
-    }
-}
-
-fn entry_of<'a>(key: &'a str, value: Option<&'a str>) -> Entry<'a> {
-    match value {
-        None | Some("") => Entry::Any(key),
-        Some(v) if v.contains('*') => Entry::Wildcard(key, v),
-        Some(v) => Entry::Exact(key, v),
-    }
 }
 
 /// What `[envoy]` adds to the configuration: its policies (validated with
@@ -580,7 +291,7 @@ impl YamlContext<'_> {
 /// loads and hosts: it names the limit's Redis keys).
 fn policy_name(domain: &str, path: &[String]) -> String {
     let readable = format!("{domain}.{}", path.join(".")).replace('=', "_");
-    if super::validate::valid_policy_name(&readable) {
+    if valid_policy_name(&readable) {
         return readable;
     }
     format!("envoy-{:016x}", fnv1a(readable.as_bytes()))
@@ -643,21 +354,6 @@ pub(super) fn check_routes(envoy: &EnvoyConfig, policies: &[PolicyConfig], p: &m
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parts(p: &str) -> Vec<String> {
-        p.split('*').map(String::from).collect()
-    }
-
-    #[test]
-    fn wildcards_match_as_envoyproxy_ratelimit_s() {
-        assert!(wildcard_match(&parts("foo*"), "foobar"));
-        assert!(wildcard_match(&parts("foo*"), "foo"));
-        assert!(!wildcard_match(&parts("foo*"), "fo"));
-        assert!(wildcard_match(&parts("a*b*c"), "aXbYc"));
-        assert!(!wildcard_match(&parts("a*b*c"), "aXcYb"));
-        assert!(!wildcard_match(&parts("ab*ba"), "aba"));
-        assert!(wildcard_match(&parts("*"), ""));
-    }
 
     #[test]
     fn names_are_readable_when_they_can_be_and_stable_when_not() {

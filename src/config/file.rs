@@ -31,7 +31,7 @@ pub(super) struct File {
     pub policy: Vec<PolicySection>,
     /// The Envoy rate limit service front (docs/ENVOY.md).
     #[serde(default)]
-    pub envoy: Option<super::envoy::EnvoySection>,
+    pub envoy: Option<EnvoySection>,
 }
 
 /// One `[[policy]]` table.
@@ -345,4 +345,58 @@ fn duration_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Er
 /// `duration_text` of a field that may be absent.
 fn optional_duration_text<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     duration_text(d).map(Some)
+}
+
+/// `[envoy]` as serde reads it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EnvoySection {
+    /// gRPC (HTTP/2 without TLS) on TCP, "host:port"; loopback or a private
+    /// address, as Envoy's rate limit cluster names it.
+    pub listen: Option<String>,
+    /// gRPC on a Unix socket (Envoy: `pipe: { path: ... }`).
+    pub socket: Option<PathBuf>,
+    #[serde(default = "default_socket_mode")]
+    pub socket_mode: String,
+    /// envoyproxy/ratelimit YAML files, or directories whose `*.yaml` and
+    /// `*.yml` files are read (as its `RUNTIME_ROOT/.../config`).
+    #[serde(default)]
+    pub config: Vec<PathBuf>,
+    /// The algorithm of the limits read from those files.
+    #[serde(default)]
+    pub algorithm: Option<String>,
+    /// "all_or_nothing" (default) or "each".
+    #[serde(default)]
+    pub descriptors: Option<String>,
+    /// The fail policy of the limits read from those files.
+    #[serde(default)]
+    pub on_error: Option<String>,
+    /// "none" (default), "ratelimit", "x" or "draft".
+    #[serde(default)]
+    pub header_style: Option<String>,
+    /// Connections served at once on each listener.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u64,
+    #[serde(default)]
+    pub route: Vec<RouteSection>,
+}
+
+fn default_max_connections() -> u64 {
+    1024
+}
+
+fn default_socket_mode() -> String {
+    "0660".into()
+}
+
+/// One `[[envoy.route]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RouteSection {
+    pub domain: String,
+    /// The descriptor's entries in order: "key" (any value, part of the
+    /// policy's key) or "key=value" (that value only, not part of it).
+    pub descriptor: Vec<String>,
+    /// A rate `[[policy]]` of this file.
+    pub policy: String,
 }

@@ -10,9 +10,11 @@
 //! - `validate`: file to model, every bad field reported;
 //! - `preflight`: secrets, TLS material and the socket group, resolved;
 //! - `nginx_names`: the policy names an nginx configuration uses (`check-config --nginx`);
-//! - `envoy`: `[envoy]`, envoyproxy/ratelimit's YAML files and the descriptor tree;
+//! - `descriptors`: Envoy's descriptors matched as envoyproxy/ratelimit matches them;
+//! - `envoy`: `[envoy]`'s YAML files and routes read into policies and that tree;
 //! - `reserve`: which policies a reserve and settle can name (the daemon's rule and check-config's).
 
+mod descriptors;
 mod envoy;
 mod file;
 mod model;
@@ -22,10 +24,10 @@ mod reserve;
 mod validate;
 
 pub use model::{
-    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
+    redacted_url, AdminConfig, DescriptorMode, EnvoyConfig, EnvoyHeaderStyle, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
-pub use envoy::{DescriptorMode, EnvoyConfig, EnvoyHeaderStyle, EnvoyRoutes, EnvoyUnit, Found, Target, MAX_ENVOY_DEPTH};
+pub use descriptors::{EnvoyRoutes, EnvoyUnit, Found, Target, MAX_ENVOY_DEPTH};
 pub use nginx_names::{nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
 pub use reserve::{multi_refusal, reserve_refusal};
 pub use validate::parse_duration;

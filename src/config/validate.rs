@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::file;
-use super::model::{
+use super::model::{valid_policy_name, 
     redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
@@ -437,10 +437,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     n.checked_mul(ms_per_unit).map(Duration::from_millis).ok_or_else(|| format!("'{s}' is too long"))
 }
 
-/// Whether `name` may name a policy: it goes into metrics labels and logs as is.
-pub(super) fn valid_policy_name(name: &str) -> bool {
-    (1..=MAX_POLICY_NAME_LEN).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-}
 
 /// A limit of a policy or an override: 1..=`limits.max_limit`.
 fn policy_limit(p: &mut Problems, field: &'static str, name: &str, what: &str, v: i64, bounds: &Bounds) -> u32 {

@@ -4,12 +4,14 @@
 //! policy and key by `[envoy]`'s tree), decided as frames of the socket's
 //! own protocol by `Limiter::decide`, and answered by `reply`.
 //!
+//! - `pb`: Envoy's generated types;
 //! - `plan`: descriptors to items, keys as the Lua client makes them;
 //! - `service`: `ShouldRateLimit`;
 //! - `reply`: statuses and headers;
 //! - this file: the listeners (TCP and a Unix socket), each connection
 //!   holding one of `max_connections` permits.
 
+mod pb;
 mod plan;
 mod reply;
 mod service;
@@ -29,12 +31,6 @@ use tonic::transport::server::Connected;
 use crate::server::Reloadable;
 
 
-/// The generated protos this front speaks: Envoy's own, from envoy-types.
-pub(crate) mod pb {
-    pub use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-    pub use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{RateLimitService, RateLimitServiceServer};
-    pub use envoy_types::pb::envoy::service::ratelimit::v3::{rate_limit_response, RateLimitRequest, RateLimitResponse};
-}
 
 /// Largest request message: 64 descriptors of 16 entries of ~200 bytes
 /// fit many times over; a larger one is refused by tonic before it is

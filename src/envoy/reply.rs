@@ -77,7 +77,7 @@ fn status(slot: Slot, outcomes: &[Outcome]) -> rlr::DescriptorStatus {
         code: code as i32,
         current_limit: Some(rlr::RateLimit { name: o.shown_name.clone(), requests_per_unit: o.limit.unwrap_or(0), unit: unit(o.window_ms) as i32 }),
         limit_remaining: o.remaining,
-        duration_until_reset: Some(envoy_types::pb::google::protobuf::Duration { seconds: i64::from(until / 1000), nanos: (until % 1000) as i32 * 1_000_000 }),
+        duration_until_reset: Some(super::pb::Duration { seconds: i64::from(until / 1000), nanos: (until % 1000) as i32 * 1_000_000 }),
         ..Default::default()
     }
 }
