@@ -37,7 +37,8 @@ impl Front {
         // A generous Redis timeout: a loaded test machine must not turn a
         // decision into the fail policy's.
         let redis_table = redis.as_ref().map(|r| format!("[redis]\nurl = \"{}\"\ntimeout = \"2s\"\n", r.url())).unwrap_or_default();
-        let config = format!("{redis_table}[envoy]\nsocket = \"{}\"\nconfig = [\"{}\"]\n{envoy_extra}\n{rest}", socket.display(), file.display());
+        // [server] lines first: a socket nginx's workers may use too.
+        let config = format!("{}\n{redis_table}[envoy]\nsocket = \"{}\"\nconfig = [\"{}\"]\n{envoy_extra}\n{rest}", common::ops::socket_access(), socket.display(), file.display());
         let daemon = Daemon::start_config(&config);
         Self { daemon, socket, dir, _redis: redis }
     }
@@ -460,4 +461,47 @@ descriptors:
     assert!(!ok && out.contains("all or nothing"), "{out}");
     let (ok, out) = check_config("algorithm = \"fixed\"\ndescriptors = \"each\"", TWO_LIMITS);
     assert!(ok, "{out}");
+}
+
+/// Real nginx (the shipped Lua client, a policy limiter) and Envoy's API
+/// counting one tenant's requests in one window: exactly the limit
+/// admitted, alternating fronts, for a plain id and a 600-byte one (hashed
+/// by the Lua client and by the front alike).
+#[tokio::test]
+async fn nginx_and_the_envoy_api_share_one_limit_exactly() {
+    let rest = "[[policy]]\nname = \"per_tenant\"\nlimit = 10\nwindow = \"1m\"\n\n[[envoy.route]]\ndomain = \"edge\"\ndescriptor = [\"tenant\"]\npolicy = \"per_tenant\"\n";
+    let front = Front::start(Some(RedisServer::start()), "domain: other\n", "", rest);
+    let location = r#"
+    location /api {
+        access_by_lua_block {
+            local lim = assert(require("resty.ratelimitd").new("per_tenant"))
+            lim:limit(ngx.var.http_x_tenant)
+        }
+        content_by_lua_block { ngx.say("ok") }
+    }"#;
+    let nginx = common::ops::gateway(&front.daemon.socket, "", location);
+    let agent = common::http::agent();
+    let mut grpc = front.client().await;
+    let long_tenant = "t".repeat(600);
+    for tenant in ["acme", long_tenant.as_str()] {
+        let mut admitted = 0;
+        for i in 0..16 {
+            let ok = if i % 2 == 0 {
+                let url = nginx.url("/api");
+                let tenant = tenant.to_owned();
+                let status = tokio::task::spawn_blocking({
+                    let agent = agent.clone();
+                    move || common::http::get(&agent, &url, &[("X-Tenant", tenant.as_str())]).status
+                })
+                .await
+                .unwrap();
+                assert!(status == 200 || status == 429, "{status}");
+                status == 200
+            } else {
+                code(&ask(&mut grpc, "edge", &[&[("tenant", tenant)]]).await) == Code::Ok
+            };
+            admitted += usize::from(ok);
+        }
+        assert_eq!(admitted, 10, "tenant of {} bytes: one window of 10 across nginx and Envoy", tenant.len());
+    }
 }
