@@ -43,6 +43,9 @@ pub struct BenchArgs {
     pub rate: Option<f64>,
     /// Every request its own key (`<key>:<connection>:<n>`).
     pub distinct_keys: bool,
+    /// Keys cycled over this many (`<key>:<i>`, i = 0..N): a key space
+    /// of N, each key met again every N requests.
+    pub key_space: Option<u64>,
     /// Send CHECK_POLICY for this `[[policy]]` (its limit and window are
     /// the daemon's; `limit` and `window_ms` are not sent).
     pub policy: Option<String>,
@@ -65,6 +68,7 @@ impl BenchArgs {
             pipeline: 1,
             rate: None,
             distinct_keys: false,
+            key_space: None,
             policy: None,
         }
     }
@@ -136,7 +140,7 @@ impl WorkerTally {
 }
 
 pub async fn run(args: BenchArgs) -> Result<BenchReport, ClientError> {
-    if args.pipeline <= 1 && args.rate.is_none() && !args.distinct_keys {
+    if args.pipeline <= 1 && args.rate.is_none() && !args.distinct_keys && args.key_space.is_none() {
         return run_one_at_a_time(args).await;
     }
     let concurrency = args.concurrency.max(1);
@@ -193,14 +197,16 @@ async fn pipelined(mut stream: UnixStream, conn: usize, conns: usize, args: Arc<
         wbuf.clear();
         let now = Instant::now();
         for _ in 0..room {
-            if exhausted || left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_err() {
+            let Some(n) = (!exhausted).then(|| left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).ok()).flatten() else {
                 exhausted = true;
                 break;
-            }
+            };
             key.clear();
             key.push_str(&args.key);
             if args.distinct_keys {
                 let _ = write!(key, ":{conn}:{sent}");
+            } else if let Some(space) = args.key_space {
+                let _ = write!(key, ":{}", n % space);
             }
             match &args.policy {
                 Some(p) => {
@@ -325,5 +331,102 @@ impl std::fmt::Display for BenchReport {
         }
         writeln!(f, "throughput:  {:.0} req/s", self.rps)?;
         write!(f, "latency µs:  p50 {}  p90 {}  p99 {}  max {}", self.p50_us, self.p90_us, self.p99_us, self.max_us)
+    }
+}
+
+/// Where `ratelimitd bench-envoy` sends: the `[envoy]` TCP listener or its
+/// Unix socket.
+#[derive(Debug, Clone)]
+pub enum EnvoyTarget {
+    Tcp(std::net::SocketAddr),
+    Unix(PathBuf),
+}
+
+/// `ratelimitd bench-envoy`: `ShouldRateLimit` requests of one descriptor
+/// over C HTTP/2 connections, one in flight on each (as `bench` sends to
+/// the socket), to compare the gRPC front with the socket in one run.
+#[derive(Debug, Clone)]
+pub struct EnvoyBenchArgs {
+    pub target: EnvoyTarget,
+    pub domain: String,
+    pub key: String,
+    /// The descriptor's one entry's value; with `key_space`, `<value>:<i>`.
+    pub value: String,
+    pub requests: u64,
+    pub concurrency: usize,
+    pub key_space: Option<u64>,
+}
+
+pub async fn run_envoy(args: EnvoyBenchArgs) -> Result<BenchReport, ClientError> {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor};
+    use envoy_types::pb::envoy::service::ratelimit::v3::{rate_limit_response::Code, rate_limit_service_client::RateLimitServiceClient, RateLimitRequest};
+    let concurrency = args.concurrency.max(1);
+    let mut clients = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        clients.push(RateLimitServiceClient::new(envoy_channel(&args.target).await?));
+    }
+    let left = Arc::new(AtomicU64::new(args.requests));
+    let args = Arc::new(args);
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(concurrency);
+    for mut client in clients {
+        let (left, args) = (left.clone(), args.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut t = WorkerTally { latencies_us: Vec::with_capacity((args.requests as usize / concurrency) + 1), ..Default::default() };
+            while let Ok(n) = left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)) {
+                let value = match args.key_space {
+                    Some(space) => format!("{}:{}", args.value, n % space),
+                    None => args.value.clone(),
+                };
+                let request = RateLimitRequest { domain: args.domain.clone(), descriptors: vec![RateLimitDescriptor { entries: vec![Entry { key: args.key.clone(), value }], ..Default::default() }], hits_addend: 1 };
+                let sent = Instant::now();
+                let answer = client.should_rate_limit(request).await;
+                t.latencies_us.push(sent.elapsed().as_micros() as u64);
+                t.sending = sent - start;
+                match answer {
+                    Ok(r) if r.get_ref().overall_code == Code::Ok as i32 => t.allowed += 1,
+                    Ok(_) => t.denied += 1,
+                    Err(status) => {
+                        t.errors += 1;
+                        *t.codes.entry(grpc_code_name(status.code())).or_default() += 1;
+                    }
+                }
+            }
+            Ok::<_, ClientError>(t)
+        }));
+    }
+    let mut total = WorkerTally::default();
+    for task in tasks {
+        total.add(task.await.map_err(|e| ClientError::Io(std::io::Error::other(e)))??);
+    }
+    Ok(report(total, concurrency, 1, start.elapsed()))
+}
+
+/// One HTTP/2 connection to `target`.
+async fn envoy_channel(target: &EnvoyTarget) -> Result<tonic::transport::Channel, ClientError> {
+    let io = |e: tonic::transport::Error| ClientError::Io(std::io::Error::other(e));
+    match target {
+        EnvoyTarget::Tcp(addr) => tonic::transport::Endpoint::from_shared(format!("http://{addr}")).map_err(io)?.connect().await.map_err(io),
+        EnvoyTarget::Unix(path) => {
+            let path = path.clone();
+            tonic::transport::Endpoint::from_static("http://[::]:50051")
+                .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                    let path = path.clone();
+                    async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(UnixStream::connect(path).await?)) }
+                }))
+                .await
+                .map_err(io)
+        }
+    }
+}
+
+fn grpc_code_name(code: tonic::Code) -> &'static str {
+    match code {
+        tonic::Code::InvalidArgument => "INVALID_ARGUMENT",
+        tonic::Code::Unavailable => "UNAVAILABLE",
+        tonic::Code::FailedPrecondition => "FAILED_PRECONDITION",
+        tonic::Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        tonic::Code::Internal => "INTERNAL",
+        _ => "OTHER",
     }
 }

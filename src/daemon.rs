@@ -37,6 +37,8 @@ pub enum DaemonError {
     Metrics(std::io::Error),
     #[error("admin.listen: {0}")]
     Admin(#[from] admin_api::BindError),
+    #[error("envoy.listen {0}: {1}")]
+    Envoy(std::net::SocketAddr, std::io::Error),
 }
 
 /// Tells systemd (Type=notify) about the daemon's state; a no-op elsewhere.
@@ -406,7 +408,7 @@ async fn run_use_clock(shutdown: CancellationToken) {
 fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, previous: Option<&Limiter>) -> Reloadable {
     let policies = Arc::new(Policies::build(&cfg.policies, previous.map(|l| &**l.policies())));
     let limiter = Limiter::new(active.backend.clone(), local.clone()).with_denial_cache(active.denials.clone()).with_quota_leases(active.leases.clone()).with_policies(policies).with_live_overrides(live.clone());
-    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter) }
+    Reloadable { bounds: cfg.limits.bounds, limiter: Arc::new(limiter), envoy: cfg.envoy.clone().map(Arc::new) }
 }
 
 /// The metrics endpoint in force: `[metrics]` changes are applied by a
@@ -507,6 +509,9 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     if inherited.is_none() {
         crate::socket::make_directory(&s.listen, s.socket_mode, resolved.socket_gid)?;
     }
+    if let Some(path) = cfg.envoy.as_ref().and_then(|e| e.socket.as_ref()) {
+        crate::socket::refuse_if_live(path)?;
+    }
     let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
     endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let _admin_listener_guard = match &cfg.admin.listen {
@@ -517,6 +522,10 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             tokio::spawn(admin_api::serve(listener, view_rx, live.clone(), reloadable_rx.clone(), token.clone()));
             Some(token.drop_guard())
         }
+        None => None,
+    };
+    let _envoy_guard = match &cfg.envoy {
+        Some(e) => Some(serve_envoy(e, &resolved, reloadable_rx.clone(), &background).await?),
         None => None,
     };
     // The request socket last: once clients can connect, the admin API and
@@ -571,6 +580,29 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     drop(socket_file);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The Envoy rate limit service's listeners (`[envoy]`): bound at start;
+/// a reload changes the descriptors and policies they serve, not where
+/// they listen. Dropping the guard stops them (and removes the socket).
+async fn serve_envoy(e: &crate::config::EnvoyConfig, resolved: &Resolved, reloadable: watch::Receiver<Reloadable>, background: &CancellationToken) -> Result<(tokio_util::sync::DropGuard, Option<BoundSocket>), DaemonError> {
+    let token = background.child_token();
+    if let Some(addr) = e.listen {
+        let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| DaemonError::Envoy(addr, err))?;
+        tracing::info!(listen = %addr, "serving the Envoy rate limit service (gRPC)");
+        tokio::spawn(crate::envoy::serve(crate::envoy::Listener::Tcp(l), reloadable.clone(), e.max_connections, token.clone()));
+    }
+    let socket = match &e.socket {
+        Some(path) => {
+            let mut bound = BoundSocket::bind(path, e.socket_mode, resolved.socket_gid)?;
+            let l = bound.take_listener().expect("fresh socket");
+            tracing::info!(socket = %path.display(), "serving the Envoy rate limit service (gRPC)");
+            tokio::spawn(crate::envoy::serve(crate::envoy::Listener::Unix(l), reloadable, e.max_connections, token.clone()));
+            Some(bound)
+        }
+        None => None,
+    };
+    Ok((token.drop_guard(), socket))
 }
 
 /// One reload (SIGHUP; SIGUSR1: `force`, breaking policies in use too).

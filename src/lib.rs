@@ -24,6 +24,7 @@
 //! | decisions | `decision` | the one pipeline: `resolve` every item, `plan` its windows (shards), `execute` through the cache `layers` (a quota `lease`, the denial cache) to the `store`, with one `fail` policy function, `respond` and count once |
 //! | live view | `top_snapshot` | the document of `GET /top.json`: counters, policies, top refused keys |
 //! | serving | `socket`, `server`, `metrics_server` | the socket file, one `Handler` per connection, `GET /metrics` and `/top.json` |
+//! | Envoy front | `envoy` | the Envoy rate limit service (gRPC): descriptors planned to policy items, decided by the one pipeline as the socket's frames, answered as Envoy reads them |
 //! | operations | `admin` | a key's windows in Redis: inspect, reset |
 //! | admin service | `admin_api` | the admin API: listener, routes, overrides in Redis and their refresh, its client |
 //! | edges | `daemon`, `bench`, `top` | `serve` wiring and reloads; the load generator; `ratelimitd top` |
@@ -40,6 +41,7 @@ pub mod config;
 pub mod daemon;
 mod decision;
 mod denial_cache;
+mod envoy;
 mod live_overrides;
 mod local_store;
 pub mod log_limit;

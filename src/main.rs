@@ -129,6 +129,28 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         keys: usize,
     },
+    /// Load a running daemon's Envoy rate limit service ([envoy]): N
+    /// ShouldRateLimit requests of one descriptor over C connections.
+    BenchEnvoy {
+        /// The [envoy] listen address (HOST:PORT) or socket path.
+        #[arg(long)]
+        target: String,
+        #[arg(long)]
+        domain: String,
+        /// The descriptor's one entry, KEY=VALUE.
+        #[arg(long)]
+        descriptor: String,
+        #[arg(long, default_value_t = 100_000)]
+        requests: u64,
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        /// Cycle the values over N (VALUE:0 .. VALUE:N-1).
+        #[arg(long)]
+        keys: Option<u64>,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Load a running daemon: N requests over C connections.
     Bench {
         #[command(flatten)]
@@ -149,6 +171,9 @@ enum Command {
         /// Give every request a key of its own (KEY:CONNECTION:N).
         #[arg(long)]
         distinct_keys: bool,
+        /// Cycle the keys over N (KEY:0 .. KEY:N-1).
+        #[arg(long)]
+        keys: Option<u64>,
         /// Send CHECK_POLICY for this configured [[policy]] instead of an inline check (--limit and --window-ms are then not sent).
         #[arg(long)]
         policy: Option<String>,
@@ -675,7 +700,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ratelimitd::top::run(&addr, output, std::time::Duration::from_secs_f64(secs), count, keys, &mut std::io::stdout().lock())?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, policy, json } => {
+        Command::BenchEnvoy { target, domain, descriptor, requests, concurrency, keys, json } => {
+            let Some((key, value)) = descriptor.split_once('=') else { anyhow::bail!("--descriptor must be KEY=VALUE") };
+            let target = match target.parse() {
+                Ok(addr) => bench::EnvoyTarget::Tcp(addr),
+                Err(_) => bench::EnvoyTarget::Unix(target.clone().into()),
+            };
+            let args = bench::EnvoyBenchArgs { target, domain, key: key.into(), value: value.into(), requests, concurrency, key_space: keys };
+            let report = runtime()?.block_on(bench::run_envoy(args)).context("bench-envoy")?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!("{report}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { check, requests, concurrency, pipeline, rate, distinct_keys, keys, policy, json } => {
             if rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
                 anyhow::bail!("--rate must be a positive number of requests per second");
             }
@@ -693,6 +733,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 pipeline,
                 rate,
                 distinct_keys,
+                key_space: keys,
                 policy,
             };
             let report = runtime()?.block_on(bench::run(args)).with_context(|| format!("bench against {}", check.socket.display()))?;

@@ -378,6 +378,7 @@ impl Metrics {
             let _ = writeln!(out, "# HELP ratelimitd_breaker_open 1 while the circuit breaker to Redis is open.\n# TYPE ratelimitd_breaker_open gauge\nratelimitd_breaker_open {}", open as u8);
         }
         render_admin(&mut out);
+        render_envoy(&mut out);
         out
     }
 }
@@ -470,6 +471,44 @@ impl Metrics {
 
     pub fn live_overrides_refresh_failed(&self) {
         LIVE_OVERRIDES_REFRESH_FAILURES.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What the Envoy rate limit service answered a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnvoyOutcome {
+    /// `overall_code` OK.
+    Ok,
+    /// `overall_code` OVER_LIMIT.
+    OverLimit,
+    /// A gRPC error: a request the front refuses (INVALID_ARGUMENT and
+    /// the like), nothing counted.
+    Refused,
+}
+
+impl EnvoyOutcome {
+    const ALL: [Self; 3] = [Self::Ok, Self::OverLimit, Self::Refused];
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::OverLimit => "over_limit",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+static ENVOY_REQUESTS: [AtomicU64; EnvoyOutcome::ALL.len()] = [const { ZERO }; EnvoyOutcome::ALL.len()];
+
+impl Metrics {
+    pub fn envoy_request(&self, outcome: EnvoyOutcome) {
+        ENVOY_REQUESTS[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn render_envoy(out: &mut String) {
+    let _ = writeln!(out, "# HELP ratelimitd_envoy_requests_total ShouldRateLimit requests of the Envoy rate limit service, by answer (each descriptor's decision is counted under its policy too).\n# TYPE ratelimitd_envoy_requests_total counter");
+    for o in EnvoyOutcome::ALL {
+        let _ = writeln!(out, "ratelimitd_envoy_requests_total{{code=\"{}\"}} {}", o.as_str(), ENVOY_REQUESTS[o as usize].load(Ordering::Relaxed));
     }
 }
 

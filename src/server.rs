@@ -93,6 +93,9 @@ impl From<&ServerConfig> for ServerSettings {
 pub struct Reloadable {
     pub bounds: Bounds,
     pub limiter: Arc<Limiter>,
+    /// `[envoy]` in force: its descriptor tree names the limiter's policies,
+    /// so both change in one reload.
+    pub envoy: Option<Arc<crate::config::EnvoyConfig>>,
 }
 
 /// Serves `listener` until `shutdown` completes, then drains. Each request
@@ -422,7 +425,7 @@ impl Handler {
         let shared = self.shared.clone();
         let s = &shared.settings;
         let (mut rd, mut wr) = stream.into_split();
-        let Reloadable { mut bounds, mut limiter } = self.reloadable.borrow_and_update().clone();
+        let Reloadable { mut bounds, mut limiter, .. } = self.reloadable.borrow_and_update().clone();
         let mut inbuf = BytesMut::with_capacity(READ_RESERVE);
         let mut out = BytesMut::with_capacity(1024);
         let mut in_flight = FuturesUnordered::new();
@@ -701,7 +704,7 @@ mod tests {
         let listener = UnixListener::bind(&path).unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let limiter = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))));
-        let (_keep, reloadable) = watch::channel(Reloadable { bounds: Bounds::default(), limiter });
+        let (_keep, reloadable) = watch::channel(Reloadable { bounds: Bounds::default(), limiter, envoy: None });
         let server = tokio::spawn(run(listener, reloadable, settings(), rx));
         let mut c = Client::connect(&path).await.unwrap();
         let args = CheckArgs { key: b"k", limit: 2, window_ms: 60_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };

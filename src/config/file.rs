@@ -29,6 +29,9 @@ pub(super) struct File {
     /// `[[policy]]` tables, in file order.
     #[serde(default)]
     pub policy: Vec<PolicySection>,
+    /// The Envoy rate limit service front (docs/ENVOY.md).
+    #[serde(default)]
+    pub envoy: Option<EnvoySection>,
 }
 
 /// One `[[policy]]` table.
@@ -72,6 +75,31 @@ pub(super) struct PolicySection {
     pub overrides: std::collections::BTreeMap<String, OverrideValue>,
     #[serde(default)]
     pub allowlist: Vec<String>,
+}
+
+impl PolicySection {
+    /// A policy written by another source (an envoyproxy/ratelimit YAML
+    /// limit), validated as if the file held it. `on_error = "local"`
+    /// takes the limit as the per-host quota.
+    pub fn synthesized(name: String, limit: u64, window: String, algorithm: String, on_error: String, shadow: bool) -> Self {
+        let local_limit = (on_error == "local").then_some(limit);
+        Self {
+            name,
+            limit,
+            window,
+            utc_offset: None,
+            on_error: Some(on_error),
+            fail_policy: None,
+            local_limit,
+            shadow,
+            algorithm: Some(algorithm),
+            lease: None,
+            shards: None,
+            penalty: None,
+            overrides: Default::default(),
+            allowlist: Vec::new(),
+        }
+    }
 }
 
 /// A policy's `penalty = { after = N, within = "W", ban = "D" }` as written.
@@ -616,6 +644,60 @@ fn key_ending(b: &[u8], end: usize) -> Option<(String, usize)> {
     }
     let start = b[..e].iter().rposition(|c| !(c.is_ascii_alphanumeric() || *c == b'_' || *c == b'-' || *c == b'.')).map_or(0, |p| p + 1);
     (start < e).then(|| (String::from_utf8_lossy(&b[start..e]).into_owned(), start))
+}
+
+/// `[envoy]` as serde reads it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EnvoySection {
+    /// gRPC (HTTP/2 without TLS) on TCP, "host:port"; loopback or a private
+    /// address, as Envoy's rate limit cluster names it.
+    pub listen: Option<String>,
+    /// gRPC on a Unix socket (Envoy: `pipe: { path: ... }`).
+    pub socket: Option<PathBuf>,
+    #[serde(default = "default_socket_mode")]
+    pub socket_mode: String,
+    /// envoyproxy/ratelimit YAML files, or directories whose `*.yaml` and
+    /// `*.yml` files are read (as its `RUNTIME_ROOT/.../config`).
+    #[serde(default)]
+    pub config: Vec<PathBuf>,
+    /// The algorithm of the limits read from those files.
+    #[serde(default)]
+    pub algorithm: Option<String>,
+    /// "all_or_nothing" (default) or "each".
+    #[serde(default)]
+    pub descriptors: Option<String>,
+    /// The fail policy of the limits read from those files.
+    #[serde(default)]
+    pub on_error: Option<String>,
+    /// "none" (default), "ratelimit", "x" or "draft".
+    #[serde(default)]
+    pub header_style: Option<String>,
+    /// Connections served at once on each listener.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u64,
+    #[serde(default)]
+    pub route: Vec<RouteSection>,
+}
+
+fn default_max_connections() -> u64 {
+    1024
+}
+
+fn default_socket_mode() -> String {
+    "0660".into()
+}
+
+/// One `[[envoy.route]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RouteSection {
+    pub domain: String,
+    /// The descriptor's entries in order: "key" (any value, part of the
+    /// policy's key) or "key=value" (that value only, not part of it).
+    pub descriptor: Vec<String>,
+    /// A rate `[[policy]]` of this file.
+    pub policy: String,
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::protocol::{Algorithm, Bounds, FailPolicy};
+use crate::protocol::{Algorithm, Bounds, FailPolicy, MAX_POLICY_NAME_LEN};
 
 /// Where a configuration could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +112,9 @@ pub struct Config {
     /// `[[policy]]`: named limits that CHECK_POLICY requests refer to, in
     /// file order; names are unique.
     pub policies: Vec<PolicyConfig>,
+    /// `[envoy]`: the Envoy rate limit service (docs/ENVOY.md); its YAML
+    /// files' limits are in `policies` too.
+    pub envoy: Option<EnvoyConfig>,
     /// Old spellings the file used, one line each, for the log and
     /// `check-config` (accepted, to be rewritten).
     pub deprecated: Vec<String>,
@@ -500,3 +503,60 @@ pub fn redacted_url(url: &str) -> String {
     }
 }
 
+/// How a request's descriptors are decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DescriptorMode {
+    /// One multi-item check: every limited descriptor admitted or none
+    /// (nothing recorded for a refused request).
+    AllOrNothing,
+    /// Each descriptor alone, as envoyproxy/ratelimit does: a refused
+    /// request may have spent the other descriptors' quota.
+    Each,
+}
+
+/// The quota headers added to Envoy's response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvoyHeaderStyle {
+    None,
+    /// `RateLimit-Limit`, `-Remaining`, `-Reset` (envoyproxy/ratelimit's
+    /// `LIMIT_RESPONSE_HEADERS_ENABLED`).
+    Ratelimit,
+    /// `X-RateLimit-Limit`, `-Remaining`, `-Reset`.
+    X,
+    /// `RateLimit-Policy` and `RateLimit` of the IETF draft.
+    Draft,
+}
+
+/// `[envoy]`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvoyConfig {
+    pub listen: Option<SocketAddr>,
+    pub socket: Option<PathBuf>,
+    pub socket_mode: u32,
+    pub descriptors: DescriptorMode,
+    pub header_style: EnvoyHeaderStyle,
+    /// The fail policy of a routed `[[policy]]` without its own: open or
+    /// closed (the YAML files' limits carry `on_error` themselves).
+    pub on_error: FailPolicy,
+    pub max_connections: usize,
+    pub routes: super::descriptors::EnvoyRoutes,
+    /// As the file wrote them, for `GET /config`: `config`, `algorithm`,
+    /// `on_error`, the routes (domain, descriptor, policy), and the names of
+    /// the policies the YAML files made (shown as the files, not as tables).
+    pub written: EnvoyWritten,
+}
+
+/// `[envoy]` in the file's terms (`GET /config`, show.rs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnvoyWritten {
+    pub config: Vec<PathBuf>,
+    pub algorithm: Option<String>,
+    pub on_error: Option<String>,
+    pub routes: Vec<(String, Vec<String>, String)>,
+    pub yaml_policies: std::collections::BTreeSet<String>,
+}
+
+/// Whether `name` may name a policy: it goes into metrics labels and logs as is.
+pub(super) fn valid_policy_name(name: &str) -> bool {
+    (1..=MAX_POLICY_NAME_LEN).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}

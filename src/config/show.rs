@@ -10,7 +10,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::model::{AdminListen, Config, PolicyLimit, RedisTarget, SecretSource};
+use super::model::{AdminListen, Config, DescriptorMode, EnvoyHeaderStyle, PolicyLimit, RedisTarget, SecretSource};
 use super::validate::{duration_text_of, parse_duration};
 use crate::window::CALENDAR;
 
@@ -163,7 +163,33 @@ fn to_toml(c: &Config) -> String {
     t.put("max_connections", int(a.max_connections)).duration("read_timeout", a.read_timeout, w("admin.read_timeout"));
     section("admin", &t);
 
-    for p in &c.policies {
+    if let Some(e) = &c.envoy {
+        let mut t = Table::default();
+        t.some("listen", e.listen.map(|a| a.to_string())).path("socket", e.socket.as_deref()).put("socket_mode", mode(e.socket_mode));
+        let files: Vec<toml::Value> = e.written.config.iter().map(|p| toml::Value::String(p.display().to_string())).collect();
+        t.put("config", toml::Value::Array(files)).some("algorithm", e.written.algorithm.as_deref()).some("on_error", e.written.on_error.as_deref());
+        t.put("descriptors", match e.descriptors {
+            DescriptorMode::AllOrNothing => "all_or_nothing",
+            DescriptorMode::Each => "each",
+        });
+        t.put("header_style", match e.header_style {
+            EnvoyHeaderStyle::None => "none",
+            EnvoyHeaderStyle::Ratelimit => "ratelimit",
+            EnvoyHeaderStyle::X => "x",
+            EnvoyHeaderStyle::Draft => "draft",
+        });
+        t.put("max_connections", int(e.max_connections));
+        section("envoy", &t);
+        for (domain, descriptor, policy) in &e.written.routes {
+            let mut r = Table::default();
+            let entries: Vec<toml::Value> = descriptor.iter().map(|d| toml::Value::String(d.clone())).collect();
+            r.put("domain", domain.as_str()).put("descriptor", toml::Value::Array(entries)).put("policy", policy.as_str());
+            let _ = write!(out, "\n[[envoy.route]]\n{}", r.0);
+        }
+    }
+
+    // The YAML files' limits are shown as the files above, not as tables.
+    for p in c.policies.iter().filter(|p| !c.envoy.as_ref().is_some_and(|e| e.written.yaml_policies.contains(&p.name))) {
         let mut t = Table::default();
         t.put("name", p.name.as_str()).put("limit", int(p.limit));
         match (p.lease_ms, p.calendar_window_ms) {
@@ -241,6 +267,24 @@ mod tests {
         assert_eq!(back.dump(), shown, "shown again, the same text");
         // The same configuration (the text writes out every default, so
         // its own list of durations as written is longer).
+        let typed = |c: &Config| Config { written_durations: Default::default(), ..c.clone() };
+        assert_eq!(typed(&back), typed(&c), "{shown}");
+    }
+
+    /// `[envoy]` as the file wrote it: its YAML files named, not their
+    /// limits as tables; the routes; read back, the same configuration.
+    #[test]
+    fn envoy_is_shown_as_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("rl.yaml");
+        std::fs::write(&yaml, "domain: edge\ndescriptors:\n  - key: ip\n    rate_limit: { unit: second, requests_per_unit: 5 }\n").unwrap();
+        let file = format!("[envoy]\nlisten = \"127.0.0.1:8081\"\nconfig = [{:?}]\n[[envoy.route]]\ndomain = \"edge\"\ndescriptor = [\"tenant\"]\npolicy = \"per_tenant\"\n[[policy]]\nname = \"per_tenant\"\nlimit = 10\nwindow = \"1m\"\n", yaml.display().to_string());
+        let c = Config::parse(Path::new("t.toml"), &file).unwrap_or_else(|e| panic!("{e}"));
+        let shown = c.dump();
+        assert!(shown.contains("[envoy]\nlisten = \"127.0.0.1:8081\"\n") && shown.contains("[[envoy.route]]\ndomain = \"edge\"\ndescriptor = [\"tenant\"]\npolicy = \"per_tenant\"\n"), "{shown}");
+        assert!(!shown.contains("name = \"edge.ip\""), "the YAML's limit is the file's, not a table: {shown}");
+        let back = Config::parse(Path::new("shown.toml"), &shown).unwrap_or_else(|e| panic!("{e}\n{shown}"));
+        assert_eq!(back.dump(), shown);
         let typed = |c: &Config| Config { written_durations: Default::default(), ..c.clone() };
         assert_eq!(typed(&back), typed(&c), "{shown}");
     }

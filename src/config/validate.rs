@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::file;
-use super::model::{
+use super::model::{valid_policy_name, 
     redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
@@ -86,9 +86,18 @@ impl Config {
         });
         let log = LogConfig { level: f.log.level, format: f.log.format };
         let denial_cache = denial_cache_config(f.denial_cache, &mut p, &mut deprecated);
-        let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
+        let mut policy_sections = f.policy;
+        let envoy = f.envoy.map(|e| {
+            let read = super::envoy::read(e, path, &mut p);
+            policy_sections.extend(read.policies);
+            read.envoy
+        });
+        let policies = policies_config(policy_sections, &limits.bounds, &mut p, &mut deprecated);
+        if let Some(e) = &envoy {
+            super::envoy::check_routes(e, &policies, &mut p);
+        }
         let admin = admin_config(f.admin, &mut p);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated, written_durations })
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, envoy, deprecated, written_durations })
     }
 }
 
@@ -426,10 +435,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     n.checked_mul(ms_per_unit).map(Duration::from_millis).ok_or_else(|| format!("'{s}' is too long"))
 }
 
-/// Whether `name` may name a policy: it goes into metrics labels and logs as is.
-fn valid_policy_name(name: &str) -> bool {
-    (1..=MAX_POLICY_NAME_LEN).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-}
 
 /// A limit of a policy or an override: 1..=`limits.max_limit`.
 fn policy_limit(p: &mut Problems, field: &'static str, name: &str, what: &str, v: i64, bounds: &Bounds) -> u32 {

@@ -156,6 +156,16 @@ pub(super) struct Named<'a> {
 }
 
 impl Limiter {
+    /// A key's limit under `policy` (None: exempt): an admin API override
+    /// in force replaces the file's value for this key (one load and
+    /// lookup in the background-refreshed table).
+    pub(crate) fn limit_in_force(&self, policy: &Policy, key: &[u8], scoped_key: &[u8]) -> Option<u32> {
+        match self.live_overrides.limit_for(scoped_key).unwrap_or_else(|| policy.limit_for(key)) {
+            PolicyLimit::Limit(l) => Some(l),
+            PolicyLimit::Unlimited => None,
+        }
+    }
+
     /// Resolves one named item: the policy, the key's limit, and every
     /// combination refused in the order PROTOCOL.md gives (unknown name,
     /// wrong kind, unsupported combination, cost).
@@ -168,12 +178,7 @@ impl Limiter {
         if let Some((code, msg)) = kind_refusal(policy, kind) {
             return reject(code, msg);
         }
-        // An admin API override in force replaces the file's value for
-        // this key (one load and lookup in the background-refreshed table).
-        let limit = match self.live_overrides.limit_for(n.scoped_key).unwrap_or_else(|| policy.limit_for(n.key)) {
-            PolicyLimit::Limit(l) => Some(l),
-            PolicyLimit::Unlimited => None,
-        };
+        let limit = self.limit_in_force(policy, n.key, n.scoped_key);
         let (on_error, local_limit) = match policy.fail_policy {
             Some(f) => (f, policy.local_limit.unwrap_or(0)),
             None => (n.on_error, n.local_limit),
