@@ -148,12 +148,14 @@ async fn a_peek_shows_count_remaining_and_reset_and_records_nothing_in_redis() {
     assert_eq!(peek.status, 200, "{:?}", peek.body);
     assert_eq!(peek.body["count"], json!(0));
     assert_eq!(peek.body["remaining"], json!(2));
+    // The fleet's admin change log is the daemon's own (its epoch marker,
+    // written by the refresher at start), not the peek's.
     let keys: Vec<String> = redis::cmd("KEYS").arg("gw:*").query(&mut conn).unwrap();
-    assert!(keys.is_empty(), "a peek created {keys:?}");
+    assert!(keys.iter().all(|k| k == "gw:admin:log"), "a peek created {keys:?}");
 
     let mut c = d.client().await;
     assert_eq!(c.check_policy(&policy("per_tenant", "t")).await.unwrap().decision, Decision::Allowed);
-    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("gw:*").query(&mut conn).unwrap();
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg("gw:{*").query(&mut conn).unwrap();
     assert_eq!(keys.len(), 1, "{keys:?}");
     let window = keys[0].clone();
     let before: Vec<(Vec<u8>, f64)> = redis::cmd("ZRANGE").arg(&window).arg(0).arg(-1).arg("WITHSCORES").query(&mut conn).unwrap();
@@ -316,4 +318,27 @@ async fn an_inline_key_without_a_window_is_refused_with_a_400_and_no_scan_runs_u
     let out = Command::new(BIN).args(["inspect", "--config"]).arg(&d.config).args(["--key", "tenant-a", "--scan", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(scans() > after_get);
+}
+
+/// Issue 35 item 4: a key no request can carry (a control byte) was stored
+/// by `PUT /v1/overrides` and counted toward the cap, while check-config
+/// refuses the same key in `[policy.overrides]`: one rule for both now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_no_request_can_carry_is_refused_by_the_api_as_check_config_refuses_it() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), Some(dir.path()), "");
+    for key in ["a\u{0}b", "tab\tkey", "del\u{7f}"] {
+        let reply = call(dir.path(), None, "PUT", "/v1/overrides", Some(json!({ "policy": "per_tenant", "key": key, "limit": 10, "ttl": "1h" })));
+        assert_eq!(reply.status, 400, "{key:?}: {reply:?}");
+        assert!(reply.body["error"].as_str().unwrap_or("").contains("control character"), "{key:?}: {:?}", reply.body);
+    }
+    let stored: u64 = redis::cmd("HLEN").arg("gw:admin:overrides").query(&mut redis.conn()).unwrap();
+    assert_eq!(stored, 0, "an override no request can match was stored");
+    // check-config refuses the same key in the file, by the same rule.
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, format!("{}[policy.overrides]\n\"a\\u0000b\" = 10\n", d.config_text())).unwrap();
+    let out = Command::new(BIN).arg("check-config").arg("--config").arg(&file).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && text.contains("can never be sent"), "{text}");
 }

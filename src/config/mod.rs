@@ -25,5 +25,5 @@ pub use model::{
 };
 pub use nginx_names::{nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
 pub use reserve::{multi_refusal, reserve_refusal};
-pub use validate::parse_duration;
+pub use validate::{parse_duration, sendable_key, UnsendableKey};
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

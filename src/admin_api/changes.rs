@@ -1,0 +1,203 @@
+//! The fleet's log of admin changes, `<key_prefix>admin:log`: every
+//! override written or deleted and every ban lifted appends one entry, and
+//! every daemon's refresher (`store::refresh`) reads only the entries after
+//! the last one it applied, so a refresh with nothing changed costs one
+//! small script call, not the whole overrides hash.
+//!
+//! A ZSET: each entry is a member `<kind><16 hex: a random nonce><scoped
+//! key>` scored by its number (the top's + 1); the last `MAX_KEPT` are
+//! kept. At score 0 lies the log's epoch marker (`e<nonce>`), created by
+//! whoever finds the log without one. A reader remembers the last entry it
+//! applied, nonce included: that pair cannot repeat, so when the entry is no
+//! longer there (trimmed away: the reader fell more than `MAX_KEPT` changes
+//! behind; Redis restarted empty; a failover lost it and the numbers were
+//! taken again by other entries) the reader knows it may have missed
+//! changes, and rereads the whole state (`Read::Lost`) instead of trusting
+//! what is left of the log. No change is lost however many come in one
+//! refresh, and no number is trusted across a Redis that forgot it.
+
+use crate::redis::LinkConnection;
+
+/// Entries kept for readers to catch up with: a reader further behind
+/// rereads everything. As many as the overrides' cap, so that writing every
+/// override once, or lifting as many bans, between two refreshes is still
+/// read incrementally.
+pub const MAX_KEPT: usize = 10_000;
+
+/// The log of the fleet sharing `key_prefix`.
+pub fn log_key(key_prefix: &str) -> String {
+    format!("{key_prefix}admin:log")
+}
+
+/// What an entry changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// An override was written or deleted: the reader reads its record.
+    Override,
+    /// A ban was lifted: the reader drops it from its ban cache.
+    Lift,
+}
+
+impl Kind {
+    fn byte(self) -> u8 {
+        match self {
+            Self::Override => b'o',
+            Self::Lift => b'l',
+        }
+    }
+}
+
+const NONCE_LEN: usize = 16;
+
+/// 16 hex digits from the OS's randomness: what makes an entry's identity
+/// unrepeatable. Without randomness (never seen), the time and a per-process
+/// random hasher's key stand in.
+fn nonce() -> [u8; NONCE_LEN] {
+    let mut raw = [0u8; 8];
+    if getrandom::fill(&mut raw).is_err() {
+        use std::hash::BuildHasher;
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        raw = std::hash::RandomState::new().hash_one(t).to_le_bytes();
+    }
+    let mut out = [0u8; NONCE_LEN];
+    for (i, b) in raw.iter().enumerate() {
+        out[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
+        out[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 15)];
+    }
+    out
+}
+
+fn marker() -> Vec<u8> {
+    let mut m = vec![b'e'];
+    m.extend_from_slice(&nonce());
+    m
+}
+
+/// Appends an entry; its number. KEYS[1] the log; ARGV[1] the entry,
+/// ARGV[2] the entries kept, ARGV[3] an epoch marker for a log without one.
+const APPEND: &str = "local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if not redis.call('ZRANGEBYSCORE', KEYS[1], 0, 0)[1] then
+  redis.call('ZADD', KEYS[1], 0, ARGV[3])
+end
+local seq = (tonumber(top[2]) or 0) + 1
+redis.call('ZADD', KEYS[1], seq, ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 1, -(tonumber(ARGV[2]) + 1))
+return seq";
+
+/// A reader's step, with Redis's time (ms) first. KEYS[1] the log; ARGV[1]
+/// and ARGV[2] the reader's position (its last entry's number and the entry;
+/// 0 and '' for a reader that knows nothing), ARGV[3] an epoch marker for a
+/// log without one. Returns {now, 1, {entry, number, ...}}: the entries
+/// after the position; or {now, 0, {top entry, its number}}: the position
+/// is gone, reread everything, then stand at the top.
+const READ: &str = "local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local last = tonumber(ARGV[1])
+if ARGV[2] ~= '' and redis.call('ZRANGEBYSCORE', KEYS[1], last, last)[1] == ARGV[2] then
+  return { now, 1, redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. last, '+inf', 'WITHSCORES') }
+end
+if not redis.call('ZRANGEBYSCORE', KEYS[1], 0, 0)[1] then
+  redis.call('ZADD', KEYS[1], 0, ARGV[3])
+end
+local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return { now, 0, top }";
+
+/// Appends `kind`'s change of `scoped` for every reader.
+pub async fn append(conn: &mut LinkConnection, key_prefix: &str, kind: Kind, scoped: &[u8]) -> Result<u64, redis::RedisError> {
+    let mut entry = Vec::with_capacity(1 + NONCE_LEN + scoped.len());
+    entry.push(kind.byte());
+    entry.extend_from_slice(&nonce());
+    entry.extend_from_slice(scoped);
+    redis::cmd("EVAL").arg(APPEND).arg(1).arg(log_key(key_prefix)).arg(entry).arg(MAX_KEPT).arg(marker()).query_async(conn).await
+}
+
+/// An admin write made in Redis, and whether its change-log entry was
+/// written too (the write is complete only then: until its entry is in the
+/// log, the other daemons do not apply it).
+#[derive(Debug)]
+pub struct Written<T> {
+    pub done: T,
+    pub logged: Result<(), redis::RedisError>,
+}
+
+/// Why a write made in Redis is not complete (`Written::logged` failed
+/// and retries too).
+#[derive(Debug, thiserror::Error)]
+#[error("redis: {0}: the change is in Redis, but it could not be logged for the other daemons, which may not apply it until they next reread everything: retry the request (a retry logs it)")]
+pub struct NotLogged(pub redis::RedisError);
+
+/// Where a reader stands: the last entry it applied, by number and whole
+/// (its nonce makes the pair an identity no later entry repeats).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Position {
+    seq: u64,
+    entry: Vec<u8>,
+}
+
+/// One change read from the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub kind: Kind,
+    pub scoped: Vec<u8>,
+}
+
+/// What a reader learns.
+#[derive(Debug)]
+pub enum Read {
+    /// Every change after the reader's position, in order, and the position
+    /// after them.
+    Since { now_ms: u64, changes: Vec<Change>, at: Position },
+    /// The reader's position is no longer in the log (or it had none): it
+    /// must reread the whole state, read after this answer, and then stand
+    /// at `at`.
+    Lost { now_ms: u64, at: Position },
+}
+
+impl Read {
+    pub fn now_ms(&self) -> u64 {
+        match self {
+            Self::Since { now_ms, .. } | Self::Lost { now_ms, .. } => *now_ms,
+        }
+    }
+}
+
+fn change(entry: &[u8]) -> Option<Change> {
+    let (&kind, rest) = entry.split_first()?;
+    let kind = match kind {
+        b'o' => Kind::Override,
+        b'l' => Kind::Lift,
+        _ => return None,
+    };
+    Some(Change { kind, scoped: rest.get(NONCE_LEN..)?.to_vec() })
+}
+
+/// The changes after `from` (`None`: a reader that knows nothing yet).
+pub async fn read(conn: &mut LinkConnection, key_prefix: &str, from: Option<&Position>) -> Result<Read, redis::RedisError> {
+    let (seq, entry) = from.map_or((0, &[][..]), |p| (p.seq, &p.entry[..]));
+    // EVAL, not EVALSHA: the request path's scripts are the EVALSHA calls
+    // in Redis's commandstats, and the refreshers' reads stay apart from
+    // them (the cost: the script's 600 bytes sent once a refresh).
+    let (now_ms, found, entries): (u64, u8, Vec<(Vec<u8>, u64)>) = redis::cmd("EVAL").arg(READ).arg(1).arg(log_key(key_prefix)).arg(seq).arg(entry).arg(marker()).query_async(conn).await?;
+    if found == 0 {
+        // The script made sure the log has its marker: there is a top.
+        let (entry, seq) = entries.into_iter().next_back().unwrap_or_default();
+        return Ok(Read::Lost { now_ms, at: Position { seq, entry } });
+    }
+    let at = entries.last().map_or_else(|| Position { seq, entry: entry.to_vec() }, |(e, s)| Position { seq: *s, entry: e.clone() });
+    Ok(Read::Since { now_ms, changes: entries.iter().filter_map(|(e, _)| change(e)).collect(), at })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_reads_back_as_its_change_and_nonces_differ() {
+        let mut e = vec![b'l'];
+        e.extend_from_slice(&nonce());
+        e.extend_from_slice(b"\x05loginu1");
+        assert_eq!(change(&e), Some(Change { kind: Kind::Lift, scoped: b"\x05loginu1".to_vec() }));
+        assert_eq!(change(b"e0123456789abcdef"), None, "the epoch marker is no change");
+        assert_ne!(nonce(), nonce());
+    }
+}
