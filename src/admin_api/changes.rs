@@ -16,6 +16,12 @@
 //! what is left of the log. No change is lost however many come in one
 //! refresh, and no number is trusted across a Redis that forgot it.
 
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::{ConnectionAddr, RedisConnectionInfo};
+
+use crate::config::{RedisConfig, RedisSecrets, RedisTarget};
 use crate::redis::LinkConnection;
 
 /// Entries kept for readers to catch up with: a reader further behind
@@ -125,6 +131,90 @@ pub struct Written<T> {
 #[derive(Debug, thiserror::Error)]
 #[error("redis: {0}: the change is in Redis, but it could not be logged for the other daemons, which may not apply it until they next reread everything: retry the request (a retry logs it)")]
 pub struct NotLogged(pub redis::RedisError);
+
+/// Longest an admin write waits for the master's replicas to acknowledge
+/// it (`WAIT`): a hung replica costs each write this much, no more.
+pub const ACK_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// Longest a sentinel is given to say what it knows of the master.
+const SENTINEL_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// Why a write made on a master is not acknowledged.
+#[derive(Debug, thiserror::Error)]
+pub enum Unacknowledged {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("the server written to answers ROLE '{0}', not master")]
+    NotMaster(String),
+    #[error("sentinel {sentinel} reports a failover of the master under way (flags {flags}): the write may be lost with the old master; retry once the failover is over")]
+    FailoverUnderWay { sentinel: String, flags: String },
+    #[error("sentinel {sentinel} names another master (run id {named}, written to {ours}): the write went to a master being replaced; retry")]
+    OtherMaster { sentinel: String, named: String, ours: String },
+}
+
+/// Makes sure an admin write made on `conn` is on the current master and
+/// will survive a failover, before it is answered 200: a planned `SENTINEL
+/// FAILOVER` leaves the old master writable, and writes it took after the
+/// replica's promotion were lost (issue 35: 5 of 5 PUTs answered 200).
+/// `WAIT` for every replica the master lists, at most `ACK_TIMEOUT` (a
+/// hung replica costs that, not more); then, with Sentinel, every sentinel
+/// is asked (at once, `SENTINEL_TIMEOUT` each): one that reports a failover
+/// under way, or names a master of another run id, makes it unacknowledged.
+/// On a Cluster nothing is checked here (redis-rs routes by slot; see
+/// docs/ADMIN.md).
+pub async fn acknowledge(conn: &mut LinkConnection, cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<(), Unacknowledged> {
+    if conn.is_cluster() {
+        return Ok(());
+    }
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(conn).await?;
+    let name = match role.first() {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        Some(redis::Value::SimpleString(s)) => s.clone(),
+        other => format!("{other:?}"),
+    };
+    if name != "master" {
+        return Err(Unacknowledged::NotMaster(name));
+    }
+    let replicas = match role.get(2) {
+        Some(redis::Value::Array(r)) => r.len(),
+        _ => 0,
+    };
+    if replicas > 0 {
+        let _acked: u64 = redis::cmd("WAIT").arg(replicas).arg(ACK_TIMEOUT.as_millis() as u64).query_async(conn).await?;
+    }
+    let RedisTarget::Sentinel(sentinel) = &cfg.target else { return Ok(()) };
+    let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
+    let ours = info.lines().find_map(|l| l.strip_prefix("run_id:")).unwrap_or("").trim().to_string();
+    let asks = sentinel.addresses.iter().map(|addr| async move {
+        let ask = async {
+            let mut info = RedisConnectionInfo::default();
+            if let Some(u) = &sentinel.username {
+                info = info.set_username(u);
+            }
+            if let Some(p) = &secrets.sentinel_password {
+                info = info.set_password(p);
+            }
+            let client = redis::Client::open(redis::IntoConnectionInfo::into_connection_info(ConnectionAddr::Tcp(addr.host.clone(), addr.port))?.set_redis_settings(info))?;
+            let mut c = client.get_multiplexed_async_connection().await?;
+            let fields: HashMap<String, String> = redis::cmd("SENTINEL").arg("MASTER").arg(&sentinel.master_name).query_async(&mut c).await?;
+            Ok::<_, redis::RedisError>(fields)
+        };
+        (addr.to_string(), tokio::time::timeout(SENTINEL_TIMEOUT, ask).await)
+    });
+    for (sentinel, answer) in futures_util::future::join_all(asks).await {
+        // A sentinel that cannot be asked says nothing (it may be down).
+        let Ok(Ok(fields)) = answer else { continue };
+        let flags = fields.get("flags").cloned().unwrap_or_default();
+        if flags.contains("failover_in_progress") {
+            return Err(Unacknowledged::FailoverUnderWay { sentinel, flags });
+        }
+        let named = fields.get("runid").cloned().unwrap_or_default();
+        if !named.is_empty() && !ours.is_empty() && named != ours {
+            return Err(Unacknowledged::OtherMaster { sentinel, named, ours });
+        }
+    }
+    Ok(())
+}
 
 /// Where a reader stands: the last entry it applied, by number and whole
 /// (its nonce makes the pair an identity no later entry repeats).

@@ -33,6 +33,7 @@ use super::time::{format_utc, parse_utc};
 use crate::admin::{self, AdminError, Inspection, Target};
 use crate::config::{parse_duration, sendable_key, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
 use crate::log_limit::RateLimitedLog;
+use crate::redis::LinkConnection;
 use crate::live_overrides::{scoped_key, split_scoped, LiveOverride, LiveOverrides};
 use crate::server::Reloadable;
 use crate::metrics::{AdminOp, AdminResult, METRICS};
@@ -399,14 +400,18 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
 /// election or a Sentinel switch takes about this long.
 const LOG_RETRY: Duration = Duration::from_secs(3);
 
-/// `written`'s outcome, with its log entry retried when only that failed:
-/// 200 only once the change is in Redis and logged for every daemon; a 503
-/// says whether anything was changed.
-async fn logged<T>(view: &View, kind: Kind, scoped: &[u8], written: Result<Written<T>, redis::RedisError>) -> Result<T, Answer> {
-    let Written { done, logged } = written.map_err(|e| Answer::err(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e} (nothing was changed, or the retry of this request will find it done)")))?;
-    let Err(mut last) = logged else { return Ok(done) };
-    tracing::warn!(error = %last, "an admin write is in redis but not yet in the change log: retrying the log");
+/// `written`'s outcome (made on `conn`), with its log entry retried when
+/// only that failed: 200 only once the change is in Redis, logged for every
+/// daemon and acknowledged as on the current master (`changes::acknowledge`);
+/// a 503 says how far it got.
+async fn logged<T>(view: &View, conn: &mut LinkConnection, kind: Kind, scoped: &[u8], written: Result<Written<T>, redis::RedisError>) -> Result<T, Answer> {
     let redis = redis_of(view)?;
+    let Written { done, logged } = written.map_err(|e| Answer::err(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e} (nothing was changed, or the retry of this request will find it done)")))?;
+    let mut last = match logged {
+        Ok(()) => return acknowledged(view, conn, done).await,
+        Err(e) => e,
+    };
+    tracing::warn!(error = %last, "an admin write is in redis but not yet in the change log: retrying the log");
     let start = std::time::Instant::now();
     while start.elapsed() < LOG_RETRY {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -419,11 +424,20 @@ async fn logged<T>(view: &View, kind: Kind, scoped: &[u8], written: Result<Writt
             Err(e) => return Err(Answer::redis(e)),
         };
         match changes::append(&mut conn, &redis.key_prefix, kind, scoped).await {
-            Ok(_) => return Ok(done),
+            Ok(_) => return acknowledged(view, &mut conn, done).await,
             Err(e) => last = e,
         }
     }
     Err(Answer::err(StatusCode::SERVICE_UNAVAILABLE, NotLogged(last).to_string()))
+}
+
+/// `done`, once `changes::acknowledge` holds for the write made on `conn`.
+async fn acknowledged<T>(view: &View, conn: &mut LinkConnection, done: T) -> Result<T, Answer> {
+    let redis = redis_of(view)?;
+    match changes::acknowledge(conn, redis, &view.secrets).await {
+        Ok(()) => Ok(done),
+        Err(e) => Err(Answer::err(StatusCode::SERVICE_UNAVAILABLE, format!("the change was written but is not acknowledged: {e}"))),
+    }
 }
 
 /// The Redis configuration, or why there is none.
@@ -676,7 +690,8 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
     if let Err(e) = store::purge_expired(&mut conn, &redis.key_prefix, now, &stored).await {
         tracing::debug!(error = %e, "could not delete expired overrides");
     }
-    logged(view, Kind::Override, &scoped, store::put(&mut conn, &redis.key_prefix, &scoped, &after).await).await?;
+    let written = store::put(&mut conn, &redis.key_prefix, &scoped, &after).await;
+    logged(view, &mut conn, Kind::Override, &scoped, written).await?;
     // In force on this daemon before the answer; the others at their refresh.
     state.live.write(&scoped, Some(LiveOverride { limit: after.policy_limit(), expires_at_ms }));
     let before_limit = before.as_ref().map_or(file_limit, Stored::policy_limit);
@@ -703,7 +718,8 @@ async fn delete(state: &State, view: &View, q: &HashMap<String, String>, who: &s
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
     let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
     let before = store::get(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?;
-    if !logged(view, Kind::Override, &scoped, store::delete(&mut conn, &redis.key_prefix, &scoped).await).await? {
+    let written = store::delete(&mut conn, &redis.key_prefix, &scoped).await;
+    if !logged(view, &mut conn, Kind::Override, &scoped, written).await? {
         return Err(Answer::err(StatusCode::NOT_FOUND, format!("no override of policy {name:?} key {key:?}")));
     }
     state.live.write(&scoped, None);
@@ -793,7 +809,8 @@ async fn ban_lift(view: &View, q: &HashMap<String, String>, who: &str) -> Result
     };
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
     let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
-    let before = logged(view, Kind::Lift, &scoped, bans::lift(&mut conn, &redis.key_prefix, &scoped).await).await?;
+    let written = bans::lift(&mut conn, &redis.key_prefix, &scoped).await;
+    let before = logged(view, &mut conn, Kind::Lift, &scoped, written).await?;
     // This daemon at once; the others at their next refresh.
     crate::penalty_box::BANS.lift(&scoped);
     tracing::info!(who, op = "ban_lift", policy = %name, key = %escape_bytes(key.as_bytes()), before_ends_at = ?before.as_ref().map(|b| format_utc(b.ends_at_ms)), after = "not banned", "admin write");

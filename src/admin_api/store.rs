@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::changes::{self, Change, Kind, Position, Read, Written};
 use crate::admin::{connect, AdminError};
-use crate::config::{PolicyLimit, RedisConfig, RedisSecrets};
+use crate::config::{PolicyLimit, RedisConfig, RedisSecrets, RedisTarget};
 use crate::live_overrides::{split_scoped, LiveOverride, LiveOverrides, Table};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
@@ -32,6 +32,11 @@ use crate::redis::LinkConnection;
 /// At most this many overrides are kept (a write beyond it is refused):
 /// every daemon reads them all at each refresh.
 pub const MAX_OVERRIDES: usize = 10_000;
+
+/// How often a refresher on Sentinel reconnects to the master the
+/// sentinels name (a new connection, `ROLE` checked), so that a change
+/// written on a new master reaches it within this and one refresh.
+pub const SENTINEL_RECONNECT: Duration = Duration::from_secs(1);
 
 /// One override as Redis keeps it and the API shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -177,10 +182,19 @@ pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOver
     let mut last: Option<(u64, Instant)> = None;
     // The last change log entry applied; `None` until the first whole read.
     let mut position: Option<Position> = None;
+    // Through Sentinel the refresher asks the sentinels again this often: a
+    // planned failover leaves the old master serving (stale) reads until
+    // the sentinels convert it, about 10 s after the switch.
+    let sentinel = matches!(cfg.target, RedisTarget::Sentinel(_));
+    let mut connected_at = Instant::now();
     loop {
         let read = async {
+            if sentinel && connected_at.elapsed() >= SENTINEL_RECONNECT {
+                conn = None;
+            }
             if conn.is_none() {
                 conn = Some(connect(&cfg, &secrets).await?);
+                connected_at = Instant::now();
             }
             let c = conn.as_mut().expect("just connected");
             let mark = live.write_mark();
