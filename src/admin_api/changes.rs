@@ -159,7 +159,8 @@ pub enum Unacknowledged {
 /// `WAIT` for every replica the master lists, at most `ACK_TIMEOUT` (a
 /// hung replica costs that, not more); then, with Sentinel, every sentinel
 /// is asked (at once, `SENTINEL_TIMEOUT` each): one that reports a failover
-/// under way, or names a master of another run id, makes it unacknowledged.
+/// under way (unless the server written to is the replica it promoted), or
+/// names a master of another run id, makes it unacknowledged.
 /// On a Cluster nothing is checked here (redis-rs routes by slot; see
 /// docs/ADMIN.md).
 pub async fn acknowledge(conn: &mut LinkConnection, cfg: &RedisConfig, secrets: &RedisSecrets) -> Result<(), Unacknowledged> {
@@ -197,15 +198,26 @@ pub async fn acknowledge(conn: &mut LinkConnection, cfg: &RedisConfig, secrets: 
             let client = redis::Client::open(redis::IntoConnectionInfo::into_connection_info(ConnectionAddr::Tcp(addr.host.clone(), addr.port))?.set_redis_settings(info))?;
             let mut c = client.get_multiplexed_async_connection().await?;
             let fields: HashMap<String, String> = redis::cmd("SENTINEL").arg("MASTER").arg(&sentinel.master_name).query_async(&mut c).await?;
-            Ok::<_, redis::RedisError>(fields)
+            // During a failover: the replica it promoted (written to it is
+            // written to the new master, while the leader still
+            // reconfigures the other replicas, for seconds).
+            let mut promoted = None;
+            if fields.get("flags").is_some_and(|f| f.contains("failover_in_progress")) {
+                let replicas: Vec<HashMap<String, String>> = redis::cmd("SENTINEL").arg("REPLICAS").arg(&sentinel.master_name).query_async(&mut c).await?;
+                promoted = replicas.into_iter().find(|r| r.get("flags").is_some_and(|f| f.split(',').any(|f| f == "promoted"))).and_then(|r| r.get("runid").cloned());
+            }
+            Ok::<_, redis::RedisError>((fields, promoted))
         };
         (addr.to_string(), tokio::time::timeout(SENTINEL_TIMEOUT, ask).await)
     });
     for (sentinel, answer) in futures_util::future::join_all(asks).await {
         // A sentinel that cannot be asked says nothing (it may be down).
-        let Ok(Ok(fields)) = answer else { continue };
+        let Ok(Ok((fields, promoted))) = answer else { continue };
         let flags = fields.get("flags").cloned().unwrap_or_default();
         if flags.contains("failover_in_progress") {
+            if promoted.is_some_and(|p| !ours.is_empty() && p == ours) {
+                continue;
+            }
             return Err(Unacknowledged::FailoverUnderWay { sentinel, flags });
         }
         let named = fields.get("runid").cloned().unwrap_or_default();
