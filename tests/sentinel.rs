@@ -465,3 +465,33 @@ async fn override_puts_answered_200_across_a_planned_failover_are_on_the_new_mas
     }
     eprintln!("a PUT on the new master reached B after {:?}; the first PUT answered 200 after the failover began came {:?} after SENTINEL FAILOVER", done.elapsed(), done - ordered.unwrap());
 }
+
+/// Issue 35 item 5 reports one hung replica slowing every admin PUT to
+/// 0.25-0.5 s. Not reproduced here before the change (SIGSTOP on one of two
+/// replicas: PUTs took 3.7 ms median, 8.7 ms max on ec96304); the bound
+/// matters now that a PUT waits for its replicas' acknowledgement (`WAIT`,
+/// at most 100 ms) and the sentinels' answers: this test states and checks
+/// it (measured: 138 ms median, 255 ms max), with slack for a loaded host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_replica_costs_an_admin_put_at_most_the_acknowledgement_timeout() {
+    use ratelimitd::admin_api::client::request;
+    use ratelimitd::config::AdminListen;
+    let g = Group::start(2, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, _b) = admin_daemons(&g, dir.path());
+    let socket = AdminListen::Unix { path: dir.path().join("admin.sock"), mode: 0o600 };
+    let put = |key: &str| {
+        let start = Instant::now();
+        let r = request(&socket, None, "PUT", "/v1/overrides", Some(&format!("{{\"policy\": \"per_tenant\", \"key\": \"{key}\", \"limit\": 1000, \"ttl\": \"1h\"}}"))).unwrap();
+        assert_eq!(r.status, 200, "{:?}", r.body);
+        start.elapsed()
+    };
+    let healthy: Vec<Duration> = (0..5).map(|i| put(&format!("healthy-{i}"))).collect();
+    g.replicas[0].pause();
+    let mut hung: Vec<Duration> = (0..10).map(|i| put(&format!("hung-{i}"))).collect();
+    g.replicas[0].resume();
+    hung.sort();
+    eprintln!("admin PUT with healthy replicas: {healthy:?}; with one replica hung: median {:?}, max {:?}", hung[hung.len() / 2], hung[hung.len() - 1]);
+    assert!(hung[hung.len() / 2] <= Duration::from_millis(220), "median PUT {:?} with one replica hung", hung[hung.len() / 2]);
+    assert!(hung[hung.len() - 1] <= Duration::from_millis(600), "slowest PUT {:?} with one replica hung", hung[hung.len() - 1]);
+}
