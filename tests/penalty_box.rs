@@ -490,3 +490,32 @@ async fn ended_bans_leave_the_index_without_anyone_listing_them() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Issue 35 item 4 asked for a decision: a ban engaged while its policy is
+/// shadow is a real ban, recorded in Redis (and counted); turning shadow
+/// off (a reload) enforces it for what is left of it, as enforcement would
+/// have had it then. docs/POLICIES.md ("Shadow" under the penalty box) and
+/// docs/ADMIN.md say so, and how to start clean (lift the bans first).
+/// Passes before and after this change: it pins the decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_engaged_in_shadow_is_enforced_for_what_is_left_of_it_once_shadow_is_off() {
+    use nix::sys::signal::Signal;
+    let redis = RedisServer::start_unix();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), None, false);
+    let mut c = d.client().await;
+    for _ in 0..5 {
+        assert_ne!(c.check_policy(&login("login_shadow", "s2")).await.unwrap().decision, Decision::Denied);
+    }
+    let engaged = Instant::now();
+    d.rewrite_config(&d.config_text().replacen("shadow = true\n", "", 1));
+    d.signal(Signal::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !d.log().contains("configuration reloaded") {
+        assert!(Instant::now() < deadline, "no reload: {}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = c.check_policy(&login("login_shadow", "s2")).await.unwrap();
+    let left = 3000u64.saturating_sub(engaged.elapsed().as_millis() as u64);
+    assert_eq!(r.decision, Decision::Denied, "the shadow ban, now enforced: {r:?}");
+    assert!(u64::from(r.retry_after_ms) <= 3000 && u64::from(r.retry_after_ms) + 600 >= left, "retry {} ms, {left} ms left of the ban", r.retry_after_ms);
+}
