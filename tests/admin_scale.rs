@@ -31,7 +31,8 @@ fn admin_socket(dir: &Path) -> PathBuf {
 
 fn daemon(redis: &RedisServer, dir: Option<&Path>, refresh: &str) -> Daemon {
     let listen = dir.map(|d| format!("listen = \"{}\"\n", admin_socket(d).display())).unwrap_or_default();
-    Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\nkey_prefix = \"gw:\"\n[admin]\n{listen}overrides_refresh = \"{refresh}\"\n{POLICIES}", redis.url()))
+    // A generous Redis timeout: the checks below must be Redis's answers, not the fail policy's.
+    Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\nkey_prefix = \"gw:\"\ntimeout_ms = 500\n[admin]\n{listen}overrides_refresh = \"{refresh}\"\n{POLICIES}", redis.url()))
 }
 
 fn put(dir: &Path, body: serde_json::Value) -> Reply {
@@ -77,7 +78,11 @@ async fn a_refresh_with_nothing_changed_reads_no_override_and_a_change_is_read_a
     }
     let b = daemon(&redis, None, &format!("{REFRESH_MS}ms"));
     // B has read the 50 at its start.
-    assert_eq!(b.client().await.check_policy(&tenant("tenant-7")).await.unwrap().decision, Decision::Allowed);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !common::http::get(&common::http::agent(), &b.metrics_url(), &[]).body.contains("ratelimitd_live_overrides 50") {
+        assert!(Instant::now() < deadline, "B did not read the 50 overrides at its start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     tokio::time::sleep(Duration::from_millis(3 * REFRESH_MS)).await;
 
     let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut redis.conn()).unwrap();
@@ -223,4 +228,55 @@ async fn measure_the_admin_state_at_its_caps() {
     }
     times.sort();
     eprintln!("a PUT on A reached B in: min {:?}, median {:?}, max {:?} (refresh 1 s)", times[0], times[times.len() / 2], times[times.len() - 1]);
+}
+
+/// `n` overrides of `per_tenant` stored as the API stores them, expiring
+/// at `expires_at_ms` (straight into Redis: n PUTs would take minutes).
+fn store_overrides(redis: &RedisServer, n: usize, expires_at_ms: u64) {
+    let mut pipe = redis::pipe();
+    for i in 0..n {
+        let key = format!("stored-{i}");
+        let mut field = vec![b"per_tenant".len() as u8];
+        field.extend_from_slice(b"per_tenant");
+        field.extend_from_slice(key.as_bytes());
+        let value = json!({ "policy": "per_tenant", "key": key, "limit": 1000, "expires_at_ms": expires_at_ms, "set_by": "test", "set_at_ms": 0 });
+        pipe.cmd("HSET").arg("gw:admin:overrides").arg(field).arg(value.to_string()).ignore();
+    }
+    let _: () = pipe.query(&mut redis.conn()).unwrap();
+}
+
+/// Each PUT read the whole overrides hash (HGETALL: 24.7 MB at the cap)
+/// to count those in force, and parsed it on the request path's threads.
+/// Now a PUT below the cap reads one field and the hash's length; at the
+/// cap it reads the whole hash, deletes the expired fields and counts; the
+/// 10,001st override in force is refused, an expired one makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_below_the_cap_reads_no_whole_hash_and_the_cap_holds_at_ten_thousand() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    store_overrides(&redis, 100, now + 3_600_000);
+    // Refreshing once an hour: the only whole read is at its start.
+    let _a = daemon(&redis, Some(dir.path()), "1h");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut redis.conn()).unwrap();
+    let r = put(dir.path(), json!({ "policy": "per_tenant", "key": "one-more", "limit": 10, "ttl": "1h" }));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let stats = info(&redis);
+    assert_eq!(commandstat(&stats, "hgetall").0, 0, "a PUT below the cap read the whole hash: {stats}");
+
+    // The cap: 10,000 in force (9,999 more stored + "one-more").
+    let _: () = redis::cmd("DEL").arg("gw:admin:overrides").query(&mut redis.conn()).unwrap();
+    store_overrides(&redis, 9_999, now + 3_600_000);
+    let r = put(dir.path(), json!({ "policy": "per_tenant", "key": "one-more", "limit": 11, "ttl": "1h" }));
+    assert_eq!(r.status, 200, "rewriting one in force is no new one: {:?}", r.body);
+    let r = put(dir.path(), json!({ "policy": "per_tenant", "key": "over-the-cap", "limit": 10, "ttl": "1h" }));
+    assert_eq!(r.status, 400, "{:?}", r.body);
+    assert!(r.body["error"].as_str().unwrap().contains("10000 overrides are in force already"), "{:?}", r.body);
+    // One of them expired: it is deleted and its place taken.
+    store_overrides(&redis, 1, now.saturating_sub(1));
+    let r = put(dir.path(), json!({ "policy": "per_tenant", "key": "over-the-cap", "limit": 10, "ttl": "1h" }));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let stored: u64 = redis::cmd("HLEN").arg("gw:admin:overrides").query(&mut redis.conn()).unwrap();
+    assert_eq!(stored, 10_000);
 }

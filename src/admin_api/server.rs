@@ -21,6 +21,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use redis::AsyncCommands;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
@@ -663,7 +664,7 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
         return Err(Answer::err(StatusCode::BAD_REQUEST, "the note is longer than 1024 bytes"));
     }
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
-    let (now, stored) = store::read_all(&mut conn, &redis.key_prefix).await.map_err(Answer::redis)?;
+    let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
     let expires_at_ms = match (&b.expires_at, &b.ttl) {
         (Some(at), None) => parse_utc(at).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("expires_at: {e}")))?,
         (None, Some(ttl)) => now + parse_duration(ttl).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("ttl: {e}")))?.as_millis() as u64,
@@ -676,20 +677,28 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
         return Err(Answer::err(StatusCode::BAD_REQUEST, format!("the expiry {} is more than 366 days away: change the file for a lasting limit", format_utc(expires_at_ms))));
     }
     let scoped = scoped_key(&p.name, b.key.as_bytes());
-    let in_force = stored.iter().filter(|(f, s)| s.as_ref().is_some_and(|s| s.expires_at_ms > now) && *f != scoped).count();
-    if in_force >= MAX_OVERRIDES {
-        return Err(Answer::err(StatusCode::BAD_REQUEST, format!("{MAX_OVERRIDES} overrides are in force already; delete some first")));
+    let before = store::get(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?.filter(|s| s.expires_at_ms > now);
+    // The cap, by the hash's length (HLEN): the whole hash (24.7 MB at the
+    // cap) is read only when that many fields are stored; then the expired
+    // ones are deleted and those in force counted. Below it, a write reads
+    // one field.
+    let fields: usize = conn.hlen(store::hash_key(&redis.key_prefix)).await.map_err(Answer::redis)?;
+    if fields >= MAX_OVERRIDES {
+        let (now, stored) = store::read_all(&mut conn, &redis.key_prefix).await.map_err(Answer::redis)?;
+        // Expired fields go first: one of them may be this key's, written again now.
+        if let Err(e) = store::purge_expired(&mut conn, &redis.key_prefix, now, &stored).await {
+            tracing::debug!(error = %e, "could not delete expired overrides");
+        }
+        let in_force = stored.iter().filter(|(f, s)| s.as_ref().is_some_and(|s| s.expires_at_ms > now) && *f != scoped).count();
+        if in_force >= MAX_OVERRIDES {
+            return Err(Answer::err(StatusCode::BAD_REQUEST, format!("{MAX_OVERRIDES} overrides are in force already; delete some first")));
+        }
     }
-    let before = stored.iter().find(|(f, _)| *f == scoped).and_then(|(_, s)| s.clone()).filter(|s| s.expires_at_ms > now);
     let file_limit = match p.overrides.get(&b.key) {
         Some(&l) => l,
         None => PolicyLimit::Limit(p.limit),
     };
     let after = Stored { policy: p.name.clone(), key: b.key.clone(), limit, expires_at_ms, set_by: who.to_string(), set_at_ms: now, note: b.note };
-    // Expired fields go first: one of them may be this key's, written again now.
-    if let Err(e) = store::purge_expired(&mut conn, &redis.key_prefix, now, &stored).await {
-        tracing::debug!(error = %e, "could not delete expired overrides");
-    }
     let written = store::put(&mut conn, &redis.key_prefix, &scoped, &after).await;
     logged(view, &mut conn, Kind::Override, &scoped, written).await?;
     // In force on this daemon before the answer; the others at their refresh.
