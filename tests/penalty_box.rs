@@ -519,3 +519,39 @@ async fn a_ban_engaged_in_shadow_is_enforced_for_what_is_left_of_it_once_shadow_
     assert_eq!(r.decision, Decision::Denied, "the shadow ban, now enforced: {r:?}");
     assert!(u64::from(r.retry_after_ms) <= 3000 && u64::from(r.retry_after_ms) + 600 >= left, "retry {} ms, {left} ms left of the ban", r.retry_after_ms);
 }
+
+/// Issue 35 item 5: a lift during a Cluster failover answered 503 after it
+/// had already deleted the ban, and both daemons kept refusing the key
+/// from their cache (the peek said `banned: false`). Here the primary
+/// holding the change log dies just before the lift (the ban's key lives on
+/// another primary): the ban is deleted, the log entry fails, the lift
+/// retries it on fresh connections until the replica is promoted, and
+/// answers 200; the API's daemon dropped the ban at the deletion, the other
+/// daemon within its refresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lift_while_the_change_logs_primary_fails_over_is_answered_truthfully_and_reaches_both_daemons() {
+    use common::redis_cluster::key_slot;
+    let mut cluster = RedisCluster::start();
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    let url = format!("[redis]\ncluster = [{}]", seeds.join(", "));
+    let log_owner = cluster.owner(key_slot(b"ratelimitd:admin:log"));
+    // A key whose ban lives on another primary.
+    let key = (0..).map(|i| format!("far-{i}")).find(|k| cluster.owner(key_slot(format!("\x04bulk{k}").as_bytes())) != log_owner).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let a = daemon_refreshing(&url, Some(dir.path()), &format!("{REFRESH_MS}ms"));
+    let b = daemon_refreshing(&url, None, &format!("{REFRESH_MS}ms"));
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    ban_all(&mut ca, std::slice::from_ref(&key)).await;
+    let r = cb.check_policy(&login("bulk", &key)).await.unwrap();
+    assert_eq!((r.decision, r.retry_after_ms > 50_000), (Decision::Denied, true), "B learns the ban: {r:?}");
+    assert_eq!((bans_known(&a), bans_known(&b)), (1, 1));
+
+    cluster.kill(log_owner);
+    let started = Instant::now();
+    let lift = call(dir.path(), "DELETE", &format!("/v1/bans?policy=bulk&key={key}"));
+    eprintln!("lift during the failover of the log's primary: {} after {:?}: {}", lift.status, started.elapsed(), lift.body);
+    assert_eq!(lift.status, 200, "{:?}", lift.body);
+    assert_eq!(bans_known(&a), 0, "the API's daemon still caches the lifted ban");
+    until_bans_known(&b, 0, LIFT_BOUND + Duration::from_secs(3)).await;
+    eprintln!("both daemons dropped the ban {:?} after the lift began", started.elapsed());
+}

@@ -399,7 +399,7 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
 /// How long a write whose change-log entry failed keeps trying to log it,
 /// on fresh connections, before it answers 503: a Cluster failover's
 /// election or a Sentinel switch takes about this long.
-const LOG_RETRY: Duration = Duration::from_secs(3);
+const LOG_RETRY: Duration = Duration::from_secs(5);
 
 /// `written`'s outcome (made on `conn`), with its log entry retried when
 /// only that failed: 200 only once the change is in Redis, logged for every
@@ -819,9 +819,13 @@ async fn ban_lift(view: &View, q: &HashMap<String, String>, who: &str) -> Result
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
     let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
     let written = bans::lift(&mut conn, &redis.key_prefix, &scoped).await;
+    // This daemon at once, once the ban is deleted in Redis, even if the
+    // lift cannot be logged (its cache would refuse a key Redis no longer
+    // bans); the others at their next refresh.
+    if written.is_ok() {
+        crate::penalty_box::BANS.lift(&scoped);
+    }
     let before = logged(view, &mut conn, Kind::Lift, &scoped, written).await?;
-    // This daemon at once; the others at their next refresh.
-    crate::penalty_box::BANS.lift(&scoped);
     tracing::info!(who, op = "ban_lift", policy = %name, key = %escape_bytes(key.as_bytes()), before_ends_at = ?before.as_ref().map(|b| format_utc(b.ends_at_ms)), after = "not banned", "admin write");
     match before {
         Some(b) => Ok(Answer::ok(json!({ "lifted": ban_json(name, key.as_bytes(), b.ends_at_ms, now), "applies_within_ms": cfg.admin.overrides_refresh.as_millis() as u64 }))),
