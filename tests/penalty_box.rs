@@ -533,8 +533,13 @@ async fn a_lift_while_the_change_logs_primary_fails_over_is_answered_truthfully_
     use common::redis_cluster::key_slot;
     let mut cluster = RedisCluster::start();
     let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-    let url = format!("[redis]\ncluster = [{}]", seeds.join(", "));
-    let log_owner = cluster.owner(key_slot(b"ratelimitd:admin:log"));
+    // A key prefix whose change log (`admin:log`) and the lifts' key before
+    // it (`admin:lifts`) live on one primary: the test means the same on
+    // either version.
+    let owner_of = |k: String| cluster.owner(key_slot(k.as_bytes()));
+    let prefix = (0..).map(|i| format!("p{i}:")).find(|p| owner_of(format!("{p}admin:log")) == owner_of(format!("{p}admin:lifts"))).unwrap();
+    let url = format!("[redis]\ncluster = [{}]\nkey_prefix = \"{prefix}\"", seeds.join(", "));
+    let log_owner = owner_of(format!("{prefix}admin:log"));
     // A key whose ban lives on another primary.
     let key = (0..).map(|i| format!("far-{i}")).find(|k| cluster.owner(key_slot(format!("\x04bulk{k}").as_bytes())) != log_owner).unwrap();
     let dir = tempfile::tempdir().unwrap();
