@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use redis::{ConnectionAddr, RedisConnectionInfo};
 
-use crate::config::{RedisConfig, RedisSecrets, RedisTarget};
+use crate::config::{RedisConfig, RedisSecrets, RedisTarget, SentinelConfig};
 use crate::redis::LinkConnection;
 
 /// Entries kept for readers to catch up with: a reader further behind
@@ -184,8 +184,26 @@ pub async fn acknowledge(conn: &mut LinkConnection, cfg: &RedisConfig, secrets: 
         let _acked: u64 = redis::cmd("WAIT").arg(replicas).arg(ACK_TIMEOUT.as_millis() as u64).query_async(conn).await?;
     }
     let RedisTarget::Sentinel(sentinel) = &cfg.target else { return Ok(()) };
+    let ours = run_id(conn).await?;
+    match sentinels_disagree(sentinel, secrets, &ours).await {
+        Some(why) => Err(why),
+        None => Ok(()),
+    }
+}
+
+/// The run id of the server behind `conn` (`INFO server`).
+pub async fn run_id(conn: &mut LinkConnection) -> Result<String, redis::RedisError> {
     let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
-    let ours = info.lines().find_map(|l| l.strip_prefix("run_id:")).unwrap_or("").trim().to_string();
+    Ok(info.lines().find_map(|l| l.strip_prefix("run_id:")).unwrap_or("").trim().to_string())
+}
+
+/// Whether a sentinel says the server of run id `ours` is not (or soon no
+/// longer) the master: one reports a failover under way (unless `ours` is
+/// the replica it promoted) or names a master of another run id. Every
+/// sentinel is asked at once, `SENTINEL_TIMEOUT` each; one that cannot be
+/// asked says nothing (it may be down). No log line: the refresher asks
+/// this every `store::SENTINEL_CHECK`.
+pub async fn sentinels_disagree(sentinel: &SentinelConfig, secrets: &RedisSecrets, ours: &str) -> Option<Unacknowledged> {
     let asks = sentinel.addresses.iter().map(|addr| async move {
         let ask = async {
             let mut info = RedisConnectionInfo::default();
@@ -211,21 +229,20 @@ pub async fn acknowledge(conn: &mut LinkConnection, cfg: &RedisConfig, secrets: 
         (addr.to_string(), tokio::time::timeout(SENTINEL_TIMEOUT, ask).await)
     });
     for (sentinel, answer) in futures_util::future::join_all(asks).await {
-        // A sentinel that cannot be asked says nothing (it may be down).
         let Ok(Ok((fields, promoted))) = answer else { continue };
         let flags = fields.get("flags").cloned().unwrap_or_default();
         if flags.contains("failover_in_progress") {
             if promoted.is_some_and(|p| !ours.is_empty() && p == ours) {
                 continue;
             }
-            return Err(Unacknowledged::FailoverUnderWay { sentinel, flags });
+            return Some(Unacknowledged::FailoverUnderWay { sentinel, flags });
         }
         let named = fields.get("runid").cloned().unwrap_or_default();
         if !named.is_empty() && !ours.is_empty() && named != ours {
-            return Err(Unacknowledged::OtherMaster { sentinel, named, ours });
+            return Some(Unacknowledged::OtherMaster { sentinel, named, ours: ours.to_string() });
         }
     }
-    Ok(())
+    None
 }
 
 /// Where a reader stands: the last entry it applied, by number and whole

@@ -33,10 +33,13 @@ use crate::redis::LinkConnection;
 /// every daemon reads them all at each refresh.
 pub const MAX_OVERRIDES: usize = 10_000;
 
-/// How often a refresher on Sentinel reconnects to the master the
-/// sentinels name (a new connection, `ROLE` checked), so that a change
-/// written on a new master reaches it within this and one refresh.
-pub const SENTINEL_RECONNECT: Duration = Duration::from_secs(1);
+/// How often a refresher on Sentinel asks the sentinels whether its server
+/// is still the master (`changes::sentinels_disagree`), and reconnects to
+/// the one they name when not: a planned failover leaves the old master
+/// serving stale reads until the sentinels convert it, about 10 s after
+/// the switch. A change written on a new master reaches the refresher
+/// within this, the sentinels' switch and one refresh.
+pub const SENTINEL_CHECK: Duration = Duration::from_secs(1);
 
 /// One override as Redis keeps it and the API shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -186,19 +189,27 @@ pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOver
     let mut last: Option<(u64, Instant)> = None;
     // The last change log entry applied; `None` until the first whole read.
     let mut position: Option<Position> = None;
-    // Through Sentinel the refresher asks the sentinels again this often: a
-    // planned failover leaves the old master serving (stale) reads until
-    // the sentinels convert it, about 10 s after the switch.
-    let sentinel = matches!(cfg.target, RedisTarget::Sentinel(_));
-    let mut connected_at = Instant::now();
+    // Through Sentinel: the run id of the server connected to, and when
+    // the sentinels were last asked about it (`SENTINEL_CHECK`).
+    let mut ours = String::new();
+    let mut checked = Instant::now();
     loop {
         let read = async {
-            if sentinel && connected_at.elapsed() >= SENTINEL_RECONNECT {
-                conn = None;
+            if let (RedisTarget::Sentinel(sentinel), Some(_)) = (&cfg.target, &conn) {
+                if checked.elapsed() >= SENTINEL_CHECK {
+                    checked = Instant::now();
+                    if let Some(why) = changes::sentinels_disagree(sentinel, &secrets, &ours).await {
+                        tracing::info!(reason = %why, "the admin refresher leaves its server for the master the sentinels name");
+                        conn = None;
+                    }
+                }
             }
             if conn.is_none() {
-                conn = Some(connect(&cfg, &secrets).await?);
-                connected_at = Instant::now();
+                let mut c = connect(&cfg, &secrets).await?;
+                if matches!(cfg.target, RedisTarget::Sentinel(_)) {
+                    ours = changes::run_id(&mut c).await?;
+                }
+                conn = Some(c);
             }
             let c = conn.as_mut().expect("just connected");
             let mark = live.write_mark();
