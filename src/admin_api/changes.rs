@@ -7,7 +7,7 @@
 //! A ZSET: each entry is a member `<kind><16 hex: a random nonce><scoped
 //! key>` scored by its number (the top's + 1); the last `MAX_KEPT` are
 //! kept. At score 0 lies the log's epoch marker (`e<nonce>`), created by
-//! whoever finds the log without one. A reader remembers the last entry it
+//! the writer that finds the log without one (readers write nothing). A reader remembers the last entry it
 //! applied, nonce included: that pair cannot repeat, so when the entry is no
 //! longer there (trimmed away: the reader fell more than `MAX_KEPT` changes
 //! behind; Redis restarted empty; a failover lost it and the numbers were
@@ -91,22 +91,27 @@ redis.call('ZREMRANGEBYRANK', KEYS[1], 1, -(tonumber(ARGV[2]) + 1))
 return seq";
 
 /// A reader's step, with Redis's time (ms) first. KEYS[1] the log; ARGV[1]
-/// and ARGV[2] the reader's position (its last entry's number and the entry;
-/// 0 and '' for a reader that knows nothing), ARGV[3] an epoch marker for a
-/// log without one. Returns {now, 1, {entry, number, ...}}: the entries
-/// after the position; or {now, 0, {top entry, its number}}: the position
-/// is gone, reread everything, then stand at the top.
+/// and ARGV[2] the reader's position (its last entry's number and the
+/// entry; 0 and '' when its last read found no log), ARGV[3] '1' when it
+/// has a position, '0' when it knows nothing. Returns {now, 1, {entry,
+/// number, ...}}: the entries after the position; or {now, 0, {top entry,
+/// its number}} ({} without a log): the position is gone, reread
+/// everything, then stand at the top. A read writes nothing: an idle
+/// daemon leaves no key behind.
 const READ: &str = "local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local last = tonumber(ARGV[1])
-if ARGV[2] ~= '' and redis.call('ZRANGEBYSCORE', KEYS[1], last, last)[1] == ARGV[2] then
-  return { now, 1, redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. last, '+inf', 'WITHSCORES') }
+if ARGV[3] == '1' then
+  if ARGV[2] == '' then
+    local first = redis.call('ZRANGE', KEYS[1], 1, 1, 'WITHSCORES')
+    if redis.call('EXISTS', KEYS[1]) == 0 or tonumber(first[2]) == 1 then
+      return { now, 1, redis.call('ZRANGEBYSCORE', KEYS[1], '(0', '+inf', 'WITHSCORES') }
+    end
+  elseif redis.call('ZRANGEBYSCORE', KEYS[1], last, last)[1] == ARGV[2] then
+    return { now, 1, redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. last, '+inf', 'WITHSCORES') }
+  end
 end
-if not redis.call('ZRANGEBYSCORE', KEYS[1], 0, 0)[1] then
-  redis.call('ZADD', KEYS[1], 0, ARGV[3])
-end
-local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return { now, 0, top }";
+return { now, 0, redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES') }";
 
 /// Appends `kind`'s change of `scoped` for every reader.
 pub async fn append(conn: &mut LinkConnection, key_prefix: &str, kind: Kind, scoped: &[u8]) -> Result<u64, redis::RedisError> {
@@ -293,12 +298,13 @@ fn change(entry: &[u8]) -> Option<Change> {
 /// The changes after `from` (`None`: a reader that knows nothing yet).
 pub async fn read(conn: &mut LinkConnection, key_prefix: &str, from: Option<&Position>) -> Result<Read, redis::RedisError> {
     let (seq, entry) = from.map_or((0, &[][..]), |p| (p.seq, &p.entry[..]));
+    let known = if from.is_some() { "1" } else { "0" };
     // EVAL, not EVALSHA: the request path's scripts are the EVALSHA calls
     // in Redis's commandstats, and the refreshers' reads stay apart from
     // them (the cost: the script's 600 bytes sent once a refresh).
-    let (now_ms, found, entries): (u64, u8, Vec<(Vec<u8>, u64)>) = redis::cmd("EVAL").arg(READ).arg(1).arg(log_key(key_prefix)).arg(seq).arg(entry).arg(marker()).query_async(conn).await?;
+    let (now_ms, found, entries): (u64, u8, Vec<(Vec<u8>, u64)>) = redis::cmd("EVAL").arg(READ).arg(1).arg(log_key(key_prefix)).arg(seq).arg(entry).arg(known).query_async(conn).await?;
     if found == 0 {
-        // The script made sure the log has its marker: there is a top.
+        // No top: there is no log (yet, or any more).
         let (entry, seq) = entries.into_iter().next_back().unwrap_or_default();
         return Ok(Read::Lost { now_ms, at: Position { seq, entry } });
     }
