@@ -560,3 +560,34 @@ async fn a_lift_while_the_change_logs_primary_fails_over_is_answered_truthfully_
     until_bans_known(&b, 0, LIFT_BOUND + Duration::from_secs(3)).await;
     eprintln!("both daemons dropped the ban {:?} after the lift began", started.elapsed());
 }
+
+/// The change log keeps its last 10,000 entries: a daemon that fell
+/// further behind (its last entry trimmed away) must reread the whole ban
+/// state, not trust what is left. 10,000 lifts within one refresh take
+/// minutes through the API, so the trim is made by hand here, on the real
+/// log, between two of the other daemon's reads: the lift of its banned
+/// key is among the entries gone, and it drops the key all the same. (A
+/// test of the new log's reader: the old `admin:lifts` had no such path.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_whose_place_in_the_change_log_was_trimmed_rereads_and_drops_the_lifted_ban() {
+    let redis = RedisServer::start_unix();
+    let url = format!("[redis]\nurl = \"{}\"", redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let _a = daemon(&url, Some(dir.path()), false);
+    let b = daemon_refreshing(&url, None, "2s");
+    let started = Instant::now();
+    // B's place: the first entry, read at its refresh 2 s after its start.
+    assert_eq!(call(dir.path(), "DELETE", "/v1/bans?policy=bulk&key=warm").status, 404);
+    tokio::time::sleep(Duration::from_millis(2500).saturating_sub(started.elapsed())).await;
+    let mut cb = b.client().await;
+    ban_all(&mut cb, &["trimmed".to_string()]).await;
+    for k in ["trimmed", "x", "y", "z"] {
+        call(dir.path(), "DELETE", &format!("/v1/bans?policy=bulk&key={k}"));
+    }
+    // As if 10,000 more had come: only the marker and the last entry stay.
+    let _: () = redis::cmd("ZREMRANGEBYRANK").arg("ratelimitd:admin:log").arg(1).arg(-2).query(&mut redis.conn()).unwrap();
+    assert!(started.elapsed() < Duration::from_millis(3800), "too slow: B may have read the log before the trim ({:?})", started.elapsed());
+    assert_eq!(bans_known(&b), 1);
+    let took = until_bans_known(&b, 0, Duration::from_secs(3)).await;
+    eprintln!("B, its place in the log gone, dropped its ban cache {took:?} after the trim");
+}
