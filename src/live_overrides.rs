@@ -70,6 +70,11 @@ impl LiveOverrides {
         table.get(scoped_key).map(|o| o.limit)
     }
 
+    /// The table in force now.
+    pub fn table(&self) -> Arc<Table> {
+        self.table.load_full()
+    }
+
     /// Puts `table` in force.
     pub fn replace(&self, table: Table) {
         self.table.store(Arc::new(table));

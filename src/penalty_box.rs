@@ -184,6 +184,24 @@ impl PenaltyBox {
         removed
     }
 
+    /// Drops every ban from the table (not the memory backend's strikes):
+    /// for a reader of the lifts that may have missed some. Redis answers
+    /// each banned key again on its next request, and it is cached anew.
+    pub fn forget_all(&self) {
+        self.lifts.fetch_add(1, Ordering::AcqRel);
+        for shard in self.shards.iter() {
+            if shard.load().is_empty() {
+                continue;
+            }
+            let mut dropped = 0;
+            shard.rcu(|s| {
+                dropped = s.len();
+                Shard::new()
+            });
+            self.len.fetch_sub(dropped, Ordering::Relaxed);
+        }
+    }
+
     /// Drops the bans that have ended, and the memory backend's strikes
     /// that have left their window (the daemon calls it every 10 s, and the
     /// admin refresher at each read).

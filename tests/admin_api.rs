@@ -317,3 +317,26 @@ async fn an_inline_key_without_a_window_is_refused_with_a_400_and_no_scan_runs_u
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(scans() > after_get);
 }
+
+/// Issue 35 item 4: a key no request can carry (a control byte) was stored
+/// by `PUT /v1/overrides` and counted toward the cap, while check-config
+/// refuses the same key in `[policy.overrides]`: one rule for both now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_no_request_can_carry_is_refused_by_the_api_as_check_config_refuses_it() {
+    let redis = RedisServer::start_unix();
+    let dir = tempfile::tempdir().unwrap();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), Some(dir.path()), "");
+    for key in ["a\u{0}b", "tab\tkey", "del\u{7f}"] {
+        let reply = call(dir.path(), None, "PUT", "/v1/overrides", Some(json!({ "policy": "per_tenant", "key": key, "limit": 10, "ttl": "1h" })));
+        assert_eq!(reply.status, 400, "{key:?}: {reply:?}");
+        assert!(reply.body["error"].as_str().unwrap_or("").contains("control character"), "{key:?}: {:?}", reply.body);
+    }
+    let stored: u64 = redis::cmd("HLEN").arg("gw:admin:overrides").query(&mut redis.conn()).unwrap();
+    assert_eq!(stored, 0, "an override no request can match was stored");
+    // check-config refuses the same key in the file, by the same rule.
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, format!("{}[policy.overrides]\n\"a\\u0000b\" = 10\n", d.config_text())).unwrap();
+    let out = Command::new(BIN).arg("check-config").arg("--config").arg(&file).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && text.contains("can never be sent"), "{text}");
+}

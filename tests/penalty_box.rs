@@ -27,10 +27,13 @@ const REFRESH_MS: u64 = 200;
 const LIFT_BOUND: Duration = Duration::from_millis(REFRESH_MS + 400);
 
 /// `login`: 2 per second; 3 refusals within 10 s ban the key for 3 s.
-/// `login_shadow`: the same, in shadow.
+/// `login_shadow`: the same, in shadow. `bulk`: 1 per second, the first
+/// refusal bans for 60 s (longer than any test: a ban that leaves a cache
+/// is a lift that arrived).
 const POLICIES: &str = "[[policy]]\nname = \"login\"\nlimit = 2\nwindow = \"1s\"\npenalty = { after = 3, within = \"10s\", ban = \"3s\" }\n\
     [[policy]]\nname = \"login_shadow\"\nlimit = 2\nwindow = \"1s\"\nshadow = true\npenalty = { after = 3, within = \"10s\", ban = \"3s\" }\n\
-    [[policy]]\nname = \"plain\"\nlimit = 5\nwindow = \"1s\"\n";
+    [[policy]]\nname = \"plain\"\nlimit = 5\nwindow = \"1s\"\n\
+    [[policy]]\nname = \"bulk\"\nlimit = 1\nwindow = \"1s\"\npenalty = { after = 1, within = \"10s\", ban = \"60s\" }\n";
 
 fn daemon(redis: &str, dir: Option<&Path>, metrics: bool) -> Daemon {
     let listen = dir.map(|d| format!("listen = \"{}\"\n", admin_socket(d).display())).unwrap_or_default();
@@ -333,4 +336,258 @@ server {
         let log = n.error_log();
         assert!(!log.contains("[error]") && !log.contains("[crit]"), "{log}");
     }
+}
+
+/// A daemon on `redis` with its own `overrides_refresh`, its metrics on.
+fn daemon_refreshing(redis: &str, dir: Option<&Path>, refresh: &str) -> Daemon {
+    let listen = dir.map(|d| format!("listen = \"{}\"\n", admin_socket(d).display())).unwrap_or_default();
+    // A generous Redis timeout: thousands of checks in a row on a loaded machine.
+    Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n{redis}\ntimeout_ms = 500\n[admin]\n{listen}overrides_refresh = \"{refresh}\"\n{POLICIES}"))
+}
+
+/// The bans `d` holds in its cache (`/top.json`'s `bans_known`).
+fn bans_known(d: &Daemon) -> u64 {
+    let top = common::http::get(&common::http::agent(), &d.metrics_url().replace("/metrics", "/top.json"), &[]).body;
+    serde_json::from_str::<serde_json::Value>(&top).unwrap()["bans_known"].as_u64().unwrap()
+}
+
+/// Bans `keys` of `bulk` through `c` (1 admitted, the refusal bans): the
+/// daemon behind `c` caches each ban from Redis's answer.
+async fn ban_all(c: &mut ratelimitd::client::Client, keys: &[String]) {
+    for k in keys {
+        c.check_policy(&login("bulk", k)).await.unwrap();
+        let r = c.check_policy(&login("bulk", k)).await.unwrap();
+        assert_eq!((r.decision, r.retry_after_ms), (Decision::Denied, 60_000), "{k}: {r:?}");
+    }
+}
+
+/// Waits until `d`'s ban cache holds `want` bans; how long it took.
+async fn until_bans_known(d: &Daemon, want: u64, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let known = bans_known(d);
+        if known == want {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < limit, "the other daemon still caches {known} bans after {:?} (wanted {want}): lifts lost", start.elapsed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 35 item 4: 1,100 lifts within one refresh of another daemon
+/// overflowed the 1,000 kept in `admin:lifts`, and that daemon kept
+/// refusing 100 lifted keys (from its ban cache) until the bans' end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eleven_hundred_lifts_within_one_refresh_all_reach_the_other_daemon() {
+    const KEYS: usize = 1100;
+    let redis = RedisServer::start_unix();
+    let url = format!("[redis]\nurl = \"{}\"", redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let _a = daemon(&url, Some(dir.path()), false);
+    // B reads the admin state every 20 s: every lift below lands within
+    // one of its refreshes (the first read is at its start).
+    let b = daemon_refreshing(&url, None, "20s");
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("bulk-{i}")).collect();
+    let mut cb = b.client().await;
+    ban_all(&mut cb, &keys).await;
+    assert_eq!(bans_known(&b), KEYS as u64);
+    let started = Instant::now();
+    // Lifted through A's API, four callers at once.
+    std::thread::scope(|s| {
+        for part in keys.chunks(KEYS / 4) {
+            let dir = dir.path();
+            s.spawn(move || {
+                for k in part {
+                    let r = call(dir, "DELETE", &format!("/v1/bans?policy=bulk&key={k}"));
+                    assert_eq!(r.status, 200, "{k}: {:?}", r.body);
+                }
+            });
+        }
+    });
+    eprintln!("{KEYS} lifts through the API in {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(15), "the lifts took longer than B's refresh: the test proves nothing");
+    // Within B's next refresh (20 s after its start) and a round trip.
+    let took = until_bans_known(&b, 0, Duration::from_secs(25)).await;
+    eprintln!("B's ban cache empty {took:?} after the last lift");
+    // And every key is admitted by B (the window has room again after 1 s).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for k in &keys {
+        let r = cb.check_policy(&login("bulk", k)).await.unwrap();
+        assert_eq!(r.decision, Decision::Allowed, "{k}: {r:?}");
+    }
+}
+
+/// Issue 35 item 5: lifts were numbered top-of-ZSET + 1 and each daemon
+/// read only numbers above the last it saw: after a Redis restart the next
+/// lift was numbered 1 again, answered 200, and another daemon kept
+/// refusing the key from its ban cache with no ban in Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lift_after_redis_restarts_empty_reaches_the_other_daemon() {
+    let mut redis = RedisServer::start_unix();
+    let url = format!("[redis]\nurl = \"{}\"", redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let a = daemon(&url, Some(dir.path()), false);
+    let b = daemon_refreshing(&url, None, &format!("{REFRESH_MS}ms"));
+    // Three lifts before the restart: B has read up to the third.
+    let before: Vec<String> = (0..3).map(|i| format!("early-{i}")).collect();
+    let mut cb = b.client().await;
+    ban_all(&mut cb, &before).await;
+    for k in &before {
+        assert_eq!(call(dir.path(), "DELETE", &format!("/v1/bans?policy=bulk&key={k}")).status, 200);
+    }
+    until_bans_known(&b, 0, LIFT_BOUND).await;
+
+    redis.restart();
+    // B learns a ban from the fresh Redis (once its link is back).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match cb.check_policy(&login("bulk", "late")).await {
+            Ok(r) if r.decision == Decision::Denied && r.retry_after_ms == 60_000 => break,
+            other => assert!(Instant::now() < deadline, "no ban learnt from the restarted redis: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(bans_known(&b), 1);
+    // The first lift on the restarted Redis: B drops the key within the bound.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let lifted = loop {
+        let r = call(dir.path(), "DELETE", "/v1/bans?policy=bulk&key=late");
+        if r.status == 200 {
+            break Instant::now();
+        }
+        assert!(Instant::now() < deadline, "A could not lift after the restart: {:?}", r.body);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // B's refresher reconnects first (at most 1 s after a failed read).
+    let took = until_bans_known(&b, 0, LIFT_BOUND + Duration::from_secs(1)).await;
+    eprintln!("after a redis restart, the first lift reached B in {took:?}");
+    let _ = lifted;
+    drop(a);
+}
+
+/// Issue 35 item 4: ended bans stayed in the ban index until someone
+/// listed them; now every daemon's refresh deletes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_bans_leave_the_index_without_anyone_listing_them() {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), None, false);
+    let mut c = d.client().await;
+    // `login`: 2 admitted, the 3rd refusal bans for 3 s.
+    for _ in 0..5 {
+        c.check_policy(&login("login", "gone")).await.unwrap();
+    }
+    let mut conn = redis.conn();
+    let indexed = |conn: &mut redis::Connection| -> u64 { redis::cmd("ZCARD").arg("ratelimitd:admin:bans").query(conn).unwrap() };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while indexed(&mut conn) == 0 {
+        assert!(Instant::now() < deadline, "the ban was never indexed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Ended after 3 s; gone from the index within a refresh after that.
+    let deadline = Instant::now() + Duration::from_secs(3) + LIFT_BOUND;
+    while indexed(&mut conn) != 0 {
+        assert!(Instant::now() < deadline, "an ended ban is still in the index");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 35 item 4 asked for a decision: a ban engaged while its policy is
+/// shadow is a real ban, recorded in Redis (and counted); turning shadow
+/// off (a reload) enforces it for what is left of it, as enforcement would
+/// have had it then. docs/POLICIES.md ("Shadow" under the penalty box) and
+/// docs/ADMIN.md say so, and how to start clean (lift the bans first).
+/// Passes before and after this change: it pins the decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ban_engaged_in_shadow_is_enforced_for_what_is_left_of_it_once_shadow_is_off() {
+    use nix::sys::signal::Signal;
+    let redis = RedisServer::start_unix();
+    let d = daemon(&format!("[redis]\nurl = \"{}\"", redis.url()), None, false);
+    let mut c = d.client().await;
+    for _ in 0..5 {
+        assert_ne!(c.check_policy(&login("login_shadow", "s2")).await.unwrap().decision, Decision::Denied);
+    }
+    let engaged = Instant::now();
+    d.rewrite_config(&d.config_text().replacen("shadow = true\n", "", 1));
+    d.signal(Signal::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !d.log().contains("configuration reloaded") {
+        assert!(Instant::now() < deadline, "no reload: {}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = c.check_policy(&login("login_shadow", "s2")).await.unwrap();
+    let left = 3000u64.saturating_sub(engaged.elapsed().as_millis() as u64);
+    assert_eq!(r.decision, Decision::Denied, "the shadow ban, now enforced: {r:?}");
+    assert!(u64::from(r.retry_after_ms) <= 3000 && u64::from(r.retry_after_ms) + 600 >= left, "retry {} ms, {left} ms left of the ban", r.retry_after_ms);
+}
+
+/// Issue 35 item 5: a lift during a Cluster failover answered 503 after it
+/// had already deleted the ban, and both daemons kept refusing the key
+/// from their cache (the peek said `banned: false`). Here the primary
+/// holding the change log dies just before the lift (the ban's key lives on
+/// another primary): the ban is deleted, the log entry fails, the lift
+/// retries it on fresh connections until the replica is promoted, and
+/// answers 200; the API's daemon dropped the ban at the deletion, the other
+/// daemon within its refresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lift_while_the_change_logs_primary_fails_over_is_answered_truthfully_and_reaches_both_daemons() {
+    use common::redis_cluster::key_slot;
+    let mut cluster = RedisCluster::start();
+    let seeds: Vec<String> = cluster.seeds().iter().map(|s| format!("\"{s}\"")).collect();
+    // A key prefix whose change log (`admin:log`) and the lifts' key before
+    // it (`admin:lifts`) live on one primary: the test means the same on
+    // either version.
+    let owner_of = |k: String| cluster.owner(key_slot(k.as_bytes()));
+    let prefix = (0..).map(|i| format!("p{i}:")).find(|p| owner_of(format!("{p}admin:log")) == owner_of(format!("{p}admin:lifts"))).unwrap();
+    let url = format!("[redis]\ncluster = [{}]\nkey_prefix = \"{prefix}\"", seeds.join(", "));
+    let log_owner = owner_of(format!("{prefix}admin:log"));
+    // A key whose ban lives on another primary.
+    let key = (0..).map(|i| format!("far-{i}")).find(|k| cluster.owner(key_slot(format!("\x04bulk{k}").as_bytes())) != log_owner).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let a = daemon_refreshing(&url, Some(dir.path()), &format!("{REFRESH_MS}ms"));
+    let b = daemon_refreshing(&url, None, &format!("{REFRESH_MS}ms"));
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    ban_all(&mut ca, std::slice::from_ref(&key)).await;
+    let r = cb.check_policy(&login("bulk", &key)).await.unwrap();
+    assert_eq!((r.decision, r.retry_after_ms > 50_000), (Decision::Denied, true), "B learns the ban: {r:?}");
+    assert_eq!((bans_known(&a), bans_known(&b)), (1, 1));
+
+    cluster.kill(log_owner);
+    let started = Instant::now();
+    let lift = call(dir.path(), "DELETE", &format!("/v1/bans?policy=bulk&key={key}"));
+    eprintln!("lift during the failover of the log's primary: {} after {:?}: {}", lift.status, started.elapsed(), lift.body);
+    assert_eq!(lift.status, 200, "{:?}", lift.body);
+    assert_eq!(bans_known(&a), 0, "the API's daemon still caches the lifted ban");
+    until_bans_known(&b, 0, LIFT_BOUND + Duration::from_secs(3)).await;
+    eprintln!("both daemons dropped the ban {:?} after the lift began", started.elapsed());
+}
+
+/// The change log keeps its last 10,000 entries: a daemon that fell
+/// further behind (its last entry trimmed away) must reread the whole ban
+/// state, not trust what is left. 10,000 lifts within one refresh take
+/// minutes through the API, so the trim is made by hand here, on the real
+/// log, between two of the other daemon's reads: the lift of its banned
+/// key is among the entries gone, and it drops the key all the same. (A
+/// test of the new log's reader: the old `admin:lifts` had no such path.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_whose_place_in_the_change_log_was_trimmed_rereads_and_drops_the_lifted_ban() {
+    let redis = RedisServer::start_unix();
+    let url = format!("[redis]\nurl = \"{}\"", redis.url());
+    let dir = tempfile::tempdir().unwrap();
+    let _a = daemon(&url, Some(dir.path()), false);
+    let b = daemon_refreshing(&url, None, "2s");
+    let started = Instant::now();
+    // B's place: the first entry, read at its refresh 2 s after its start.
+    assert_eq!(call(dir.path(), "DELETE", "/v1/bans?policy=bulk&key=warm").status, 404);
+    tokio::time::sleep(Duration::from_millis(2500).saturating_sub(started.elapsed())).await;
+    let mut cb = b.client().await;
+    ban_all(&mut cb, &["trimmed".to_string()]).await;
+    for k in ["trimmed", "x", "y", "z"] {
+        call(dir.path(), "DELETE", &format!("/v1/bans?policy=bulk&key={k}"));
+    }
+    // As if 10,000 more had come: only the marker and the last entry stay.
+    let _: () = redis::cmd("ZREMRANGEBYRANK").arg("ratelimitd:admin:log").arg(1).arg(-2).query(&mut redis.conn()).unwrap();
+    assert!(started.elapsed() < Duration::from_millis(3800), "too slow: B may have read the log before the trim ({:?})", started.elapsed());
+    assert_eq!(bans_known(&b), 1);
+    let took = until_bans_known(&b, 0, Duration::from_secs(3)).await;
+    eprintln!("B, its place in the log gone, dropped its ban cache {took:?} after the trim");
 }

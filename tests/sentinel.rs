@@ -360,3 +360,138 @@ async fn planned_failover_bounds() {
         );
     }
 }
+
+/// The admin API's daemons on `g`, sharing its Redis through all three
+/// sentinels: (A, serving the API on a socket in `dir`; B, only refreshing).
+fn admin_daemons(g: &Group, dir: &std::path::Path) -> (Daemon, Daemon) {
+    let list: Vec<String> = g.sentinels.iter().map(|s| format!("\"127.0.0.1:{}\"", s.port)).collect();
+    let config = |admin: &str| {
+        format!(
+            "[redis]\ntimeout_ms = 200\n[redis.sentinel]\nmaster_name = \"mymaster\"\naddresses = [{}]\n[admin]\n{admin}overrides_refresh = \"200ms\"\n[[policy]]\nname = \"per_tenant\"\nlimit = 1\nwindow = \"60s\"\n",
+            list.join(", ")
+        )
+    };
+    let a = Daemon::start_config(&config(&format!("listen = \"{}\"\n", dir.join("admin.sock").display())));
+    let b = Daemon::start_config(&config(""));
+    (a, b)
+}
+
+/// Issue 35 item 5: around a planned `SENTINEL FAILOVER`, override PUTs
+/// answered 200 went to the old master (writable until the sentinels
+/// convert it, about 10 s after the switch) and were lost; and a PUT on
+/// the new master was not applied by the other daemon within 1 s, its
+/// refresher still reading the old master. Now a PUT is answered 200 only
+/// once it is on the current master and its replicas (or said not to be,
+/// 503), and the other daemon follows the master within its refresh and
+/// the 1 s reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn override_puts_answered_200_across_a_planned_failover_are_on_the_new_master_and_reach_the_other_daemon() {
+    use ratelimitd::admin_api::client::request;
+    use ratelimitd::config::AdminListen;
+    use ratelimitd::protocol::PolicyCheckArgs;
+    let g = Group::start(2, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, b) = admin_daemons(&g, dir.path());
+    let socket = AdminListen::Unix { path: dir.path().join("admin.sock"), mode: 0o600 };
+    let errors = std::cell::RefCell::new(std::collections::BTreeSet::new());
+    let put = |key: &str| match request(&socket, None, "PUT", "/v1/overrides", Some(&format!("{{\"policy\": \"per_tenant\", \"key\": \"{key}\", \"limit\": 1000, \"ttl\": \"1h\"}}"))) {
+        Ok(r) if r.status == 200 => 200,
+        Ok(r) => {
+            // Numbers (run ids, ports) cut off: one line per kind of refusal.
+            errors.borrow_mut().insert(r.body["error"].as_str().unwrap_or("").chars().take(300).collect::<String>());
+            r.status
+        }
+        Err(_) => 0,
+    };
+    // PUTs every 10 ms; the failover after the 10th; on until the
+    // sentinels name the new master and 2 s more.
+    let mut answered_200 = Vec::new();
+    let mut refused = 0;
+    let mut ordered: Option<Instant> = None;
+    let mut switched: Option<Instant> = None;
+    let old_port = g.master.port;
+    for i in 0.. {
+        let key = format!("k{i}");
+        match put(&key) {
+            200 => answered_200.push(key),
+            _ => refused += 1,
+        }
+        if i == 10 {
+            let _: redis::Value = redis::cmd("SENTINEL").arg("FAILOVER").arg(MASTER_NAME).query(&mut g.sentinels[0].conn().unwrap()).unwrap();
+            ordered = Some(Instant::now());
+        }
+        if ordered.is_some() && switched.is_none() && g.sentinels.iter().all(|s| s.master_port() != old_port) {
+            switched = Some(Instant::now());
+        }
+        if switched.is_some_and(|s| s.elapsed() > Duration::from_secs(2)) {
+            break;
+        }
+        assert!(ordered.map_or(true, |o| o.elapsed() < Duration::from_secs(30)), "no switch within 30 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let new_port = g.sentinels[0].master_port();
+    let new_master = g.replicas.iter().find(|r| r.port == new_port).expect("a replica was promoted");
+    let held: Vec<Vec<u8>> = redis::cmd("HKEYS").arg("ratelimitd:admin:overrides").query(&mut new_master.conn()).unwrap();
+    let lost: Vec<&String> = answered_200.iter().filter(|k| !held.iter().any(|f| f.ends_with(k.as_bytes()) && f.len() == 1 + "per_tenant".len() + k.len())).collect();
+    eprintln!(
+        "planned failover: {} PUTs answered 200, {refused} refused (503) meanwhile, {} of the 200s missing on the new master; switch {:?} after SENTINEL FAILOVER",
+        answered_200.len(),
+        lost.len(),
+        switched.unwrap() - ordered.unwrap()
+    );
+    eprintln!("refusals: {:?}", errors.borrow());
+    assert!(lost.is_empty(), "PUTs answered 200 and lost in the failover: {lost:?}");
+
+    // A PUT on the new master reaches B, whose refresher read the old one.
+    let mut cb = b.client().await;
+    let fresh = PolicyCheckArgs { policy: b"per_tenant", key: b"after-the-switch", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    assert_eq!(cb.check_policy(&fresh).await.unwrap().decision, Decision::Allowed);
+    assert_eq!(cb.check_policy(&fresh).await.unwrap().decision, Decision::Denied);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while put("after-the-switch") != 200 {
+        assert!(Instant::now() < deadline, "no PUT answered 200 after the switch");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let done = Instant::now();
+    // The refresh (200 ms), the refresher's reconnect through the
+    // sentinels (at most 1 s on Sentinel), slack for a loaded host.
+    let bound = Duration::from_millis(200 + 1000 + 800);
+    loop {
+        if cb.check_policy(&fresh).await.unwrap().decision == Decision::Allowed {
+            break;
+        }
+        assert!(done.elapsed() < bound, "B did not apply a PUT made on the new master within {bound:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("a PUT on the new master reached B after {:?}; the first PUT answered 200 after the failover began came {:?} after SENTINEL FAILOVER", done.elapsed(), done - ordered.unwrap());
+}
+
+/// Issue 35 item 5 reports one hung replica slowing every admin PUT to
+/// 0.25-0.5 s. Not reproduced here before the change (SIGSTOP on one of two
+/// replicas: PUTs took 3.7 ms median, 8.7 ms max on ec96304); the bound
+/// matters now that a PUT waits for its replicas' acknowledgement (`WAIT`,
+/// at most 100 ms) and the sentinels' answers: this test states and checks
+/// it (measured: 138 ms median, 255 ms max), with slack for a loaded host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_replica_costs_an_admin_put_at_most_the_acknowledgement_timeout() {
+    use ratelimitd::admin_api::client::request;
+    use ratelimitd::config::AdminListen;
+    let g = Group::start(2, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (_a, _b) = admin_daemons(&g, dir.path());
+    let socket = AdminListen::Unix { path: dir.path().join("admin.sock"), mode: 0o600 };
+    let put = |key: &str| {
+        let start = Instant::now();
+        let r = request(&socket, None, "PUT", "/v1/overrides", Some(&format!("{{\"policy\": \"per_tenant\", \"key\": \"{key}\", \"limit\": 1000, \"ttl\": \"1h\"}}"))).unwrap();
+        assert_eq!(r.status, 200, "{:?}", r.body);
+        start.elapsed()
+    };
+    let healthy: Vec<Duration> = (0..5).map(|i| put(&format!("healthy-{i}"))).collect();
+    g.replicas[0].pause();
+    let mut hung: Vec<Duration> = (0..10).map(|i| put(&format!("hung-{i}"))).collect();
+    g.replicas[0].resume();
+    hung.sort();
+    eprintln!("admin PUT with healthy replicas: {healthy:?}; with one replica hung: median {:?}, max {:?}", hung[hung.len() / 2], hung[hung.len() - 1]);
+    assert!(hung[hung.len() / 2] <= Duration::from_millis(220), "median PUT {:?} with one replica hung", hung[hung.len() / 2]);
+    assert!(hung[hung.len() - 1] <= Duration::from_millis(600), "slowest PUT {:?} with one replica hung", hung[hung.len() - 1]);
+}

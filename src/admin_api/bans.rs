@@ -5,27 +5,28 @@
 //! src/redis/penalty.lua. So that they can be listed without a SCAN of
 //! every node, the daemon whose request engaged a ban adds it to the
 //! index `<key_prefix>admin:bans` (a ZSET: scoped key, scored by its end),
-//! once per ban. A lift deletes the ban and the key's strikes, takes it
-//! out of the index and appends it to `<key_prefix>admin:lifts` (a ZSET
-//! scored by a sequence number, the last `MAX_LIFTS_KEPT` kept): every
-//! daemon reads the lifts after its last one with its overrides
-//! (`store::refresh`) and drops them from its ban cache.
+//! once per ban; every daemon's refresher deletes the ended ones at each
+//! refresh (`prune_ended`: one ZREMRANGEBYSCORE, O(log n) when none has
+//! ended), so the index holds the bans in force and those ended within the
+//! last refresh, whether anyone lists them or not. A lift
+//! deletes the ban and the key's strikes, takes it out of the index and
+//! appends it to the fleet's change log (`changes`): every daemon reads the
+//! log with its overrides (`store::refresh`) and drops the lifted keys from
+//! its ban cache, or drops its whole cache when it may have missed entries.
 
 use redis::AsyncCommands;
 
+use super::changes::{self, Kind, Written};
 use crate::redis::{LinkConnection, WindowKey};
-
-/// Lifts kept in `admin:lifts` for daemons to catch up with.
-pub const MAX_LIFTS_KEPT: isize = 1000;
 
 /// The index of the fleet's bans.
 pub fn index_key(key_prefix: &str) -> String {
     format!("{key_prefix}admin:bans")
 }
 
-/// The lifts, in order.
-pub fn lifts_key(key_prefix: &str) -> String {
-    format!("{key_prefix}admin:lifts")
+/// Deletes the bans ended by `now_ms` (Redis's clock) from the index.
+pub async fn prune_ended(conn: &mut LinkConnection, key_prefix: &str, now_ms: u64) -> Result<u64, redis::RedisError> {
+    conn.zrembyscore(index_key(key_prefix), "-inf", now_ms).await
 }
 
 fn stem<'a>(key_prefix: &'a str, scoped: &'a [u8]) -> WindowKey<'a> {
@@ -76,44 +77,18 @@ pub async fn list(conn: &mut LinkConnection, key_prefix: &str) -> Result<(u64, V
 }
 
 /// Lifts `scoped`'s ban: deletes it and its strikes, takes it out of the
-/// index and publishes the lift to the fleet. Returns the ban it lifted.
-pub async fn lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<Option<Ban>, redis::RedisError> {
+/// index and logs the lift for the fleet. Returns the ban it lifted. Done
+/// again by a retry whatever the first try did (a key not banned is still
+/// logged), so a lift whose log entry failed is repaired by its retry.
+pub async fn lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<Written<Option<Ban>>, redis::RedisError> {
     let before = get(conn, key_prefix, scoped).await?;
     let k = stem(key_prefix, scoped);
     // Both in the key's slot: one DEL.
     let _: u64 = conn.del(&[k.ban_key(), k.strikes_key()]).await?;
-    let _: u64 = conn.zrem(index_key(key_prefix), scoped).await?;
-    publish_lift(conn, key_prefix, scoped).await?;
-    Ok(before)
-}
-
-/// Appends a lift of `scoped` to `admin:lifts` with the next sequence
-/// number (atomic: one script on one key), keeping the last
-/// `MAX_LIFTS_KEPT`.
-async fn publish_lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<u64, redis::RedisError> {
-    let script = redis::Script::new(
-        "local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-         local seq = (tonumber(top[2]) or 0) + 1
-         redis.call('ZADD', KEYS[1], seq, ARGV[1])
-         redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(tonumber(ARGV[2]) + 1))
-         return seq",
-    );
-    script.key(lifts_key(key_prefix)).arg(scoped).arg(MAX_LIFTS_KEPT).invoke_async(conn).await
-}
-
-/// The lifts after sequence number `after` (`None`: none, only the last
-/// number, for a daemon that starts), and the last number.
-pub async fn lifts_after(conn: &mut LinkConnection, key_prefix: &str, after: Option<u64>) -> Result<(Vec<Vec<u8>>, u64), redis::RedisError> {
-    let key = lifts_key(key_prefix);
-    match after {
-        None => {
-            let top: Vec<(Vec<u8>, f64)> = conn.zrevrange_withscores(&key, 0, 0).await?;
-            Ok((Vec::new(), top.first().map_or(0, |(_, s)| *s as u64)))
-        }
-        Some(after) => {
-            let new: Vec<(Vec<u8>, f64)> = conn.zrangebyscore_withscores(&key, format!("({after}"), "+inf").await?;
-            let last = new.last().map_or(after, |(_, s)| *s as u64);
-            Ok((new.into_iter().map(|(k, _)| k).collect(), last))
-        }
+    let logged = changes::append(conn, key_prefix, Kind::Lift, scoped).await.map(drop);
+    // Last: an index entry left behind is pruned at the ban's end.
+    if let Err(e) = conn.zrem::<_, _, u64>(index_key(key_prefix), scoped).await {
+        tracing::debug!(error = %e, "could not take a lifted ban out of the index");
     }
+    Ok(Written { done: before, logged })
 }

@@ -6,6 +6,7 @@
 //! command line's side (`ratelimitd inspect|reset|override`).
 
 pub mod bans;
+pub mod changes;
 pub mod client;
 mod server;
 pub mod store;

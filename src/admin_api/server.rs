@@ -21,17 +21,20 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use redis::AsyncCommands;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::bans;
+use super::changes::{self, Kind, NotLogged, Written};
 use super::store::{self, Stored, MAX_OVERRIDES};
 use super::time::{format_utc, parse_utc};
 use crate::admin::{self, AdminError, Inspection, Target};
-use crate::config::{parse_duration, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
+use crate::config::{parse_duration, sendable_key, AdminListen, AdminTls, Config, PolicyConfig, PolicyLimit, RedisSecrets};
 use crate::log_limit::RateLimitedLog;
+use crate::redis::LinkConnection;
 use crate::live_overrides::{scoped_key, split_scoped, LiveOverride, LiveOverrides};
 use crate::server::Reloadable;
 use crate::metrics::{AdminOp, AdminResult, METRICS};
@@ -393,6 +396,51 @@ async fn route(state: &State, view: &View, op: AdminOp, who: &str, req: Request<
     result.unwrap_or_else(|a| a)
 }
 
+/// How long a write whose change-log entry failed keeps trying to log it,
+/// on fresh connections, before it answers 503: a Cluster failover's
+/// election or a Sentinel switch takes about this long.
+const LOG_RETRY: Duration = Duration::from_secs(5);
+
+/// `written`'s outcome (made on `conn`), with its log entry retried when
+/// only that failed: 200 only once the change is in Redis, logged for every
+/// daemon and acknowledged as on the current master (`changes::acknowledge`);
+/// a 503 says how far it got.
+async fn logged<T>(view: &View, conn: &mut LinkConnection, kind: Kind, scoped: &[u8], written: Result<Written<T>, redis::RedisError>) -> Result<T, Answer> {
+    let redis = redis_of(view)?;
+    let Written { done, logged } = written.map_err(|e| Answer::err(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {e} (nothing was changed, or the retry of this request will find it done)")))?;
+    let mut last = match logged {
+        Ok(()) => return acknowledged(view, conn, done).await,
+        Err(e) => e,
+    };
+    tracing::warn!(error = %last, "an admin write is in redis but not yet in the change log: retrying the log");
+    let start = std::time::Instant::now();
+    while start.elapsed() < LOG_RETRY {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut conn = match admin::connect(redis, &view.secrets).await {
+            Ok(c) => c,
+            Err(AdminError::Redis(e)) => {
+                last = e;
+                continue;
+            }
+            Err(e) => return Err(Answer::redis(e)),
+        };
+        match changes::append(&mut conn, &redis.key_prefix, kind, scoped).await {
+            Ok(_) => return acknowledged(view, &mut conn, done).await,
+            Err(e) => last = e,
+        }
+    }
+    Err(Answer::err(StatusCode::SERVICE_UNAVAILABLE, NotLogged(last).to_string()))
+}
+
+/// `done`, once `changes::acknowledge` holds for the write made on `conn`.
+async fn acknowledged<T>(view: &View, conn: &mut LinkConnection, done: T) -> Result<T, Answer> {
+    let redis = redis_of(view)?;
+    match changes::acknowledge(conn, redis, &view.secrets).await {
+        Ok(()) => Ok(done),
+        Err(e) => Err(Answer::err(StatusCode::SERVICE_UNAVAILABLE, format!("the change was written but is not acknowledged: {e}"))),
+    }
+}
+
 /// The Redis configuration, or why there is none.
 fn redis_of(view: &View) -> Result<&crate::config::RedisConfig, Answer> {
     view.config.redis.as_ref().ok_or_else(|| Answer::err(StatusCode::CONFLICT, "this daemon has no [redis]: its windows are in memory and overrides need Redis"))
@@ -406,7 +454,7 @@ fn policy<'a>(cfg: &'a Config, name: &str) -> Result<&'a PolicyConfig, Answer> {
     })
 }
 
-/// A key the daemon could be sent: not empty, at most `limits.max_key_len` bytes.
+/// A key the daemon could be sent (`sendable_key`).
 fn checked_key<'a>(cfg: &Config, q: &'a HashMap<String, String>) -> Result<&'a str, Answer> {
     let key = q.get("key").ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, "missing parameter 'key'"))?;
     key_ok(cfg, key)?;
@@ -414,14 +462,8 @@ fn checked_key<'a>(cfg: &Config, q: &'a HashMap<String, String>) -> Result<&'a s
 }
 
 fn key_ok(cfg: &Config, key: &str) -> Result<(), Answer> {
-    let max = cfg.limits.bounds.max_key_len;
-    if key.is_empty() {
-        return Err(Answer::err(StatusCode::BAD_REQUEST, "the key is empty"));
-    }
-    if key.len() > max {
-        return Err(Answer::err(StatusCode::BAD_REQUEST, format!("the key is {} bytes, longer than limits.max_key_len ({max}): no request can name it", key.len())));
-    }
-    Ok(())
+    // check-config's rule, not a copy: a key no request can carry is never stored.
+    sendable_key(key.as_bytes(), cfg.limits.bounds.max_key_len).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("{e}: no request can name it")))
 }
 
 /// The limit a policy's key has now on this daemon, and where it comes from.
@@ -622,7 +664,7 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
         return Err(Answer::err(StatusCode::BAD_REQUEST, "the note is longer than 1024 bytes"));
     }
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
-    let (now, stored) = store::read_all(&mut conn, &redis.key_prefix).await.map_err(Answer::redis)?;
+    let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
     let expires_at_ms = match (&b.expires_at, &b.ttl) {
         (Some(at), None) => parse_utc(at).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("expires_at: {e}")))?,
         (None, Some(ttl)) => now + parse_duration(ttl).map_err(|e| Answer::err(StatusCode::BAD_REQUEST, format!("ttl: {e}")))?.as_millis() as u64,
@@ -635,21 +677,30 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
         return Err(Answer::err(StatusCode::BAD_REQUEST, format!("the expiry {} is more than 366 days away: change the file for a lasting limit", format_utc(expires_at_ms))));
     }
     let scoped = scoped_key(&p.name, b.key.as_bytes());
-    let in_force = stored.iter().filter(|(f, s)| s.as_ref().is_some_and(|s| s.expires_at_ms > now) && *f != scoped).count();
-    if in_force >= MAX_OVERRIDES {
-        return Err(Answer::err(StatusCode::BAD_REQUEST, format!("{MAX_OVERRIDES} overrides are in force already; delete some first")));
+    let before = store::get(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?.filter(|s| s.expires_at_ms > now);
+    // The cap, by the hash's length (HLEN): the whole hash (24.7 MB at the
+    // cap) is read only when that many fields are stored; then the expired
+    // ones are deleted and those in force counted. Below it, a write reads
+    // one field.
+    let fields: usize = conn.hlen(store::hash_key(&redis.key_prefix)).await.map_err(Answer::redis)?;
+    if fields >= MAX_OVERRIDES {
+        let (now, stored) = store::read_all(&mut conn, &redis.key_prefix).await.map_err(Answer::redis)?;
+        // Expired fields go first: one of them may be this key's, written again now.
+        if let Err(e) = store::purge_expired(&mut conn, &redis.key_prefix, now, &stored).await {
+            tracing::debug!(error = %e, "could not delete expired overrides");
+        }
+        let in_force = stored.iter().filter(|(f, s)| s.as_ref().is_some_and(|s| s.expires_at_ms > now) && *f != scoped).count();
+        if in_force >= MAX_OVERRIDES {
+            return Err(Answer::err(StatusCode::BAD_REQUEST, format!("{MAX_OVERRIDES} overrides are in force already; delete some first")));
+        }
     }
-    let before = stored.iter().find(|(f, _)| *f == scoped).and_then(|(_, s)| s.clone()).filter(|s| s.expires_at_ms > now);
     let file_limit = match p.overrides.get(&b.key) {
         Some(&l) => l,
         None => PolicyLimit::Limit(p.limit),
     };
     let after = Stored { policy: p.name.clone(), key: b.key.clone(), limit, expires_at_ms, set_by: who.to_string(), set_at_ms: now, note: b.note };
-    // Expired fields go first: one of them may be this key's, written again now.
-    if let Err(e) = store::purge_expired(&mut conn, &redis.key_prefix, now, &stored).await {
-        tracing::debug!(error = %e, "could not delete expired overrides");
-    }
-    store::put(&mut conn, &redis.key_prefix, &scoped, &after).await.map_err(Answer::redis)?;
+    let written = store::put(&mut conn, &redis.key_prefix, &scoped, &after).await;
+    logged(view, &mut conn, Kind::Override, &scoped, written).await?;
     // In force on this daemon before the answer; the others at their refresh.
     state.live.write(&scoped, Some(LiveOverride { limit: after.policy_limit(), expires_at_ms }));
     let before_limit = before.as_ref().map_or(file_limit, Stored::policy_limit);
@@ -676,7 +727,8 @@ async fn delete(state: &State, view: &View, q: &HashMap<String, String>, who: &s
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
     let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
     let before = store::get(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?;
-    if !store::delete(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)? {
+    let written = store::delete(&mut conn, &redis.key_prefix, &scoped).await;
+    if !logged(view, &mut conn, Kind::Override, &scoped, written).await? {
         return Err(Answer::err(StatusCode::NOT_FOUND, format!("no override of policy {name:?} key {key:?}")));
     }
     state.live.write(&scoped, None);
@@ -766,12 +818,17 @@ async fn ban_lift(view: &View, q: &HashMap<String, String>, who: &str) -> Result
     };
     let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
     let now = store::redis_now_ms(&mut conn).await.map_err(Answer::redis)?;
-    let before = bans::lift(&mut conn, &redis.key_prefix, &scoped).await.map_err(Answer::redis)?;
-    // This daemon at once; the others at their next refresh.
-    crate::penalty_box::BANS.lift(&scoped);
+    let written = bans::lift(&mut conn, &redis.key_prefix, &scoped).await;
+    // This daemon at once, once the ban is deleted in Redis, even if the
+    // lift cannot be logged (its cache would refuse a key Redis no longer
+    // bans); the others at their next refresh.
+    if written.is_ok() {
+        crate::penalty_box::BANS.lift(&scoped);
+    }
+    let before = logged(view, &mut conn, Kind::Lift, &scoped, written).await?;
     tracing::info!(who, op = "ban_lift", policy = %name, key = %escape_bytes(key.as_bytes()), before_ends_at = ?before.as_ref().map(|b| format_utc(b.ends_at_ms)), after = "not banned", "admin write");
     match before {
         Some(b) => Ok(Answer::ok(json!({ "lifted": ban_json(name, key.as_bytes(), b.ends_at_ms, now), "applies_within_ms": cfg.admin.overrides_refresh.as_millis() as u64 }))),
-        None => Err(Answer::err(StatusCode::NOT_FOUND, format!("policy {name:?} key {key:?} is not banned (its strikes, if any, were cleared)"))),
+        None => Err(Answer::err(StatusCode::NOT_FOUND, format!("policy {name:?} key {key:?} is not banned (its strikes, if any, were cleared, and the lift logged for every daemon)"))),
     }
 }

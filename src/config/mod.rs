@@ -32,5 +32,5 @@ pub use model::{
 pub use descriptors::{EnvoyRoutes, EnvoyUnit, Found, Target, MAX_ENVOY_DEPTH};
 pub use nginx_names::{check_limiter_options, nginx_limiter_tables, nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, LimiterCheckError, LimiterTable, NamedPolicy, NginxReadError};
 pub use reserve::{multi_refusal, reserve_refusal};
-pub use validate::parse_duration;
+pub use validate::{parse_duration, sendable_key, UnsendableKey};
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

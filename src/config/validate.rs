@@ -445,9 +445,38 @@ fn policy_limit(p: &mut Problems, field: &'static str, name: &str, what: &str, v
     v as u32
 }
 
+/// Why no request can carry a key (`sendable_key`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnsendableKey {
+    #[error("the key is empty")]
+    Empty,
+    #[error("the key is {len} bytes, longer than limits.max_key_len ({max})")]
+    TooLong { len: usize, max: usize },
+    #[error("key byte {pos} is a control character")]
+    Control { pos: usize },
+}
+
+/// Whether a request can carry `key`, by the rule the protocol decodes
+/// keys with (1..=`max_key_len` bytes, no control byte): the one rule for
+/// every key an operator names (the file's overrides and allowlist, the
+/// admin API's), so nothing is stored for, or counted against a cap by, a
+/// key no request can match.
+pub fn sendable_key(key: &[u8], max_key_len: usize) -> Result<(), UnsendableKey> {
+    if key.is_empty() {
+        return Err(UnsendableKey::Empty);
+    }
+    if key.len() > max_key_len {
+        return Err(UnsendableKey::TooLong { len: key.len(), max: max_key_len });
+    }
+    match key.iter().position(|&b| b < 0x20 || b == 0x7f) {
+        Some(pos) => Err(UnsendableKey::Control { pos }),
+        None => Ok(()),
+    }
+}
+
 /// A key of an override or the allowlist: what a client can send.
 fn policy_key_ok(p: &mut Problems, field: &'static str, name: &str, key: &str, bounds: &Bounds) -> bool {
-    let ok = !key.is_empty() && key.len() <= bounds.max_key_len && !key.bytes().any(|b| b < 0x20 || b == 0x7f);
+    let ok = sendable_key(key.as_bytes(), bounds.max_key_len).is_ok();
     if !ok {
         p.add(field, format!("policy '{name}': key {key:?} can never be sent: it must be 1..={} bytes without control characters", bounds.max_key_len));
     }
