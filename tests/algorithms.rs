@@ -159,7 +159,7 @@ async fn a_policy_counts_with_its_algorithm() {
     assert_eq!(t, "string");
 }
 
-/// GCRA (src/redis/gcra.lua, and the memory store's copy): a bucket of
+/// GCRA (src/redis/scripts/gcra.lua, and the memory store's copy): a bucket of
 /// `limit` tokens refilled at `limit` per window. From a full bucket the
 /// burst passes, each admission carrying its pacing delay (0, T, 2T, ...);
 /// the next is refused with the time until a token is back; one token per
@@ -316,7 +316,7 @@ fn lease_args<'a>(key: &'a str, lease: &'a str, limit: u32, lease_ms: u32) -> Le
     LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit, lease_ms, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
 }
 
-/// Concurrency leases (ACQUIRE and RELEASE, src/redis/concurrency.lua and
+/// Concurrency leases (ACQUIRE and RELEASE, src/redis/scripts/concurrency_slots.lua and
 /// the memory store's): at most `limit` held; a release frees its slot at
 /// once; a lease never released stops counting when it expires.
 async fn leases_hold_release_and_expire(setup: &Setup) {

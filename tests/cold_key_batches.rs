@@ -1,4 +1,4 @@
-//! Different keys in one script call (src/redis/sliding_window.lua, mode
+//! Different keys in one script call (src/redis/scripts/sliding_window.lua, mode
 //! 'B') against the same requests one by one: random traces on a real
 //! redis-server, on virtual time. Every reply must be the same field by
 //! field, and every key's log the same afterwards (members' count and
@@ -8,7 +8,7 @@ mod common;
 
 use common::RedisServer;
 
-const LOG: &str = include_str!("../src/redis/sliding_window.lua");
+const LOG: &str = common::scripts::LOG;
 
 use common::rng::Rng;
 

@@ -1,4 +1,4 @@
-//! Quota leases (src/decision/lease.rs, src/redis/sliding_window.lua modes
+//! Quota leases (src/decision/lease.rs, src/redis/scripts/sliding_window.lua modes
 //! 'L' and 'S') against a serial model on virtual time, with several
 //! daemons: random traces of requests, lease calls, settles, crashes
 //! (a lease dropped unsettled), call latencies and clock offsets, through
@@ -19,7 +19,7 @@ use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, Source};
 use ratelimitd::QuotaLease;
 
-const LOG: &str = include_str!("../src/redis/sliding_window.lua");
+const LOG: &str = common::scripts::LOG;
 
 use common::rng::Rng;
 
@@ -389,8 +389,8 @@ async fn a_daemon_killed_holding_a_lease_over_admits_nothing_and_its_units_come_
     assert_eq!(units_of_a(&record(&redis, "crash", WINDOW)), 0, "a's units outlived t0 + life + window");
 }
 
-const FIXED: &str = include_str!("../src/redis/fixed_window.lua");
-const SLIDING_COUNTER: &str = include_str!("../src/redis/sliding_counter.lua");
+const FIXED: &str = common::scripts::FIXED;
+const SLIDING_COUNTER: &str = common::scripts::SLIDING_COUNTER;
 
 /// Redis's counts of the fixed window starting at `start` and of the one
 /// before it, from the key's string ("start count" for the fixed window,

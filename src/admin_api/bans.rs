@@ -2,7 +2,7 @@
 //!
 //! A ban is one key in its key's slot, `<stem>:penalty:ban` (value: its end,
 //! Unix ms on the script's clock; PTTL: what is left), set by
-//! src/redis/penalty.lua. So that they can be listed without a SCAN of
+//! src/redis/scripts/penalized_check.lua. So that they can be listed without a SCAN of
 //! every node, the daemon whose request engaged a ban adds it to the
 //! index `<key_prefix>admin:bans` (a ZSET: scoped key, scored by its end),
 //! once per ban. A lift deletes the ban and the key's strikes, takes it
@@ -13,7 +13,7 @@
 
 use redis::AsyncCommands;
 
-use crate::redis::{LinkConnection, WindowKey};
+use crate::redis::{scripts, LinkConnection, WindowKey};
 
 /// Lifts kept in `admin:lifts` for daemons to catch up with.
 pub const MAX_LIFTS_KEPT: isize = 1000;
@@ -88,16 +88,10 @@ pub async fn lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) ->
 }
 
 /// Appends a lift of `scoped` to `admin:lifts` with the next sequence
-/// number (atomic: one script on one key), keeping the last
-/// `MAX_LIFTS_KEPT`.
+/// number (atomic: one script on one key, src/redis/scripts/publish_lift.lua),
+/// keeping the last `MAX_LIFTS_KEPT`.
 async fn publish_lift(conn: &mut LinkConnection, key_prefix: &str, scoped: &[u8]) -> Result<u64, redis::RedisError> {
-    let script = redis::Script::new(
-        "local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-         local seq = (tonumber(top[2]) or 0) + 1
-         redis.call('ZADD', KEYS[1], seq, ARGV[1])
-         redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(tonumber(ARGV[2]) + 1))
-         return seq",
-    );
+    let script = redis::Script::new(scripts::PUBLISH_LIFT);
     script.key(lifts_key(key_prefix)).arg(scoped).arg(MAX_LIFTS_KEPT).invoke_async(conn).await
 }
 

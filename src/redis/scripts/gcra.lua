@@ -61,10 +61,7 @@ local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
 
 -- Float error in c T must not turn an exact fit into a refusal.
 local EPS = 1e-6
@@ -80,8 +77,7 @@ if stored then
   end
   tat = math.max(tonumber(stored), now)
 end
-local mode = ARGV[3]
-local SETTLE_LIFE = 86400000
+--@include parts/settle_mode.lua
 
 -- The key as "<TAT>[ <charged> <born>]"; a full bucket keeps none.
 local function save(at)
@@ -97,43 +93,7 @@ local function save(at)
 end
 
 if mode == 's' then
-  local limit = tonumber(ARGV[4])
-  local actual = tonumber(ARGV[5])
-  local t = window / limit
-  local rec = redis.call('GET', KEYS[2])
-  local function reply(ok, at)
-    local count = math.ceil((at - now) / t - EPS)
-    local left = limit - count
-    if left < 0 then
-      left = 0
-    end
-    return {ok, count, left, math.max(0, math.ceil(at + t - window - now - EPS)), math.ceil(at - now - EPS)}
-  end
-  if not rec then
-    return reply(0, tat)
-  end
-  redis.call('DEL', KEYS[2])
-  local e, rc, rb = string.match(rec, '^%d+ (%d+) ?(%S*) ?(%S*)$')
-  local est = tonumber(e)
-  if actual >= est then
-    tat = tat + (actual - est) * t
-    if born then
-      charged = charged + (actual - est) * t
-    end
-  elseif rb ~= '' and rb == born then
-    -- F is at most now + what was charged since the reserve (and at most
-    -- the TAT itself).
-    local since = charged - tonumber(rc)
-    local back = (est - actual) * t
-    tat = math.max(tat - back, math.min(tat, now + since), now)
-    if since == 0 then
-      charged = charged - back
-    end
-  end
-  -- Else the key was born again (or the record predates this layout):
-  -- the reserve drained in between, nothing is given back.
-  save(tat)
-  return reply(1, tat)
+--@include gcra/gcra_settle.lua
 end
 local changed = false
 local out = {}

@@ -46,10 +46,7 @@ local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
 local cutoff = now - window
 
 local pack, unpack_d = struct.pack, struct.unpack
