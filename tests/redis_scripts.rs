@@ -45,7 +45,7 @@ fn each_part_stands_once_in_each_assembled_script() {
         }
         // What was written out several times before the parts: the clock,
         // the calendar, the settle record's life and its read.
-        for once in ["redis.call('TIME')", "local function days_from_civil", "SETTLE_LIFE = ", "redis.call('GET', KEYS[2])", "local function units", "local function log_wait"] {
+        for once in ["redis.call('TIME')", "local function days_from_civil", "SETTLE_LIFE = ", "redis.call('GET', KEYS[2])", "local function units", "local function log_wait", "local function answer"] {
             let n = text.matches(once).count();
             assert!(n <= 1, "{stem}.lua has `{once}` {n} times: include the part once");
         }

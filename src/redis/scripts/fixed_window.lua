@@ -45,6 +45,7 @@ local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
+--@include parts/answer.lua
 
 --@include parts/calendar.lua
 
@@ -153,21 +154,9 @@ for j = 1, n do
     if mode == 'r' then
       redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
     end
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = limit - count
-    out[#out + 1] = 0
-    out[#out + 1] = reset
+    answer(out, 1, count, limit - count, 0, reset)
   else
-    local remaining = limit - count
-    if remaining < 0 then
-      remaining = 0
-    end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = remaining
-    out[#out + 1] = debt_end(count, cost, limit)
-    out[#out + 1] = reset
+    answer(out, 0, count, math.max(limit - count, 0), debt_end(count, cost, limit), reset)
   end
 end
 

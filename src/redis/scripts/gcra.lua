@@ -62,6 +62,7 @@ local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
+--@include parts/answer.lua
 
 -- Float error in c T must not turn an exact fit into a refusal.
 local EPS = 1e-6
@@ -105,11 +106,7 @@ for j = 1, n do
   local new_tat = tat + cost * t
   if new_tat - now <= window + EPS then
     local count = math.ceil((new_tat - now) / t - EPS)
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = limit - count
-    out[#out + 1] = math.ceil(tat - now - EPS)
-    out[#out + 1] = math.ceil(new_tat - now - EPS)
+    answer(out, 1, count, limit - count, math.ceil(tat - now - EPS), math.ceil(new_tat - now - EPS))
     tat = new_tat
     changed = true
     if mode == 'r' and not born then
@@ -123,15 +120,7 @@ for j = 1, n do
     end
   else
     local count = math.ceil((tat - now) / t - EPS)
-    local remaining = limit - count
-    if remaining < 0 then
-      remaining = 0
-    end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = remaining
-    out[#out + 1] = math.ceil(new_tat - window - now - EPS)
-    out[#out + 1] = math.ceil(tat - now - EPS)
+    answer(out, 0, count, math.max(limit - count, 0), math.ceil(new_tat - window - now - EPS), math.ceil(tat - now - EPS))
   end
 end
 

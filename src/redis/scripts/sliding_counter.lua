@@ -48,6 +48,7 @@ local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
+--@include parts/answer.lua
 
 local start = now - now % window
 local elapsed = now - start
@@ -102,22 +103,14 @@ for j = 1, n do
       redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
     end
     local count = math.ceil(weighted + cur - EPS)
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = math.max(limit - count, 0)
-    out[#out + 1] = 0
-    out[#out + 1] = 2 * window - elapsed
+    answer(out, 1, count, math.max(limit - count, 0), 0, 2 * window - elapsed)
   else
     local count = math.ceil(weighted + cur - EPS)
     local reset = window - elapsed
     if cur > 0 then
       reset = reset + window
     end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = math.max(limit - count, 0)
-    out[#out + 1] = retry_after(limit, cost)
-    out[#out + 1] = reset
+    answer(out, 0, count, math.max(limit - count, 0), retry_after(limit, cost), reset)
   end
 end
 

@@ -35,6 +35,7 @@
 -- but the shared parts' two.
 local mode = ARGV[1]
 --@include parts/units.lua
+--@include parts/answer.lua
 if mode == 'S' then
 --@include sliding_window/lease_settle.lua
 end

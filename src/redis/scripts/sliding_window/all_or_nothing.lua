@@ -41,11 +41,7 @@ for i = 1, n do
   if not write or reserve > 0 then
     -- The window as it stands without this request.
     local retry_after, reset = log_wait(key, window, now, count, cost, limit)
-    out[#out + 1] = fits[i] and 1 or 0
-    out[#out + 1] = count
-    out[#out + 1] = math.max(limit - count, 0)
-    out[#out + 1] = retry_after
-    out[#out + 1] = reset
+    answer(out, fits[i] and 1 or 0, count, math.max(limit - count, 0), retry_after, reset)
   end
   if write then
     local score = now
@@ -67,11 +63,7 @@ for i = 1, n do
     end
     if reserve == 0 then
       count = count + cost
-      out[#out + 1] = 1
-      out[#out + 1] = count
-      out[#out + 1] = limit - count
-      out[#out + 1] = 0
-      out[#out + 1] = window
+      answer(out, 1, count, limit - count, 0, window)
     end
   end
 end

@@ -93,20 +93,12 @@ for j = 1, n do
     admitted = true
     count = count + cost
     -- The newest admission leaves the window exactly `window` ms from now.
-    out[#out + 1] = 1
-    out[#out + 1] = count + granted
-    out[#out + 1] = limit - count - granted
-    out[#out + 1] = 0
-    out[#out + 1] = window
+    answer(out, 1, count + granted, limit - count - granted, 0, window)
   else
     -- Denied: the request fits once the (count + cost - limit) oldest
     -- admissions have left.
     local retry_after, reset = log_wait(key, window, now, count, cost, limit)
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = math.max(limit - count, 0)
-    out[#out + 1] = retry_after
-    out[#out + 1] = reset
+    answer(out, 0, count, math.max(limit - count, 0), retry_after, reset)
   end
   -- Once per key, after its last request (see "Expiry" above).
   if admitted and (batch or j == n) then
