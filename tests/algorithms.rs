@@ -9,16 +9,11 @@ mod common;
 use std::time::Duration;
 
 use common::{args, Daemon, RedisServer, Setup};
+use common::redis_server::evalsha_calls;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_RELEASE};
 
 fn with_cost<'a>(a: &CheckArgs<'a>, cost: u32) -> CheckArgs<'a> {
     CheckArgs { cost, ..a.clone() }
-}
-
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
 }
 
 /// The ring decides every request exactly as the log (same decision,
@@ -276,7 +271,7 @@ server {{
             .map(|_| {
                 let url = url.clone();
                 std::thread::spawn(move || {
-                    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+                    let agent = common::http::agent();
                     agent.get(&url).call().unwrap().status().as_u16()
                 })
             })
@@ -430,7 +425,7 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
     let still = c.policy_lease(false, &ask("t1", "e")).await.unwrap();
     assert_eq!(still.decision, Decision::Denied, "the stream is in sync after the errors: {still:?}");
 
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let agent = common::http::agent();
     let text = agent.get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
     let sample = |outcome: &str| -> u64 {
         let start = format!("ratelimitd_policy_requests_total{{policy=\"uploads\",outcome=\"{outcome}\"}} ");
@@ -473,7 +468,7 @@ server {{
 }}
 "#
     ));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = common::http::agent();
     let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
 
     // The slow request, on a raw connection we can drop.
@@ -571,7 +566,7 @@ server {{
 }}
 "#
     ));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = common::http::agent();
     let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
     let body = agent.get(&nginx.url("/bad-options")).call().unwrap().body_mut().read_to_string().unwrap();
     assert!(body.starts_with("nil concurrency: limit is not an option of a policy limiter"), "{body}");
@@ -683,7 +678,7 @@ fn ring_sliding_counter_and_fixed_through_nginx() {
         );
     }
     let nginx = common::Nginx::start(&format!("{snippet}\nserver {{\n    listen 127.0.0.1:{{PORT}};{locations}\n}}\n"));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = common::http::agent();
     for (name, window_ms) in [("ring", 60_000u64), ("sliding_counter", 60_000), ("fixed", 3_600_000)] {
         let mut statuses = Vec::new();
         let mut retry_after = None;
@@ -709,7 +704,7 @@ fn ring_sliding_counter_and_fixed_through_nginx() {
         } else {
             // The counter's refusal lasts until the current fixed window's
             // admissions weigh little enough: up to the end of the next
-            // fixed window (docs/ALGORITHMS.md, "What the response says").
+            // fixed window (docs/ALGORITHMS.md, "Response fields").
             assert!((1..=120).contains(&retry), "sliding_counter: Retry-After {retry} s within two 60 s windows");
         }
     }

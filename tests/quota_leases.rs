@@ -22,6 +22,7 @@ use ratelimitd::QuotaLease;
 const LOG: &str = common::scripts::LOG;
 
 use common::rng::Rng;
+use common::redis_server::evalsha_calls;
 
 /// One simulated host: its clock offset, the lease its daemon holds, and
 /// the worker shares its nginx workers hold (units left, deadline in µs of
@@ -254,12 +255,6 @@ fn leases_never_let_a_window_hold_more_than_the_limit_on_random_traces() {
     // most 64 units, runs saw 9.9-15 % of units from leases: at least 5 %.
     assert!(local > admitted / 20, "the traces must exercise leases: {local} of {admitted}");
     assert!(shared > admitted / 20, "the traces must exercise worker shares: {shared} of {admitted}");
-}
-
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`: the script calls Redis ran.
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
 }
 
 /// The log's members and scores for client key `key`, window `window_ms`.

@@ -11,7 +11,6 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
 
@@ -58,7 +57,7 @@ fn the_rock_installs_into_a_clean_tree_and_serves_the_seed_scenario() {
     let example = EXAMPLE.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replacen("server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};", 1).replacen("window_ms = 1000,", "window_ms = 60000,", 1);
     let body = format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{{PORT:app}}; location / {{ return 200 \"ok\\n\"; }} }}\n");
     let nginx = Nginx::start_with_lua(&body, &installed.join("resty"));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into();
+    let agent = common::http::agent();
     let mut statuses = Vec::new();
     let mut remaining = Vec::new();
     for _ in 0..1005 {

@@ -8,8 +8,10 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod admin;
+pub mod clock;
 pub mod daemon;
 pub mod http;
+pub mod keys;
 pub mod model;
 pub mod nginx;
 pub mod ops;
