@@ -521,3 +521,82 @@ fn every_metric_is_documented_once_in_its_home() {
     }
     assert!(wrong.is_empty(), "metrics and their one home:\n{}", wrong.join("\n"));
 }
+
+/// The ops PROTOCOL.md's code-4 row names and the flag bits it says each
+/// takes: "CHECK, a bit outside 0x0F00; CHECK_POLICY, a bit other than
+/// `0x0001` ...; REFUND, ACQUIRE: any".
+fn documented_flags(protocol: &str) -> Vec<(String, u16)> {
+    let row = protocol.lines().find(|l| l.starts_with("| 4 | UNSUPPORTED_FLAGS |")).expect("PROTOCOL.md: the code-4 row");
+    let when = row.split(" | ").nth(2).expect("the row's When cell");
+    let (_, clauses) = when.split_once(": ").expect("the op clauses after a colon");
+    let mut out = Vec::new();
+    for clause in clauses.trim_end_matches(" |").split("; ") {
+        let mut ops = Vec::new();
+        let mut rest = String::new();
+        let tokens: Vec<&str> = clause.split(", ").collect();
+        for (i, t) in tokens.iter().enumerate() {
+            let op_like = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+            if op_like(t) {
+                ops.push(t.to_string());
+            } else if let Some((op, r)) = t.split_once(": ").filter(|(op, _)| op_like(op)) {
+                ops.push(op.to_string());
+                rest = std::iter::once(r).chain(tokens[i + 1..].iter().copied()).collect::<Vec<_>>().join(", ");
+                break;
+            } else {
+                rest = tokens[i..].join(", ");
+                break;
+            }
+        }
+        let hex: Vec<u16> = rest.split("0x").skip(1).filter_map(|h| u16::from_str_radix(h.get(..4)?, 16).ok()).collect();
+        let bits = hex.iter().fold(0, |a, h| a | h);
+        for op in ops {
+            out.push((op, bits));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_flags_each_op_takes_are_the_protocols_code_4_row() {
+    use bytes::{Bytes, BytesMut};
+    use ratelimitd::protocol::*;
+    let policy = PolicyCheckArgs { policy: b"p", key: b"k", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let item = [ItemArgs { policy: b"p", key: b"k", cost: 1 }];
+    let lease = LeaseArgs { key: b"k", lease: b"l", limit: 5, lease_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let policy_lease = PolicyLeaseArgs { policy: b"p", key: b"k", lease: b"l", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let frame = |encode: &dyn Fn(&mut BytesMut)| {
+        let mut b = BytesMut::new();
+        encode(&mut b);
+        b.split_off(LEN_PREFIX).to_vec()
+    };
+    let ops: Vec<(&str, Vec<u8>)> = vec![
+        ("CHECK", frame(&|b| encode_request(1, &CheckArgs { key: b"k", limit: 5, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, b))),
+        ("CHECK_POLICY", frame(&|b| encode_policy_request(1, &policy, b))),
+        ("REFUND", frame(&|b| encode_refund(1, &[7; HANDLE_LEN], &item, b))),
+        ("ACQUIRE", frame(&|b| encode_lease_request(1, OP_ACQUIRE, &lease, b))),
+        ("RELEASE", frame(&|b| encode_lease_request(1, OP_RELEASE, &lease, b))),
+        ("ACQUIRE_POLICY", frame(&|b| encode_policy_lease_request(1, false, &policy_lease, b))),
+        ("DESCRIBE_POLICY", frame(&|b| encode_describe(1, b"p", b))),
+        ("SETTLE", frame(&|b| encode_settle(1, &[7; HANDLE_LEN], &item, b))),
+        ("LEASE_SHARE", frame(&|b| encode_lease_share(1, &policy, b))),
+    ];
+    let doc = documented_flags(&read("docs/PROTOCOL.md"));
+    let mut wrong = Vec::new();
+    for (name, body) in &ops {
+        assert!(!matches!(parse_request(Bytes::from(body.clone()), &Bounds::default()), Inbound::Invalid { .. }), "{name}: the frame built here is valid");
+        // The bits the decoder takes (anything but UNSUPPORTED_FLAGS: the
+        // frame may then fail a later check), one at a time.
+        let taken = (0..16).map(|bit| 1u16 << bit).filter(|&flag| {
+            let mut b = body.clone();
+            b[6..8].copy_from_slice(&flag.to_be_bytes());
+            !matches!(parse_request(Bytes::from(b), &Bounds::default()), Inbound::Invalid { code: ErrorCode::UnsupportedFlags, .. })
+        });
+        let taken = taken.fold(0, |a, f| a | f);
+        match doc.iter().find(|(op, _)| op == name) {
+            None => wrong.push(format!("{name}: not in the row")),
+            Some((_, said)) if *said != taken => wrong.push(format!("{name}: the row says flags {said:#06x}, the decoder takes {taken:#06x}")),
+            Some(_) => {}
+        }
+    }
+    assert!(wrong.is_empty(), "PROTOCOL.md's UNSUPPORTED_FLAGS (4) row against the decoder:\n{}", wrong.join("\n"));
+}
