@@ -216,10 +216,8 @@ async fn gcra_in_memory() {
 #[test]
 fn gcra_paces_a_burst_through_nginx() {
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = common::Nginx::start(&format!(
         r#"{snippet}
 lua_shared_dict arrivals 1m;
@@ -444,10 +442,8 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
 fn a_client_abort_releases_its_slot() {
     use std::io::Write;
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = common::Nginx::start(&format!(
         r#"{snippet}
 server {{
@@ -525,13 +521,8 @@ async fn a_concurrency_policy_applies_its_own_fail_policy() {
 fn a_concurrency_policy_holds_and_releases_through_nginx() {
     use std::io::Write;
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!(
-        "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n[[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n",
-        redis.url()
-    ));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n[[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n");
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = common::Nginx::start(&format!(
         r#"{snippet}
 server {{
@@ -660,10 +651,8 @@ async fn inspect_and_reset_see_every_algorithm() {
 #[test]
 fn ring_sliding_counter_and_fixed_through_nginx() {
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     let mut locations = String::new();
     for (name, window_ms) in [("ring", 60_000), ("sliding_counter", 60_000), ("fixed", 3_600_000)] {
         locations += &format!(

@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::http::{agent, Reply};
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
@@ -192,13 +192,9 @@ fn http_body(socket: &std::path::Path) -> String {
     format!("{snippet}\n{LIMITERS}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n")
 }
 
-fn server_settings() -> String {
-    if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() }
-}
-
 /// A daemon whose socket nginx's unprivileged workers can reach.
 fn daemon(redis: &RedisServer) -> Daemon {
-    Daemon::start_with(&server_settings(), Some(&redis.url()), "timeout_ms = 500")
+    Daemon::start_with(&common::ops::socket_access(), Some(&redis.url()), "timeout_ms = 500")
 }
 
 fn get(agent: &ureq::Agent, url: &str) -> Reply {
@@ -459,7 +455,7 @@ fn daemon_decisions(d: &Daemon) -> u64 {
 #[test]
 fn a_refused_key_costs_no_round_trip_until_it_can_pass() {
     let redis = RedisServer::start();
-    let d = Daemon::start_config_with_metrics(&format!("{}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", server_settings(), redis.url()));
+    let d = Daemon::start_config_with_metrics(&format!("{}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", common::ops::socket_access(), redis.url()));
     let nginx = Nginx::start(&http_body(&d.socket));
     let a = agent();
     for i in 0..3 {

@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::http::{agent, get_as, Reply};
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{is_root, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE: &str = include_str!("../nginx/example.conf");
@@ -68,7 +68,7 @@ fn daemon(redis: &RedisServer) -> Daemon {
 /// The Redis deadline stays under the Lua read timeout, so that the daemon's
 /// answer, not the Lua timeout, decides when Redis is slow.
 fn daemon_with_timeout(redis: &RedisServer, timeout_ms: u32) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     Daemon::start_with(&server, Some(&redis.url()), &format!("timeout_ms = {timeout_ms}"))
 }
 
@@ -289,7 +289,7 @@ fn stopped_daemon_does_not_flood_the_error_log() {
 #[test]
 fn misconfigured_location_gets_500_not_its_fail_policy() {
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_with(&format!("{server}\n[limits]\nmax_limit = 100"), Some(&redis.url()), "timeout_ms = 500");
     let snippet = replace_once(SNIPPET, "unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()));
     let snippet = replace_once(&snippet, "read_timeout = 50,", "read_timeout = 1000,");
