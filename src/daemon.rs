@@ -501,6 +501,12 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     if let Some(crate::config::AdminListen::Unix { path, .. }) = &cfg.admin.listen {
         crate::socket::refuse_if_live(path)?;
     }
+    // The request socket's directory before the admin socket is bound:
+    // an admin socket beside it (mode 0600) would otherwise make the
+    // directory 0700, closed to the nginx workers.
+    if inherited.is_none() {
+        crate::socket::make_directory(&s.listen, s.socket_mode, resolved.socket_gid)?;
+    }
     let mut endpoint = MetricsEndpoint { live: breaker_state(reloadable_rx.clone()), status: status.clone(), running: None, background: background.clone() };
     endpoint.switch_to(cfg.metrics.as_ref()).await.map_err(DaemonError::Metrics)?;
     let _admin_listener_guard = match &cfg.admin.listen {

@@ -6,14 +6,14 @@
 //!
 //! | layer | module | concern |
 //! |---|---|---|
-//! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back |
+//! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back; the libraries' `log` lines under the same rule |
 //! | utilities | `terminal` | client-chosen text escaped for a terminal: controls and bidi overrides shown, never obeyed |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response`, `describe` (DESCRIBE_POLICY's answer) |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
 //! | counters | `metrics` | lock-free counters and their Prometheus text |
 //! | counters | `top_refused` | the keys refused most in the last minute: sharded space-saving summaries, rotated every 10 s |
-//! | settings | `config` | the file's schema (`file`), typed values (`model`) and pure validation (`validate`); `preflight` for secrets, TLS files, the group; `reserve` (which policies a reserve names), `nginx_names` (`check-config --nginx`) |
+//! | settings | `config` | the file's schema (`file`), typed values (`model`) and pure validation (`validate`); `preflight` for secrets, TLS files, the group; `reserve` (which policies a reserve names), `nginx_names` (`check-config --nginx`), `show` (the configuration in force as TOML: `GET /config`, `config-show`) |
 //! | refusals | `denial_cache` | recent refusals by Redis, answered again without a Redis call until Redis could admit; told by the store of what it removes |
 //! | refusals | `penalty_box` | the penalty box's bans this daemon knows: Redis's cached until their end, the memory backend's own, lifted by the admin API |
 //! | stores | `local_store` | the per-host exact windows (local backend and `local` fail policy) |
@@ -42,7 +42,7 @@ mod decision;
 mod denial_cache;
 mod live_overrides;
 mod local_store;
-mod log_limit;
+pub mod log_limit;
 mod metrics;
 mod metrics_server;
 mod penalty_box;

@@ -57,8 +57,9 @@ enum Command {
         #[arg(long, value_name = "RUNNING_CONFIG")]
         against: Option<PathBuf>,
     },
-    /// Print the configuration as the daemon would hold it (what GET
-    /// /config shows of the running one), secrets left out.
+    /// Print the configuration as the daemon would hold it, as TOML in the
+    /// file's own terms (what GET /config shows of the running one),
+    /// secrets left out.
     ConfigShow {
         #[arg(long, short, default_value = "/etc/ratelimitd/ratelimitd.toml")]
         config: PathBuf,
@@ -411,9 +412,27 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         println!("{}:{}: policy \"{}\" in a multi-item or refundable limiter: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
                     }
                 }
-                if missing > 0 || unsettleable > 0 || unmixable > 0 {
+                // A limiter whose options new() refuses is never built: its
+                // location answers 500. Checked by the Lua client's own
+                // validation (luajit), so the two cannot disagree.
+                let mut unbuildable = 0;
+                let tables = ratelimitd::config::nginx_limiter_tables(&nginx)?;
+                if !tables.is_empty() {
+                    match ratelimitd::config::check_limiter_options(&tables) {
+                        Ok(answers) => {
+                            for (t, why) in tables.iter().zip(answers) {
+                                if let Some(why) = why {
+                                    unbuildable += 1;
+                                    println!("{}:{}: {}{{...}}: {}: the limiter is not built (it returns nil and this message), and its location answers 500", t.file.display(), t.line, t.constructor, escape(&why));
+                                }
+                            }
+                        }
+                        Err(e) => eprintln!("{}: {e}", nginx.display()),
+                    }
+                }
+                if missing > 0 || unsettleable > 0 || unmixable > 0 || unbuildable > 0 {
                     println!(
-                        "{}: {missing} of {} policy names used by {} are missing, {unsettleable} cannot be reserved, {unmixable} cannot be checked with others or refundably",
+                        "{}: {missing} of {} policy names used by {} are missing, {unsettleable} cannot be reserved, {unmixable} cannot be checked with others or refundably; {unbuildable} limiters have options new() refuses",
                         config.display(),
                         used.len(),
                         nginx.display()
@@ -752,9 +771,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Logs to stderr; returns how to change the level later (SIGHUP). A
 /// `RUST_LOG` in the environment wins over `log.level`, then and later.
+/// The libraries' `log` lines (the Redis client's) come through
+/// `LibraryLog`: at most one a second from each of their modules.
 fn init_logging(level: &str, format: LogFormat) -> SetLogLevel {
+    use ratelimitd::log_limit::LibraryLog;
     use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{fmt, reload, EnvFilter, Layer};
     let from_env = EnvFilter::try_from_default_env().ok();
     let env_set = from_env.is_some();
@@ -769,15 +790,66 @@ fn init_logging(level: &str, format: LogFormat) -> SetLogLevel {
         (LogFormat::Json, _) => fmt::layer().json().with_writer(std::io::stderr).boxed(),
         (LogFormat::Text, true) => match tracing_journald::layer() {
             Ok(layer) => layer.with_syslog_identifier("ratelimitd".into()).boxed(),
-            Err(_) => fmt::layer().without_time().with_ansi(false).with_writer(std::io::stderr).boxed(),
+            Err(_) => fmt::layer().without_time().with_ansi(false).with_writer(OneLineStderr).boxed(),
         },
-        (LogFormat::Text, false) => fmt::layer().with_ansi(ansi).with_writer(std::io::stderr).boxed(),
+        (LogFormat::Text, false) => fmt::layer().with_ansi(ansi).with_writer(OneLineStderr).boxed(),
     };
-    tracing_subscriber::registry().with(filter).with(output).init();
+    let subscriber = tracing_subscriber::registry().with(filter).with(output);
+    // Not `.init()`: that would install tracing-log's own `log` logger,
+    // which passes every library line on.
+    tracing::subscriber::set_global_default(subscriber).expect("logging is set up once");
+    if let Err(e) = LibraryLog::install() {
+        tracing::warn!(error = %e, "the libraries' log lines cannot be rate-limited: another logger is installed");
+    }
     Box::new(move |level: &str| {
         if env_set {
             return Ok(());
         }
-        handle.reload(EnvFilter::new(level)).map_err(|e| e.to_string())
+        handle.reload(EnvFilter::new(level)).map_err(|e| e.to_string())?;
+        LibraryLog::follow_filter();
+        Ok(())
     })
+}
+
+/// stderr with one line per event: a value that holds line breaks (a
+/// configuration error listing several fields, an error from Redis) has
+/// them written as " | ", so a reader or a log shipper that splits on
+/// lines never takes its second half for another event. The fmt layer
+/// writes each event with one `write_all` of the whole line.
+struct OneLineStderr;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for OneLineStderr {
+    type Writer = OneLine;
+    fn make_writer(&'a self) -> OneLine {
+        OneLine(std::io::stderr())
+    }
+}
+
+struct OneLine(std::io::Stderr);
+
+impl std::io::Write for OneLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let body = buf.strip_suffix(b"\n").unwrap_or(buf);
+        if !body.iter().any(|&b| b == b'\n' || b == b'\r') {
+            self.0.write_all(buf)?;
+            return Ok(buf.len());
+        }
+        let mut line = Vec::with_capacity(buf.len() + 16);
+        for &b in body {
+            match b {
+                b'\n' => line.extend_from_slice(b" | "),
+                b'\r' => {}
+                _ => line.push(b),
+            }
+        }
+        if body.len() < buf.len() {
+            line.push(b'\n');
+        }
+        self.0.write_all(&line)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }

@@ -2,7 +2,7 @@
 //! and group, serve, and remove the file when the daemon is done with it.
 
 use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use tokio::net::UnixListener;
@@ -16,6 +16,51 @@ pub enum SocketError {
     NotASocket { path: PathBuf },
     #[error("{path}: {action}: {err}")]
     Io { path: PathBuf, action: &'static str, err: io::Error },
+    /// The socket's directory is missing and could not be made: what to do
+    /// instead, since a bare "bind: No such file or directory" names none.
+    #[error(
+        "{dir}: the socket's directory does not exist and cannot be created ({err}): create it for the daemon's user \
+         (as root: install -d -m {mode:04o} -o USER {dir}), or set server.listen (admin.listen) to a path in a directory the daemon may write; \
+         under systemd the unit's RuntimeDirectory= makes it (docs/OPERATIONS.md, \"Without systemd\")"
+    )]
+    NoDirectory { dir: PathBuf, mode: u32, err: io::Error },
+}
+
+/// The mode of a socket directory the daemon makes: its own user's, and
+/// search (and list) for each class the socket's mode gives any access to,
+/// so the directory never lets in fewer than the socket does, nor more:
+/// 0660 -> 0750, 0666 -> 0755, 0600 -> 0700. (systemd's socket unit makes
+/// its directory 0755.)
+pub fn directory_mode(socket_mode: u32) -> u32 {
+    let group = if socket_mode & 0o070 != 0 { 0o050 } else { 0 };
+    let other = if socket_mode & 0o007 != 0 { 0o005 } else { 0 };
+    0o700 | group | other
+}
+
+/// Makes the socket's directory if it is missing (one level: the parent of
+/// a runtime directory such as /run must exist), with `directory_mode` and
+/// the socket's group: on a host without systemd nothing else makes
+/// /run/ratelimitd, which is not kept across reboots.
+pub fn make_directory(path: &Path, mode: u32, gid: Option<u32>) -> Result<(), SocketError> {
+    let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let dir_mode = directory_mode(mode);
+    let no_directory = |err| SocketError::NoDirectory { dir: dir.into(), mode: dir_mode, err };
+    match std::fs::DirBuilder::new().mode(dir_mode).create(dir) {
+        Ok(()) => {}
+        // Made meanwhile (another daemon's admin socket, say): fine.
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => return Ok(()),
+        Err(e) => return Err(no_directory(e)),
+    }
+    // The umask took bits off: the mode asked for, exactly.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(dir_mode)).map_err(no_directory)?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(dir, None, Some(gid)).map_err(no_directory)?;
+    }
+    tracing::info!(directory = %dir.display(), mode = format_args!("{dir_mode:04o}"), "made the socket's directory");
+    Ok(())
 }
 
 /// Refuses `path` if a process listens on it (or it is not a socket), and
@@ -46,10 +91,12 @@ pub struct BoundSocket {
 }
 
 impl BoundSocket {
-    /// Removes a stale socket file, binds, and applies mode and group id
-    /// (resolved by the configuration's preflight).
+    /// Makes the directory if it is missing, removes a stale socket file,
+    /// binds, and applies mode and group id (resolved by the
+    /// configuration's preflight).
     pub fn bind(path: &Path, mode: u32, gid: Option<u32>) -> Result<Self, SocketError> {
         let io_err = |action: &'static str| move |err| SocketError::Io { path: path.into(), action, err };
+        make_directory(path, mode, gid)?;
         if refuse_if_live(path)? {
             tracing::info!(path = %path.display(), "removing stale socket file");
             std::fs::remove_file(path).map_err(io_err("remove stale socket"))?;
@@ -116,6 +163,23 @@ mod tests {
         assert_eq!(mode, 0o660);
         drop(s);
         assert!(!path.exists());
+    }
+
+    #[tokio::test]
+    async fn a_missing_directory_is_made_with_the_socket_s_classes_and_an_impossible_one_says_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run").join("s.sock");
+        let s = BoundSocket::bind(&path, 0o660, None).unwrap();
+        let mode = std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o750);
+        drop(s);
+        assert_eq!(directory_mode(0o600), 0o700);
+        assert_eq!(directory_mode(0o666), 0o755);
+        // Under a regular file no directory can be made, even by root.
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        let err = BoundSocket::bind(&file.join("run").join("s.sock"), 0o660, None).unwrap_err().to_string();
+        assert!(err.contains("the socket's directory does not exist and cannot be created") && err.contains("install -d -m 0750 -o USER"), "{err}");
     }
 
     #[tokio::test]

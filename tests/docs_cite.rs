@@ -347,11 +347,12 @@ fn the_readers_find_what_they_read() {
 /// The inputs of the sample outputs docs/CONFIG.md shows, by the name the
 /// page gives each (`/tmp/rl-doc/NAME.toml`). `DIR` stands for the folder
 /// the test writes them to, shown as /tmp/rl-doc.
-const CONFIG_SAMPLES: [(&str, &str); 20] = [
+const CONFIG_SAMPLES: [(&str, &str); 21] = [
+    ("several", "[server]\nmax_connections = \"5\"\nsocket_mod = \"0660\"\n\n[[policy]]\nname = \"login\"\nlimt = 5\nwindow = \"60s\"\n\n[redis]\nclock = \"redsi\"\n[sever]\n"),
     ("sentinel_ok", "[redis.sentinel]\nmaster_name = \"mymaster\"\naddresses = [\"10.0.0.1:26379\", \"10.0.0.2:26379\"]\n"),
     ("many", "[server]\nsocket_mode = \"0999\"\nmax_connections = 0\n[redis]\ntimeout_ms = 0\nkey_prefix = \"{x}\"\n[limits]\nmax_local_keys = 10\n[log]\nlevel = \"infoo\"\n"),
     ("outside", "[server]\nsocket_group = \"no-such-group\"\n[redis]\npassword_file = \"/nonexistent/pw\"\n[redis.sentinel]\nmaster_name = \"mymaster\"\naddresses = [\"10.0.0.1:26379\"]\npassword_env = \"RATELIMITD_SENTINEL_PW\"\n"),
-    ("typo", "[redis]\nurl = \"redis://127.0.0.1:6379\"\ntimeot = \"20ms\"\n"),
+    ("typo", "[redis]\nurl = \"redis://127.0.0.1:6379\"\ntimout = \"20ms\"\n"),
     ("range", "[redis]\ntimeout_ms = 0\n"),
     ("breaker", "[redis]\nbreaker_failures = 0\n"),
     ("idle", "[server]\nidle_timeout_ms = 0\n"),

@@ -147,7 +147,14 @@ fn healthz_follows_the_backend_and_the_new_metrics_pass_promtool() {
 
     let (code, dump) = body(&endpoint(&d, "/config"));
     assert_eq!(code, 200);
-    assert!(dump.contains("name: \"login\"") && dump.contains("limit: 100"), "{dump}");
+    // In the file's own terms (was a Rust Debug dump: `socket_mode: 432`,
+    // `timeout: 500ms` as a Duration): TOML that reads back.
+    assert!(dump.contains("[[policy]]\nname = \"login\"\nlimit = 100\nwindow = \"60s\"\n"), "durations as written: {dump}");
+    assert!(dump.contains("[server]\n") && dump.contains("\nsocket_mode = \"0660\"\n") && dump.contains("\ntimeout = \"500ms\"\n"), "{dump}");
+    let shown = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(shown.path(), &dump).unwrap();
+    let (code, out) = ratelimitd(&["check-config", "--config", shown.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "GET /config reads back as a configuration: {out}\n{dump}");
 
     let text = metrics(&d);
     assert_eq!(sample(&text, &format!("ratelimitd_build_info{{version=\"{}\",protocol=\"1\"}} ", env!("CARGO_PKG_VERSION"))), 1.0);
@@ -222,7 +229,7 @@ fn check_config_with_nginx_lists_the_names_nginx_uses_and_fails_on_a_missing_one
     // `config show` prints what GET /config serves, from the file.
     let (code, out) = ratelimitd(&["config-show", "--config", &toml]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("name: \"login_failures\""), "{out}");
+    assert!(out.contains("name = \"login_failures\""), "{out}");
 }
 
 #[test]

@@ -59,25 +59,41 @@ describe("leases", function()
 end)
 
 describe("leases without an indexed $request_id", function()
-    it("says so once, and keeps a request's leases in ngx.ctx (lost on a redirect)", function()
+    it("keeps a request's leases under what nginx keeps for it across redirects, and says nothing", function()
         package.loaded["resty.ratelimitd.leases"] = nil
+        package.loaded["resty.ratelimitd.request"] = nil
         local n = 0
-        -- Unindexed, every read of $request_id makes a new one.
-        ngx.var = setmetatable({}, { __index = function() n = n + 1; return "fresh-" .. n end })
+        -- Unindexed, every read of $request_id makes a new one; the
+        -- request object, its start, its connection stay.
+        local r, start, conn, reqs = "cdata<void *>: 0x55aa10", 1000.25, "7", "1"
+        ngx.var = setmetatable({}, { __index = function(_, k)
+            if k == "request_id" then n = n + 1; return "fresh-" .. n end
+            if k == "connection" then return conn end
+            if k == "connection_requests" then return reqs end
+        end })
+        rawset(ngx, "req", { start_time = function() return start end })
+        package.loaded["resty.core.base"] = { get_request = function() return r end }
         ngx.ctx = {}
         logged = {}
         local fresh = require "resty.ratelimitd.leases"
         local id, held = fresh.of_request()
         assert.is_nil(held)
-        assert.equals(1, #logged)
-        assert.matches("request_id is not indexed", logged[1])
+        -- A lease id: printable, no space or '#', 64 bytes at most.
+        assert.is_nil(id:find("[%s#%c]"))
+        assert.is_true(#id <= 64)
         fresh.remember(id, lease("a"), 30)
+        -- An internal redirect: a new ngx.ctx, the same request.
+        ngx.ctx = {}
         local same_id, same = fresh.of_request()
-        assert.equals(id, same_id, "the lease id is read once per ngx.ctx")
+        assert.equals(id, same_id)
         assert.equals("a", same[1][2])
-        assert.equals(1, #logged)
+        -- The next request of the keep-alive connection, at the same
+        -- address and in the same millisecond, is another request.
+        reqs = "2"
+        assert.is_nil(select(2, fresh.of_request()))
+        reqs = "1"
         local _, taken = fresh.take()
         assert.equals("a", taken[1][2])
-        assert.is_nil(ngx.ctx.ratelimitd_leases)
+        assert.same({}, logged)
     end)
 end)

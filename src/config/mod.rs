@@ -6,10 +6,11 @@
 //! documented in docs/CONFIG.md and in the commented `ratelimitd.example.toml`.
 //!
 //! - `model`: the typed configuration and its errors;
-//! - `file`: the schema serde reads, with its defaults;
+//! - `file`: the schema serde reads, with its defaults, and its parse errors (every one, naming the field);
 //! - `validate`: file to model, every bad field reported;
 //! - `preflight`: secrets, TLS material and the socket group, resolved;
 //! - `nginx_names`: the policy names an nginx configuration uses (`check-config --nginx`);
+//! - `show`: the configuration in force written back as TOML in the file's terms (`GET /config`);
 //! - `reserve`: which policies a reserve and settle can name (the daemon's rule and check-config's).
 
 mod file;
@@ -17,13 +18,14 @@ mod model;
 mod nginx_names;
 mod preflight;
 mod reserve;
+mod show;
 mod validate;
 
 pub use model::{
-    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
+    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, FieldError, HostPort, ParseError, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource, SentinelConfig,
     ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
-pub use nginx_names::{nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, NamedPolicy, NginxReadError};
+pub use nginx_names::{check_limiter_options, nginx_limiter_tables, nginx_multi_policy_names, nginx_policy_names, nginx_settle_policy_names, LimiterCheckError, LimiterTable, NamedPolicy, NginxReadError};
 pub use reserve::{multi_refusal, reserve_refusal};
 pub use validate::parse_duration;
 pub use preflight::{preflight, RedisSecrets, Resolved, TlsMaterial};

@@ -17,8 +17,10 @@ use crate::protocol::{Algorithm, Bounds, FailPolicy};
 pub enum ConfigError {
     #[error("{path}: cannot read: {err}")]
     Read { path: PathBuf, err: std::io::Error },
-    #[error("{path}: line {line}: {message}")]
-    Parse { path: PathBuf, line: usize, message: String },
+    /// The file does not fit its schema: every error found, in file order
+    /// (a syntax error alone: what follows it cannot be read).
+    #[error("{}", ParseErrors { path, errors })]
+    Parse { path: PathBuf, errors: Vec<ParseError> },
     /// Every field that parsed but cannot work, in file order.
     #[error("{}", FieldErrors { path, errors })]
     Invalid { path: PathBuf, errors: Vec<FieldError> },
@@ -43,6 +45,31 @@ impl fmt::Display for FieldErrors<'_> {
                 f.write_str("\n")?;
             }
             write!(f, "{}: {}: {}", self.path.display(), e.field, e.message)?;
+        }
+        Ok(())
+    }
+}
+
+/// One error of a file that did not parse: its line (1-based; 0 when not
+/// known) and what is wrong, naming the field (`config::file::parse`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError {
+    pub line: usize,
+    pub message: String,
+}
+
+struct ParseErrors<'a> {
+    path: &'a Path,
+    errors: &'a [ParseError],
+}
+
+impl fmt::Display for ParseErrors<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{}: line {}: {}", self.path.display(), e.line, e.message)?;
         }
         Ok(())
     }
@@ -88,6 +115,10 @@ pub struct Config {
     /// Old spellings the file used, one line each, for the log and
     /// `check-config` (accepted, to be rewritten).
     pub deprecated: Vec<String>,
+    /// The durations as the file wrote them, by field path
+    /// (`policy.login.window` = "60s"): what `GET /config` shows for a
+    /// duration that still has that value.
+    pub written_durations: BTreeMap<String, String>,
 }
 
 /// One `[[policy]]` (docs/POLICIES.md).
@@ -327,16 +358,6 @@ pub struct TlsFiles {
 }
 
 impl Config {
-    /// The configuration as loaded, for `GET /config` and `ratelimitd
-    /// config show`: every typed value, the Redis URL without its password
-    /// (secret sources are files or variables, named, never read here).
-    pub fn dump(&self) -> String {
-        let mut shown = self.clone();
-        if let Some(RedisConfig { target: RedisTarget::Url(url), .. }) = &mut shown.redis {
-            *url = redacted_url(url);
-        }
-        format!("{shown:#?}\n")
-    }
 }
 
 impl RedisConfig {

@@ -141,6 +141,144 @@ fn is_true(table: &str, word: &str) -> bool {
     false
 }
 
+/// A limiter made from a literal table of options in an nginx
+/// configuration: `ratelimitd.new{ ... }`, `new({ ... })` or
+/// `concurrency{ ... }`, for `check_limiter_options`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimiterTable {
+    /// "new" or "concurrency".
+    pub constructor: String,
+    /// The table's text, braces included.
+    pub table: String,
+    pub file: PathBuf,
+    pub line: usize,
+}
+
+/// Every limiter built from a table in `conf` and the files it includes.
+pub fn nginx_limiter_tables(conf: &Path) -> Result<Vec<LimiterTable>, NginxReadError> {
+    Ok(read_all(conf, limiter_tables_in)?
+        .into_iter()
+        .map(|n| {
+            let (constructor, table) = n.name.split_once('\t').unwrap_or(("new", &n.name));
+            LimiterTable { constructor: constructor.into(), table: table.into(), file: n.file, line: n.line }
+        })
+        .collect())
+}
+
+/// The `new{...}` / `concurrency({...})` calls of one file, as
+/// "CONSTRUCTOR\tTABLE" with the line they start on.
+pub fn limiter_tables_in(text: &str) -> Vec<(String, usize)> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    for constructor in ["new", "concurrency"] {
+        let mut i = 0;
+        while let Some(at) = text[i..].find(constructor).map(|k| k + i) {
+            i = at + constructor.len();
+            // A method or field of a module (`ratelimitd.new`, `rl.new`).
+            if at == 0 || !matches!(b[at - 1], b'.' | b':') || b.get(i).copied().is_some_and(is_ident) || commented(text, at) {
+                continue;
+            }
+            let mut j = skip_space(b, i);
+            if b.get(j) == Some(&b'(') {
+                j = skip_space(b, j + 1);
+            }
+            if b.get(j) != Some(&b'{') {
+                continue;
+            }
+            let end = table_end(b, j);
+            out.push((format!("{constructor}\t{}", &text[j..end]), line_of(b, j)));
+        }
+    }
+    out.sort_by_key(|(_, line)| *line);
+    out
+}
+
+/// Why the limiter options could not be checked at all.
+#[derive(Debug, thiserror::Error)]
+pub enum LimiterCheckError {
+    #[error("luajit cannot be run ({0}): limiter options not checked (install luajit: the check runs the Lua client's own validation)")]
+    NoLuajit(std::io::Error),
+    #[error("the Lua client's resty.ratelimitd.options is not on luajit's path ({0}): limiter options not checked (set LUA_PATH to the directory holding resty/, e.g. LUA_PATH='/usr/share/lua/5.1/?.lua;;')")]
+    NoModule(String),
+    #[error("luajit: {0}")]
+    Failed(String),
+}
+
+/// The Lua that checks each table as `new()` and `concurrency()` do: the
+/// client's own `options.check` (lua/resty/ratelimitd/options.lua) on the
+/// kind `new()` dispatches the table to, so check-config and nginx cannot
+/// disagree. A table whose values are not all literals (a variable, a
+/// call) is skipped: only nginx knows it.
+const CHECK_LUA: &str = r#"
+ngx = { shared = setmetatable({}, { __index = function() return true end }) }
+local found, options = pcall(require, "resty.ratelimitd.options")
+if not found then
+    io.write("NOMODULE\t", (tostring(options):gsub("%s+", " ")), "\n")
+    return
+end
+local literal = setmetatable({}, { __index = function(_, k) error("not a literal: " .. tostring(k), 0) end })
+-- The kind new() and concurrency() build (resty/ratelimitd.lua).
+local function kind(constructor, opts)
+    if constructor == "concurrency" then
+        return opts.policy ~= nil and "concurrency_policy" or "concurrency"
+    end
+    if opts.policies ~= nil or (opts.policy ~= nil and (opts.refundable ~= nil or opts.settle ~= nil)) then
+        return "multi"
+    end
+    return opts.policy ~= nil and "policy" or "inline"
+end
+function check(constructor, text)
+    local chunk = loadstring("return " .. text)
+    if not chunk then
+        return io.write("SKIP\n")
+    end
+    setfenv(chunk, literal)
+    local ok, opts = pcall(chunk)
+    if not ok or type(opts) ~= "table" then
+        return io.write("SKIP\n")
+    end
+    local on_error, err = options.check(kind(constructor, opts), opts)
+    if on_error then
+        return io.write("OK\n")
+    end
+    io.write("ERR\t", (tostring(err):gsub("%s+", " ")), "\n")
+end
+"#;
+
+/// Checks each table with luajit: `None` when `new()` would build the
+/// limiter (or the table is not all literals), `Some(message)` when it
+/// would return nil and that message.
+pub fn check_limiter_options(tables: &[LimiterTable]) -> Result<Vec<Option<String>>, LimiterCheckError> {
+    use std::io::Write;
+    let mut script = String::from(CHECK_LUA);
+    for t in tables {
+        // A long bracket no table text can close.
+        let mut level = String::from("=");
+        while t.table.contains(&format!("]{level}]")) {
+            level.push('=');
+        }
+        script += &format!("check(\"{}\", [{level}[{}]{level}])\n", t.constructor, t.table);
+    }
+    let mut child = std::process::Command::new("luajit")
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(LimiterCheckError::NoLuajit)?;
+    child.stdin.take().expect("piped").write_all(script.as_bytes()).map_err(LimiterCheckError::NoLuajit)?;
+    let out = child.wait_with_output().map_err(LimiterCheckError::NoLuajit)?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if let Some(why) = stdout.strip_prefix("NOMODULE\t") {
+        return Err(LimiterCheckError::NoModule(why.trim().to_string()));
+    }
+    let answers: Vec<Option<String>> = stdout.lines().map(|l| l.strip_prefix("ERR\t").map(str::to_string)).collect();
+    if !out.status.success() || answers.len() != tables.len() {
+        return Err(LimiterCheckError::Failed(String::from_utf8_lossy(&out.stderr).trim().to_string()));
+    }
+    Ok(answers)
+}
+
 /// `names` of every file of `conf` (it and the files it includes).
 fn read_all(conf: &Path, names: fn(&str) -> Vec<(String, usize)>) -> Result<Vec<NamedPolicy>, NginxReadError> {
     let mut seen = Vec::new();
@@ -360,6 +498,27 @@ mod tests {
         "#;
         let found = multi_names_in(text);
         assert_eq!(found, [("per_ip".to_string(), 3), ("per_tenant".to_string(), 4), ("login".to_string(), 5)]);
+    }
+
+    #[test]
+    fn finds_the_tables_limiters_are_made_from_and_checks_them_as_new_does() {
+        let text = "init_worker_by_lua_block {\n  a = rl.new{ policy = \"login\", on_error = \"close\" }\n  b = ratelimitd.concurrency({ limit = 4, lease_ms = 30000 })\n  -- c = rl.new{ bad = 1 }\n  d = rl.new{ policy = name }\n  e = renew{ x = 1 }\n}\n";
+        let found = limiter_tables_in(text);
+        assert_eq!(found.iter().map(|(t, l)| (t.as_str(), *l)).collect::<Vec<_>>(), [
+            ("new\t{ policy = \"login\", on_error = \"close\" }", 2),
+            ("concurrency\t{ limit = 4, lease_ms = 30000 }", 3),
+            ("new\t{ policy = name }", 5),
+        ]);
+        let tables: Vec<LimiterTable> = found
+            .into_iter()
+            .map(|(t, line)| {
+                let (c, table) = t.split_once('\t').unwrap();
+                LimiterTable { constructor: c.into(), table: table.into(), file: "x".into(), line }
+            })
+            .collect();
+        std::env::set_var("LUA_PATH", concat!(env!("CARGO_MANIFEST_DIR"), "/lua/?.lua;;"));
+        let answers = check_limiter_options(&tables).unwrap();
+        assert_eq!(answers, [Some("on_error must be 'open', 'closed' or 'local'".to_string()), None, None]);
     }
 
     #[test]

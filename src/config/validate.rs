@@ -69,6 +69,7 @@ impl Config {
 
     /// Turns the file's values into typed ones, reporting every bad field.
     fn from_file(path: &Path, f: file::File) -> Result<Self, ConfigError> {
+        let written_durations = f.written_durations();
         let mut p = Problems::default();
         let mut deprecated = Vec::new();
         let server = server_config(f.server, &mut p, &mut deprecated);
@@ -87,15 +88,12 @@ impl Config {
         let denial_cache = denial_cache_config(f.denial_cache, &mut p, &mut deprecated);
         let policies = policies_config(f.policy, &limits.bounds, &mut p, &mut deprecated);
         let admin = admin_config(f.admin, &mut p);
-        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated })
+        p.into_result(path, Self { server, redis, limits, log, metrics, denial_cache, admin, policies, deprecated, written_durations })
     }
 }
 
 fn parse_file(path: &Path, text: &str) -> Result<file::File, ConfigError> {
-    toml::from_str(text).map_err(|e| {
-        let line = e.span().map_or(0, |s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-        ConfigError::Parse { path: path.into(), line, message: e.message().trim().replace('\n', " ") }
-    })
+    file::parse(path, text)
 }
 
 fn at_least_one<T: PartialEq + Default>(p: &mut Problems, field: &'static str, v: T) -> T {
@@ -732,7 +730,7 @@ mod tests {
         let c = parse("[redis]\nurl = \"redis://u:s3cret@h:6379/0\"\n[[policy]]\nname = \"order\"\nlimit = 7\nwindow = \"2s\"\n").unwrap();
         let dump = c.dump();
         assert!(!dump.contains("s3cret"), "{dump}");
-        assert!(dump.contains("redis://u:***@h:6379/0") && dump.contains("name: \"order\"") && dump.contains("limit: 7"), "{dump}");
+        assert!(dump.contains("redis://u:***@h:6379/0") && dump.contains("name = \"order\"\nlimit = 7\nwindow = \"2s\"\n"), "{dump}");
         assert_eq!(dump, c.clone().dump(), "deterministic: the hash of equal configurations is equal");
     }
 

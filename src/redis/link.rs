@@ -147,6 +147,11 @@ pub struct RedisLink {
     /// each per interval however often a sick Redis trips it.
     trip_log: RateLimitedLog,
     up_log: RateLimitedLog,
+    /// A line saying Redis is down or slow was logged and no line saying it
+    /// is back has been since: the next recovery is logged whatever
+    /// `up_log` says, so the log never ends on "cannot reach redis" while
+    /// the link is up.
+    down_said: AtomicBool,
 }
 
 impl std::fmt::Debug for RedisLink {
@@ -212,6 +217,7 @@ impl RedisLink {
             probe,
             trip_log: RateLimitedLog::new(LOG_INTERVAL),
             up_log: RateLimitedLog::new(LOG_INTERVAL),
+            down_said: AtomicBool::new(false),
         });
         METRICS.redis_in_flight_limit(link.in_flight.limit());
         if let Connector::Sentinel(s) = &connector {
@@ -428,6 +434,17 @@ impl RedisLink {
         }
     }
 
+    /// Whether the line saying the link is up again may be logged now (with
+    /// how many were held back): always after a logged failure, else at
+    /// most once per `LOG_INTERVAL`.
+    fn recovery_permit(&self) -> Option<u64> {
+        if self.down_said.swap(false, Ordering::Relaxed) {
+            Some(self.up_log.force())
+        } else {
+            self.up_log.permit()
+        }
+    }
+
     /// The connection is gone or points at the wrong server: open the
     /// breaker and reconnect.
     fn link_lost(&self, e: &RedisError) {
@@ -435,6 +452,7 @@ impl RedisLink {
             METRICS.breaker_opened();
             if let Some(suppressed) = self.trip_log.permit() {
                 tracing::warn!(error = %e, breaker_opened_before = suppressed, "redis connection lost; breaker open, reconnecting");
+                self.down_said.store(true, Ordering::Relaxed);
             }
         }
         self.want_reconnect();
@@ -468,6 +486,7 @@ impl RedisLink {
                     breaker_opened_before = suppressed,
                     "redis too slow; breaker open, requests follow their fail policy until a probe succeeds"
                 );
+                self.down_said.store(true, Ordering::Relaxed);
             }
             self.want_reconnect();
         }
@@ -659,7 +678,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
                 }
                 if !was_open {
                     tracing::debug!(sha, scripts = link.scripts.len(), "every script reloaded");
-                } else if let Some(suppressed) = link.up_log.permit() {
+                } else if let Some(suppressed) = link.recovery_permit() {
                     tracing::info!(redis = %target, sha, scripts = link.scripts.len(), after_failures = failures, closed_before = suppressed, "redis link up; script loaded; breaker closed");
                 }
                 failures = 0;
@@ -668,7 +687,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             Ok(Err(e)) => {
                 failures += 1;
                 let reason = e.to_string();
-                log_probe_failure(&target, failures, &reason);
+                log_probe_failure(&link, &target, failures, &reason);
                 // Start-up stops waiting for a Redis that answered (refused
                 // the connection, or said no), not for one that timed out:
                 // a slow first connection (a TLS Cluster's handshakes) is
@@ -680,7 +699,7 @@ async fn supervise(link: Arc<RedisLink>, connector: Connector, shutdown: Cancell
             }
             Err(_) => {
                 failures += 1;
-                log_probe_failure(&target, failures, &format!("no answer within {probe_limit:?}"));
+                log_probe_failure(&link, &target, failures, &format!("no answer within {probe_limit:?}"));
             }
         }
         // Whatever failed, the next attempt starts from a fresh connection.
@@ -926,11 +945,12 @@ async fn keepalive(link: &RedisLink) {
     }
 }
 
-fn log_probe_failure(target: &str, failures: u32, reason: &str) {
+fn log_probe_failure(link: &RedisLink, target: &str, failures: u32, reason: &str) {
     // The first failure, then every 60th: about every 30 s when attempts
     // fail at once, longer when each waits out a connect timeout.
     if failures == 1 || failures % 60 == 0 {
         tracing::warn!(redis = %target, failures, reason, "cannot reach redis; requests follow their fail policy");
+        link.down_said.store(true, Ordering::Relaxed);
     }
 }
 

@@ -1,12 +1,12 @@
 -- resty.ratelimitd.leases: the concurrency leases each request of this
 -- worker holds, kept so that they survive internal redirects (error_page,
 -- try_files, ngx.exec, named locations), which clear ngx.ctx. A request is
--- known by its $request_id, which nginx keeps for the whole request once the
--- configuration indexes it (the snippet's `map $request_id
--- $ratelimitd_request_id`; unindexed, each read makes a new id); the leases
--- are kept in a table of the worker under it.
+-- known by its identity from request.lua (its $request_id when the
+-- configuration indexes it, else what nginx keeps for the request across
+-- redirects: no line in nginx.conf is needed); the leases are kept in a
+-- table of the worker under it.
 
-local log_failure = require("resty.ratelimitd.log").failure
+local request_id = require("resty.ratelimitd.request").id
 
 local ngx = ngx
 local ngx_now = ngx.now
@@ -19,10 +19,6 @@ local _M = {}
 -- daemon has dropped every lease of the list, so an entry whose request
 -- never reached leave() (no log_by_lua where it ended) is swept.
 local held_by_request, entries, sweep_at = {}, 0, 1024
-
--- nil until the first enter() of this worker has looked: whether
--- $request_id is the same at each read (indexed), as the leases need.
-local stable_id
 
 local function sweep()
     local now = ngx_now()
@@ -40,51 +36,24 @@ end
 --- The request's identity, the same across internal redirects, and the
 -- list of leases it holds (nil for none).
 function _M.of_request()
-    local id = ngx.var.request_id
-    if stable_id == nil then
-        stable_id = ngx.var.request_id == id
-        if not stable_id then
-            log_failure("request_id", "-", "$request_id is not indexed (include the snippet's map $request_id line):"
-                .. " leases are not released after internal redirects")
-        end
-    end
-    if stable_id then
-        return id, held_by_request[id]
-    end
-    -- Without a stable id: this location's ngx.ctx (lost on a redirect).
-    local ctx = ngx.ctx
-    local lease = ctx.ratelimitd_lease
-    if not lease then
-        ctx.ratelimitd_lease = id
-        return id, nil
-    end
-    return lease, ctx.ratelimitd_leases
+    local id = request_id()
+    return id, held_by_request[id]
 end
 
 --- Records `lease` ({ limiter, wire key, cost, decision }) as held by the
 -- request `id` (from of_request) for at most `lease_s` seconds.
 function _M.remember(id, lease, lease_s)
     local expires = ngx_now() + lease_s
-    local held
-    if stable_id then
-        held = held_by_request[id]
-        if not held then
-            -- The sweep first: it must not see this request's list before
-            -- its expiry is set.
-            if entries >= sweep_at then
-                sweep()
-            end
-            held = { expires = expires }
-            held_by_request[id] = held
-            entries = entries + 1
+    local held = held_by_request[id]
+    if not held then
+        -- The sweep first: it must not see this request's list before
+        -- its expiry is set.
+        if entries >= sweep_at then
+            sweep()
         end
-    else
-        local ctx = ngx.ctx
-        held = ctx.ratelimitd_leases
-        if not held then
-            held = { expires = expires }
-            ctx.ratelimitd_leases = held
-        end
+        held = { expires = expires }
+        held_by_request[id] = held
+        entries = entries + 1
     end
     if expires > held.expires then
         held.expires = expires
@@ -99,12 +68,8 @@ function _M.take()
     if not held then
         return id, nil
     end
-    if stable_id then
-        held_by_request[id] = nil
-        entries = entries - 1
-    else
-        ngx.ctx.ratelimitd_leases = nil
-    end
+    held_by_request[id] = nil
+    entries = entries - 1
     return id, held
 end
 

@@ -3,13 +3,19 @@
 -- and run the access phase again in the new location: the decisions its
 -- limit() calls made, so that the same limiter deciding the same request
 -- again reuses its first answer (no second count), and its decision table
--- for a later refund() or settle() (decision()).
+-- for a later refund() or settle() (decision()). leases.lua keeps a
+-- request's concurrency leases under the same identity (id()).
 --
--- A request is known by its $request_id, the same for the whole request once
--- the configuration indexes it (the snippet's `map $request_id
--- $ratelimitd_request_id`; unindexed, each read makes a new id, and nothing
--- is kept: each run of the access phase decides, as before). nginx makes
--- the id (random hex): nothing a client sends chooses it.
+-- A request is known by its $request_id when the configuration indexes it
+-- (the snippet's `map $request_id $ratelimitd_request_id`): the same for the
+-- whole request. Without that line each read of $request_id makes a new id;
+-- the request is then known by what nginx keeps for it across redirects:
+-- the address of its request object, its start time (ms), its connection's
+-- serial number and the connection's count of requests. Two requests of a
+-- worker alive at once never share the address; a later request that gets
+-- the freed address also has the same start millisecond, connection and
+-- request count only if it is the same request. nginx makes all of these:
+-- nothing a client sends chooses the identity.
 --
 -- Bounded: the worker keeps the decisions of the requests it decided last,
 -- in two generations of GENERATION requests each; a full current
@@ -23,7 +29,8 @@
 
 local ngx = ngx
 local concat = table.concat
-local type = type
+local type, tostring, require = type, tostring, require
+local match, sub = string.match, string.sub
 
 local _M = {}
 
@@ -38,24 +45,47 @@ local current, previous, entries = {}, {}, 0
 -- at each read (indexed).
 local stable_id
 
---- The request's identity, the same across internal redirects when
--- `stable` (else only $request_id of this read).
+-- The request object's address, from lua-resty-core (which the Lua module
+-- requires since 0.10.16), and 12 hex digits of nginx's own randomness (one
+-- $request_id): loaded at the first request without an indexed $request_id.
+-- The digits tell apart two workers or hosts whose requests share an
+-- address, start and connection numbers (each host counts connections from
+-- 1): a lease id need only be unique among the key's leases.
+local get_request, worker_token
+
+-- The identity nginx keeps for a request across its internal redirects,
+-- when $request_id is not indexed (see above): at most 12 + 12 + 1 + 14 +
+-- 1 + 10 + 1 + 10 bytes, within a lease id's 64, without a space or `#`.
+local function own_id()
+    local var = ngx.var
+    if not get_request then
+        get_request = require("resty.core.base").get_request
+        worker_token = sub(var.request_id, 1, 12)
+    end
+    return worker_token .. match(tostring(get_request()), "0x(%x+)") .. "-" .. ngx.req.start_time() .. "-" .. var.connection .. "-" .. var.connection_requests
+end
+
+--- The request's identity, the same across internal redirects: its
+-- $request_id when indexed, else what nginx keeps for it (own_id).
 function _M.id()
+    if stable_id == false then
+        return own_id()
+    end
     local id = ngx.var.request_id
     if stable_id == nil then
         stable_id = ngx.var.request_id == id
+        if not stable_id then
+            return own_id()
+        end
     end
-    return id, stable_id
+    return id
 end
 
 -- The entry of the request (made when `make`), or nil. One table per
 -- request: limiter -> its last decision table, that table -> the call it
 -- answered (call_of), and `ctx`.
 local function entry(make)
-    local id, stable = _M.id()
-    if not stable or not id then
-        return nil
-    end
+    local id = _M.id()
     local e = current[id]
     if e then
         return e
@@ -93,7 +123,7 @@ end
 
 --- The decision `lim` made for `key` of `cost` earlier in this request
 -- (before an internal redirect), or nil; then the request's entry and the
--- call, for remember(); nil entry when the request has no stable id.
+-- call, for remember().
 function _M.decided(lim, key, cost)
     local e = entry(true)
     if not e then
