@@ -24,6 +24,20 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# redis_script NAME: the Redis script NAME (src/redis/scripts/NAME.lua) as
+# the daemon runs it: every `--@include FILE` line replaced by that file,
+# expanded the same way (build.rs does this for the binary).
+redis_script() {
+  awk -v dir="$ROOT/src/redis/scripts" '
+    function expand(file,    line) {
+      while ((getline line < file) > 0) {
+        if (line ~ /^--@include /) expand(dir "/" substr(line, 12)); else print line
+      }
+      close(file)
+    }
+    BEGIN { expand(dir "/" ARGV[1] ".lua"); exit }' "$1"
+}
+
 need_cargo() {
   if ! command -v cargo >/dev/null 2>&1; then
     [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::config::{PolicyConfig, RedisConfig, RedisSecrets};
 use crate::policies::Policies;
 use crate::protocol::Algorithm;
-use crate::redis::{shard_key, Connector, ConnectorError, LinkConnection, WindowKey};
+use crate::redis::{scripts, shard_key, Connector, ConnectorError, LinkConnection, WindowKey};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -268,7 +268,7 @@ pub async fn inspect(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Poli
     Ok(out)
 }
 
-/// A GCRA key (src/redis/gcra.lua): the theoretical arrival time in ms
+/// A GCRA key (src/redis/scripts/gcra.lua): the theoretical arrival time in ms
 /// (then, on a key a reserve touched, what settles need). `newest_age_ms` is now − TAT: negative while the bucket is
 /// not full (by as many ms as it needs to fill); members and in_window are
 /// 1 while it is not full, else 0.
@@ -290,7 +290,7 @@ fn inspect_gcra(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
 }
 
 /// A fixed window or sliding counter ("<window start> <count>[ <previous
-/// count>]", src/redis/fixed_window.lua, sliding_counter.lua): members and
+/// count>]", src/redis/scripts/fixed_window.lua, sliding_counter.lua): members and
 /// in_window are the current fixed window's count.
 fn inspect_counter(redis_key: Vec<u8>, window_ms: u32, algorithm: Algorithm, bytes: &[u8], ttl_ms: i64) -> Inspection {
     let count = std::str::from_utf8(bytes).ok().and_then(|s| s.split(' ').nth(1)).and_then(|c| c.parse::<u64>().ok()).unwrap_or(0);
@@ -307,7 +307,7 @@ fn inspect_counter(redis_key: Vec<u8>, window_ms: u32, algorithm: Algorithm, byt
     }
 }
 
-/// A ring (src/redis/ring.lua): an 8-byte header, then slots of 8-byte
+/// A ring (src/redis/scripts/ring.lua): an 8-byte header, then slots of 8-byte
 /// little-endian doubles, each an admission unit's time in ms (0: empty).
 fn inspect_ring(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, ttl_ms: i64) -> Inspection {
     let times: Vec<i64> = bytes.get(8..).unwrap_or_default().chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as i64).filter(|&t| t > 0).collect();
@@ -324,61 +324,6 @@ fn inspect_ring(redis_key: Vec<u8>, window_ms: u32, bytes: &[u8], now_ms: i64, t
     }
 }
 
-/// A log window's reset (src/redis/sliding_window.lua): every admission is
-/// forgotten, but not the members scored after Redis's now. Those are
-/// units some daemon or nginx worker may still admit from (a quota lease's
-/// or a worker share's, scored `t0 + life`) or a reservation not yet
-/// settled: deleting them would let their holders admit past the limit
-/// (they admit with no Redis call) and make their settle a no-op (`ZADD
-/// XX`), so Redis's record would not even show it. They leave as they
-/// would have: settled, or at their score plus the window. Returns
-/// {members removed, members kept}.
-const RESET_LOG_SCRIPT: &str = "#!lua
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local removed = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return { removed, redis.call('ZCARD', KEYS[1]) }";
-
-/// A fixed window's or sliding counter's reset (src/redis/fixed_window.lua,
-/// sliding_counter.lua): the count becomes what the reservations still
-/// outstanding on it hold, each read from its settle record (KEYS[2..],
-/// "<window start> <cost>"): a quota lease of these algorithms is such a
-/// reservation, admitted from with no Redis call and given back by its
-/// settle, so its units must stay counted (the reset would otherwise admit
-/// past the limit: 206 of 200 with one lease). ARGV[1] the window length
-/// (a sliding counter's previous window is one length earlier), ARGV[2]
-/// 'f' or 's' (the layout), ARGV[3] 'set' (the reset) or 'add' (records
-/// found after it: added, which may count one twice, never none). The key
-/// keeps its expiry. Returns {windows touched, units kept}.
-const RESET_COUNTER_SCRIPT: &str = "#!lua
-local stored = redis.call('GET', KEYS[1])
-if not stored then return { 0, 0 } end
-local start, cur, prev = string.match(stored, '^(%d+) (%d+) ?(%d*)')
-start = tonumber(start)
-local window, sliding, add = tonumber(ARGV[1]), ARGV[2] == 's', ARGV[3] == 'add'
-local kept_cur, kept_prev = 0, 0
-if add then
-  kept_cur, kept_prev = tonumber(cur), tonumber(prev) or 0
-end
-local kept = 0
-for i = 2, #KEYS do
-  local s, c = string.match(redis.call('GET', KEYS[i]) or '', '^(%d+) (%d+)')
-  s, c = tonumber(s), tonumber(c)
-  if s == start then
-    kept_cur, kept = kept_cur + c, kept + c
-  elseif sliding and s == start - window then
-    kept_prev, kept = kept_prev + c, kept + c
-  end
-end
-if kept_cur + kept_prev == 0 then
-  redis.call('DEL', KEYS[1])
-elseif sliding then
-  redis.call('SET', KEYS[1], start .. ' ' .. kept_cur .. ' ' .. kept_prev, 'KEEPTTL')
-else
-  redis.call('SET', KEYS[1], start .. ' ' .. kept_cur, 'KEEPTTL')
-end
-return { 1, kept }";
-
 /// The settle records of `window` (its Redis key) outstanding now.
 async fn settle_records(conn: &mut LinkConnection, window: &[u8]) -> Result<Vec<Vec<u8>>, AdminError> {
     let mut pattern = crate::redis::glob_escaped(window);
@@ -389,7 +334,7 @@ async fn settle_records(conn: &mut LinkConnection, window: &[u8]) -> Result<Vec<
     Ok(scan_slot(conn, window, &pattern).await?.into_iter().filter(|k| k.strip_prefix(&prefix[..]).is_some_and(|h| h.len() == 32 && h.iter().all(u8::is_ascii_hexdigit))).collect())
 }
 
-/// Resets a counter window (`RESET_COUNTER_SCRIPT`): its records read,
+/// Resets a counter window (src/redis/scripts/reset_counter.lua): its records read,
 /// the count set, then the records that appeared meanwhile added (a
 /// reservation made between the scan and the script would otherwise be
 /// forgotten while its holder admits from it). Returns (touched, kept).
@@ -397,7 +342,7 @@ async fn reset_counter(conn: &mut LinkConnection, window: &[u8], window_ms: u32,
     let layout = if algorithm == Algorithm::SlidingCounter { "s" } else { "f" };
     let run = |records: &[Vec<u8>], pass: &'static str| {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(RESET_COUNTER_SCRIPT).arg(1 + records.len()).arg(window).arg(records).arg(window_ms).arg(layout).arg(pass);
+        cmd.arg(scripts::RESET_COUNTER).arg(1 + records.len()).arg(window).arg(records).arg(window_ms).arg(layout).arg(pass);
         cmd
     };
     let before = settle_records(conn, window).await?;
@@ -427,7 +372,7 @@ pub struct ResetWindow {
 /// Resets every window of `target` (every shard's of a sharded policy, a
 /// concurrency policy's leases): its quota is whole again, less the units
 /// outstanding in quota leases, worker shares and reservations (a log
-/// window's, `RESET_LOG_SCRIPT`; a fixed window's or sliding counter's,
+/// window's, src/redis/scripts/reset_log.lua; a fixed window's or sliding counter's,
 /// `reset_counter`). A GCRA, ring or concurrency window is deleted (none
 /// is leased; a GCRA reservation outstanding settles to nothing).
 pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[PolicyConfig], target: Target<'_>) -> Result<Vec<ResetWindow>, AdminError> {
@@ -438,7 +383,7 @@ pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Policy
     let mut out = Vec::new();
     for Found { key, redis_key, window_ms, counter, .. } in found(&mut conn, cfg, policies, target).await? {
         let (removed, kept_outstanding) = match counter {
-            Counter::Window(Algorithm::Log) => redis::cmd("EVAL").arg(RESET_LOG_SCRIPT).arg(1).arg(&redis_key).query_async(&mut conn).await?,
+            Counter::Window(Algorithm::Log) => redis::cmd("EVAL").arg(scripts::RESET_LOG).arg(1).arg(&redis_key).query_async(&mut conn).await?,
             Counter::Window(a @ (Algorithm::Fixed | Algorithm::SlidingCounter)) => reset_counter(&mut conn, &redis_key, window_ms, a).await?,
             _ => (redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?, 0),
         };

@@ -541,7 +541,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
             // Bound before Redis's first answer (below), so that a restart
             // leaves the socket absent only from the old daemon's exit to
             // this line: the Lua client tries again within its connect
-            // budget meanwhile (docs/OPERATIONS.md, "Restarts").
+            // budget meanwhile (docs/OPERATIONS.md §3).
             let mut bound = BoundSocket::bind(&s.listen, s.socket_mode, resolved.socket_gid)?;
             let l = bound.take_listener().expect("fresh socket");
             tracing::info!(socket = %bound.path().display(), mode = format_args!("{:04o}", s.socket_mode), group = s.socket_group.as_deref().unwrap_or("-"), "listening");

@@ -167,11 +167,11 @@ pub enum Lookup {
 /// Whether a refusal by `algorithm` stays true, for every request of the
 /// same key, limit and window at no smaller cost, until its retry-after:
 /// the argument of the module doc. The ring decides exactly as the log
-/// (src/redis/ring.lua; its retry-after names the same admission). GCRA's
+/// (src/redis/scripts/ring.lua; its retry-after names the same admission). GCRA's
 /// state only moves on admissions and a larger cost needs more tokens, so
-/// its refusals hold as long (src/redis/gcra.lua). The fixed window's count
+/// its refusals hold as long (src/redis/scripts/gcra.lua). The fixed window's count
 /// and the sliding counter's estimate never fall before the retry-after
-/// they answer without an admission (src/redis/fixed_window.lua,
+/// they answer without an admission (src/redis/scripts/fixed_window.lua,
 /// sliding_counter.lua).
 pub const fn is_exact_for(algorithm: Algorithm) -> bool {
     match algorithm {

@@ -76,7 +76,7 @@ struct KeyWindow {
     /// GCRA's theoretical arrival time in ms (GCRA windows only; their
     /// `entries` stay empty).
     tat_ms: f64,
-    /// GCRA once a reserve touched the window (src/redis/gcra.lua,
+    /// GCRA once a reserve touched the window (src/redis/scripts/gcra.lua,
     /// "Reserved keys"): the ms of tokens charged since, and which
     /// window that is (0: none yet; a new one after a sweep).
     gcra_charged: f64,
@@ -115,7 +115,7 @@ impl KeyWindow {
     /// Moves a fixed window or sliding counter to the window `wall_ms` is
     /// in; returns its (start, length). A fixed window's count above
     /// `limit` is debt (only a settle makes one): each window since paid
-    /// one limit of it, as src/redis/fixed_window.lua counts.
+    /// one limit of it, as src/redis/scripts/fixed_window.lua counts.
     fn roll(&mut self, window_ms: u32, limit: u64, wall_ms: u64, sliding: bool) -> (u64, u64) {
         let (start, end) = crate::window::fixed_bounds(window_ms, wall_ms);
         let w = end - start;
@@ -205,7 +205,7 @@ impl KeyWindow {
     }
 
     /// The fixed window (`sliding` false) or the sliding counter, as
-    /// src/redis/fixed_window.lua and sliding_counter.lua decide them, at
+    /// src/redis/scripts/fixed_window.lua and sliding_counter.lua decide them, at
     /// `wall_ms` on the wall clock (windows are UTC-aligned); `now_ms` is
     /// the store's clock, for the sweep.
     fn fixed(&mut self, spec: &LimitSpec<'_>, wall_ms: u64, now_ms: u64, sliding: bool) -> Verdict {
@@ -262,7 +262,7 @@ impl KeyWindow {
         v
     }
 
-    /// GCRA, as src/redis/gcra.lua decides it (same rounding).
+    /// GCRA, as src/redis/scripts/gcra.lua decides it (same rounding).
     fn gcra(&mut self, spec: &LimitSpec<'_>, now_ms: u64) -> Verdict {
         const EPS: f64 = 1e-6;
         let (now, window, limit) = (now_ms as f64, f64::from(spec.window_ms), f64::from(spec.limit));
@@ -286,7 +286,7 @@ impl KeyWindow {
 
 /// When (wall clock) a fixed window starting at `start` (`w`: a plain
 /// window's length) holding `count` takes `cost` again, as
-/// src/redis/fixed_window.lua's `debt_end`: the next window, or, with
+/// src/redis/scripts/fixed_window.lua's `debt_end`: the next window, or, with
 /// debt (count above the limit), the first window the carried debt leaves
 /// room in. Calendar windows are walked one by one, no further than a
 /// response's retry_after can say (u32 ms, 49.7 days).
@@ -414,7 +414,7 @@ impl LocalStore {
     }
 
     /// Acquires a lease of `cost` slots on `key` for `lease_ms`, if the
-    /// key's slots held stay within `limit`; as src/redis/concurrency.lua
+    /// key's slots held stay within `limit`; as src/redis/scripts/concurrency_slots.lua
     /// answers. An id the key holds already is renewed (SEMANTICS S4): its
     /// slots are not counted against the new cost, and a refused renewal
     /// leaves the lease as it was.
@@ -655,7 +655,7 @@ impl LocalStore {
         let (actual, est, limit) = (u64::from(spec.cost), rec.estimate, u64::from(spec.limit));
         match algorithm {
             Algorithm::Gcra => {
-                // As src/redis/gcra.lua: a surplus gives back no more than
+                // As src/redis/scripts/gcra.lua: a surplus gives back no more than
                 // charging the actual at the reserve's time would have left.
                 let t = f64::from(spec.window_ms) / f64::from(spec.limit);
                 let now = now_ms as f64;
@@ -909,7 +909,7 @@ mod tests {
         assert!(w.fixed(&s, apr1, 9, false).allowed);
     }
 
-    /// GCRA settles against the history they stand for (src/redis/gcra.lua,
+    /// GCRA settles against the history they stand for (src/redis/scripts/gcra.lua,
     /// "Reserved keys"; issue 33 item 2): after every operation of a random
     /// trace the bucket leaves no more room than replaying what was
     /// admitted with each settled reserve charged its actual at its

@@ -2,7 +2,7 @@
 //! "Penalty box"): a policy with `penalty = { after, within, ban }` bans a
 //! key refused `after` times within `within` for `ban`.
 //!
-//! With Redis the ban lives there (src/redis/penalty.lua, one key in the
+//! With Redis the ban lives there (src/redis/scripts/penalized_check.lua, one key in the
 //! key's slot, checked in the same call as the window), and this table is
 //! its cache: once Redis answered that a key is banned for `d` ms, the
 //! key's requests are refused here, with no Redis call, until `d` ms after

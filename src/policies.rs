@@ -162,7 +162,7 @@ impl PolicyCounters {
     }
 }
 
-/// A penalty box's counters (docs/METRICS: `ratelimitd_penalty_*`).
+/// A penalty box's counters (`ratelimitd_penalty_*`, docs/OPERATIONS.md §6).
 #[derive(Debug, Default)]
 pub struct PenaltyCounters {
     /// Bans this daemon's requests engaged (shadow policies' too).

@@ -62,7 +62,7 @@ pub enum StoreError {
 /// any valid duration (30 days at most), so it never names a plain window.
 /// `CALENDAR + (minutes << 12) + (offset_minutes + 2048)`, with `minutes`
 /// the window's length (0: a calendar month) and the offset within ±14:00.
-/// src/redis/fixed_window.lua decodes it the same way.
+/// src/redis/scripts/fixed_window.lua decodes it the same way.
 pub const CALENDAR: u32 = 0xC000_0000;
 
 /// The `window_ms` of a fixed window of `minutes` (0: a calendar month)

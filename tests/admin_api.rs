@@ -8,10 +8,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use common::redis_cluster::RedisCluster;
 use common::{Daemon, RedisServer};
+use common::clock::now_ms;
 use ratelimitd::admin_api::client::{encode, request, Reply};
 use ratelimitd::config::AdminListen;
 use ratelimitd::protocol::{Decision, FailPolicy, PolicyCheckArgs};
@@ -49,10 +50,6 @@ fn call(dir: &Path, token: Option<&str>, method: &str, path: &str, body: Option<
 
 fn policy<'a>(name: &'a str, key: &'a str) -> PolicyCheckArgs<'a> {
     PolicyCheckArgs { policy: name.as_bytes(), key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
 /// Checks `key` on `d` every 10 ms until the answer is `want`; how long it took.

@@ -9,16 +9,11 @@ mod common;
 use std::time::Duration;
 
 use common::{args, Daemon, RedisServer, Setup};
+use common::redis_server::evalsha_calls;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_RELEASE};
 
 fn with_cost<'a>(a: &CheckArgs<'a>, cost: u32) -> CheckArgs<'a> {
     CheckArgs { cost, ..a.clone() }
-}
-
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
 }
 
 /// The ring decides every request exactly as the log (same decision,
@@ -159,7 +154,7 @@ async fn a_policy_counts_with_its_algorithm() {
     assert_eq!(t, "string");
 }
 
-/// GCRA (src/redis/gcra.lua, and the memory store's copy): a bucket of
+/// GCRA (src/redis/scripts/gcra.lua, and the memory store's copy): a bucket of
 /// `limit` tokens refilled at `limit` per window. From a full bucket the
 /// burst passes, each admission carrying its pacing delay (0, T, 2T, ...);
 /// the next is refused with the time until a token is back; one token per
@@ -221,10 +216,8 @@ async fn gcra_in_memory() {
 #[test]
 fn gcra_paces_a_burst_through_nginx() {
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = common::Nginx::start(&format!(
         r#"{snippet}
 lua_shared_dict arrivals 1m;
@@ -276,7 +269,7 @@ server {{
             .map(|_| {
                 let url = url.clone();
                 std::thread::spawn(move || {
-                    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+                    let agent = common::http::agent();
                     agent.get(&url).call().unwrap().status().as_u16()
                 })
             })
@@ -316,7 +309,7 @@ fn lease_args<'a>(key: &'a str, lease: &'a str, limit: u32, lease_ms: u32) -> Le
     LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit, lease_ms, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
 }
 
-/// Concurrency leases (ACQUIRE and RELEASE, src/redis/concurrency.lua and
+/// Concurrency leases (ACQUIRE and RELEASE, src/redis/scripts/concurrency_slots.lua and
 /// the memory store's): at most `limit` held; a release frees its slot at
 /// once; a lease never released stops counting when it expires.
 async fn leases_hold_release_and_expire(setup: &Setup) {
@@ -430,7 +423,7 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
     let still = c.policy_lease(false, &ask("t1", "e")).await.unwrap();
     assert_eq!(still.decision, Decision::Denied, "the stream is in sync after the errors: {still:?}");
 
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let agent = common::http::agent();
     let text = agent.get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap();
     let sample = |outcome: &str| -> u64 {
         let start = format!("ratelimitd_policy_requests_total{{policy=\"uploads\",outcome=\"{outcome}\"}} ");
@@ -449,10 +442,8 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
 fn a_client_abort_releases_its_slot() {
     use std::io::Write;
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = common::Nginx::start(&format!(
         r#"{snippet}
 server {{
@@ -473,7 +464,7 @@ server {{
 }}
 "#
     ));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = common::http::agent();
     let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
 
     // The slow request, on a raw connection we can drop.
@@ -530,13 +521,8 @@ async fn a_concurrency_policy_applies_its_own_fail_policy() {
 fn a_concurrency_policy_holds_and_releases_through_nginx() {
     use std::io::Write;
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!(
-        "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n[[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n",
-        redis.url()
-    ));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n[[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n");
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = common::Nginx::start(&format!(
         r#"{snippet}
 server {{
@@ -571,7 +557,7 @@ server {{
 }}
 "#
     ));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = common::http::agent();
     let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
     let body = agent.get(&nginx.url("/bad-options")).call().unwrap().body_mut().read_to_string().unwrap();
     assert!(body.starts_with("nil concurrency: limit is not an option of a policy limiter"), "{body}");
@@ -665,10 +651,8 @@ async fn inspect_and_reset_see_every_algorithm() {
 #[test]
 fn ring_sliding_counter_and_fixed_through_nginx() {
     let redis = RedisServer::start_unix();
-    let server = if common::is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{}\"", common::WORKER_GROUP) } else { "socket_mode = \"0660\"".into() };
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = include_str!("../nginx/ratelimitd.conf").replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1);
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     let mut locations = String::new();
     for (name, window_ms) in [("ring", 60_000), ("sliding_counter", 60_000), ("fixed", 3_600_000)] {
         locations += &format!(
@@ -683,7 +667,7 @@ fn ring_sliding_counter_and_fixed_through_nginx() {
         );
     }
     let nginx = common::Nginx::start(&format!("{snippet}\nserver {{\n    listen 127.0.0.1:{{PORT}};{locations}\n}}\n"));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into();
+    let agent = common::http::agent();
     for (name, window_ms) in [("ring", 60_000u64), ("sliding_counter", 60_000), ("fixed", 3_600_000)] {
         let mut statuses = Vec::new();
         let mut retry_after = None;
@@ -709,7 +693,7 @@ fn ring_sliding_counter_and_fixed_through_nginx() {
         } else {
             // The counter's refusal lasts until the current fixed window's
             // admissions weigh little enough: up to the end of the next
-            // fixed window (docs/ALGORITHMS.md, "What the response says").
+            // fixed window (docs/ALGORITHMS.md, "Response fields").
             assert!((1..=120).contains(&retry), "sliding_counter: Retry-After {retry} s within two 60 s windows");
         }
     }

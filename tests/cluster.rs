@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::keys::policy_key;
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{args, Daemon};
 use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, Response, Source};
@@ -817,16 +818,6 @@ async fn cluster_with_mutual_tls() {
     let no_cert = cluster_daemon(&cluster, &format!("cluster_tls = true\ntls_ca_file = \"{}\"\ntimeout_ms = 500", certs.ca().display()));
     let r = no_cert.client().await.check(&CheckArgs { on_error: FailPolicy::Closed, ..args("tls", 50, 60_000) }).await.unwrap();
     assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{r:?}");
-}
-
-/// The window key of `key` under policy `name` (docs/POLICIES.md).
-fn policy_key(name: &str, key: &str) -> String {
-    let scoped = format!("{}{name}{key}", name.len() as u8 as char);
-    if key.contains('{') {
-        format!("ratelimitd:~{scoped}:60000ms")
-    } else {
-        format!("ratelimitd:{{{scoped}}}:60000ms")
-    }
 }
 
 fn zcard_on_cluster(cluster: &RedisCluster, rk: &str) -> u64 {

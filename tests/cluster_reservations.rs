@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use common::keys::policy_key;
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{args, Daemon, RedisServer};
 use ratelimitd::protocol::{encode_multi_request, encode_policy_request, Decision, ErrorCode, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
@@ -30,16 +31,6 @@ fn cluster_daemon(cluster: &RedisCluster, extra: &str, policies: &str) -> Daemon
 /// `[[policy]]` tables: each (name, limit) with a 60 s window.
 fn policies(list: &[(&str, u32)]) -> String {
     list.iter().map(|(name, limit)| format!("[[policy]]\nname = \"{name}\"\nlimit = {limit}\nwindow = \"60s\"\n")).collect()
-}
-
-/// The window key of `key` under policy `name` (docs/POLICIES.md).
-fn policy_key(name: &str, key: &str) -> String {
-    let scoped = format!("{}{name}{key}", name.len() as u8 as char);
-    if key.contains('{') {
-        format!("ratelimitd:~{scoped}:60000ms")
-    } else {
-        format!("ratelimitd:{{{scoped}}}:60000ms")
-    }
 }
 
 fn slot_of(name: &str, key: &str) -> u16 {

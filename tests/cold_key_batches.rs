@@ -1,4 +1,4 @@
-//! Different keys in one script call (src/redis/sliding_window.lua, mode
+//! Different keys in one script call (src/redis/scripts/sliding_window.lua, mode
 //! 'B') against the same requests one by one: random traces on a real
 //! redis-server, on virtual time. Every reply must be the same field by
 //! field, and every key's log the same afterwards (members' count and
@@ -8,9 +8,10 @@ mod common;
 
 use common::RedisServer;
 
-const LOG: &str = include_str!("../src/redis/sliding_window.lua");
+const LOG: &str = common::scripts::LOG;
 
 use common::rng::Rng;
+use common::redis_server::evalsha_calls;
 
 fn scores(conn: &mut redis::Connection, key: &str) -> Vec<u64> {
     let v: Vec<(String, u64)> = redis::cmd("ZRANGE").arg(key).arg(0).arg(-1).arg("WITHSCORES").query(conn).unwrap();
@@ -79,12 +80,6 @@ fn a_batch_of_different_keys_decides_exactly_as_calls_one_by_one() {
     }
     eprintln!("base seed {base}: {decisions} decisions compared, {admitted} admitted, 0 mismatches");
     assert!(admitted > decisions / 10 && admitted < decisions * 9 / 10, "traces must mix admissions and refusals: {admitted} of {decisions}");
-}
-
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`.
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
 }
 
 /// A real daemon with `batch_cold_keys`: 16 clients, each checking 150 keys

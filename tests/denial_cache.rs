@@ -10,15 +10,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{args, Daemon, RedisServer};
+use common::redis_server::evalsha_calls;
 use ratelimitd::protocol::{CheckArgs, Decision, Source};
-
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`: the script calls Redis ran.
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-}
 
 fn cost<'a>(a: &CheckArgs<'a>, cost: u32) -> CheckArgs<'a> {
     CheckArgs { cost, ..a.clone() }

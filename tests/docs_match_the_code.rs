@@ -11,13 +11,9 @@ use std::path::{Path, PathBuf};
 
 use ratelimitd::protocol::ErrorCode;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
-}
+#[path = "common/repo.rs"]
+mod repo;
+use repo::{read, root};
 
 /// The docs a reader reads: README.md, docs/*.md, the example config and
 /// the nginx snippets, as (path, text).

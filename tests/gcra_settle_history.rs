@@ -1,4 +1,4 @@
-//! src/redis/gcra.lua's settle (issue 33 item 2) against the history it
+//! src/redis/scripts/gcra.lua's settle (issue 33 item 2) against the history it
 //! stands for, on a real redis-server, with the script's own clock
 //! argument: after every operation of a random trace of checks, reserves
 //! and settles, the bucket leaves no more room than replaying what was
@@ -15,7 +15,7 @@ use std::time::Instant;
 use common::rng::Rng;
 use common::RedisServer;
 
-const GCRA: &str = include_str!("../src/redis/gcra.lua");
+const GCRA: &str = common::scripts::GCRA;
 const LIMIT: u32 = 10;
 const WINDOW: u64 = 2000;
 

@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::http::{agent, get};
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE_TOML: &str = include_str!("../examples/llm-proxy/ratelimitd.toml");
@@ -63,7 +63,7 @@ fn setup_with(redis_extra: &str) -> Setup {
     // A tenant with a small month, to see the month refuse after the minute admitted.
     let rest = &EXAMPLE_TOML[EXAMPLE_TOML.find("[limits]").unwrap()..];
     let rest = rest.replacen("\"tenant-big\" = 1000000000", "\"tenant-big\" = 1000000000\n\"tenant-small\" = 1000", 1);
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let daemon = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{redis_extra}{rest}", redis.url()));
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", daemon.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let site = EXAMPLE_NGINX.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replace("127.0.0.1:18081", "127.0.0.1:{PORT:stub}");

@@ -7,16 +7,11 @@
 
 mod common;
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use common::{RedisServer, Setup};
+use common::clock::now_ms;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy};
 
 const DAY_MS: u64 = 86_400_000;
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
 
 /// A window between `lo` and `hi` ms whose current UTC-aligned fixed window
 /// started 5..6 s ago (fixed windows start at multiples of the window since

@@ -8,7 +8,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::http::{agent, Reply};
+use common::{Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
@@ -191,58 +192,13 @@ fn http_body(socket: &std::path::Path) -> String {
     format!("{snippet}\n{LIMITERS}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n")
 }
 
-fn server_settings() -> String {
-    if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() }
-}
-
 /// A daemon whose socket nginx's unprivileged workers can reach.
 fn daemon(redis: &RedisServer) -> Daemon {
-    Daemon::start_with(&server_settings(), Some(&redis.url()), "timeout_ms = 500")
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
-#[derive(Debug)]
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-    fn num(&self, name: &str) -> u64 {
-        self.header(name).unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers)).parse().unwrap()
-    }
-    /// The rate-limit headers, by name, in a fixed order.
-    fn limit_headers(&self) -> Vec<(String, String)> {
-        let mut v: Vec<(String, String)> = self
-            .headers
-            .iter()
-            .filter(|(k, _)| {
-                let k = k.as_str();
-                k.starts_with("ratelimit") || k.starts_with("x-ratelimit") || k == "retry-after"
-            })
-            .map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap().to_string()))
-            .collect();
-        v.sort();
-        v
-    }
+    Daemon::start_with(&common::ops::socket_access(), Some(&redis.url()), "timeout_ms = 500")
 }
 
 fn get(agent: &ureq::Agent, url: &str) -> Reply {
-    let mut r = agent.get(url).call().unwrap();
-    let body = r.body_mut().read_to_string().unwrap_or_default();
-    Reply { status: r.status().as_u16(), headers: r.headers().clone(), body }
-}
-
-fn assert_no_errors(nginx: &Nginx) {
-    let log = nginx.error_log();
-    assert!(!log.contains("[error]") && !log.contains("[alert]") && !log.contains("[crit]"), "nginx error log:\n{log}");
+    common::http::get(agent, url, &[])
 }
 
 /// Headers whose value is a number of seconds computed from the time left in
@@ -277,12 +233,12 @@ fn object_and_table_forms_give_the_same_decisions_and_headers() {
         assert_eq!(o.status, t.status, "request {i}");
         same_headers(o, t, &format!("eq request {i}"));
         if i < 5 {
-            assert_eq!((o.status, o.num("RateLimit-Limit"), o.num("RateLimit-Remaining")), (200, 5, 4 - i as u64));
-            assert_eq!(o.num("RateLimit-Reset"), 60);
+            assert_eq!((o.status, o.number("RateLimit-Limit"), o.number("RateLimit-Remaining")), (200, 5, 4 - i as u64));
+            assert_eq!(o.number("RateLimit-Reset"), 60);
             assert_eq!(o.body, "ok");
         } else {
-            assert_eq!((o.status, o.num("RateLimit-Remaining")), (429, 0), "request {i}");
-            assert!((1..=60).contains(&o.num("Retry-After")));
+            assert_eq!((o.status, o.number("RateLimit-Remaining")), (429, 0), "request {i}");
+            assert!((1..=60).contains(&o.number("Retry-After")));
         }
     }
 
@@ -304,15 +260,15 @@ fn object_and_table_forms_give_the_same_decisions_and_headers() {
         assert_eq!(got.iter().map(|r| r.status).collect::<Vec<_>>(), statuses, "{name}");
         match name {
             "draft" => {
-                assert_eq!(got[0].header("RateLimit-Policy"), Some("\"default\";q=5;w=10"));
-                assert_eq!(got[0].header("RateLimit"), Some("\"default\";r=4;t=10"));
+                assert_eq!(got[0].value("RateLimit-Policy"), Some("\"default\";q=5;w=10"));
+                assert_eq!(got[0].value("RateLimit"), Some("\"default\";r=4;t=10"));
             }
-            "x" => assert_eq!((got[0].num("X-RateLimit-Limit"), got[0].num("X-RateLimit-Remaining")), (5, 4)),
+            "x" => assert_eq!((got[0].number("X-RateLimit-Limit"), got[0].number("X-RateLimit-Remaining")), (5, 4)),
             "quiet" => assert!(got.iter().all(|r| r.limit_headers().is_empty()), "headers = false: none, not even Retry-After"),
-            _ => assert_eq!(got[2].num("RateLimit-Remaining"), 0, "dry run: counted, never blocked"),
+            _ => assert_eq!(got[2].number("RateLimit-Remaining"), 0, "dry run: counted, never blocked"),
         }
     }
-    assert_no_errors(&nginx);
+    nginx.assert_no_errors();
 }
 
 #[test]
@@ -350,7 +306,7 @@ fn new_returns_nil_and_a_message_on_bad_options() {
     assert!(lines[17].ends_with("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }"), "{}", lines[17]);
     assert!(lines[18].ends_with("new: expects a policy name or a table of options: ratelimitd.new(\"order\"), ratelimitd.new{ limit = ..., window_ms = ... }"), "{}", lines[18]);
     assert_eq!(lines.len(), 19);
-    assert_no_errors(&nginx);
+    nginx.assert_no_errors();
 }
 
 #[test]
@@ -378,15 +334,15 @@ fn per_call_cost_is_checked_against_the_limit() {
     // Good costs are counted: 3 + 2 fill a limit of 5, in both forms.
     for form in ["obj", "tbl"] {
         let r3 = get(&a, &nginx.url(&format!("/{form}/cost?t=a&cost=3")));
-        assert_eq!((r3.status, r3.num("RateLimit-Remaining")), (200, 2), "{form}");
+        assert_eq!((r3.status, r3.number("RateLimit-Remaining")), (200, 2), "{form}");
         let r2 = get(&a, &nginx.url(&format!("/{form}/cost?t=a&cost=2")));
-        assert_eq!((r2.status, r2.num("RateLimit-Remaining")), (200, 0), "{form}");
+        assert_eq!((r2.status, r2.number("RateLimit-Remaining")), (200, 0), "{form}");
         let r1 = get(&a, &nginx.url(&format!("/{form}/cost?t=a")));
         assert_eq!(r1.status, 429, "{form}");
     }
     // cost = limit is allowed on an empty window.
-    assert_eq!(get(&a, &nginx.url("/obj/cost?t=b&cost=5")).num("RateLimit-Remaining"), 0);
-    assert_no_errors(&nginx);
+    assert_eq!(get(&a, &nginx.url("/obj/cost?t=b&cost=5")).number("RateLimit-Remaining"), 0);
+    nginx.assert_no_errors();
 
     // Above the limit: the object form raises (500, the message in the log)...
     let over = get(&a, &nginx.url("/obj/cost?t=c&cost=6"));
@@ -433,7 +389,7 @@ fn check_gives_the_same_table_in_both_forms_and_hashes_odd_keys() {
     // sent as they are; no key's md5 form, sent literally, shares its window.
     let r = get(&a, &nginx.url("/keys"));
     assert_eq!(r.body, "redis 1 1\nredis 1 1\nredis 1 1\nredis 1 1\nredis 1 1\n");
-    assert_no_errors(&nginx);
+    nginx.assert_no_errors();
 }
 
 #[test]
@@ -442,21 +398,21 @@ fn daemon_down_object_form_applies_its_policy() {
     let mut d = daemon(&redis);
     let nginx = Nginx::start(&http_body(&d.socket));
     let a = agent();
-    assert_eq!(get(&a, &nginx.url("/obj/closed?t=1")).num("RateLimit-Remaining"), 99);
+    assert_eq!(get(&a, &nginx.url("/obj/closed?t=1")).number("RateLimit-Remaining"), 99);
     assert!(d.terminate().success());
 
     for form in ["obj", "tbl"] {
         let closed = get(&a, &nginx.url(&format!("/{form}/closed?t=1")));
         assert_eq!(closed.status, 507, "{form}: closed, with the limiter's fail_closed_status");
-        assert_eq!(closed.header("Retry-After"), Some("1"), "{form}");
-        assert!(closed.header("RateLimit-Remaining").is_none(), "{form}: nothing was counted");
+        assert_eq!(closed.value("Retry-After"), Some("1"), "{form}");
+        assert!(closed.value("RateLimit-Remaining").is_none(), "{form}: nothing was counted");
         let open = get(&a, &nginx.url(&format!("/{form}/open?t=1")));
         assert_eq!((open.status, open.limit_headers().len()), (200, 0), "{form}: open, no quota promised");
         let loc: Vec<Reply> = (0..15).map(|_| get(&a, &nginx.url(&format!("/{form}/loc?t=1")))).collect();
         let ok = loc.iter().filter(|r| r.status == 200).count();
         // The Lua fallback is an approximate sliding window (tests/nginx.rs).
         assert!((10..=11).contains(&ok) && loc.iter().all(|r| r.status == 200 || r.status == 429), "{form}: {:?}", loc.iter().map(|r| r.status).collect::<Vec<_>>());
-        assert_eq!(loc[0].num("RateLimit-Limit"), 10, "{form}: the local quota");
+        assert_eq!(loc[0].number("RateLimit-Limit"), 10, "{form}: the local quota");
     }
     // check: nil and the reason, no policy.
     let c = get(&a, &nginx.url("/check?t=down"));
@@ -486,7 +442,7 @@ fn daemon_down_object_form_applies_its_policy() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!((back.status, back.num("RateLimit-Remaining")), (200, 98), "counting resumed in Redis");
+    assert_eq!((back.status, back.number("RateLimit-Remaining")), (200, 98), "counting resumed in Redis");
     assert!(back_at.elapsed() < Duration::from_millis(2500), "resumed after {:?}", back_at.elapsed());
 }
 
@@ -499,7 +455,7 @@ fn daemon_decisions(d: &Daemon) -> u64 {
 #[test]
 fn a_refused_key_costs_no_round_trip_until_it_can_pass() {
     let redis = RedisServer::start();
-    let d = Daemon::start_config_with_metrics(&format!("{}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", server_settings(), redis.url()));
+    let d = Daemon::start_config_with_metrics(&format!("{}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", common::ops::socket_access(), redis.url()));
     let nginx = Nginx::start(&http_body(&d.socket));
     let a = agent();
     for i in 0..3 {
@@ -515,9 +471,9 @@ fn a_refused_key_costs_no_round_trip_until_it_can_pass() {
     // not asked; a larger cost too.
     for i in 0..30 {
         let r = get(&a, &nginx.url("/obj/deny?t=1"));
-        assert_eq!((r.status, r.num("RateLimit-Limit"), r.num("RateLimit-Remaining")), (429, 3, 0), "request {i}");
-        assert!((1..=2).contains(&r.num("Retry-After")) && r.num("Retry-After") <= retry_ms.div_ceil(1000), "{:?}", r.headers);
-        assert!((1..=2).contains(&r.num("RateLimit-Reset")), "{:?}", r.headers);
+        assert_eq!((r.status, r.number("RateLimit-Limit"), r.number("RateLimit-Remaining")), (429, 3, 0), "request {i}");
+        assert!((1..=2).contains(&r.number("Retry-After")) && r.number("Retry-After") <= retry_ms.div_ceil(1000), "{:?}", r.headers);
+        assert!((1..=2).contains(&r.number("RateLimit-Reset")), "{:?}", r.headers);
     }
     let r = get(&a, &nginx.url("/decide?t=1&cost=2"));
     assert!(r.body.starts_with("denied lua_denial_cache "), "a larger cost: {}", r.body);
@@ -544,5 +500,5 @@ fn a_refused_key_costs_no_round_trip_until_it_can_pass() {
     // An entry lives at most max_ms (1 s): a few daemon calls over the wait.
     let asked = daemon_decisions(&d) - decided;
     assert!(asked <= 12, "{asked} daemon decisions while the key was refused");
-    assert_no_errors(&nginx);
+    nginx.assert_no_errors();
 }

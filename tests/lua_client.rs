@@ -14,14 +14,14 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use common::http::{agent, get};
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 /// A daemon on `redis` with `policies` (TOML `[[policy]]` tables), on a
 /// socket nginx's unprivileged workers can reach.
 fn daemon(redis: &RedisServer, policies: &str) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{policies}", redis.url()))
 }
 

@@ -98,6 +98,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use common::model::{code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{wait_until, Daemon, RedisServer};
+use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, Source, HANDLE_LEN, OP_ACQUIRE, OP_RELEASE};
 
@@ -170,14 +171,6 @@ impl Settings {
         let mut r = Rng::new(base ^ t);
         (0..self.cases).map(|_| r.next() % 1_000_000_000_000).collect()
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
-
-fn to_midnight_ms() -> u32 {
-    (u64::from(DAY) - now_ms() % u64::from(DAY)) as u32
 }
 
 const ALGORITHMS: [Algorithm; 5] = [Algorithm::Log, Algorithm::Ring, Algorithm::Gcra, Algorithm::SlidingCounter, Algorithm::Fixed];
@@ -917,7 +910,7 @@ async fn send(c: &mut Client, op: &Op, g: &Gen, cfg: &Config) -> Response {
     r.unwrap_or_else(|e| panic!("{}: {e}", describe(op)))
 }
 
-/// The known defect (SEMANTICS.md) a disagreement most likely is, with
+/// The rule (docs/SEMANTICS.md) a disagreement most likely breaks, with
 /// the MATRIX_SKIP feature that leaves it out: a guess for the reader,
 /// from the operation and the first field that disagreed.
 fn suspect(op: &Op, why: &str, features: &[String], store: Store) -> &'static str {

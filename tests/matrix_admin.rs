@@ -61,12 +61,13 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, DAY, HOUR};
+use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
 use common::redis_cluster::RedisCluster;
 use common::rng::Rng;
 use common::{Daemon, RedisServer};
+use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::admin_api::client::{encode, Reply};
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
@@ -77,14 +78,6 @@ const KEYS: [&str; 4] = ["a", "b", "big", "vip"];
 const PENALTY: &str = "penalty = { after = 2, within = \"1h\", ban = \"1h\" }";
 const BAN_MS: u32 = HOUR;
 const REFRESH_MS: u64 = 100;
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
-
-fn to_midnight_ms() -> u32 {
-    (u64::from(DAY) - now_ms() % u64::from(DAY)) as u32
-}
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)

@@ -73,11 +73,12 @@ mod common;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use common::model::{code, Config, Kind, Limit, PolicySpec, DAY};
+use common::model::{code, Config, Kind, Limit, PolicySpec};
 use common::redis_cluster::RedisCluster;
 use common::{Daemon, RedisServer};
+use common::clock::to_midnight_ms;
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Source};
 use tokio::sync::Barrier;
@@ -308,13 +309,6 @@ impl Run {
     }
 }
 
-/// ms to the next UTC midnight: the fixed window's and the sliding
-/// counter's day windows end there.
-fn to_midnight_ms() -> u64 {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
-    u64::from(DAY) - now % u64::from(DAY)
-}
-
 /// Redis's record of `pair` where it is a count of admission units (the
 /// log's members, the fixed window's and the sliding counter's count of
 /// the current window), summed over its shards and the servers; `None`
@@ -378,7 +372,7 @@ fn records_match(backend: &Backend, run: &Run, pairs: &[Pair], want: impl Fn(&Pa
 async fn run(backend: &Backend, daemons: usize, leases: bool) {
     // The day windows (fixed, sliding counter) must not end mid-run.
     if to_midnight_ms() < 120_000 {
-        tokio::time::sleep(Duration::from_millis(to_midnight_ms() + 1000)).await;
+        tokio::time::sleep(Duration::from_millis(u64::from(to_midnight_ms()) + 1000)).await;
     }
     backend.flush();
     let started = Instant::now();
@@ -850,7 +844,7 @@ mod generated {
         let env = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
         // The day windows (fixed, sliding counter) must not end mid-case.
         if to_midnight_ms() < 300_000 {
-            tokio::time::sleep(Duration::from_millis(to_midnight_ms() + 1000)).await;
+            tokio::time::sleep(Duration::from_millis(u64::from(to_midnight_ms()) + 1000)).await;
         }
         let seeds: Vec<u64> = match std::env::var("MATRIX_LEASES_SEED").ok().and_then(|s| s.parse().ok()) {
             Some(seed) => vec![seed],

@@ -23,17 +23,13 @@ mod common;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::model::{Clock, Config, Item, Kind, Limit, Model, PolicySpec, Reserved, Scope, Store, DAY};
+use common::model::{Clock, Config, Item, Kind, Limit, Model, PolicySpec, Reserved, Scope, Store};
 use common::rng::Rng;
 use common::redis_cluster::RedisCluster;
 use common::{wait_until, Daemon, RedisServer};
+use common::clock::to_midnight_ms;
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
-
-fn to_midnight_ms() -> u32 {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
-    (u64::from(DAY) - now % u64::from(DAY)) as u32
-}
 
 fn rate(name: &str, algorithm: Algorithm, limit: u32) -> PolicySpec {
     PolicySpec { name: name.into(), kind: Kind::Rate { algorithm, shards: 1 }, limit, shadow: false, overrides: Vec::new(), allowlist: Vec::new(), fail_policy: None, removed: false }

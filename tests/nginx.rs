@@ -7,7 +7,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::http::{agent, get_as, Reply};
+use common::{is_root, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE: &str = include_str!("../nginx/example.conf");
@@ -67,37 +68,8 @@ fn daemon(redis: &RedisServer) -> Daemon {
 /// The Redis deadline stays under the Lua read timeout, so that the daemon's
 /// answer, not the Lua timeout, decides when Redis is slow.
 fn daemon_with_timeout(redis: &RedisServer, timeout_ms: u32) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     Daemon::start_with(&server, Some(&redis.url()), &format!("timeout_ms = {timeout_ms}"))
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into()
-}
-
-struct Reply {
-    status: u16,
-    headers: ureq::http::HeaderMap,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-    fn num(&self, name: &str) -> u64 {
-        self.header(name).unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers)).parse().unwrap()
-    }
-}
-
-fn get(agent: &ureq::Agent, url: &str, tenant: &str) -> Reply {
-    let mut r = agent.get(url).header("X-Tenant-Id", tenant).call().unwrap();
-    let _ = r.body_mut().read_to_string();
-    Reply { status: r.status().as_u16(), headers: r.headers().clone() }
-}
-
-fn assert_no_errors(nginx: &Nginx) {
-    let log = nginx.error_log();
-    assert!(!log.contains("[error]") && !log.contains("[alert]") && !log.contains("[crit]"), "nginx error log:\n{log}");
 }
 
 #[test]
@@ -106,32 +78,32 @@ fn seed_scenario_through_nginx() {
     let d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
     let a = agent();
-    let replies: Vec<Reply> = (0..1005).map(|_| get(&a, &nginx.url("/order"), "tenant-1001")).collect();
+    let replies: Vec<Reply> = (0..1005).map(|_| get_as(&a, &nginx.url("/order"), "tenant-1001")).collect();
     assert_eq!(replies.iter().filter(|r| r.status == 200).count(), 1000);
     assert_eq!(replies.iter().filter(|r| r.status == 429).count(), 5);
     for (i, r) in replies[..1000].iter().enumerate() {
         assert_eq!(r.status, 200);
-        assert_eq!((r.num("RateLimit-Limit"), r.num("RateLimit-Remaining")), (1000, 999 - i as u64));
-        assert_eq!(r.num("RateLimit-Reset"), 60);
+        assert_eq!((r.number("RateLimit-Limit"), r.number("RateLimit-Remaining")), (1000, 999 - i as u64));
+        assert_eq!(r.number("RateLimit-Reset"), 60);
     }
     for r in &replies[1000..] {
-        assert_eq!((r.status, r.num("RateLimit-Remaining")), (429, 0));
-        let retry = r.num("Retry-After");
+        assert_eq!((r.status, r.number("RateLimit-Remaining")), (429, 0));
+        let retry = r.number("Retry-After");
         assert!((1..=60).contains(&retry), "Retry-After {retry}");
     }
     // Another tenant is unaffected.
-    let other = get(&a, &nginx.url("/order"), "tenant-1002");
-    assert_eq!((other.status, other.num("RateLimit-Remaining")), (200, 999));
+    let other = get_as(&a, &nginx.url("/order"), "tenant-1002");
+    assert_eq!((other.status, other.number("RateLimit-Remaining")), (200, 999));
     // No tenant header: the example refuses before limiting.
-    assert_eq!(get(&a, &nginx.url("/order"), "").status, 400);
+    assert_eq!(get_as(&a, &nginx.url("/order"), "").status, 400);
     // A header too long to be a key is hashed, still counted: no way around
     // the limit, and no push into the fail policy.
     let long = "x".repeat(700);
-    let first = get(&a, &nginx.url("/order"), &long);
-    let second = get(&a, &nginx.url("/order"), &long);
-    assert_eq!((first.status, first.num("RateLimit-Remaining")), (200, 999));
-    assert_eq!((second.status, second.num("RateLimit-Remaining")), (200, 998));
-    assert_no_errors(&nginx);
+    let first = get_as(&a, &nginx.url("/order"), &long);
+    let second = get_as(&a, &nginx.url("/order"), &long);
+    assert_eq!((first.status, first.number("RateLimit-Remaining")), (200, 999));
+    assert_eq!((second.status, second.number("RateLimit-Remaining")), (200, 998));
+    nginx.assert_no_errors();
 }
 
 #[test]
@@ -140,23 +112,23 @@ fn window_slides_dry_run_and_header_styles() {
     let d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
-    let statuses: Vec<u16> = (0..4).map(|_| get(&a, &nginx.url("/slide"), "t").status).collect();
+    let statuses: Vec<u16> = (0..4).map(|_| get_as(&a, &nginx.url("/slide"), "t").status).collect();
     assert_eq!(statuses, [200, 200, 200, 429]);
     std::thread::sleep(Duration::from_millis(320));
-    assert_eq!(get(&a, &nginx.url("/slide"), "t").status, 200, "the window slid");
+    assert_eq!(get_as(&a, &nginx.url("/slide"), "t").status, 200, "the window slid");
 
     // Dry run: decided and reported, never blocked.
-    let dry: Vec<Reply> = (0..3).map(|_| get(&a, &nginx.url("/dry"), "t")).collect();
+    let dry: Vec<Reply> = (0..3).map(|_| get_as(&a, &nginx.url("/dry"), "t")).collect();
     assert!(dry.iter().all(|r| r.status == 200));
-    assert_eq!(dry[2].num("RateLimit-Remaining"), 0);
+    assert_eq!(dry[2].number("RateLimit-Remaining"), 0);
 
-    let draft = get(&a, &nginx.url("/draft"), "t");
-    assert_eq!(draft.header("RateLimit-Policy"), Some("\"default\";q=5;w=10"));
-    assert_eq!(draft.header("RateLimit"), Some("\"default\";r=4;t=10"));
-    assert!(draft.header("RateLimit-Limit").is_none());
-    let x = get(&a, &nginx.url("/xhdr"), "t");
-    assert_eq!((x.num("X-RateLimit-Limit"), x.num("X-RateLimit-Remaining"), x.num("X-RateLimit-Reset")), (5, 4, 10));
-    assert_no_errors(&nginx);
+    let draft = get_as(&a, &nginx.url("/draft"), "t");
+    assert_eq!(draft.value("RateLimit-Policy"), Some("\"default\";q=5;w=10"));
+    assert_eq!(draft.value("RateLimit"), Some("\"default\";r=4;t=10"));
+    assert!(draft.value("RateLimit-Limit").is_none());
+    let x = get_as(&a, &nginx.url("/xhdr"), "t");
+    assert_eq!((x.number("X-RateLimit-Limit"), x.number("X-RateLimit-Remaining"), x.number("X-RateLimit-Reset")), (5, 4, 10));
+    nginx.assert_no_errors();
 }
 
 /// Two gateways, each with its own daemon, on one Redis: one global limit.
@@ -171,14 +143,14 @@ fn two_gateways_hold_one_global_limit() {
             let url = urls[t % 2].clone();
             std::thread::spawn(move || {
                 let a = agent();
-                (0..160).filter(|_| get(&a, &url, "global").status == 200).count()
+                (0..160).filter(|_| get_as(&a, &url, "global").status == 200).count()
             })
         })
         .collect();
     let allowed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
     assert_eq!(allowed, 1000, "1280 requests through two gateways");
-    assert_no_errors(&n1);
-    assert_no_errors(&n2);
+    n1.assert_no_errors();
+    n2.assert_no_errors();
 }
 
 /// The daemon stopped: each location follows its own policy on the Lua side;
@@ -192,15 +164,15 @@ fn daemon_down_each_location_follows_its_policy() {
     // to 70 ms on a possible restart, docs/NGINX.md section 8).
     let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
     let a = agent();
-    assert_eq!(get(&a, &nginx.url("/order"), "t1").num("RateLimit-Remaining"), 999);
+    assert_eq!(get_as(&a, &nginx.url("/order"), "t1").number("RateLimit-Remaining"), 999);
     assert!(d.terminate().success());
 
-    let order = get(&a, &nginx.url("/order"), "t1");
+    let order = get_as(&a, &nginx.url("/order"), "t1");
     assert_eq!(order.status, 503, "closed");
-    assert!(order.header("Retry-After").is_some());
-    assert!(order.header("RateLimit-Remaining").is_none(), "nothing was counted");
-    assert_eq!(get(&a, &nginx.url("/search"), "t1").status, 200, "open");
-    let pay: Vec<u16> = (0..15).map(|_| get(&a, &nginx.url("/pay"), "t1").status).collect();
+    assert!(order.value("Retry-After").is_some());
+    assert!(order.value("RateLimit-Remaining").is_none(), "nothing was counted");
+    assert_eq!(get_as(&a, &nginx.url("/search"), "t1").status, 200, "open");
+    let pay: Vec<u16> = (0..15).map(|_| get_as(&a, &nginx.url("/pay"), "t1").status).collect();
     let ok = pay.iter().filter(|&&s| s == 200).count();
     // The Lua fallback is an approximate sliding window: 10 per window, one
     // more at most if the burst straddles a window boundary.
@@ -214,14 +186,14 @@ fn daemon_down_each_location_follows_its_policy() {
     d.start_again();
     let back_at = Instant::now();
     let back = loop {
-        let r = get(&a, &nginx.url("/order"), "t1");
+        let r = get_as(&a, &nginx.url("/order"), "t1");
         if r.status == 200 || back_at.elapsed() > Duration::from_secs(5) {
             break r;
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(back.status, 200);
-    assert!(back.num("RateLimit-Remaining") < 999, "counting resumed in Redis");
+    assert!(back.number("RateLimit-Remaining") < 999, "counting resumed in Redis");
     assert!(back_at.elapsed() < Duration::from_millis(2500), "resumed after {:?}", back_at.elapsed());
 }
 
@@ -242,7 +214,7 @@ fn hammer(nginx: &Nginx, paths: &[&str], threads: usize, run: Duration) -> std::
                 let mut seen = std::collections::BTreeMap::new();
                 let mut i = t;
                 while Instant::now() < until {
-                    *seen.entry(get(&a, &urls[i % urls.len()], "t1").status).or_insert(0) += 1;
+                    *seen.entry(get_as(&a, &urls[i % urls.len()], "t1").status).or_insert(0) += 1;
                     i += 1;
                 }
                 seen
@@ -270,7 +242,7 @@ fn stopped_daemon_does_not_flood_the_error_log() {
     let mut d = daemon(&redis);
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
-    assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 200);
+    assert_eq!(get_as(&a, &nginx.url("/order"), "t1").status, 200);
     assert!(d.terminate().success());
     let before = error_lines(&nginx.error_log()).len();
 
@@ -298,7 +270,7 @@ fn stopped_daemon_does_not_flood_the_error_log() {
     while back_at.elapsed() < Duration::from_secs(5) && served.iter().any(|s| !s) {
         for (i, s) in served.iter_mut().enumerate() {
             // A fresh connection per request lands on either worker.
-            if get(&agent(), &nginx.url("/order"), &format!("back{i}")).status == 200 {
+            if get_as(&agent(), &nginx.url("/order"), &format!("back{i}")).status == 200 {
                 *s = true;
             }
         }
@@ -317,7 +289,7 @@ fn stopped_daemon_does_not_flood_the_error_log() {
 #[test]
 fn misconfigured_location_gets_500_not_its_fail_policy() {
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_with(&format!("{server}\n[limits]\nmax_limit = 100"), Some(&redis.url()), "timeout_ms = 500");
     let snippet = replace_once(SNIPPET, "unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()));
     let snippet = replace_once(&snippet, "read_timeout = 50,", "read_timeout = 1000,");
@@ -339,11 +311,11 @@ fn misconfigured_location_gets_500_not_its_fail_policy() {
     );
     let nginx = Nginx::start(&body);
     let a = agent();
-    let open: Vec<u16> = (0..30).map(|_| get(&a, &nginx.url("/open"), "t").status).collect();
+    let open: Vec<u16> = (0..30).map(|_| get_as(&a, &nginx.url("/open"), "t").status).collect();
     assert!(open.iter().all(|&s| s == 500), "on_error = open must not pass a misconfigured request: {open:?}");
-    assert_eq!(get(&a, &nginx.url("/teapot"), "t").status, 418, "invalid_status per limiter");
-    assert_eq!(get(&a, &nginx.url("/dry"), "t").status, 200, "dry run never blocks");
-    assert_eq!(get(&a, &nginx.url("/fine"), "t").status, 200, "a valid location next to it is served");
+    assert_eq!(get_as(&a, &nginx.url("/teapot"), "t").status, 418, "invalid_status per limiter");
+    assert_eq!(get_as(&a, &nginx.url("/dry"), "t").status, 200, "dry run never blocks");
+    assert_eq!(get_as(&a, &nginx.url("/fine"), "t").status, 200, "a valid location next to it is served");
 
     let log = nginx.error_log();
     let invalid = log.lines().filter(|l| l.contains("[error]") && l.contains("ratelimitd: invalid_request key=open reason=\"INVALID_LIMIT")).count();
@@ -363,15 +335,15 @@ fn redis_down_daemon_applies_each_policy() {
     let d = daemon_with_timeout(&redis, 20);
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
-    assert_eq!(get(&a, &nginx.url("/pay"), "t1").status, 200);
+    assert_eq!(get_as(&a, &nginx.url("/pay"), "t1").status, 200);
     redis.kill();
-    assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 503);
-    assert_eq!(get(&a, &nginx.url("/search"), "t1").status, 200);
+    assert_eq!(get_as(&a, &nginx.url("/order"), "t1").status, 503);
+    assert_eq!(get_as(&a, &nginx.url("/search"), "t1").status, 200);
     // The daemon's local fallback is exact: 10 per window on this host.
-    let pay: Vec<Reply> = (0..12).map(|_| get(&a, &nginx.url("/pay"), "t2")).collect();
+    let pay: Vec<Reply> = (0..12).map(|_| get_as(&a, &nginx.url("/pay"), "t2")).collect();
     let statuses: Vec<u16> = pay.iter().map(|r| r.status).collect();
     assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 10, "{statuses:?}");
-    assert_eq!(pay[0].num("RateLimit-Limit"), 10, "headers show the local quota");
+    assert_eq!(pay[0].number("RateLimit-Limit"), 10, "headers show the local quota");
     let log = nginx.error_log();
     assert!(log.contains("ratelimitd: daemon_fail_closed key=order:t1"), "{log}");
 }
@@ -387,7 +359,7 @@ fn socket_permissions_gate_unprivileged_workers() {
     let d = Daemon::start_with("socket_mode = \"0600\"", Some(&redis.url()), "timeout_ms = 500");
     let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
     let a = agent();
-    assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 503, "workers cannot connect: fail closed");
+    assert_eq!(get_as(&a, &nginx.url("/order"), "t1").status, 503, "workers cannot connect: fail closed");
     let log = nginx.error_log();
     assert!(log.contains("Permission denied") || log.contains("permission denied"), "{log}");
 }
@@ -403,13 +375,13 @@ fn daemon_restart_between_requests_fails_no_request() {
     let a = agent();
     // Fill both workers' pools.
     for _ in 0..20 {
-        assert_eq!(get(&a, &nginx.url("/order"), "t1").status, 200);
+        assert_eq!(get_as(&a, &nginx.url("/order"), "t1").status, 200);
     }
     assert!(d.terminate().success());
     d.start_again();
-    let replies: Vec<Reply> = (0..20).map(|_| get(&a, &nginx.url("/order"), "t1")).collect();
+    let replies: Vec<Reply> = (0..20).map(|_| get_as(&a, &nginx.url("/order"), "t1")).collect();
     for (i, r) in replies.iter().enumerate() {
         assert_eq!(r.status, 200, "request {i} after the restart: {}", nginx.error_log());
-        assert_eq!(r.num("RateLimit-Remaining"), 1000 - 21 - i as u64);
+        assert_eq!(r.number("RateLimit-Remaining"), 1000 - 21 - i as u64);
     }
 }

@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use common::http::{agent, get};
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
@@ -25,7 +25,7 @@ fn daemon(redis: &RedisServer) -> Daemon {
 
 /// `daemon`, with `admin` lines in an `[admin]` table.
 fn daemon_with(redis: &RedisServer, admin: &str) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\nquota_leases = true\n[admin]\n{admin}\n{POLICIES}", redis.url()))
 }
 

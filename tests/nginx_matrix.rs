@@ -16,7 +16,7 @@ use std::io::Write as _;
 use std::time::Duration;
 
 use common::http::{agent, get, Reply};
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const ALGORITHMS: [&str; 5] = ["log", "ring", "gcra", "sliding_counter", "fixed"];
@@ -266,7 +266,7 @@ fn check(c: &Case, i: u64, r: &Reply, failures: &mut Vec<String>) {
 #[test]
 fn every_limiter_kind_algorithm_header_style_and_redirect_through_nginx() {
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{}", redis.url(), policies()));
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let cases = cases();
@@ -297,7 +297,7 @@ fn every_limiter_kind_algorithm_header_style_and_redirect_through_nginx() {
 #[test]
 fn a_client_abort_after_every_redirect_kind_releases_the_lease() {
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     // Each redirect kind ends at the slow upstream.

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use common::admin::{admin, peek};
 use common::http::{agent, get};
 use common::rng::Rng;
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 use ratelimitd::admin_api::client::encode;
 use serde_json::json;
 
@@ -69,7 +69,7 @@ server {
 "#;
 
 fn daemon(redis: &RedisServer, admin: &Path) -> Daemon {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     Daemon::start_config(&format!(
         "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\nquota_leases = true\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"hot\"\nlimit = {LIMIT}\nwindow = \"1h\"\n",
         redis.url(),

@@ -17,7 +17,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use common::http::{agent, get, Reply};
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 use ratelimitd::admin_api::client::{request, Reply as AdminReply};
 use ratelimitd::config::AdminListen;
 
@@ -156,7 +156,7 @@ fn site(limiters: &str, locations: &str) -> String {
 }
 
 fn daemon_toml(redis: &RedisServer, admin: &std::path::Path, redis_timeout_ms: u32) -> String {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     format!(
         "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = {redis_timeout_ms}\nquota_leases = true\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"50ms\"\n{POLICIES}",
         redis.url(),
@@ -507,7 +507,7 @@ fn each_combination_that_cannot_work_is_refused_by_check_config_the_lua_client_a
     // Lua client answers with the location's invalid_status (500), logged
     // as a misconfiguration, never its on_error.
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{toml}", redis.url()));
     let nginx = start_nginx(&d, &body);
     let agent = agent();

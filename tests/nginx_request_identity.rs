@@ -12,7 +12,7 @@ mod common;
 use std::time::Duration;
 
 use common::http::{agent, get};
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const REDIRECTS: [&str; 4] = ["none", "try_files", "exec", "error_page"];
@@ -41,7 +41,7 @@ const MAP_LINE: &str = "map $request_id $ratelimitd_request_id { default $reques
 
 /// `start` with another snippet than the shipped one.
 fn start_with(redis: &RedisServer, snippet: &str, server_access: &str, locations: &str) -> (Daemon, Nginx) {
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{POLICIES}", redis.url()));
     let snippet = snippet.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let nginx = Nginx::start(&format!(

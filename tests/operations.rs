@@ -407,7 +407,7 @@ fn a_socket_activated_restart_under_load_at_the_shipped_timeouts_is_measured() {
     // 50 ms read timeout while the new daemon starts ("receive: timeout"),
     // and Redis calls past the 20 ms deadline under that load. The connections the old daemon closed unanswered are
     // sent again by the client (conn.lua). Each failure gets its fail policy
-    // (closed: 503), never a 500 (docs/OPERATIONS.md, "Restarts").
+    // (closed: 503), never a 500 (docs/OPERATIONS.md §3).
     assert!(failed.iter().all(|&c| c == 503), "only fail-closed answers: {failed:?}");
     assert!(failed.len() <= 50, "{} of {sent} failed", failed.len());
 }

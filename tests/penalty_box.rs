@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::redis_cluster::RedisCluster;
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{Daemon, Nginx, RedisServer};
 use ratelimitd::admin_api::client::{request, Reply};
 use ratelimitd::config::AdminListen;
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, PolicyCheckArgs, Source};
@@ -294,7 +294,7 @@ async fn the_command_line_lists_shows_and_lifts_bans_through_the_api() {
 fn through_nginx_the_retry_after_of_a_banned_key_is_the_bans_end() {
     const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let policy = "[[policy]]\nname = \"login\"\nlimit = 2\nwindow = \"1s\"\npenalty = { after = 2, within = \"1m\", ban = \"30s\" }\n";
     let daemon = || Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{policy}", redis.url()));
     let site = r#"

@@ -109,7 +109,7 @@ fn item<'a>(name: &'a str, key: &'a str) -> ItemArgs<'a> {
 }
 
 fn metrics(d: &Daemon) -> String {
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into();
+    let agent = common::http::agent();
     agent.get(&d.metrics_url()).call().unwrap().body_mut().read_to_string().unwrap()
 }
 

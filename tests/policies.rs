@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::http::{agent, Reply};
+use common::http::{agent, get_as, Reply};
 use common::ops::{metrics, sample};
 use common::{wait_until, Daemon, Nginx, RedisServer};
 
@@ -88,12 +88,8 @@ fn daemon(redis: &RedisServer) -> Daemon {
     common::ops::daemon_with_metrics(redis, POLICIES)
 }
 
-fn get(agent: &ureq::Agent, url: &str, tenant: &str) -> Reply {
-    common::http::get(agent, url, &[("X-Tenant-Id", tenant)])
-}
-
 fn statuses(a: &ureq::Agent, url: &str, tenant: &str, n: usize) -> Vec<u16> {
-    (0..n).map(|_| get(a, url, tenant).status).collect()
+    (0..n).map(|_| get_as(a, url, tenant).status).collect()
 }
 
 /// A counter's sample in `text`, as the whole number it is.
@@ -113,7 +109,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     let a = agent();
 
     // The policy's limit, with its headers; the limit comes from the daemon.
-    let replies: Vec<Reply> = (0..4).map(|_| get(&a, &nginx.url("/order"), "t1")).collect();
+    let replies: Vec<Reply> = (0..4).map(|_| get_as(&a, &nginx.url("/order"), "t1")).collect();
     assert_eq!(replies.iter().map(|r| r.status).collect::<Vec<_>>(), [200, 200, 200, 429]);
     assert_eq!(replies[0].header("RateLimit-Limit"), "3");
     assert_eq!(replies[2].header("RateLimit-Remaining"), "0");
@@ -121,7 +117,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     // An override raises the limit of one key.
     assert_eq!(statuses(&a, &nginx.url("/order"), "tenant-big", 6), [200, 200, 200, 200, 200, 429]);
     // Allowlisted and unlimited keys pass without a count, and without headers.
-    let vip: Vec<Reply> = (0..10).map(|_| get(&a, &nginx.url("/order"), "vip")).collect();
+    let vip: Vec<Reply> = (0..10).map(|_| get_as(&a, &nginx.url("/order"), "vip")).collect();
     assert!(vip.iter().all(|r| r.status == 200 && r.header("RateLimit-Remaining").is_empty()));
     assert_eq!(statuses(&a, &nginx.url("/order"), "tenant-free", 5), [200; 5]);
     // The policy's window is its own: the inline form on the same key is not charged.
@@ -130,7 +126,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
     // Shadow: refuses nothing, reports the refusals in metrics; the refused
     // requests record nothing (the window holds the 2 admissions only), and
     // another policy on the same key is not charged.
-    let shadow: Vec<Reply> = (0..5).map(|_| get(&a, &nginx.url("/shadow"), "t2")).collect();
+    let shadow: Vec<Reply> = (0..5).map(|_| get_as(&a, &nginx.url("/shadow"), "t2")).collect();
     assert!(shadow.iter().all(|r| r.status == 200), "a shadow policy refuses nothing");
     assert!(shadow[4].header("RateLimit-Remaining").is_empty(), "a shadow refusal sets no header");
     let mut conn = redis.conn();
@@ -185,7 +181,7 @@ fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
                 let mut i = 0;
                 while !stop.load(Ordering::Relaxed) {
                     let tenant = if i % 2 == 0 { "vip".to_string() } else { format!("load-{t}-{i}") };
-                    let r = get(&a, &url, &tenant);
+                    let r = get_as(&a, &url, &tenant);
                     if r.status != 200 {
                         bad.push((tenant, r.status));
                     }
@@ -236,7 +232,7 @@ fn the_headers_show_the_limit_in_force_after_a_reload_lowers_it() {
     d.rewrite_config(&d.config_text().replace("name = \"tight\"\nlimit = 5", "name = \"tight\"\nlimit = 2"));
     d.signal(nix::sys::signal::Signal::SIGHUP);
     wait_until("configuration reloaded again", Duration::from_secs(5), || d.log().matches("configuration reloaded").count() == 2);
-    let r = get(&a, &nginx.url("/tight"), "low");
+    let r = get_as(&a, &nginx.url("/tight"), "low");
     assert_eq!(r.status, 429);
     assert_eq!((r.header("RateLimit-Limit"), r.header("RateLimit-Remaining")), ("2", "0"));
 }

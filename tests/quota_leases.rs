@@ -1,4 +1,4 @@
-//! Quota leases (src/decision/lease.rs, src/redis/sliding_window.lua modes
+//! Quota leases (src/decision/lease.rs, src/redis/scripts/sliding_window.lua modes
 //! 'L' and 'S') against a serial model on virtual time, with several
 //! daemons: random traces of requests, lease calls, settles, crashes
 //! (a lease dropped unsettled), call latencies and clock offsets, through
@@ -19,9 +19,10 @@ use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, Source};
 use ratelimitd::QuotaLease;
 
-const LOG: &str = include_str!("../src/redis/sliding_window.lua");
+const LOG: &str = common::scripts::LOG;
 
 use common::rng::Rng;
+use common::redis_server::evalsha_calls;
 
 /// One simulated host: its clock offset, the lease its daemon holds, and
 /// the worker shares its nginx workers hold (units left, deadline in µs of
@@ -256,12 +257,6 @@ fn leases_never_let_a_window_hold_more_than_the_limit_on_random_traces() {
     assert!(shared > admitted / 20, "the traces must exercise worker shares: {shared} of {admitted}");
 }
 
-/// `calls` of `cmdstat_evalsha` in `INFO commandstats`: the script calls Redis ran.
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-}
-
 /// The log's members and scores for client key `key`, window `window_ms`.
 fn record(r: &RedisServer, key: &str, window_ms: u32) -> Vec<(String, u64)> {
     redis::cmd("ZRANGE").arg(format!("ratelimitd:{{{key}}}:{window_ms}ms")).arg(0).arg(-1).arg("WITHSCORES").query(&mut r.conn()).unwrap()
@@ -389,8 +384,8 @@ async fn a_daemon_killed_holding_a_lease_over_admits_nothing_and_its_units_come_
     assert_eq!(units_of_a(&record(&redis, "crash", WINDOW)), 0, "a's units outlived t0 + life + window");
 }
 
-const FIXED: &str = include_str!("../src/redis/fixed_window.lua");
-const SLIDING_COUNTER: &str = include_str!("../src/redis/sliding_counter.lua");
+const FIXED: &str = common::scripts::FIXED;
+const SLIDING_COUNTER: &str = common::scripts::SLIDING_COUNTER;
 
 /// Redis's counts of the fixed window starting at `start` and of the one
 /// before it, from the key's string ("start count" for the fixed window,

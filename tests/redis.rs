@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{args, Daemon, Deadline, RedisServer};
+use common::redis_server::evalsha_calls;
 use ratelimitd::config::{RedisConfig, RedisSecrets, RedisTarget};
 use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, Source};
 use ratelimitd::window::LimitSpec;
@@ -337,14 +338,6 @@ async fn batched_calls_decide_as_the_serial_model() {
     println!("batched calls against the serial model: {decisions} decisions, {} mismatches", mismatches.len());
     assert!(mismatches.is_empty(), "{mismatches:#?}");
     token.cancel();
-}
-
-fn evalsha_calls(r: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
-    info.lines()
-        .find(|l| l.starts_with("cmdstat_evalsha:"))
-        .and_then(|l| l.split(['=', ',']).nth(1))
-        .map_or(0, |v| v.parse().unwrap())
 }
 
 /// One hot key from 64 connections: requests that arrive while a call for

@@ -1,4 +1,4 @@
-//! The ring (src/redis/ring.lua) against the log (src/redis/sliding_window.lua):
+//! The ring (src/redis/scripts/ring.lua) against the log (src/redis/scripts/sliding_window.lua):
 //! the same random traces (costs, batches, limit changes, windows sliding)
 //! through both scripts on a real redis-server, every reply compared field
 //! by field. The log is the reference: the ring must decide exactly as it
@@ -8,8 +8,8 @@ mod common;
 
 use common::RedisServer;
 
-const LOG: &str = include_str!("../src/redis/sliding_window.lua");
-const RING: &str = include_str!("../src/redis/ring.lua");
+const LOG: &str = common::scripts::LOG;
+const RING: &str = common::scripts::RING;
 
 use common::rng::Rng;
 

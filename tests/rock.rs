@@ -11,9 +11,8 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
-use common::{is_root, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE: &str = include_str!("../nginx/example.conf");
@@ -52,13 +51,13 @@ fn the_rock_installs_into_a_clean_tree_and_serves_the_seed_scenario() {
 
     // The seed scenario with the rock's files only.
     let redis = RedisServer::start_unix();
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let d = Daemon::start_with(&server, Some(&redis.url()), "timeout_ms = 500");
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let example = EXAMPLE.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1).replacen("server 127.0.0.1:9000;", "server 127.0.0.1:{PORT:app};", 1).replacen("window_ms = 1000,", "window_ms = 60000,", 1);
     let body = format!("{snippet}\n{example}\nserver {{ listen 127.0.0.1:{{PORT:app}}; location / {{ return 200 \"ok\\n\"; }} }}\n");
     let nginx = Nginx::start_with_lua(&body, &installed.join("resty"));
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build().into();
+    let agent = common::http::agent();
     let mut statuses = Vec::new();
     let mut remaining = Vec::new();
     for _ in 0..1005 {

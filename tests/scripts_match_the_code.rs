@@ -10,6 +10,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
+use common::repo::{read, root};
 use common::RedisServer;
 
 /// The window scripts' arguments after KEYS[1], in order.
@@ -22,14 +23,6 @@ enum Role {
     Member,
     Limit,
     Cost,
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
 fn is_int(t: &str) -> bool {
@@ -218,7 +211,7 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
     }
     // What the scripts document and read.
     for script in ["sliding_window", "ring", "gcra", "sliding_counter", "fixed_window"] {
-        let lua = read(&format!("src/redis/{script}.lua"));
+        let lua = common::scripts::named(script);
         let doc = |prefix: &str| lua.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("{script}.lua: no `{prefix}` line in its header")).to_string();
         for (prefix, what) in [("-- ARGV[1] ", "window"), ("-- ARGV[2] ", "now"), ("-- ARGV[3] ", "member"), ("-- ARGV[4], ARGV[5] ", "limit and cost")] {
             assert!(doc(prefix).contains(what), "{script}.lua documents `{}`, the daemon sends {what} there", doc(prefix));
@@ -230,7 +223,9 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
         if script == "sliding_window" {
             assert!(lua.contains("local lease, batch, o, s = ARGV[1] == 'L', ARGV[1] == 'B', 0, 2"), "sliding_window.lua: a check reads its fields at o = 0, s = 2");
         }
-        for code in ["local window = tonumber(ARGV[1])", "local now = tonumber(ARGV[2])", fields[0], fields[1]] {
+        // The log reads its clock at ARGV[3] in mode 'L' only.
+        let now = if script == "sliding_window" { "local now = tonumber(ARGV[mode == 'L' and 3 or 2])" } else { "local now = tonumber(ARGV[2])" };
+        for code in ["local window = tonumber(ARGV[1])", now, fields[0], fields[1]] {
             assert!(lua.contains(code), "{script}.lua does not read `{code}`");
         }
     }
@@ -267,7 +262,7 @@ fn the_reader_catches_the_order_bench_hop_used_before_coalescing() {
 fn the_literal_evalsha_calls_admit_on_a_real_redis_as_the_daemon_would() {
     let redis = RedisServer::start_unix();
     let mut conn = redis.conn();
-    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(read("src/redis/sliding_window.lua")).query(&mut conn).unwrap();
+    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(common::scripts::LOG).query(&mut conn).unwrap();
     let mut ran = 0;
     for call in calls().into_iter().filter(|c| c.shell) {
         // The literal ones: no variable but the SHA (and a key's `$1`).
@@ -314,7 +309,7 @@ fn an_admission_on_a_key_without_a_lease_issues_what_it_issued_before_leases() {
     // is one PEXPIRE again (GT once the key exists), in every kind of call.
     let redis = RedisServer::start_unix();
     let mut conn = redis.conn();
-    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(read("src/redis/sliding_window.lua")).query(&mut conn).unwrap();
+    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(common::scripts::LOG).query(&mut conn).unwrap();
     let run = |conn: &mut redis::Connection, keys: &[&str], argv: &[&str]| -> Vec<i64> {
         let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(conn).unwrap();
         let reply: Vec<i64> = redis::cmd("EVALSHA").arg(&sha).arg(keys.len()).arg(keys).arg(argv).query(conn).unwrap();

@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::http::{agent, get, Reply};
-use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
+use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const EXAMPLE_TOML: &str = include_str!("../examples/tenant-api/ratelimitd.toml");
@@ -31,7 +31,7 @@ fn tenant_api_example_through_nginx() {
     let redis = RedisServer::start_unix();
     // The example's policies verbatim; its [server] and [redis] point at this test's.
     let policies = &EXAMPLE_TOML[EXAMPLE_TOML.find("[[policy]]").unwrap()..];
-    let server = if is_root() { format!("socket_mode = \"0660\"\nsocket_group = \"{WORKER_GROUP}\"") } else { "socket_mode = \"0660\"".into() };
+    let server = common::ops::socket_access();
     let mut d = Daemon::start_config_with_metrics(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{policies}", redis.url()));
     let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
     let site = EXAMPLE_NGINX.replacen("listen 8080;", "listen 127.0.0.1:{PORT};", 1);

@@ -4,13 +4,12 @@
 //! so a code added on one side and not the others fails here.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use ratelimitd::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, Source};
 
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap()
-}
+#[path = "common/repo.rs"]
+mod repo;
+use repo::read;
 
 /// value -> name, for one wire enum.
 type Table = BTreeMap<u16, String>;

@@ -47,6 +47,9 @@
 --                decisions (one count per request), its decision table
 --   describe     what the daemon says of the policy names used (DESCRIBE_POLICY)
 --   limiters     build{}: each limiter on its own, names verified at worker start
+--   leases       the concurrency leases each request holds, across redirects
+--   share        worker shares of the daemon's quota leases (share_dict)
+--   client_key   the client's address as a key (IPv4 /32, IPv6 /64)
 
 local config = require "resty.ratelimitd.config"
 local options = require "resty.ratelimitd.options"

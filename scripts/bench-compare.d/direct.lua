@@ -1,6 +1,6 @@
 -- The "direct path" of scripts/bench-compare: what an nginx worker would do
 -- without ratelimitd. Each worker calls EVALSHA of the daemon's own script
--- (src/redis/sliding_window.lua, loaded with SCRIPT LOAD by the bench) on
+-- (src/redis/scripts/sliding_window.lua, loaded with SCRIPT LOAD by the bench) on
 -- Redis itself, over a pooled cosocket, with the daemon's key layout and
 -- arguments (src/redis/window.rs: KEYS[1] = "<prefix>{<key>}:<window>ms",
 -- ARGV = window_ms, 0 = Redis TIME, a unique member, limit, cost), and acts

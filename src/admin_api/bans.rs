@@ -2,7 +2,7 @@
 //!
 //! A ban is one key in its key's slot, `<stem>:penalty:ban` (value: its end,
 //! Unix ms on the script's clock; PTTL: what is left), set by
-//! src/redis/penalty.lua. So that they can be listed without a SCAN of
+//! src/redis/scripts/penalized_check.lua. So that they can be listed without a SCAN of
 //! every node, the daemon whose request engaged a ban adds it to the
 //! index `<key_prefix>admin:bans` (a ZSET: scoped key, scored by its end),
 //! once per ban; every daemon's refresher deletes the ended ones at each

@@ -22,7 +22,7 @@ use std::time::Duration;
 use redis::{ConnectionAddr, RedisConnectionInfo};
 
 use crate::config::{RedisConfig, RedisSecrets, RedisTarget, SentinelConfig};
-use crate::redis::LinkConnection;
+use crate::redis::{scripts, LinkConnection};
 
 /// Entries kept for readers to catch up with: a reader further behind
 /// rereads everything. As many as the overrides' cap, so that writing every
@@ -79,39 +79,9 @@ fn marker() -> Vec<u8> {
     m
 }
 
-/// Appends an entry; its number. KEYS[1] the log; ARGV[1] the entry,
-/// ARGV[2] the entries kept, ARGV[3] an epoch marker for a log without one.
-const APPEND: &str = "local top = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-if not redis.call('ZRANGEBYSCORE', KEYS[1], 0, 0)[1] then
-  redis.call('ZADD', KEYS[1], 0, ARGV[3])
-end
-local seq = (tonumber(top[2]) or 0) + 1
-redis.call('ZADD', KEYS[1], seq, ARGV[1])
-redis.call('ZREMRANGEBYRANK', KEYS[1], 1, -(tonumber(ARGV[2]) + 1))
-return seq";
 
-/// A reader's step, with Redis's time (ms) first. KEYS[1] the log; ARGV[1]
-/// and ARGV[2] the reader's position (its last entry's number and the
-/// entry; 0 and '' when its last read found no log), ARGV[3] '1' when it
-/// has a position, '0' when it knows nothing. Returns {now, 1, {entry,
-/// number, ...}}: the entries after the position; or {now, 0, {top entry,
-/// its number}} ({} without a log): the position is gone, reread
-/// everything, then stand at the top. A read writes nothing: an idle
-/// daemon leaves no key behind.
-const READ: &str = "local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local last = tonumber(ARGV[1])
-if ARGV[3] == '1' then
-  if ARGV[2] == '' then
-    local first = redis.call('ZRANGE', KEYS[1], 1, 1, 'WITHSCORES')
-    if redis.call('EXISTS', KEYS[1]) == 0 or tonumber(first[2]) == 1 then
-      return { now, 1, redis.call('ZRANGEBYSCORE', KEYS[1], '(0', '+inf', 'WITHSCORES') }
-    end
-  elseif redis.call('ZRANGEBYSCORE', KEYS[1], last, last)[1] == ARGV[2] then
-    return { now, 1, redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. last, '+inf', 'WITHSCORES') }
-  end
-end
-return { now, 0, redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES') }";
+
+
 
 /// Appends `kind`'s change of `scoped` for every reader.
 pub async fn append(conn: &mut LinkConnection, key_prefix: &str, kind: Kind, scoped: &[u8]) -> Result<u64, redis::RedisError> {
@@ -119,7 +89,7 @@ pub async fn append(conn: &mut LinkConnection, key_prefix: &str, kind: Kind, sco
     entry.push(kind.byte());
     entry.extend_from_slice(&nonce());
     entry.extend_from_slice(scoped);
-    redis::cmd("EVAL").arg(APPEND).arg(1).arg(log_key(key_prefix)).arg(entry).arg(MAX_KEPT).arg(marker()).query_async(conn).await
+    redis::cmd("EVAL").arg(scripts::CHANGE_LOG_APPEND).arg(1).arg(log_key(key_prefix)).arg(entry).arg(MAX_KEPT).arg(marker()).query_async(conn).await
 }
 
 /// An admin write made in Redis, and whether its change-log entry was
@@ -302,7 +272,7 @@ pub async fn read(conn: &mut LinkConnection, key_prefix: &str, from: Option<&Pos
     // EVAL, not EVALSHA: the request path's scripts are the EVALSHA calls
     // in Redis's commandstats, and the refreshers' reads stay apart from
     // them (the cost: the script's 600 bytes sent once a refresh).
-    let (now_ms, found, entries): (u64, u8, Vec<(Vec<u8>, u64)>) = redis::cmd("EVAL").arg(READ).arg(1).arg(log_key(key_prefix)).arg(seq).arg(entry).arg(known).query_async(conn).await?;
+    let (now_ms, found, entries): (u64, u8, Vec<(Vec<u8>, u64)>) = redis::cmd("EVAL").arg(scripts::CHANGE_LOG_READ).arg(1).arg(log_key(key_prefix)).arg(seq).arg(entry).arg(known).query_async(conn).await?;
     if found == 0 {
         // No top: there is no log (yet, or any more).
         let (entry, seq) = entries.into_iter().next_back().unwrap_or_default();

@@ -3,7 +3,7 @@
 //!
 //! A daemon that sees a log key often on this host asks, with the request
 //! that finds no lease, for a few units of the key's quota in the same
-//! script call (src/redis/sliding_window.lua, mode 'L'). Redis reserves
+//! script call (src/redis/scripts/sliding_window.lua, mode 'L'). Redis reserves
 //! them only from room to spare (at most half the room left after the
 //! request), scored `t0 + life` where `t0` is the script's clock. The
 //! daemon admits from them for `life` ms after it *sent* the call, timing

@@ -2,7 +2,7 @@
 //! a policy's key banned is refused from the ban table (`penalty_box`)
 //! with no store call; otherwise the store decides the window, counts a
 //! refusal as a strike and engages the ban, in one call (Redis:
-//! src/redis/penalty.lua; memory: the local window and the table's
+//! src/redis/scripts/penalized_check.lua; memory: the local window and the table's
 //! strikes). Every refusal while banned has `retry_after` = the ban's end.
 
 use std::sync::atomic::Ordering;

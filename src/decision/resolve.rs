@@ -115,7 +115,7 @@ pub fn kind_refusal(policy: &Policy, kind: Kind) -> Option<(ErrorCode, String)> 
     // Several items in one call, and refunds, are written for the
     // exact log's script and windows; another algorithm's policy would
     // be judged by the wrong rule.
-    // A ban is decided in the single check's script (src/redis/penalty.lua)
+    // A ban is decided in the single check's script (src/redis/scripts/penalized_check.lua)
     // and counts the refusals of one key: several items all or nothing,
     // and refunds, have no place for it. The rule check-config --nginx
     // applies too (multi_refusal).

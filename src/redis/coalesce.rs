@@ -205,7 +205,7 @@ mod tests {
 /// Cold keys batched across keys (`[redis] batch_cold_keys`, log only, one
 /// Redis): at most `COLD_LANES` single-key calls in flight; a check that
 /// finds them all busy queues here, and when one returns, the queue goes to
-/// Redis as one call of different keys (src/redis/sliding_window.lua, mode
+/// Redis as one call of different keys (src/redis/scripts/sliding_window.lua, mode
 /// 'B'), each decided exactly as a call of its own at that instant. No
 /// timer: with a lane free a check is sent at once.
 pub const COLD_LANES: u32 = 4;

@@ -9,8 +9,10 @@
 //!   breaker, and `eval`, the single entry point every call goes through;
 //! - `keys`: a window's Redis key, its Cluster slot, a script's reply as
 //!   a verdict;
-//! - `window`: the scripts (one per algorithm: the log, the ring, GCRA,
-//!   the sliding counter, the fixed window), their arguments;
+//! - `scripts`: the Redis scripts' text, assembled at build time from
+//!   src/redis/scripts/ (build.rs);
+//! - `window`: the scripts' calls (one per algorithm: the log, the ring,
+//!   GCRA, the sliding counter, the fixed window), their arguments;
 //! - `multi`: several items all or nothing (reservations across Cluster
 //!   slots, confirmed or taken back), refunds, and the tasks they leave;
 //! - `coalesce`: the windows with a call in flight, and the requests that
@@ -22,6 +24,7 @@ mod connector;
 mod keys;
 mod link;
 mod multi;
+pub(crate) mod scripts;
 mod sentinel;
 mod shard;
 mod window;

@@ -1,6 +1,6 @@
 //! Several items all or nothing (docs/PROTOCOL.md 4b), and refunds (4c), in
 //! Redis: the "m", "c" and "r" modes of the log's script
-//! (src/redis/sliding_window.lua).
+//! (src/redis/scripts/sliding_window.lua).
 //!
 //! On one Redis, or a Cluster when every key shares a slot, a check is one
 //! atomic script call. On a Cluster with keys in several slots it is one

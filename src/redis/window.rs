@@ -16,26 +16,13 @@ use super::coalesce::{Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter
 use super::connector::{Connector, ConnectorError};
 use super::keys::{verdict, WindowKey};
 use super::link::{LinkSettings, RedisLink};
+use super::scripts;
 use super::multi::{MultiAnswer, MultiAsk, RefundItem, RefundOutcome, Reservations};
 use crate::denial_cache::DenialCache;
 use crate::config::{ClockSource, RedisConfig, RedisSecrets};
 use crate::protocol::Algorithm;
 use crate::metrics::METRICS;
 use crate::window::{LimitSpec, StoreError, Verdict};
-
-/// The log's script, as shipped in the binary.
-pub const SCRIPT_SOURCE: &str = include_str!("sliding_window.lua");
-/// The ring's script: same arguments and reply as the log's.
-pub const RING_SOURCE: &str = include_str!("ring.lua");
-/// GCRA's script: same arguments and reply layout.
-pub const GCRA_SOURCE: &str = include_str!("gcra.lua");
-/// The sliding-window counter's and the fixed window's: the same again.
-pub const SLIDING_COUNTER_SOURCE: &str = include_str!("sliding_counter.lua");
-/// Concurrency leases (ACQUIRE and RELEASE): a script of their own.
-pub const CONCURRENCY_SOURCE: &str = include_str!("concurrency.lua");
-pub const FIXED_SOURCE: &str = include_str!("fixed_window.lua");
-/// The penalty box's: the log's single check, the ban and the strikes.
-pub const PENALTY_SOURCE: &str = include_str!("penalty.lua");
 
 /// The link's index of the penalty box's script: after the algorithms' and
 /// the leases'.
@@ -45,16 +32,16 @@ const PENALTY_SCRIPT: usize = Algorithm::ALL.len() + 1;
 /// order, so `Algorithm::index` names its SHA there.
 const fn script_of(algorithm: Algorithm) -> &'static str {
     match algorithm {
-        Algorithm::Log => SCRIPT_SOURCE,
-        Algorithm::Ring => RING_SOURCE,
-        Algorithm::Gcra => GCRA_SOURCE,
-        Algorithm::SlidingCounter => SLIDING_COUNTER_SOURCE,
-        Algorithm::Fixed => FIXED_SOURCE,
+        Algorithm::Log => scripts::LOG,
+        Algorithm::Ring => scripts::RING,
+        Algorithm::Gcra => scripts::GCRA,
+        Algorithm::SlidingCounter => scripts::SLIDING_COUNTER,
+        Algorithm::Fixed => scripts::FIXED,
     }
 }
 
 /// The Redis key of a key's concurrency leases: the stem, then
-/// `:concurrency` (src/redis/concurrency.lua).
+/// `:concurrency` (src/redis/scripts/concurrency_slots.lua).
 #[derive(Clone, Copy, Debug)]
 struct LeaseKey<'a>(WindowKey<'a>);
 
@@ -179,11 +166,11 @@ impl RedisWindow {
     pub fn start(cfg: &RedisConfig, secrets: &RedisSecrets, shutdown: CancellationToken) -> Result<Arc<Self>, StartError> {
         let connector = Connector::new(cfg, secrets)?;
         let instance = instance_id()?;
-        let script = Script::new(SCRIPT_SOURCE);
+        let script = Script::new(scripts::LOG);
         let probe = probe_command(&script, cfg.key_prefix.as_bytes(), instance);
         // The algorithms' scripts in `Algorithm::ALL` order, then the leases'.
         // The algorithms' scripts, the leases' and the penalty box's.
-        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([CONCURRENCY_SOURCE, PENALTY_SOURCE]).collect();
+        let sources: Vec<&'static str> = Algorithm::ALL.iter().map(|&a| script_of(a)).chain([scripts::CONCURRENCY, scripts::PENALIZED_CHECK]).collect();
         let link = RedisLink::start(connector, &sources, probe, LinkSettings::from(cfg), shutdown);
         Ok(Arc::new(Self {
             multi: Arc::new(Reservations::new(link.clone(), cfg.key_prefix.as_bytes())),
@@ -402,7 +389,7 @@ impl RedisWindow {
     /// Acquires (`acquire`) or releases a concurrency lease, in a call of
     /// its own: no coalescing (each lease is a member of its own), and the
     /// caller keeps the denial cache out (a release frees a slot at any
-    /// time). The reply is a verdict: see src/redis/concurrency.lua.
+    /// time). The reply is a verdict: see src/redis/scripts/concurrency_slots.lua.
     pub async fn lease(&self, acquire: bool, key: &[u8], lease: &[u8], limit: u32, lease_ms: u32, cost: u32) -> Result<Verdict, StoreError> {
         let mut cmd = redis::Cmd::with_capacity(10, 128 + self.key_prefix.len() + key.len() + lease.len());
         cmd.arg("EVALSHA")
@@ -422,7 +409,7 @@ impl RedisWindow {
     /// Decides one request of a policy with a penalty box (the log), in a
     /// call of its own (never coalesced, no quota lease): the key's ban is
     /// read, the window decided and a refusal counted as a strike in the
-    /// same atomic call (src/redis/penalty.lua).
+    /// same atomic call (src/redis/scripts/penalized_check.lua).
     pub async fn check_penalized(&self, spec: &LimitSpec<'_>, after: u32, within_ms: u32, ban_ms: u32) -> Result<(Verdict, PenaltyState), StoreError> {
         let member = MemberId { instance: self.instance, seq: self.seq.fetch_add(1, Ordering::Relaxed) };
         let stem = self.window_key(spec.key, 0, Algorithm::Log);
@@ -484,7 +471,7 @@ impl RedisWindow {
     }
 }
 
-/// What a lease call answered (src/redis/sliding_window.lua, mode 'L').
+/// What a lease call answered (src/redis/scripts/sliding_window.lua, mode 'L').
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseGrant {
     /// The request's own verdict; its count includes the units reserved.
@@ -750,8 +737,8 @@ mod tests {
 
     #[test]
     fn script_has_the_documented_shape() {
-        assert!(SCRIPT_SOURCE.contains("redis.call('TIME')"));
-        assert!(SCRIPT_SOURCE.contains("PEXPIRE"));
-        assert_eq!(Script::new(SCRIPT_SOURCE).get_hash().len(), 40);
+        assert!(scripts::LOG.contains("redis.call('TIME')"));
+        assert!(scripts::LOG.contains("PEXPIRE"));
+        assert_eq!(Script::new(scripts::LOG).get_hash().len(), 40);
     }
 }

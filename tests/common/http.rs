@@ -7,6 +7,7 @@ pub fn agent() -> ureq::Agent {
     ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(Duration::from_secs(10))).build().into()
 }
 
+#[derive(Debug)]
 pub struct Reply {
     pub status: u16,
     pub headers: ureq::http::HeaderMap,
@@ -17,6 +18,32 @@ impl Reply {
     /// The header's value, "" when it is absent.
     pub fn header(&self, name: &str) -> &str {
         self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
+    }
+
+    /// The header's value, None when it is absent.
+    pub fn value(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The header's value as a number; a panic when it is absent.
+    pub fn number(&self, name: &str) -> u64 {
+        self.num(name).unwrap_or_else(|| panic!("no {name} header in {:?}", self.headers))
+    }
+
+    /// The rate-limit headers (RateLimit*, X-RateLimit*, Retry-After), by
+    /// name, in a fixed order.
+    pub fn limit_headers(&self) -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = self
+            .headers
+            .iter()
+            .filter(|(k, _)| {
+                let k = k.as_str();
+                k.starts_with("ratelimit") || k.starts_with("x-ratelimit") || k == "retry-after"
+            })
+            .map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap().to_string()))
+            .collect();
+        v.sort();
+        v
     }
 
     /// The header's value as a number, None when it is absent.
@@ -34,4 +61,9 @@ pub fn get(agent: &ureq::Agent, url: &str, headers: &[(&str, &str)]) -> Reply {
     let mut r = req.call().unwrap();
     let body = r.body_mut().read_to_string().unwrap_or_default();
     Reply { status: r.status().as_u16(), headers: r.headers().clone(), body }
+}
+
+/// GET `url` as tenant `tenant` (the examples' `X-Tenant-Id`).
+pub fn get_as(agent: &ureq::Agent, url: &str, tenant: &str) -> Reply {
+    get(agent, url, &[("X-Tenant-Id", tenant)])
 }

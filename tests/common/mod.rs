@@ -8,16 +8,20 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod admin;
+pub mod clock;
 pub mod daemon;
 pub mod http;
+pub mod keys;
 pub mod model;
 pub mod nginx;
 pub mod ops;
 pub mod ports;
 pub mod process;
 pub mod rng;
+pub mod scripts;
 pub mod redis_cluster;
 pub mod redis_server;
+pub mod repo;
 pub mod sentinel;
 pub mod tls;
 pub mod wait;

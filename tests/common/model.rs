@@ -1,7 +1,7 @@
 //! The serial reference model of the whole feature matrix (tests/matrix.rs):
 //! what the daemon must answer to every request, one at a time, following
-//! docs/PROTOCOL.md, docs/POLICIES.md, docs/ALGORITHMS.md and the semantics
-//! S1-S9 the lead fixed for the one-pipeline work (/work/wt/SEMANTICS.md).
+//! docs/PROTOCOL.md, docs/POLICIES.md, docs/ALGORITHMS.md and the pipeline's
+//! rules S1-S9 (docs/SEMANTICS.md).
 //!
 //! Time does not exist here: every window outlasts a run (an hour for the
 //! log, the ring and GCRA, a UTC day for the fixed window and the sliding

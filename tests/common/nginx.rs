@@ -99,6 +99,17 @@ impl Nginx {
         self.child.log()
     }
 
+    /// The error log's lines at level error or worse.
+    pub fn error_lines(&self) -> Vec<String> {
+        self.error_log().lines().filter(|l| ["[error]", "[crit]", "[alert]", "[emerg]"].iter().any(|level| l.contains(level))).map(str::to_string).collect()
+    }
+
+    /// Fails when the error log holds a line at level error or worse.
+    pub fn assert_no_errors(&self) {
+        let errors = self.error_lines();
+        assert!(errors.is_empty(), "nginx error log:\n{}", errors.join("\n"));
+    }
+
     /// Sends `sig` to the master (SIGHUP: a reload, new workers, the shared
     /// dicts kept).
     pub fn signal(&self, sig: Signal) {

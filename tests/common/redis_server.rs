@@ -255,3 +255,10 @@ fn last_lines(log: &str, n: usize) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(n)..].join(" / ")
 }
+
+/// `calls` of `cmdstat_evalsha` in `INFO commandstats`: the script calls
+/// Redis ran since it started (or its last `CONFIG RESETSTAT`).
+pub fn evalsha_calls(r: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
+    info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}

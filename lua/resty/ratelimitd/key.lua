@@ -51,7 +51,7 @@ end
 -- key is hashed to (a 600-byte tenant id's "md5:<hex>", or the empty key's)
 -- and spend that key's window: a key sent as it is never begins with
 -- HASHED, and two keys hashed share a window only if their md5s collide
--- (docs/NGINX.md section 5; docs/PROTOCOL.md, "Keys").
+-- (docs/NGINX.md section 5; docs/PROTOCOL.md section 4).
 local HASHED = "md5:"
 -- Its bytes: compared in place, so a key sent as it is makes no substring.
 local M, D, FIVE, COLON = byte(HASHED, 1, 4)

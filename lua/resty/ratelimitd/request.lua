@@ -16,7 +16,7 @@
 -- but its first read per request draws 16 random bytes (OpenSSL) and every
 -- request would make a new 32-byte string and table here: measured at about
 -- 2 of the 3 us a request admitted from a worker share cost this module
--- (docs/PERFORMANCE.md, "The share path in a worker"). The entry of an
+-- (docs/PERFORMANCE.md, "The share path in a worker (issue 34, item 3)"). The entry of an
 -- address is reused by the next request placed there: no table per request.
 --
 -- The identity of a request as a string (id(), a concurrency lease's id):

@@ -29,10 +29,7 @@ local mode = ARGV[1]
 local now = tonumber(ARGV[2])
 local lease = ARGV[3]
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
 
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 

@@ -46,10 +46,8 @@ local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
+--@include parts/answer.lua
 local cutoff = now - window
 
 local pack, unpack_d = struct.pack, struct.unpack
@@ -140,22 +138,10 @@ for j = 1, n do
     newest = at
     admitted = true
     count = count + cost
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = limit - count
-    out[#out + 1] = 0
-    out[#out + 1] = window
+    answer(out, 1, count, limit - count, 0, window)
   else
     -- Refused: fits once the slot at size - limit + cost has left.
-    local remaining = limit - count
-    if remaining < 0 then
-      remaining = 0
-    end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = remaining
-    out[#out + 1] = slot(size - limit + cost) + window - now
-    out[#out + 1] = newest + window - now
+    answer(out, 0, count, math.max(limit - count, 0), slot(size - limit + cost) + window - now, newest + window - now)
   end
 end
 

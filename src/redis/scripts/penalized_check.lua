@@ -24,6 +24,8 @@
 -- A banned key's requests record nothing and are no strikes. A refusal by
 -- the window is one strike whatever its cost; the `after`-th strike within
 -- `within` sets the ban (SET PX ban) and clears the strikes.
+--@include parts/units.lua
+--@include parts/log_wait.lua
 local key, bankey, strikes = KEYS[1], KEYS[2], KEYS[3]
 local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
@@ -31,10 +33,7 @@ local member = ARGV[3]
 local limit, cost = tonumber(ARGV[4]), tonumber(ARGV[5])
 local after, within, ban = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
 
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
 local count = redis.call('ZCARD', key)
@@ -48,17 +47,7 @@ if count + cost <= limit then
   if cost == 1 then
     redis.call('ZADD', key, now, member)
   else
-    -- Sent in chunks: unpack() of a very large table overflows Lua's C stack.
-    local args, m = {}, 0
-    for i = 1, cost do
-      args[m + 1] = now
-      args[m + 2] = member .. ':' .. i
-      m = m + 2
-      if m == 1000 or i == cost then
-        redis.call('ZADD', key, unpack(args, 1, m))
-        m = 0
-      end
-    end
+    units({ 'ZADD', key }, now, member .. ':', 1, cost)
   end
   if redis.call('PTTL', key) < window then
     redis.call('PEXPIRE', key, window)
@@ -68,20 +57,8 @@ if count + cost <= limit then
 end
 
 -- Refused by the window: as sliding_window.lua answers it.
-local rank = count + cost - limit - 1
-local oldest = redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')
-local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-local retry_after, reset = window, window
-if oldest[2] then
-  retry_after = tonumber(oldest[2]) + window - now
-end
-if newest[2] then
-  reset = tonumber(newest[2]) + window - now
-end
-local remaining = limit - count
-if remaining < 0 then
-  remaining = 0
-end
+local retry_after, reset = log_wait(key, window, now, count, cost, limit)
+local remaining = math.max(limit - count, 0)
 
 -- One strike.
 redis.call('ZREMRANGEBYSCORE', strikes, '-inf', now - within)

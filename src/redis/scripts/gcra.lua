@@ -61,10 +61,8 @@ local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
+--@include parts/answer.lua
 
 -- Float error in c T must not turn an exact fit into a refusal.
 local EPS = 1e-6
@@ -80,8 +78,7 @@ if stored then
   end
   tat = math.max(tonumber(stored), now)
 end
-local mode = ARGV[3]
-local SETTLE_LIFE = 86400000
+--@include parts/settle_mode.lua
 
 -- The key as "<TAT>[ <charged> <born>]"; a full bucket keeps none.
 local function save(at)
@@ -97,43 +94,7 @@ local function save(at)
 end
 
 if mode == 's' then
-  local limit = tonumber(ARGV[4])
-  local actual = tonumber(ARGV[5])
-  local t = window / limit
-  local rec = redis.call('GET', KEYS[2])
-  local function reply(ok, at)
-    local count = math.ceil((at - now) / t - EPS)
-    local left = limit - count
-    if left < 0 then
-      left = 0
-    end
-    return {ok, count, left, math.max(0, math.ceil(at + t - window - now - EPS)), math.ceil(at - now - EPS)}
-  end
-  if not rec then
-    return reply(0, tat)
-  end
-  redis.call('DEL', KEYS[2])
-  local e, rc, rb = string.match(rec, '^%d+ (%d+) ?(%S*) ?(%S*)$')
-  local est = tonumber(e)
-  if actual >= est then
-    tat = tat + (actual - est) * t
-    if born then
-      charged = charged + (actual - est) * t
-    end
-  elseif rb ~= '' and rb == born then
-    -- F is at most now + what was charged since the reserve (and at most
-    -- the TAT itself).
-    local since = charged - tonumber(rc)
-    local back = (est - actual) * t
-    tat = math.max(tat - back, math.min(tat, now + since), now)
-    if since == 0 then
-      charged = charged - back
-    end
-  end
-  -- Else the key was born again (or the record predates this layout):
-  -- the reserve drained in between, nothing is given back.
-  save(tat)
-  return reply(1, tat)
+--@include gcra/gcra_settle.lua
 end
 local changed = false
 local out = {}
@@ -145,11 +106,7 @@ for j = 1, n do
   local new_tat = tat + cost * t
   if new_tat - now <= window + EPS then
     local count = math.ceil((new_tat - now) / t - EPS)
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = limit - count
-    out[#out + 1] = math.ceil(tat - now - EPS)
-    out[#out + 1] = math.ceil(new_tat - now - EPS)
+    answer(out, 1, count, limit - count, math.ceil(tat - now - EPS), math.ceil(new_tat - now - EPS))
     tat = new_tat
     changed = true
     if mode == 'r' and not born then
@@ -163,15 +120,7 @@ for j = 1, n do
     end
   else
     local count = math.ceil((tat - now) / t - EPS)
-    local remaining = limit - count
-    if remaining < 0 then
-      remaining = 0
-    end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = remaining
-    out[#out + 1] = math.ceil(new_tat - window - now - EPS)
-    out[#out + 1] = math.ceil(tat - now - EPS)
+    answer(out, 0, count, math.max(limit - count, 0), math.ceil(new_tat - window - now - EPS), math.ceil(tat - now - EPS))
   end
 end
 

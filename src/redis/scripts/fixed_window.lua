@@ -44,32 +44,10 @@ local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
+--@include parts/answer.lua
 
--- Hinnant's days_from_civil and civil_from_days (src/window.rs has the same).
-local function days_from_civil(y, m, d)
-  if m <= 2 then y = y - 1 end
-  local era = math.floor(y / 400)
-  local yoe = y - era * 400
-  local doy = math.floor((153 * ((m + 9) % 12) + 2) / 5) + d - 1
-  return era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy - 719468
-end
-
-local function civil_from_days(z)
-  z = z + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local m = mp < 10 and mp + 3 or mp - 9
-  local y = yoe + era * 400
-  if m <= 2 then y = y + 1 end
-  return y, m
-end
+--@include parts/calendar.lua
 
 local start, stop
 -- Windows between two starts (debt, below): a calendar month's count, or
@@ -105,8 +83,7 @@ else
   stop = start + window
 end
 local reset = stop - now
-local mode = ARGV[3]
-local SETTLE_LIFE = 86400000
+--@include parts/settle_mode.lua
 local first_limit = tonumber(ARGV[4])
 local count = 0
 local stored = redis.call('GET', key)
@@ -163,29 +140,7 @@ local function life(c, limit)
 end
 
 if mode == 's' then
-  local actual = tonumber(ARGV[5])
-  local rec = redis.call('GET', KEYS[2])
-  local function reply(ok)
-    local left = first_limit - count
-    if left < 0 then
-      left = 0
-    end
-    return {ok, count, left, count >= first_limit and debt_end(count, 1, first_limit) or 0, reset}
-  end
-  if not rec then
-    return reply(0)
-  end
-  redis.call('DEL', KEYS[2])
-  local rs, est = string.match(rec, '^(%d+) (%d+)$')
-  rs, est = tonumber(rs), tonumber(est)
-  if rs == start or actual > est then
-    count = count + actual - est
-  end
-  if count < 0 then
-    count = 0
-  end
-  redis.call('SET', key, string.format('%d %d', start, count), 'PX', life(count, first_limit))
-  return reply(1)
+--@include fixed_window/fixed_settle.lua
 end
 
 local changed = false
@@ -199,21 +154,9 @@ for j = 1, n do
     if mode == 'r' then
       redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
     end
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = limit - count
-    out[#out + 1] = 0
-    out[#out + 1] = reset
+    answer(out, 1, count, limit - count, 0, reset)
   else
-    local remaining = limit - count
-    if remaining < 0 then
-      remaining = 0
-    end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = remaining
-    out[#out + 1] = debt_end(count, cost, limit)
-    out[#out + 1] = reset
+    answer(out, 0, count, math.max(limit - count, 0), debt_end(count, cost, limit), reset)
   end
 end
 

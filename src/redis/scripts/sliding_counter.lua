@@ -47,10 +47,8 @@ local window = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local n = (#ARGV - 3) / 2
 
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+--@include parts/now.lua
+--@include parts/answer.lua
 
 local start = now - now % window
 local elapsed = now - start
@@ -67,36 +65,10 @@ if stored then
 end
 
 local EPS = 1e-9
-local mode = ARGV[3]
-local SETTLE_LIFE = 86400000
+--@include parts/settle_mode.lua
 
 if mode == 's' then
-  local limit = tonumber(ARGV[4])
-  local actual = tonumber(ARGV[5])
-  local rec = redis.call('GET', KEYS[2])
-  local function reply(ok)
-    local count = math.ceil(prev * (window - elapsed) / window + cur - EPS)
-    local left = limit - count
-    if left < 0 then
-      left = 0
-    end
-    return {ok, count, left, 0, 2 * window - elapsed}
-  end
-  if not rec then
-    return reply(0)
-  end
-  redis.call('DEL', KEYS[2])
-  local rs, est = string.match(rec, '^(%d+) (%d+)$')
-  rs, est = tonumber(rs), tonumber(est)
-  if actual >= est then
-    cur = cur + actual - est
-  elseif rs == start then
-    cur = math.max(cur - (est - actual), 0)
-  elseif rs == start - window then
-    prev = math.max(prev - (est - actual), 0)
-  end
-  redis.call('SET', key, string.format('%d %d %d', start, cur, prev), 'PX', 2 * window - elapsed)
-  return reply(1)
+--@include sliding_counter/counter_settle.lua
 end
 
 -- The first whole ms (from now) at which prev * (W - e) / W + cur + cost
@@ -131,22 +103,14 @@ for j = 1, n do
       redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
     end
     local count = math.ceil(weighted + cur - EPS)
-    out[#out + 1] = 1
-    out[#out + 1] = count
-    out[#out + 1] = math.max(limit - count, 0)
-    out[#out + 1] = 0
-    out[#out + 1] = 2 * window - elapsed
+    answer(out, 1, count, math.max(limit - count, 0), 0, 2 * window - elapsed)
   else
     local count = math.ceil(weighted + cur - EPS)
     local reset = window - elapsed
     if cur > 0 then
       reset = reset + window
     end
-    out[#out + 1] = 0
-    out[#out + 1] = count
-    out[#out + 1] = math.max(limit - count, 0)
-    out[#out + 1] = retry_after(limit, cost)
-    out[#out + 1] = reset
+    answer(out, 0, count, math.max(limit - count, 0), retry_after(limit, cost), reset)
   end
 end
 
