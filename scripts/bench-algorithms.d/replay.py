@@ -32,7 +32,7 @@ import socket
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(HERE, "..", "..", "src", "redis")
+SRC = os.path.join(HERE, "..", "..", "src", "redis", "scripts")
 SCRIPTS = {
     "log": "sliding_window.lua",
     "ring": "ring.lua",
@@ -294,6 +294,20 @@ def bounds_from(doc_path):
     raise SystemExit("%s: no `| Algorithm | Over-admission bound | Under-admission bound |` table" % doc_path)
 
 
+def assembled(file):
+    """The script as the daemon runs it: every `--@include FILE` line
+    replaced by that file, expanded the same way (build.rs and
+    scripts/lib.sh's redis_script do the same)."""
+    out = []
+    with open(os.path.join(SRC, file)) as f:
+        for line in f:
+            if line.startswith("--@include "):
+                out.append(assembled(line[len("--@include "):].strip()))
+            else:
+                out.append(line)
+    return "".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--redis", required=True, help="Unix socket path or host:port")
@@ -307,8 +321,7 @@ def main():
     r = Redis(a.redis)
     shas = {}
     for name, file in SCRIPTS.items():
-        with open(os.path.join(SRC, file), "rb") as f:
-            shas[name] = r.call("SCRIPT", "LOAD", f.read()).decode()
+        shas[name] = r.call("SCRIPT", "LOAD", assembled(file).encode()).decode()
 
     results = {"window_ms": WINDOW, "limit": LIMIT, "traces": {}, "cost": {}}
     chart = {}
