@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::log_limit::RateLimitedLog;
+use crate::metrics::METRICS;
 use crate::protocol::{Algorithm, MAX_SHARE_UNITS};
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
@@ -43,6 +44,13 @@ const HOT_HITS: u32 = 8;
 pub const MAX_SHARE_MS: u32 = 250;
 /// Shorter validity than this is not worth a share.
 const MIN_SHARE_MS: u32 = 5;
+/// A share is valid for this many times the time the host takes to use its
+/// units at its rate: a worker tops a share up before it runs out, and the
+/// units added keep the earlier deadline.
+const SHARE_USE_FACTOR: u64 = 3;
+/// The shortest validity the rate gives a share: a few of a worker's
+/// round trips to the daemon.
+const MIN_RATE_VALID_MS: u32 = 20;
 /// What a worker is told to wait before asking again while this daemon's
 /// lease call for the key is in flight: about one Redis round trip, after
 /// which the new lease can be shared.
@@ -136,34 +144,39 @@ impl QuotaLease {
     }
 
     /// Hands up to `want` units (at most `MAX_SHARE_UNITS`) to a worker at
-    /// local time `now_us`, for `limit`, if at least `least` are left.
-    /// They are used from now on, timed at the latest time any admission
-    /// from this lease may have (`t0 + life`): the worker's admissions are
-    /// never timed, so each counts as if made at the end of the lease. The
-    /// share is valid until the last µs at which the daemon itself may
-    /// still admit (offset ⌈1.001 · elapsed⌉ ≤ life), less 1 ms for the
-    /// worker's whole-ms clock, and for at most `MAX_SHARE_MS`.
-    pub fn share(&mut self, now_us: u64, limit: u32, want: u32, least: u32) -> Option<WorkerShare> {
+    /// local time `now_us`, for `limit`, if at least `least` are left, valid
+    /// for at most `max_valid_ms`. The share is valid until the last µs at
+    /// which the daemon itself may still admit (offset ⌈1.001 · elapsed⌉ ≤
+    /// life), less 1 ms for the worker's whole-ms clock, and for at most
+    /// `MAX_SHARE_MS` and `max_valid_ms`. The worker's admissions are never
+    /// timed: each unit is scored at the latest true time any of them may
+    /// have, its deadline (the worker's send, at or before `now_us`, plus
+    /// the validity), timed as `admit` times the daemon's own: never earlier
+    /// than the admission it stands for, and a short share is scored close
+    /// to its use rather than at the lease's end.
+    pub fn share(&mut self, now_us: u64, limit: u32, want: u32, least: u32, max_valid_ms: u32) -> Option<WorkerShare> {
         if limit != self.limit || self.reserve.is_some() {
             return None;
         }
         let used = self.offsets.len() as u32;
         let units = want.min(self.granted - used).min(MAX_SHARE_UNITS);
         let last_us = self.sent_us + u64::from(self.life_ms) * 1_000_000 / 1001;
-        let valid_ms = (last_us.saturating_sub(now_us) / 1000).saturating_sub(1).min(u64::from(MAX_SHARE_MS)) as u32;
+        let valid_ms = (last_us.saturating_sub(now_us) / 1000).saturating_sub(1).min(u64::from(MAX_SHARE_MS.min(max_valid_ms))) as u32;
         if units == 0 || units < least || valid_ms < MIN_SHARE_MS {
             return None;
         }
+        let elapsed = (now_us + u64::from(valid_ms) * 1000).saturating_sub(self.sent_us);
+        // At most life: the validity ends before the daemon's last admission.
+        let offset = ((elapsed + elapsed / 1000).div_ceil(1000) as u32).min(self.life_ms);
         for _ in 0..units {
-            self.offsets.push(self.life_ms);
+            self.offsets.push(offset);
         }
         Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
     }
 
     /// The scores of the used units, in unit order, for the settle call;
-    /// 0 for a unit already scored right: one used at `t0 + life`, as every
-    /// unit handed to a worker is, keeps the score it was reserved with,
-    /// and the settle skips it (a hot key's units are mostly shares).
+    /// 0 for a unit already scored right: one used at `t0 + life` keeps the
+    /// score it was reserved with, and the settle skips it.
     pub fn used_scores(&self) -> impl Iterator<Item = u64> + '_ {
         self.offsets.iter().map(|&o| if o == self.life_ms { 0 } else { self.t0_ms + u64::from(o) })
     }
@@ -256,6 +269,37 @@ struct Slot {
 }
 
 impl Slot {
+    /// Counts `n` requests (or units handed to workers) of the key at
+    /// `now_us` in its rate: the current period of `life_ms` and the one
+    /// before.
+    fn count(&mut self, now_us: u64, life_ms: u32, n: u32) {
+        let period = u64::from(life_ms) * 1000;
+        if now_us >= self.period_start_us + period {
+            self.last_hits = if now_us < self.period_start_us + 2 * period { self.hits } else { 0 };
+            self.hits = 0;
+            self.period_start_us = now_us;
+        }
+        self.hits = self.hits.saturating_add(n);
+    }
+
+    /// The longest validity worth giving a share of `units` at `now_us`:
+    /// `SHARE_USE_FACTOR` times the time this host takes to use them at its
+    /// rate (the faster of the last period's and the current one's), within
+    /// `MIN_RATE_VALID_MS..=MAX_SHARE_MS`. A share's units are scored at its
+    /// deadline: the shorter it is, the closer to their use, and the less
+    /// room a key at its limit loses to them (docs/SCALING.md, "Fleet").
+    fn share_valid_ms(&self, now_us: u64, life_ms: u32, units: u32) -> u32 {
+        let since_ms = (now_us.saturating_sub(self.period_start_us) / 1000).max(u64::from(life_ms / 4)).max(1);
+        let mut use_ms = u64::from(MAX_SHARE_MS);
+        if self.last_hits > 0 {
+            use_ms = use_ms.min(u64::from(units) * u64::from(life_ms) / u64::from(self.last_hits));
+        }
+        if self.hits > 0 {
+            use_ms = use_ms.min(u64::from(units) * since_ms / u64::from(self.hits));
+        }
+        (use_ms * SHARE_USE_FACTOR).clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_SHARE_MS)) as u32
+    }
+
     /// The units of the key's next lease if it is due to be taken ahead:
     /// the lease in hand is 3/4 used, and no next lease is held, in flight
     /// or already asked for this lease. Marks it asked.
@@ -346,13 +390,7 @@ impl QuotaLeases {
             *slot = Slot { fp, ..Slot::default() };
             slot.period_start_us = now;
         }
-        let period = u64::from(life) * 1000;
-        if now >= slot.period_start_us + period {
-            slot.last_hits = if now < slot.period_start_us + 2 * period { slot.hits } else { 0 };
-            slot.hits = 0;
-            slot.period_start_us = now;
-        }
-        slot.hits = slot.hits.saturating_add(1);
+        slot.count(now, life, 1);
         // The lease, else the one taken ahead of it.
         while let Some(lease) = slot.lease.as_mut() {
             if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
@@ -410,7 +448,8 @@ impl QuotaLeases {
     /// new lease is shared then, rather than the host's workers deciding
     /// every request through the daemon for their whole back-off.
     pub(super) async fn share(self: &Arc<Self>, spec: &LimitSpec<'_>, want: u32) -> Result<ShareAnswer, StoreError> {
-        if lease_life_ms(spec.window_ms) == 0 {
+        let life = lease_life_ms(spec.window_ms);
+        if life == 0 {
             return Ok(ShareAnswer::NONE);
         }
         let fp = self.fingerprint(spec, Algorithm::Log);
@@ -422,12 +461,13 @@ impl QuotaLeases {
             }
             // Half of what was asked at least, from the lease or the one
             // taken ahead of it, or a fresh lease.
+            let valid = slot.share_valid_ms(now, life, want);
             while let Some(lease) = slot.lease.as_mut() {
-                if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2)) {
+                if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2), valid) {
                     // A key admitted from shares rarely reaches the daemon's
                     // own admissions: its next lease is taken ahead here too,
                     // so the worker's next ask finds units without a call.
-                    slot.hits = slot.hits.saturating_add(share.units);
+                    slot.count(now, life, share.units);
                     if let Some(ahead) = slot.renewal_due() {
                         drop(slot);
                         self.renew_ahead(fp, spec, ahead);
@@ -450,8 +490,9 @@ impl QuotaLeases {
         self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
-        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1)) else { return Ok(ShareAnswer::NONE) };
-        slot.hits = slot.hits.saturating_add(share.units);
+        let valid = slot.share_valid_ms(now, life, want);
+        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1, valid)) else { return Ok(ShareAnswer::NONE) };
+        slot.count(now, life, share.units);
         Ok(ShareAnswer::Units(share))
     }
 
@@ -481,6 +522,7 @@ impl QuotaLeases {
                 Err(e) => return Err(e),
             };
             if grant.granted > 0 {
+                METRICS.lease_granted(grant.granted);
                 let lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
                 let ends = lease.ends_us();
                 // The slot is ours while refilling: no other key took it.
@@ -493,7 +535,14 @@ impl QuotaLeases {
                 drop(slot);
                 leases.settle_at(fp, grant.seq, ends, key.clone(), window_ms);
             }
-            Ok(grant.verdict)
+            // The request's own answer counts the lease's units as this
+            // host's room, as every admission from the lease then does
+            // (its `remaining` is the room outside plus the units left):
+            // one daemon's answers go down one by one, as without leases.
+            let mut v = grant.verdict;
+            v.count = v.count.saturating_sub(grant.granted);
+            v.remaining = v.remaining.saturating_add(grant.granted);
+            Ok(v)
         });
         match task.await {
             Ok(answer) => answer,
@@ -527,6 +576,7 @@ impl QuotaLeases {
         let mut slot = self.slot(fp);
         slot.refilling = false;
         let Some(r) = reserved.as_ref().ok().filter(|r| r.allowed) else { return decided };
+        METRICS.lease_granted(units);
         let life = reserved_life_ms(algorithm, life, r.reset_ms, spec.window_ms);
         if life == 0 {
             // Too near the window's end to admit anything: give it all back.
@@ -570,6 +620,7 @@ impl QuotaLeases {
     /// their fixed window: under-admission only.
     fn settle(self: &Arc<Self>, lease: QuotaLease, key: Box<[u8]>, window_ms: u32) {
         let leases = self.clone();
+        METRICS.lease_returned(lease.granted() - lease.used());
         tokio::spawn(async move {
             if let Some((algorithm, handle)) = lease.reserve {
                 let spec = LimitSpec { key: &key, limit: lease.limit, window_ms, cost: lease.used() };
@@ -611,30 +662,64 @@ mod tests {
     }
 
     #[test]
-    fn a_share_takes_the_units_asked_for_scores_them_at_the_lease_end_and_ends_before_the_daemon_may_not_admit() {
+    fn a_share_takes_the_units_asked_for_scores_them_at_its_deadline_and_ends_before_the_daemon_may_not_admit() {
         // Sent at 5 ms local, life 250 ms: the daemon admits until
         // 5 ms + 249.750 ms (the 1000 ppm margin).
         let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
-        assert!(l.share(6_000, 99, 8, 1).is_none(), "another limit: an override changed it");
-        assert_eq!(l.share(6_000, 100, 8, 4), Some(WorkerShare { units: 8, valid_ms: 247, remaining: 52 }));
-        assert!(l.share(6_000, 100, 100, 50).is_none(), "12 left, at least 50 asked");
-        assert_eq!(l.share(6_000, 100, 6, 1).map(|s| s.units), Some(6));
+        assert!(l.share(6_000, 99, 8, 1, 250).is_none(), "another limit: an override changed it");
+        assert_eq!(l.share(6_000, 100, 8, 4, 250), Some(WorkerShare { units: 8, valid_ms: 247, remaining: 52 }));
+        assert!(l.share(6_000, 100, 100, 50, 250).is_none(), "12 left, at least 50 asked");
+        // Valid for 30 ms from 1 ms after the send: scored at 1.001 x 31 ms, rounded up.
+        assert_eq!(l.share(6_000, 100, 6, 1, 30).map(|s| (s.units, s.valid_ms)), Some((6, 30)));
         // 200 ms after the send: valid for 254.750 - 200 - 1 ms, whole ms.
-        assert_eq!(l.share(205_000, 100, 3, 1).map(|s| (s.units, s.valid_ms)), Some((3, 48)));
-        assert!(l.share(250_000, 100, 1, 1).is_none(), "under 5 ms of validity left");
+        assert_eq!(l.share(205_000, 100, 3, 1, 250).map(|s| (s.units, s.valid_ms)), Some((3, 48)));
+        assert!(l.share(250_000, 100, 1, 1, 250).is_none(), "under 5 ms of validity left");
+        assert!(l.share(6_000, 100, 1, 1, 4).is_none(), "under 5 ms of validity asked");
         assert_eq!(l.used(), 17);
         assert_eq!(l.admit(250_000, 100, 1).map(|v| v.remaining), Some(42), "the daemon admits from what is left");
         let scores: Vec<u64> = l.used_scores().collect();
-        assert!(scores[..17].iter().all(|&s| s == 0), "shared units keep their reserved score t0 + life (0: unchanged): {scores:?}");
+        // The first share ends at 6 + 247 = 253 ms local, 248 ms after the
+        // send: 248.248 ms, 249 after t0; the second at 36 ms local: 31.031,
+        // 32; the third at 205 + 48 ms: 249 again; the daemon's own
+        // admission at 250 ms local, 245.245: 246.
+        assert_eq!(&scores[..8], &[1_000_249; 8]);
+        assert_eq!(&scores[8..14], &[1_000_032; 6]);
+        assert_eq!(&scores[14..], &[1_000_249, 1_000_249, 1_000_249, 1_000_246]);
         // The worker's last admission (before send + valid_ms, send at or
-        // before the daemon's now) is at most the daemon's last local one.
+        // before the daemon's now) is at most the score of its units, which
+        // is at most t0 + life.
         for now_us in [5_000u64, 100_000, 200_000, 240_000, 249_000] {
-            if let Some(s) = QuotaLease::new(1, 100, 0, 5_000, 250, 200, 0).share(now_us, 100, 1, 1) {
-                let worker_last_us = now_us + u64::from(s.valid_ms) * 1000;
-                let elapsed = worker_last_us - 5_000;
-                assert!((elapsed + elapsed / 1000).div_ceil(1000) <= 250, "a worker admission at {worker_last_us} µs is beyond t0 + life");
+            for max_valid in [5, 20, 100, 250] {
+                let mut l = QuotaLease::new(1, 100, 0, 5_000, 250, 200, 0);
+                if let Some(s) = l.share(now_us, 100, 1, 1, max_valid) {
+                    assert!(s.valid_ms <= max_valid);
+                    let worker_last_us = now_us + u64::from(s.valid_ms) * 1000;
+                    let elapsed = worker_last_us - 5_000;
+                    let true_ms = (elapsed + elapsed / 1000).div_ceil(1000);
+                    let score = l.used_scores().next().map(|s| if s == 0 { 250 } else { s }).unwrap();
+                    assert!(true_ms <= score && score <= 250, "a worker admission at {worker_last_us} µs (t0 + {true_ms} ms) is scored {score}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn a_share_is_valid_for_a_few_times_the_time_the_host_takes_to_use_it() {
+        let life = 250;
+        let mut slot = Slot::default();
+        slot.count(0, life, 8);
+        // 8 in the first 62.5 ms (a quarter of the life at least): 64 units
+        // take 500 ms at that rate, beyond the most.
+        assert_eq!(slot.share_valid_ms(10_000, life, 64), MAX_SHARE_MS);
+        slot.count(100_000, life, 1000);
+        // 1008 in 100 ms: 64 units take 6.3 ms (6); three times that, 18: the floor.
+        assert_eq!(slot.share_valid_ms(100_000, life, 64), MIN_RATE_VALID_MS);
+        // The next period: the last one's rate (1008 in 250 ms) until this one's is faster.
+        slot.count(300_000, life, 1);
+        assert_eq!(slot.share_valid_ms(300_000, life, 64), 45, "64 x 250 / 1008 = 15 ms, x 3");
+        // Quiet for two periods: its rate is forgotten.
+        slot.count(900_000, life, 1);
+        assert_eq!(slot.share_valid_ms(900_000, life, 64), MAX_SHARE_MS);
     }
 
     #[test]
@@ -648,7 +733,7 @@ mod tests {
         assert!(leasable(Algorithm::Log) && leasable(Algorithm::Fixed) && leasable(Algorithm::SlidingCounter));
         assert!(!leasable(Algorithm::Gcra) && !leasable(Algorithm::Ring));
         let mut l = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 398, 20, 40);
-        assert!(l.share(6_000, 100, 8, 1).is_none(), "worker shares come from log leases only");
+        assert!(l.share(6_000, 100, 8, 1, 250).is_none(), "worker shares come from log leases only");
         assert_eq!(l.admit(5_000 + 397_000, 100, 1).map(|v| v.remaining), Some(59));
         assert!(l.admit(5_000 + 399_000, 100, 1).is_none(), "past the cut life");
         assert_eq!(l.used(), 1);

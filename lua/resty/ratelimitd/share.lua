@@ -1,8 +1,10 @@
 -- resty.ratelimitd.share: worker shares of the daemon's quota leases
 -- (docs/PERFORMANCE.md "Worker shares", docs/PROTOCOL.md 4h). A policy
--- limiter with share_dict = "<lua_shared_dict>" admits a hot key from units
--- the daemon handed to this host's workers (LEASE_SHARE, op 10), with no
--- socket round trip: one atomic incr in the shared dict, no lock.
+-- limiter, or an inline one of the log algorithm, admits a hot key from
+-- units the daemon handed to this host's workers (LEASE_SHARE, op 10, or a
+-- CHECK with the share flag), with no socket round trip: one atomic incr
+-- in the shared dict (share_dict, by default configure()'s shared_dict,
+-- which the shipped snippet declares), no lock.
 --
 -- Exact: the daemon takes the units from a lease already reserved in Redis
 -- and counts every one as used at the latest time any admission from that
@@ -103,9 +105,10 @@ local function be32(s, i)
     return ((a * 256 + b) * 256 + c) * 256 + d
 end
 
---- The shared-dict entry of `lim`'s share for wire key `key`.
+--- The shared-dict entry of `lim`'s share for wire key `key`: the
+-- limiter kind's prefix (a policy's name, or an inline limit and window).
 local function entry(lim, key)
-    return "\2" .. lim._name_part .. key
+    return lim._share_prefix .. key
 end
 
 -- Asks the daemon for units of `lim`'s lease on `key` (entry `skey`, the
@@ -118,15 +121,15 @@ end
 -- the entry is borrowed (a take is about to give back): the units are
 -- burnt instead. Errors are ignored: the next request asks the daemon.
 local function ask(lim, dict, skey, key, limit)
-    -- The policy's frame header is built at its first request; a description
-    -- that arrived meanwhile clears it (policy.lua): no refill this time.
-    local header = lim._header
-    if not header then
+    -- The kind's frame (nil: not now, e.g. a policy limiter whose header
+    -- a description just cleared: no refill this time).
+    local id = next_id()
+    local frame = lim:_share_frame(id, WANT, key)
+    if not frame then
         return
     end
-    local id = next_id()
     local sent_ms = floor(mono_us() / 1000)
-    local head = transact(wire.lease_share(id, header, WANT, lim._name_part, key), id)
+    local head = transact(frame, id)
     -- No units, an error (a daemon older than op 10 answers UNKNOWN_OP) or
     -- no answer: not again for NOTHING_S, so that such a daemon costs one
     -- extra round trip per key and host every NOTHING_S, not per request;
@@ -170,6 +173,17 @@ local function ask(lim, dict, skey, key, limit)
     end
     -- The next refill may start as soon as these units run low.
     dict:delete(skey .. "\4")
+end
+
+--- The shared dict `lim` keeps its shares in, or nil: its own share_dict
+-- (false: none), else configure()'s shared_dict while `shares` is on.
+-- Read per request, as configure() may run after the limiter was made.
+function _M.dict(lim, settings)
+    local dict = lim._share_dict
+    if dict == nil and settings.shares then
+        return ngx.shared[settings.shared_dict]
+    end
+    return dict or nil
 end
 
 --- Admits `cost` from the host's share of `lim` for `key`: the decision
