@@ -384,7 +384,9 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
     let started = Instant::now();
     let limit = LIMIT_PER_DAEMON * daemons as u32;
     let config = Config { policies: policies(limit), inline: vec![], inline_leases: vec![], denial_cache: true };
-    let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nquota_leases = {leases}\n{}", backend.redis_toml(), config.policies_toml());
+    // Leases on is the default (nothing said); off is the switch.
+    let switch = if leases { "" } else { "quota_leases = false\n" };
+    let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\n{switch}{}", backend.redis_toml(), config.policies_toml());
     let ds: Vec<Daemon> = (0..daemons).map(|_| Daemon::start_config(&toml)).collect();
     let r = Arc::new(Run { leases, daemons, backend: backend.name() });
     let pairs: Arc<Vec<Pair>> = Arc::new(config.policies.iter().filter(|p| p.name != "aux").enumerate().flat_map(|(i, p)| KEYS.map(|key| Pair { p: p.clone(), key, partial: key == KEYS[1 - i % 2], admitted: AtomicU32::new(0) })).collect());
@@ -796,7 +798,7 @@ mod generated {
                 let admin = format!("[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n", s.display());
                 // connect_timeout: the admin API's connection per request (a
                 // Cluster's to every node) within it, on a loaded machine too.
-                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\nquota_leases = true\n{admin}{policies}", backend.redis_toml()))
+                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\n{admin}{policies}", backend.redis_toml()))
             })
             .collect();
         let mut clients = Vec::new();
@@ -885,7 +887,7 @@ async fn a_worker_share_after_an_override_lowered_the_limit_under_the_count_hand
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("admin.sock");
     let d = Daemon::start_config(&format!(
-        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\nquota_leases = true\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"glog\"\nlimit = 48\nwindow = \"1h\"\n",
+        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"glog\"\nlimit = 48\nwindow = \"1h\"\n",
         redis.url(),
         socket.display()
     ));

@@ -159,6 +159,13 @@ impl QuotaLease {
             return None;
         }
         let used = self.offsets.len() as u32;
+        // Not within the last quarter of the limit: there a worker's units
+        // (scored at the share's deadline, after their use) would hold room
+        // that per-request decisions and the daemon's own leases (re-scored
+        // to their times) use more closely.
+        if u64::from(self.outside + (self.granted - used)) * 4 < u64::from(self.limit) {
+            return None;
+        }
         let units = want.min(self.granted - used).min(MAX_SHARE_UNITS);
         let last_us = self.sent_us + u64::from(self.life_ms) * 1_000_000 / 1001;
         let valid_ms = (last_us.saturating_sub(now_us) / 1000).saturating_sub(1).min(u64::from(MAX_SHARE_MS.min(max_valid_ms))) as u32;
@@ -675,6 +682,10 @@ mod tests {
         assert_eq!(l.share(205_000, 100, 3, 1, 250).map(|s| (s.units, s.valid_ms)), Some((3, 48)));
         assert!(l.share(250_000, 100, 1, 1, 250).is_none(), "under 5 ms of validity left");
         assert!(l.share(6_000, 100, 1, 1, 4).is_none(), "under 5 ms of validity asked");
+        // Within the last quarter of the limit (room outside plus units
+        // left below 25 of 100): the daemon admits, no worker shares.
+        assert!(QuotaLease::new(1, 100, 0, 5_000, 250, 10, 14).share(6_000, 100, 4, 1, 250).is_none());
+        assert!(QuotaLease::new(1, 100, 0, 5_000, 250, 10, 15).share(6_000, 100, 4, 1, 250).is_some());
         assert_eq!(l.used(), 17);
         assert_eq!(l.admit(250_000, 100, 1).map(|v| v.remaining), Some(42), "the daemon admits from what is left");
         let scores: Vec<u64> = l.used_scores().collect();
