@@ -51,6 +51,13 @@ const SHARE_USE_FACTOR: u64 = 3;
 /// The shortest validity the rate gives a share: a few of a worker's
 /// round trips to the daemon.
 const MIN_RATE_VALID_MS: u32 = 20;
+/// The longest validity the rate gives a share (`MAX_SHARE_MS` bounds it
+/// too): its units are scored at its deadline, so a share handed out as a
+/// burst begins, when the daemon's count of the key's rate is low (nginx's
+/// denial cache answered the refusals before it), holds its room at most
+/// this long after its use (`scripts/fleet --ci`: 250 ms let the shared
+/// key's window dip to 358 of 2,000).
+const MAX_RATE_VALID_MS: u32 = 100;
 /// What a worker is told to wait before asking again while this daemon's
 /// lease call for the key is in flight: about one Redis round trip, after
 /// which the new lease can be shared.
@@ -289,22 +296,27 @@ impl Slot {
         self.hits = self.hits.saturating_add(n);
     }
 
-    /// The longest validity worth giving a share of `units` at `now_us`:
-    /// `SHARE_USE_FACTOR` times the time this host takes to use them at its
-    /// rate (the faster of the last period's and the current one's), within
-    /// `MIN_RATE_VALID_MS..=MAX_SHARE_MS`. A share's units are scored at its
-    /// deadline: the shorter it is, the closer to their use, and the less
-    /// room a key at its limit loses to them (docs/SCALING.md, "Fleet").
-    fn share_valid_ms(&self, now_us: u64, life_ms: u32, units: u32) -> u32 {
+    /// How many of `want` units to hand a worker at `now_us`, and for how
+    /// long: valid `SHARE_USE_FACTOR` times the time this host takes to use
+    /// `want` units at its rate (the faster of the last period's and the
+    /// current one's), within `MIN_RATE_VALID_MS..=MAX_RATE_VALID_MS`; and
+    /// fewer units when the host would not use them within that at its
+    /// rate (at least 2). A share's units are scored at its deadline and an
+    /// unused one counts for a window: the shorter and the closer to the
+    /// host's use, the less room a key at its limit loses to them.
+    fn share_size(&self, now_us: u64, life_ms: u32, want: u32) -> (u32, u32) {
         let since_ms = (now_us.saturating_sub(self.period_start_us) / 1000).max(u64::from(life_ms / 4)).max(1);
-        let mut use_ms = u64::from(MAX_SHARE_MS);
+        let mut use_ms = u64::MAX;
         if self.last_hits > 0 {
-            use_ms = use_ms.min(u64::from(units) * u64::from(life_ms) / u64::from(self.last_hits));
+            use_ms = use_ms.min(u64::from(want) * u64::from(life_ms) / u64::from(self.last_hits));
         }
         if self.hits > 0 {
-            use_ms = use_ms.min(u64::from(units) * since_ms / u64::from(self.hits));
+            use_ms = use_ms.min(u64::from(want) * since_ms / u64::from(self.hits));
         }
-        (use_ms * SHARE_USE_FACTOR).clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_SHARE_MS)) as u32
+        let use_ms = use_ms.max(1).saturating_mul(SHARE_USE_FACTOR);
+        let valid = use_ms.clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_RATE_VALID_MS));
+        let units = (u64::from(want) * valid).div_ceil(use_ms).max(2).min(u64::from(want));
+        (units as u32, valid as u32)
     }
 
     /// The units of the key's next lease if it is due to be taken ahead:
@@ -468,9 +480,9 @@ impl QuotaLeases {
             }
             // Half of what was asked at least, from the lease or the one
             // taken ahead of it, or a fresh lease.
-            let valid = slot.share_valid_ms(now, life, want);
+            let (units, valid) = slot.share_size(now, life, want);
             while let Some(lease) = slot.lease.as_mut() {
-                if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2), valid) {
+                if let Some(share) = lease.share(now, spec.limit, units, units.div_ceil(2), valid) {
                     // A key admitted from shares rarely reaches the daemon's
                     // own admissions: its next lease is taken ahead here too,
                     // so the worker's next ask finds units without a call.
@@ -497,8 +509,8 @@ impl QuotaLeases {
         self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
-        let valid = slot.share_valid_ms(now, life, want);
-        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1, valid)) else { return Ok(ShareAnswer::NONE) };
+        let (units, valid) = slot.share_size(now, life, want);
+        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, units, 1, valid)) else { return Ok(ShareAnswer::NONE) };
         slot.count(now, life, share.units);
         Ok(ShareAnswer::Units(share))
     }
@@ -715,22 +727,24 @@ mod tests {
     }
 
     #[test]
-    fn a_share_is_valid_for_a_few_times_the_time_the_host_takes_to_use_it() {
+    fn a_share_is_sized_and_timed_to_the_host_s_rate() {
         let life = 250;
         let mut slot = Slot::default();
         slot.count(0, life, 8);
         // 8 in the first 62.5 ms (a quarter of the life at least): 64 units
-        // take 500 ms at that rate, beyond the most.
-        assert_eq!(slot.share_valid_ms(10_000, life, 64), MAX_SHARE_MS);
+        // take 496 ms at that rate, three times that beyond the most (100):
+        // as many as the host uses in 100 ms at a third of its rate, 5.
+        assert_eq!(slot.share_size(10_000, life, 64), (5, MAX_RATE_VALID_MS));
         slot.count(100_000, life, 1000);
-        // 1008 in 100 ms: 64 units take 6.3 ms (6); three times that, 18: the floor.
-        assert_eq!(slot.share_valid_ms(100_000, life, 64), MIN_RATE_VALID_MS);
+        // 1008 in 100 ms: 64 units take 6 ms; three times that, 18: the floor.
+        assert_eq!(slot.share_size(100_000, life, 64), (64, MIN_RATE_VALID_MS));
+        assert_eq!(slot.share_size(100_000, life, 1), (1, MIN_RATE_VALID_MS), "never more than asked");
         // The next period: the last one's rate (1008 in 250 ms) until this one's is faster.
         slot.count(300_000, life, 1);
-        assert_eq!(slot.share_valid_ms(300_000, life, 64), 45, "64 x 250 / 1008 = 15 ms, x 3");
-        // Quiet for two periods: its rate is forgotten.
+        assert_eq!(slot.share_size(300_000, life, 64), (64, 45), "64 x 250 / 1008 = 15 ms, x 3");
+        // Quiet for two periods: its rate is forgotten; 2 units at least.
         slot.count(900_000, life, 1);
-        assert_eq!(slot.share_valid_ms(900_000, life, 64), MAX_SHARE_MS);
+        assert_eq!(slot.share_size(900_000, life, 64), (2, MAX_RATE_VALID_MS));
     }
 
     #[test]
