@@ -7,9 +7,9 @@
 -- which the shipped snippet declares), no lock.
 --
 -- Exact: the daemon takes the units from a lease already reserved in Redis
--- and counts every one as used at the latest time any admission from that
--- lease may have (scored t0 + life), so a unit no worker uses is only
--- under-admission. A unit may be taken until the share's deadline: the
+-- and counts every one as used at the latest time any admission from the
+-- share may have (scored at the share's deadline, at most t0 + life), so a
+-- unit no worker uses is only under-admission. A unit may be taken until the share's deadline: the
 -- worker's send of op 10 (CLOCK_MONOTONIC, before the send, so only
 -- earlier) plus the validity the daemon answered, which ends before the
 -- daemon itself may no longer admit from the lease. The clock is read
