@@ -1,7 +1,7 @@
 //! The matrix through real nginx while workers hold shares (issue 33, item
-//! 2): a policy limiter taking worker shares by default (the shipped
-//! snippet, its shared dict `ratelimitd`) on a log policy, a real daemon
-//! with its defaults (`quota_leases` on) and its
+//! 2): a `share_dict` limiter (the shipped snippet, its shared dict
+//! `ratelimitd`) on a log policy, a real daemon with its defaults
+//! (`quota_leases` on) and its
 //! admin API, a real Redis; operations drawn from a seed among bursts of
 //! requests from several clients at once, admin resets, overrides lowering
 //! and raising the key's limit (or deleted), `kill -9` of the daemon while
@@ -55,7 +55,7 @@ const LEASE_LIFE: Duration = Duration::from_millis(1100);
 const BODY: &str = r#"
 init_worker_by_lua_block {
     local ratelimitd = require "resty.ratelimitd"
-    hot = assert(ratelimitd.new{ policy = "hot", on_error = "closed", header_style = "ratelimit" })
+    hot = assert(ratelimitd.new{ policy = "hot", share_dict = "ratelimitd", on_error = "closed", header_style = "ratelimit" })
 }
 server {
     listen 127.0.0.1:{PORT};

@@ -25,8 +25,12 @@
 //! includes the units any daemon holds.
 
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::METRICS;
@@ -349,9 +353,19 @@ pub(super) enum Take {
     /// Ask Redis with a lease of this many units (slot `fp`); then
     /// `lease`, or `abandon` if something else answers.
     Lease { fp: u128, want: u32 },
+    /// The key's lease call is in flight (a renewal ahead, a share's or
+    /// another request's): wait for it (`lease_done`, at most
+    /// `LEASE_WAIT`), then take again. Sent to Redis meanwhile, the request
+    /// would be counted against this daemon's own units in flight, and its
+    /// answer would tell less room than the lease's next admission does.
+    Wait,
     /// Decide as without leases.
     Pass,
 }
+
+/// Longest a request waits for its key's lease call in flight before it is
+/// decided without the lease.
+pub(super) const LEASE_WAIT: Duration = Duration::from_millis(100);
 
 /// The leases of this daemon: a fixed table of slots by key fingerprint
 /// (no allocation per request, bounded memory), one short lock per slot.
@@ -365,6 +379,12 @@ pub struct QuotaLeases {
     /// removed: Redis may admit sooner than a cached refusal says).
     redis: Arc<RedisWindow>,
     settle_log: RateLimitedLog,
+    /// Cancelled at shutdown: every lease is settled at once (`give_back`).
+    closing: CancellationToken,
+    /// Woken when a lease call ends (granted, refused or failed).
+    pub(super) lease_done: Notify,
+    /// Lease timers and settles not finished yet.
+    pending: AtomicUsize,
 }
 
 impl std::fmt::Debug for QuotaLeases {
@@ -377,7 +397,16 @@ impl QuotaLeases {
     /// A table of `slots` keys (rounded up to a power of two) over `redis`.
     pub fn new(redis: Arc<RedisWindow>, slots: usize) -> Arc<Self> {
         let n = slots.max(1).next_power_of_two();
-        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
+        Arc::new(Self {
+            slots: (0..n).map(|_| Mutex::default()).collect(),
+            hashers: Default::default(),
+            epoch: Instant::now(),
+            redis,
+            settle_log: RateLimitedLog::new(Duration::from_secs(10)),
+            closing: CancellationToken::new(),
+            lease_done: Notify::new(),
+            pending: AtomicUsize::new(0),
+        })
     }
 
     fn now_us(&self) -> u64 {
@@ -422,6 +451,9 @@ impl QuotaLeases {
             }
             let ended = slot.retire().expect("checked above");
             self.settle(ended, spec.key.into(), spec.window_ms);
+        }
+        if slot.refilling && spec.cost <= spec.limit / 4 {
+            return Take::Wait;
         }
         if slot.refilling || slot.last_hits.max(slot.hits) < HOT_HITS || spec.cost > spec.limit / 4 {
             return Take::Pass;
@@ -518,6 +550,7 @@ impl QuotaLeases {
     /// The request that was to ask for a lease was answered otherwise.
     pub(super) fn abandon(&self, fp: u128) {
         self.slot(fp).refilling = false;
+        self.lease_done.notify_waiters();
     }
 
     /// Decides the request in a lease call and installs the lease granted.
@@ -529,11 +562,26 @@ impl QuotaLeases {
         let life = lease_life_ms(window_ms);
         let task = tokio::spawn(async move {
             let spec = LimitSpec { key: &key, limit, window_ms, cost };
+            let answer = leases.lease_call(fp, &spec, algorithm, want, life, key.clone()).await;
+            leases.lease_done.notify_waiters();
+            answer
+        });
+        match task.await {
+            Ok(answer) => answer,
+            Err(e) => Err(StoreError::Unavailable(format!("lease call abandoned: {e}"))),
+        }
+    }
+
+    /// The body of `lease`, in its task.
+    async fn lease_call(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, algorithm: Algorithm, want: u32, life: u32, key: Box<[u8]>) -> Result<Verdict, StoreError> {
+        let leases = self;
+        let (limit, window_ms) = (spec.limit, spec.window_ms);
+        {
             if algorithm != Algorithm::Log {
-                return leases.lease_reserved(fp, &spec, algorithm, want, life).await;
+                return leases.lease_reserved(fp, spec, algorithm, want, life).await;
             }
             let sent = leases.now_us();
-            let answer = leases.redis.lease_now(&spec, want, life).await;
+            let answer = leases.redis.lease_now(spec, want, life).await;
             let mut slot = leases.slot(fp);
             slot.refilling = false;
             let grant = match answer {
@@ -552,7 +600,7 @@ impl QuotaLeases {
                     slot.lease = Some(lease);
                 }
                 drop(slot);
-                leases.settle_at(fp, grant.seq, ends, key.clone(), window_ms);
+                leases.settle_at(fp, grant.seq, ends, key, window_ms);
             }
             // The request's own answer counts the lease's units as this
             // host's room, as every admission from the lease then does
@@ -562,10 +610,6 @@ impl QuotaLeases {
             v.count = v.count.saturating_sub(grant.granted);
             v.remaining = v.remaining.saturating_add(grant.granted);
             Ok(v)
-        });
-        match task.await {
-            Ok(answer) => answer,
-            Err(e) => Err(StoreError::Unavailable(format!("lease call abandoned: {e}"))),
         }
     }
 
@@ -616,9 +660,14 @@ impl QuotaLeases {
     /// there (a request may have settled it first).
     fn settle_at(self: &Arc<Self>, fp: u128, seq: u64, ends_us: u64, key: Box<[u8]>, window_ms: u32) {
         let leases = self.clone();
+        self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             let wait = ends_us.saturating_sub(leases.now_us()) + 1000;
-            tokio::time::sleep(Duration::from_micros(wait)).await;
+            // At shutdown, now: the unused units go back to the other hosts.
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_micros(wait)) => {}
+                _ = leases.closing.cancelled() => {}
+            }
             let ended = {
                 let mut slot = leases.slot(fp);
                 match (&slot.lease, &slot.next) {
@@ -630,7 +679,24 @@ impl QuotaLeases {
             if let Some(l) = ended {
                 leases.settle(l, key, window_ms);
             }
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
+    }
+
+    /// At shutdown: settles every lease now (used units re-scored, unused
+    /// ones removed), so that a daemon stopped or restarted on purpose
+    /// leaves no unit counted for a window that nobody admits from. Waits
+    /// at most `limit`; whether every settle finished.
+    pub async fn give_back(&self, limit: Duration) -> bool {
+        self.closing.cancel();
+        let deadline = Instant::now() + limit;
+        while self.pending.load(Ordering::Relaxed) > 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        true
     }
 
     /// One call: used units re-scored, unused removed (the log), or the
@@ -640,25 +706,29 @@ impl QuotaLeases {
     fn settle(self: &Arc<Self>, lease: QuotaLease, key: Box<[u8]>, window_ms: u32) {
         let leases = self.clone();
         METRICS.lease_returned(lease.granted() - lease.used());
+        self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
-            if let Some((algorithm, handle)) = lease.reserve {
-                let spec = LimitSpec { key: &key, limit: lease.limit, window_ms, cost: lease.used() };
-                let settled = leases.redis.settle_reserve(&spec, algorithm, &handle).await;
-                if let Err(e) = settled {
-                    if let Some(suppressed) = leases.settle_log.permit() {
-                        tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until their window ends");
-                    }
-                }
-                return;
-            }
-            let scores: Vec<u64> = lease.used_scores().collect();
-            let settled = leases.redis.settle_lease(&key, window_ms, lease.seq(), lease.granted(), &scores).await;
-            if let Err(e) = settled {
-                if let Some(suppressed) = leases.settle_log.permit() {
-                    tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
-                }
-            }
+            leases.settle_now(lease, &key, window_ms).await;
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
+    }
+
+    async fn settle_now(&self, lease: QuotaLease, key: &[u8], window_ms: u32) {
+        if let Some((algorithm, handle)) = lease.reserve {
+            let spec = LimitSpec { key, limit: lease.limit, window_ms, cost: lease.used() };
+            if let Err(e) = self.redis.settle_reserve(&spec, algorithm, &handle).await {
+                if let Some(suppressed) = self.settle_log.permit() {
+                    tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until their window ends");
+                }
+            }
+            return;
+        }
+        let scores: Vec<u64> = lease.used_scores().collect();
+        if let Err(e) = self.redis.settle_lease(key, window_ms, lease.seq(), lease.granted(), &scores).await {
+            if let Some(suppressed) = self.settle_log.permit() {
+                tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
+            }
+        }
     }
 }
 

@@ -304,10 +304,13 @@ for j = 1, n do
       -- way to the limit: a lease's used units are re-scored to their
       -- times, so near the limit a hot key is still admitted from leases
       -- as fast as room frees up (per request there, a key at its limit
-      -- refilled too slowly: docs/PERFORMANCE.md, "Quota leases"). Worker
-      -- shares stay out of the last quarter (the daemon's rule).
+      -- refilled too slowly: docs/PERFORMANCE.md, "Quota leases"); not
+      -- below 4 units (the last 8 of the limit are decided per request).
+      -- Worker shares stay out of the last quarter (the daemon's rule).
       local room = limit - count - cost
-      granted = math.min(want, math.floor(room / 2))
+      if room >= 8 then
+        granted = math.min(want, math.floor(room / 2))
+      end
     end
     if cost == 1 and granted == 0 then
       redis.call('ZADD', key, now, member)

@@ -91,7 +91,7 @@ local SPECS = {
     -- an older daemon that marks only refusals).
     -- Worker shares of the daemon's quota leases (share.lua): the
     -- lua_shared_dict they are kept in, or false for none; unset:
-    -- configure()'s shared_dict (the shipped snippet's), if it exists.
+    -- configure()'s shared_dict while configure{ shares = true }.
     { "share_dict", function(v) return v == false or type(v) == "string" and ngx ~= nil and ngx.shared[v] ~= nil end,
       "share_dict must be the name of a lua_shared_dict, or false" },
     { "shadow", name_list, "shadow must be a list of policy names (those in shadow mode in ratelimitd.toml)" },

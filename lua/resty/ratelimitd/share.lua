@@ -3,8 +3,8 @@
 -- limiter, or an inline one of the log algorithm, admits a hot key from
 -- units the daemon handed to this host's workers (LEASE_SHARE, op 10, or a
 -- CHECK with the share flag), with no socket round trip: one atomic incr
--- in the shared dict (share_dict, by default configure()'s shared_dict,
--- which the shipped snippet declares), no lock.
+-- in the shared dict (share_dict, or configure()'s shared_dict with
+-- configure{ shares = true }; off by default), no lock.
 --
 -- Exact: the daemon takes the units from a lease already reserved in Redis
 -- and counts every one as used at the latest time any admission from the
