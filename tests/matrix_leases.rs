@@ -385,7 +385,12 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
     let limit = LIMIT_PER_DAEMON * daemons as u32;
     let config = Config { policies: policies(limit), inline: vec![], inline_leases: vec![], denial_cache: true };
     // Leases on is the default (nothing said); off is the switch.
-    let switch = if leases { "" } else { "quota_leases = false\n" };
+    // (On a Cluster leases are off unless said.)
+    let switch = match (leases, backend) {
+        (true, Backend::Cluster(_)) => "quota_leases = true\n",
+        (true, _) => "",
+        (false, _) => "quota_leases = false\n",
+    };
     let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\n{switch}{}", backend.redis_toml(), config.policies_toml());
     let ds: Vec<Daemon> = (0..daemons).map(|_| Daemon::start_config(&toml)).collect();
     let r = Arc::new(Run { leases, daemons, backend: backend.name() });
@@ -798,7 +803,7 @@ mod generated {
                 let admin = format!("[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n", s.display());
                 // connect_timeout: the admin API's connection per request (a
                 // Cluster's to every node) within it, on a loaded machine too.
-                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\n{admin}{policies}", backend.redis_toml()))
+                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\nquota_leases = true\n{admin}{policies}", backend.redis_toml()))
             })
             .collect();
         let mut clients = Vec::new();

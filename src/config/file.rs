@@ -222,7 +222,8 @@ pub(super) struct RedisSection {
     pub max_in_flight: u32,
     pub key_prefix: String,
     pub clock: ClockSource,
-    pub quota_leases: bool,
+    /// Unset: on, but off with a Cluster (docs/CONFIG.md, "Fast by default").
+    pub quota_leases: Option<bool>,
     /// Unset: on where the topology allows (not a Cluster).
     pub batch_cold_keys: Option<bool>,
     pub sentinel: Option<SentinelSection>,
@@ -250,7 +251,7 @@ impl Default for RedisSection {
             key_prefix: "ratelimitd:".into(),
             clock: ClockSource::Redis,
             // On by default: docs/CONFIG.md says what each costs and why.
-            quota_leases: true,
+            quota_leases: None,
             batch_cold_keys: None,
             sentinel: None,
         }

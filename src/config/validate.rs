@@ -312,7 +312,11 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
         max_in_flight,
         key_prefix: r.key_prefix,
         clock: r.clock,
-        quota_leases: r.quota_leases,
+        // Unset: off on a Cluster: there a hot key's admissions from leases
+        // leave the cluster connection few calls to answer, and a dead
+        // primary's timeouts then count as evidence against every node and
+        // open the breaker for all (tests/cluster.rs).
+        quota_leases: r.quota_leases.unwrap_or(one_node),
         batch_cold_keys,
     };
     (p.0.len() == before).then_some(cfg)
@@ -786,7 +790,8 @@ mod tests {
         let sentinel = redis_of(parse("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap());
         assert!(sentinel.quota_leases && sentinel.batch_cold_keys, "Sentinel: both on");
         let cluster = redis_of(parse("[redis]\ncluster = [\"h:1\"]\n").unwrap());
-        assert!(cluster.quota_leases && !cluster.batch_cold_keys, "a Cluster: leases on, batching off (a call's keys would span slots)");
+        assert!(!cluster.quota_leases && !cluster.batch_cold_keys, "a Cluster: both off (breaker evidence; a call's keys would span slots)");
+        assert!(redis_of(parse("[redis]\ncluster = [\"h:1\"]\nquota_leases = true\n").unwrap()).quota_leases, "said: on");
         let off = redis_of(parse("[redis]\nquota_leases = false\nbatch_cold_keys = false\n").unwrap());
         assert!(!off.quota_leases && !off.batch_cold_keys, "each switch turns it off");
         let cluster_off = redis_of(parse("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = false\n").unwrap());
