@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    decode_response, encode_describe, encode_lease_share, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
+    decode_response, encode_describe, encode_inline_share, encode_lease_share, encode_lease_request, encode_multi_request, encode_policy_request, encode_refund, encode_request_with, encode_reserve, encode_settle, Algorithm, CheckArgs, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, encode_policy_lease_request, Response,
     ResponseError, HANDLE_LEN,
 };
 
@@ -62,6 +62,20 @@ impl Client {
     pub async fn lease_share(&mut self, args: &PolicyCheckArgs<'_>) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_lease_share(id, args, &mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        let r = self.read_response().await?;
+        if r.id != id {
+            return Err(ClientError::IdMismatch { want: id, got: r.id });
+        }
+        Ok(r)
+    }
+
+    /// Sends one worker share of an inline limit (CHECK with the share
+    /// flag, `args.cost` units wanted) and waits for its response, as
+    /// `lease_share`.
+    pub async fn inline_share(&mut self, args: &CheckArgs<'_>) -> Result<Response, ClientError> {
+        let id = self.take_id();
+        encode_inline_share(id, args, &mut self.wbuf);
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;
         if r.id != id {

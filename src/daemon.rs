@@ -568,6 +568,13 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         notify_systemd(&[sd_notify::NotifyState::Stopping]);
     })
     .await;
+    // Quota leases go back now: their unused units would otherwise count
+    // for the other hosts until their window ends (bounded wait).
+    if let Some(l) = &active.leases {
+        if !l.give_back(SETTLE_LIMIT).await {
+            tracing::warn!(limit_ms = SETTLE_LIMIT.as_millis() as u64, "quota leases still unsettled at exit: their unused units leave the windows by themselves");
+        }
+    }
     // Multi-item checks cut by the shutdown still finish across their
     // slots (docs/PROTOCOL.md 4b): wait for them, bounded.
     if let Store::Redis(r) = &active.backend {

@@ -121,6 +121,8 @@ pub struct Metrics {
     lease_share_requests: AtomicU64,
     lease_shares: AtomicU64,
     lease_share_units: AtomicU64,
+    lease_units_granted: AtomicU64,
+    lease_units_returned: AtomicU64,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
@@ -166,6 +168,8 @@ impl Metrics {
             lease_share_requests: ZERO,
             lease_shares: ZERO,
             lease_share_units: ZERO,
+            lease_units_granted: ZERO,
+            lease_units_returned: ZERO,
         }
     }
 
@@ -177,6 +181,17 @@ impl Metrics {
             self.lease_shares.fetch_add(1, Ordering::Relaxed);
             self.lease_share_units.fetch_add(u64::from(units), Ordering::Relaxed);
         }
+    }
+
+    /// A quota lease of `units` reserved in Redis.
+    pub fn lease_granted(&self, units: u32) {
+        self.lease_units_granted.fetch_add(u64::from(units), Ordering::Relaxed);
+    }
+
+    /// A quota lease settled with `units` neither admitted by the daemon
+    /// nor handed to a worker: given back.
+    pub fn lease_returned(&self, units: u32) {
+        self.lease_units_returned.fetch_add(u64::from(units), Ordering::Relaxed);
     }
 
     pub fn decided(&self, decision: Decision, source: Source, error: ErrorCode) {
@@ -335,7 +350,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 18] = [
+        let counters: [(&str, &str, &AtomicU64); 20] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -353,7 +368,9 @@ impl Metrics {
             ("ratelimitd_settle_retries_dropped_total", "Settles not retried: the retry queue full, or their record's life (24 h) over; their reserves stay charged their estimates.", &self.settle_retries_dropped),
             ("ratelimitd_lease_share_requests_total", "LEASE_SHAREs (op 10) answered, with units or without (errors excluded).", &self.lease_share_requests),
             ("ratelimitd_lease_shares_total", "LEASE_SHAREs (op 10) that handed units of a quota lease to an nginx worker's shared dict.", &self.lease_shares),
-            ("ratelimitd_lease_share_units_total", "Units of quota leases handed to nginx workers (each counted in Redis as used at the lease's latest time).", &self.lease_share_units),
+            ("ratelimitd_lease_share_units_total", "Units of quota leases handed to nginx workers (each counted in Redis as used at the latest time a worker may use it).", &self.lease_share_units),
+            ("ratelimitd_lease_units_granted_total", "Units of a key's quota reserved in Redis by quota leases.", &self.lease_units_granted),
+            ("ratelimitd_lease_units_returned_total", "Units of quota leases given back unused at their settle (granted - returned - shared: admitted by the daemon).", &self.lease_units_returned),
         ];
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));

@@ -268,14 +268,71 @@ async fn during_a_redis_outage_a_share_admits_until_its_deadline_then_the_fail_p
     redis.kill();
     let deadline = sent + Duration::from_millis(u64::from(s.retry_after_ms));
     assert!(Instant::now() < deadline, "the share is still valid after the kill (valid {} ms)", s.retry_after_ms);
-    // Past the deadline nothing more is taken from it (the worker's rule);
-    // the daemon gives no new units while Redis is down.
-    tokio::time::sleep(deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(300)).await;
+    // Past the deadline nothing more is taken from it (the worker's rule).
+    // The daemon's own lease may keep units the share did not take (a
+    // share holds what the host uses within its validity at its rate): it
+    // admits from them until its life ends, 1 s after its call for a 1 min
+    // window. After both, the daemon gives no new units while Redis is down.
+    let lease_over = sent + Duration::from_millis(1000);
+    tokio::time::sleep(deadline.max(lease_over).saturating_duration_since(Instant::now()) + Duration::from_millis(300)).await;
     let again = c.lease_share(&args("order", "k7", 64)).await.unwrap();
     assert_eq!((again.error, again.count), (ErrorCode::None, 0), "no units while Redis is down: {}", again.message);
-    // The daemon's own lease was all in the share (the lease for it was
-    // sized to the 64 asked), and the failed share request ended it: the
-    // check goes to Redis, which is down.
+    // No lease left: the check goes to Redis, which is down.
     let r = c.check_policy(&PolicyCheckArgs { on_error: FailPolicy::Closed, ..args("order", "k7", 1) }).await.unwrap();
     assert_eq!((r.decision, r.source), (Decision::Denied, Source::FailClosed), "{}", r.message);
+}
+
+/// An inline limit (CHECK with the share flag, docs/PROTOCOL.md 4h) gets
+/// shares from a daemon with nothing switched on: leases are on by default.
+/// The documented frame; a hot log key gets units, valid at most
+/// `MAX_SHARE_MS`, from the same lease as its checks; a cold key, another
+/// algorithm or a daemon with `quota_leases = false` gets none; and Redis's
+/// record holds every unit handed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_limit_gets_worker_shares_from_a_daemon_with_the_defaults() {
+    use ratelimitd::protocol::{encode_inline_share, Algorithm, CheckArgs};
+    let redis = RedisServer::start();
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n", redis.url()));
+    let mut c = d.client().await;
+    let doc = CheckArgs { key: b"t1", limit: 1000, window_ms: 1000, cost: 64, on_error: FailPolicy::Closed, local_limit: 0 };
+    // A 4 s window: its lease lives 1 s, and every admission is still in
+    // its window when the lease has settled.
+    let check = |key: &'static str, cost: u32| CheckArgs { window_ms: 4000, key: key.as_bytes(), cost, ..doc };
+    let bytes = hex("0000001e01010000000710000101000003e8000003e8000000400000000000027431");
+    let mut encoded = BytesMut::new();
+    encode_inline_share(7, &doc, &mut encoded);
+    assert_eq!(&encoded[..], &bytes[..], "the encoder writes the documented bytes");
+    // Cold: no units, nothing recorded.
+    c.send_raw(&bytes).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.op, r.decision, r.error, r.count), (7, 1, Decision::Allowed, ErrorCode::None, 0), "{}", r.message);
+    for _ in 0..12 {
+        assert_eq!(c.check(&check("t1", 1)).await.unwrap().decision, Decision::Allowed);
+        assert_eq!(c.check_with(&check("g1", 1), Algorithm::Gcra).await.unwrap().decision, Decision::Allowed);
+    }
+    let r = c.inline_share(&check("t1", 64)).await.unwrap();
+    assert_eq!((r.op, r.source, r.error, r.reset_ms), (1, Source::Redis, ErrorCode::None, 4000), "{}", r.message);
+    assert!((1..=64).contains(&r.count), "units granted from the lease: {}", r.count);
+    assert!((5..=MAX_SHARE_MS).contains(&r.retry_after_ms), "valid for {} ms", r.retry_after_ms);
+    let units = r.count;
+    // GCRA keys are never leased, so never shared.
+    let mut gcra = BytesMut::new();
+    ratelimitd::protocol::encode_request_with(8, &check("g1", 64), Algorithm::Gcra, &mut gcra);
+    gcra[4 + 6] |= 0x10;
+    c.send_raw(&gcra).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.error, r.count), (ErrorCode::None, 0), "{}", r.message);
+    // 12 admissions and the units handed out (counted as used), once the
+    // leases settled (their life: 1 s for a 4 s window).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(zcard(&redis, "*{t1}:4000ms"), 12 + u64::from(units));
+    drop(c);
+    drop(d);
+    let off = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\nquota_leases = false\n", redis.url()));
+    let mut c = off.client().await;
+    for _ in 0..12 {
+        assert_eq!(c.check(&check("t2", 1)).await.unwrap().decision, Decision::Allowed);
+    }
+    let r = c.inline_share(&check("t2", 64)).await.unwrap();
+    assert_eq!((r.error, r.count), (ErrorCode::None, 0), "quota_leases = false: no shares");
 }

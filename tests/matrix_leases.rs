@@ -378,7 +378,14 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
     let started = Instant::now();
     let limit = LIMIT_PER_DAEMON * daemons as u32;
     let config = Config { policies: policies(limit), inline: vec![], inline_leases: vec![], denial_cache: true };
-    let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nquota_leases = {leases}\n{}", backend.redis_toml(), config.policies_toml());
+    // Leases on is the default (nothing said); off is the switch.
+    // (On a Cluster leases are off unless said.)
+    let switch = match (leases, backend) {
+        (true, Backend::Cluster(_)) => "quota_leases = true\n",
+        (true, _) => "",
+        (false, _) => "quota_leases = false\n",
+    };
+    let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\n{switch}{}", backend.redis_toml(), config.policies_toml());
     let ds: Vec<Daemon> = (0..daemons).map(|_| Daemon::start_config(&toml)).collect();
     let r = Arc::new(Run { leases, daemons, backend: backend.name() });
     let pairs: Arc<Vec<Pair>> = Arc::new(config.policies.iter().filter(|p| p.name != "aux").enumerate().flat_map(|(i, p)| KEYS.map(|key| Pair { p: p.clone(), key, partial: key == KEYS[1 - i % 2], admitted: AtomicU32::new(0) })).collect());
@@ -879,7 +886,7 @@ async fn a_worker_share_after_an_override_lowered_the_limit_under_the_count_hand
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("admin.sock");
     let d = Daemon::start_config(&format!(
-        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\nquota_leases = true\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"glog\"\nlimit = 48\nwindow = \"1h\"\n",
+        "socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"glog\"\nlimit = 48\nwindow = \"1h\"\n",
         redis.url(),
         socket.display()
     ));

@@ -1,6 +1,7 @@
 //! The matrix through real nginx while workers hold shares (issue 33, item
 //! 2): a `share_dict` limiter (the shipped snippet, its shared dict
-//! `ratelimitd`) on a log policy, a real daemon with `quota_leases` and its
+//! `ratelimitd`) on a log policy, a real daemon with its defaults
+//! (`quota_leases` on) and its
 //! admin API, a real Redis; operations drawn from a seed among bursts of
 //! requests from several clients at once, admin resets, overrides lowering
 //! and raising the key's limit (or deleted), `kill -9` of the daemon while
@@ -71,7 +72,7 @@ server {
 fn daemon(redis: &RedisServer, admin: &Path) -> Daemon {
     let server = common::ops::socket_access();
     Daemon::start_config(&format!(
-        "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\nquota_leases = true\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"hot\"\nlimit = {LIMIT}\nwindow = \"1h\"\n",
+        "{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n[[policy]]\nname = \"hot\"\nlimit = {LIMIT}\nwindow = \"1h\"\n",
         redis.url(),
         admin.display()
     ))

@@ -127,7 +127,11 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
                     let send_local = tr.t_us + host.offset_us;
                     tr.t_us += latency(&mut rng);
                     let want = 1 + rng.below(64) as u32;
-                    if let Some(s) = l.share(tr.t_us + host.offset_us, limit as u32, want, 1) {
+                    // A validity cut by the host's rate (the daemon's
+                    // share_valid_ms), or none: the units are scored at the
+                    // share's deadline either way.
+                    let max_valid = [40, 250, 250, 250][rng.below(4) as usize];
+                    if let Some(s) = l.share(tr.t_us + host.offset_us, limit as u32, want, 1, max_valid) {
                         assert!(s.units <= want && s.valid_ms <= ratelimitd::MAX_SHARE_MS);
                         host.shares.push((u64::from(s.units), (send_local / 1000 + u64::from(s.valid_ms)) * 1000));
                     }

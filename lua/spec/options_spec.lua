@@ -21,6 +21,15 @@ describe("options", function()
         assert.equals("open", check("concurrency", { limit = 2, lease_ms = 1000 }))
         assert.equals("open", check("concurrency_policy", { policy = "uploads" }))
         assert.equals("open", check("table_form", { key = "k", cost = 2, limit = 10, window_ms = 1000 }))
+        -- Worker shares: on by default (configure()'s shared_dict), false turns them off.
+        assert.equals("open", check("inline", { limit = 10, window_ms = 1000, share_dict = false }))
+        assert.equals("open", check("policy", { policy = "order", share_dict = false }))
+        assert.equals("open", check("inline", { limit = 10, window_ms = 1000, algorithm = "gcra", share_dict = false }))
+        local saved = _G.ngx
+        _G.ngx = { shared = { x = {} } }
+        local refused = check("inline", { limit = 10, window_ms = 1000, algorithm = "gcra", share_dict = "x" })
+        _G.ngx = saved
+        assert.matches("share_dict applies to algorithm = 'log' only", refused, 1, true)
     end)
 
     it("says what is wrong with a value, the same for every kind", function()

@@ -65,7 +65,11 @@ local function granted(units, outside, valid_ms, window)
     return wire.u32(#body) .. body
 end
 
-local lim = { _name_part = "\3hot", _policy = "hot", _header = wire.policy_header(0, "closed", 1, 0) }
+-- A policy limiter's fields share.lua reads, and its frame (policy.lua's).
+local lim = { _name_part = "\3hot", _policy = "hot", _header = wire.policy_header(0, "closed", 1, 0), _share_prefix = "\2\3hot" }
+function lim._share_frame(self, id, units, key)
+    return wire.lease_share(id, self._header, units, self._name_part, key)
+end
 local admitted = { decision = "allowed", source = "redis", count = 10, remaining = 990 }
 
 -- Makes the key hot (8 daemon admissions) and refills it at `at_us`.
@@ -83,6 +87,21 @@ describe("worker shares", function()
         -- Each test's keys start cold: the worker's counts are two
         -- generations of at most 1 s each.
         now_s = now_s + 10
+    end)
+
+    it("keeps shares in configure()'s shared_dict unless the limiter names another or false, or shares are off", function()
+        local saved = stub.shared
+        local d, other = dict(), dict()
+        stub.shared = { ratelimitd = d }
+        local settings = { shares = true, shared_dict = "ratelimitd" }
+        assert.equals(d, share.dict({}, settings))
+        assert.equals(other, share.dict({ _share_dict = other }, settings))
+        assert.is_nil(share.dict({ _share_dict = false }, settings))
+        settings.shared_dict = "not_declared"
+        assert.is_nil(share.dict({}, settings), "no dict: no shares")
+        settings.shared_dict, settings.shares = "ratelimitd", false
+        assert.is_nil(share.dict({}, settings), "configure{ shares = false }")
+        stub.shared = saved
     end)
 
     it("asks the daemon only once the key is hot on the host, with the op 10 frame", function()

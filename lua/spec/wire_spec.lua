@@ -68,6 +68,12 @@ describe("wire: frames", function()
         assert.equals("0000001c010a000000070000000100000000000000100002056f726465727431", tohex(frame))
     end)
 
+    it("encodes an inline limit's share (CHECK with flag 0x1000) as the documented bytes (section 4h)", function()
+        local _, after = wire.check_parts("log", "closed", 1000, 1000, nil)
+        local frame = wire.share(7, wire.share_parts("closed", 1000, 1000), after, 64, "t1")
+        assert.equals("0000001e01010000000710000101000003e8000003e8000000400000000000027431", tohex(frame))
+    end)
+
     it("encodes a refundable multi-item CHECK_POLICY as the documented bytes (section 4b)", function()
         local items = wire.policy_item(1, "\2ip", "a") .. wire.policy_item(2, "\6tenant", "t1")
         local frame = wire.check_policy(7, wire.policy_header(wire.FLAG_REFUNDABLE, "closed", 2, 0), items)

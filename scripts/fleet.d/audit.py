@@ -197,6 +197,11 @@ while times and t <= times[-1]:
     counts.append(hi - lo)
     t += 10
 mean_in_window = sum(counts) / len(counts) if counts else None
+# AUDIT_DUMP=PREFIX (a diagnosis, not used by the fleet's report): the
+# admissions' times and the interior's counts every 10 ms, to a file per run.
+if os.environ.get("AUDIT_DUMP"):
+    name = "%s-%d.json" % (os.environ["AUDIT_DUMP"], started_ms or 0)
+    json.dump({"key": key.decode("latin-1") if isinstance(key, bytes) else key, "started_ms": started_ms, "times": times, "counts": counts}, open(name, "w"))
 print(json.dumps({
     "key": key, "admissions": len(times), "max_in_any_window": most, "limit": limit,
     "window_ms": window, "span_ms": span, "polls": polls,

@@ -2,9 +2,11 @@
 and daemon counters before and after, and the shared key's audit.
 
 Usage: collect.py LABEL DELAY_MS URL CONNS SECONDS HOSTS "EVALSHA0 CPU0" "EVALSHA1 CPU1"
-                  "FAIL0 DECISIONS0 SHARE_UNITS0" "FAIL1 DECISIONS1 SHARE_UNITS1" AUDIT_JSON WRK_TXT...
+                  "FAIL0 DECISIONS0 SHARE_UNITS0 GRANTED0 RETURNED0" "FAIL1 ... RETURNED1" AUDIT_JSON WRK_TXT...
 (the daemons' counters summed over the hosts: fail-policy decisions,
-ratelimitd_decisions_total, ratelimitd_lease_share_units_total)
+ratelimitd_decisions_total, ratelimitd_lease_share_units_total,
+ratelimitd_lease_units_granted_total, ratelimitd_lease_units_returned_total;
+the last two absent from a daemon older than them: null)
 """
 import json
 import os
@@ -57,5 +59,9 @@ print(json.dumps({
     # admission from a worker share never reaches the daemon) and the units
     # they handed to the workers' shares.
     "daemon_decisions": d1[1] - d0[1], "share_units": d1[2] - d0[2],
+    # Where the leases' units went: granted = handed to workers + admitted
+    # by the daemons + given back unused (+ held by a lease still open).
+    "lease_units_granted": d1[3] - d0[3] if len(d1) > 3 else None,
+    "lease_units_returned": d1[4] - d0[4] if len(d1) > 4 else None,
     "per_host": per_host, "audit": audit,
 }))

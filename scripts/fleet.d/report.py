@@ -89,6 +89,7 @@ for b, d in [(b, d) for b in backends for d in delays]:
             "rescored": a.get("rescored"), "vanished": a.get("vanished"), "max_poll_gap_ms": a.get("max_poll_gap_ms"),
             "most_in_record_at_a_poll": most_at_poll,
             "daemon_decisions": r.get("daemon_decisions"), "share_units": r.get("share_units"),
+            "lease_units_granted": r.get("lease_units_granted"), "lease_units_returned": r.get("lease_units_returned"),
         }
         if a["max_in_any_window"] > a["limit"]:
             problems.append(f"{b}: {name} at {d} ms: {a['max_in_any_window']} admissions in one window, limit {a['limit']}")
@@ -171,9 +172,10 @@ for s in summary:
                   f"{x['limit']:,} | {x['over_admission']} | {fmt(x['mean_in_window'])} / {fmt(x['least_in_window'])} | {under} | {x['fail_policy']} | {calls:.3f} |")
 md += ["", "The shared key: Redis's record against the 2xx responses wrk counted (the measured run; the record's members scored at or "
        "after its start). Withdrawn: members removed inside their window (a quota lease's unused units at its settle: never admissions); "
-       "re-scored: members moved (a lease's used unit, from the lease's end to its time); a worker share's units stay at the lease's end, "
-       "used or not, so the record may hold more than wrk saw.", "",
-       "| Redis | one-way latency | path | 2xx (wrk) | in the record | record − 2xx | withdrawn | re-scored | most in the record at a poll | daemon decisions | share units | longest gap between polls |",
+       "re-scored: members moved (a lease's used unit, from the lease's end to its time; a share's, to its deadline); a worker share's units "
+       "count used or not, so the record may hold more than wrk saw. Lease units (the daemons' counters, the whole run with its warm-up): "
+       "granted in Redis, handed to workers, given back unused; the rest were admitted by the daemons.", "",
+       "| Redis | one-way latency | path | 2xx (wrk) | in the record | record − 2xx | withdrawn | re-scored | most in the record at a poll | daemon decisions | lease units: granted / shared / given back | longest gap between polls |",
        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
 for s in summary:
     for name, label in PATH_NAME.items():
@@ -182,7 +184,7 @@ for s in summary:
             continue
         md.append(f"| {BACKEND_NAME[s['backend']]} | {s['delay_ms']} ms | {label} | {x['admitted_2xx']:,} | {x['in_record_measured']:,} | "
                   f"{x['in_record_measured'] - x['admitted_2xx']:,} | {x['withdrawn']:,} | {x['rescored']:,} | {x['most_in_record_at_a_poll']:,} | "
-                  f"{x['daemon_decisions']:,} | {x['share_units']:,} | {x['max_poll_gap_ms']} ms |")
+                  f"{x['daemon_decisions']:,} | {fmt(x['lease_units_granted'])} / {x['share_units']:,} / {fmt(x['lease_units_returned'])} | {x['max_poll_gap_ms']} ms |")
 leased = [s for s in summary if "leases" in s]
 if leased:
     def ratio(v):
@@ -193,12 +195,11 @@ if leased:
 
     def f3(v):
         return "n/a" if v is None else f"{v:.3f}"
-    md += ["", "Quota leases on (`FLEET_LEASES=1`): rl = the daemon's leases (inline limiter), sh = a policy limiter with worker shares "
-           "(`share_dict`). The issue's targets: all admitted ≥ 3x direct; Redis CPU per decision ≤ 0.2x direct's; the shared key "
+    md += ["", "With the sh path (`FLEET_LEASES=1`): rl = an inline limiter, sh = a policy limiter, both with the defaults (quota "
+           "leases, worker shares). The issue's targets: all admitted ≥ 3x direct; Redis CPU per decision ≤ 0.2x direct's; the shared key "
            "0 over-admission and ≤ 1 % under-admission in Redis's record. A unit handed to a worker's share is in the record "
-           "as an admission whether a worker used it or not (record − 2xx above), at the lease's end (t0 + life), up to 250 ms after the "
-           "admission it stands for: sh's under-admission is the record's, which holds a share unit's room up to a lease's life longer "
-           "than a per-request admission (fleet.d/audit.py).", "",
+           "as an admission whether a worker used it or not (record − 2xx above), at its share's deadline, after the "
+           "admission it stands for: the under-admission is the record's (fleet.d/audit.py).", "",
            "| Redis | one-way latency | all admitted req/s: direct / rl / sh | rl ÷ direct | sh ÷ direct | ≥ 3x (sh) | "
            "Redis calls per decision: direct / rl / sh | Redis CPU µs per decision: direct / rl / sh | rl ÷ direct | sh ÷ direct | ≤ 0.2x (sh) | "
            "daemon round trips per request: rl / sh | added p50 / p99 µs (c1), sh | shared over-admission: rl / sh | shared under-admission: rl / sh | targets met (sh) | failed (sh, c16 + c1) |",

@@ -250,8 +250,10 @@ pub(super) struct RedisSection {
     pub max_in_flight: u32,
     pub key_prefix: String,
     pub clock: ClockSource,
-    pub quota_leases: bool,
-    pub batch_cold_keys: bool,
+    /// Unset: on, but off with a Cluster (docs/CONFIG.md, "Fast by default").
+    pub quota_leases: Option<bool>,
+    /// Unset: on where the topology allows (not a Cluster).
+    pub batch_cold_keys: Option<bool>,
     pub sentinel: Option<SentinelSection>,
 }
 
@@ -276,8 +278,9 @@ impl Default for RedisSection {
             max_in_flight: 1024,
             key_prefix: "ratelimitd:".into(),
             clock: ClockSource::Redis,
-            quota_leases: false,
-            batch_cold_keys: false,
+            // On by default: docs/CONFIG.md says what each costs and why.
+            quota_leases: None,
+            batch_cold_keys: None,
             sentinel: None,
         }
     }

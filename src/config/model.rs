@@ -270,10 +270,13 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Which clock timestamps admissions.
     pub clock: ClockSource,
-    /// Hot log keys are admitted from quota leases (docs/PERFORMANCE.md).
+    /// Hot keys are admitted from quota leases (docs/PERFORMANCE.md); as in
+    /// force: unset in the file, on unless the target is a Cluster
+    /// (docs/CONFIG.md says what it costs).
     pub quota_leases: bool,
     /// Checks of different log keys queued while every cold lane is busy
-    /// go to Redis in one call (one Redis or Sentinel; not a Cluster).
+    /// go to Redis in one call (one Redis or Sentinel; not a Cluster). As
+    /// in force: unset in the file, on unless the target is a Cluster.
     pub batch_cold_keys: bool,
 }
 

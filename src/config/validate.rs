@@ -264,9 +264,14 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
             RedisTarget::Url(url)
         }
     };
-    if r.batch_cold_keys && matches!(&target, RedisTarget::Cluster(_)) {
-        p.add("redis.batch_cold_keys", "not with redis.cluster: one call's keys would span slots");
+    // Unset: on where the topology allows it. Asked for on a Cluster: the
+    // same refusal at start, reload and check-config (all come here), so
+    // that no daemon runs without what its file says.
+    let one_node = !matches!(&target, RedisTarget::Cluster(_));
+    if r.batch_cold_keys == Some(true) && !one_node {
+        p.add("redis.batch_cold_keys", "not with redis.cluster: one call's keys would span slots (leave it unset: off on a Cluster, on elsewhere)");
     }
+    let batch_cold_keys = r.batch_cold_keys.unwrap_or(one_node);
     if r.cluster_tls && !matches!(&target, RedisTarget::Cluster(_)) {
         p.add("redis.cluster_tls", "applies to redis.cluster only (a single Redis says rediss:// in its url)");
     }
@@ -314,8 +319,12 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
         max_in_flight,
         key_prefix: r.key_prefix,
         clock: r.clock,
-        quota_leases: r.quota_leases,
-        batch_cold_keys: r.batch_cold_keys,
+        // Unset: off on a Cluster: there a hot key's admissions from leases
+        // leave the cluster connection few calls to answer, and a dead
+        // primary's timeouts then count as evidence against every node and
+        // open the breaker for all (tests/cluster.rs).
+        quota_leases: r.quota_leases.unwrap_or(one_node),
+        batch_cold_keys,
     };
     (p.0.len() == before).then_some(cfg)
 }
@@ -804,6 +813,23 @@ mod tests {
         assert_eq!(r.timeout, Duration::from_millis(35));
         assert_eq!((r.min_in_flight, r.max_in_flight), (16, 1024), "defaults");
         assert_eq!(r.target, RedisTarget::Url(DEFAULT_REDIS_URL.into()));
+    }
+
+    #[test]
+    fn leases_and_cold_key_batches_are_on_by_default_where_the_topology_allows_and_each_can_be_turned_off() {
+        let one = redis_of(parse("[redis]\n").unwrap());
+        assert!(one.quota_leases && one.batch_cold_keys, "one Redis: both on");
+        let sentinel = redis_of(parse("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap());
+        assert!(sentinel.quota_leases && sentinel.batch_cold_keys, "Sentinel: both on");
+        let cluster = redis_of(parse("[redis]\ncluster = [\"h:1\"]\n").unwrap());
+        assert!(!cluster.quota_leases && !cluster.batch_cold_keys, "a Cluster: both off (breaker evidence; a call's keys would span slots)");
+        assert!(redis_of(parse("[redis]\ncluster = [\"h:1\"]\nquota_leases = true\n").unwrap()).quota_leases, "said: on");
+        let off = redis_of(parse("[redis]\nquota_leases = false\nbatch_cold_keys = false\n").unwrap());
+        assert!(!off.quota_leases && !off.batch_cold_keys, "each switch turns it off");
+        let cluster_off = redis_of(parse("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = false\n").unwrap());
+        assert!(!cluster_off.batch_cold_keys, "saying off on a Cluster is fine");
+        // The dump (config show, GET /config) says what is in force.
+        assert!(parse("[redis]\ncluster = [\"h:1\"]\n").unwrap().dump().contains("batch_cold_keys: false"));
     }
 
     #[test]

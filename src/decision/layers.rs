@@ -15,14 +15,28 @@ use crate::redis::MultiAsk;
 use crate::window_store::{ManyVerdicts, NoVerdict};
 use crate::window::{LimitSpec, Verdict};
 
-use super::lease::Take;
+use super::lease::{Take, LEASE_WAIT};
 use super::limiter::Limiter;
 
 impl Limiter {
     /// The verdict of the layers and the store on `spec`.
     pub(super) async fn verdict(&self, spec: &LimitSpec<'_>, algorithm: Algorithm) -> Result<(Source, Verdict), NoVerdict> {
-        // 1. A quota lease (log, fixed, sliding counter; Redis only).
-        let leased = match self.leases.as_ref().map(|l| (l, l.take(spec, algorithm))) {
+        // 1. A quota lease (log, fixed, sliding counter; Redis only); while
+        // the key's lease call is in flight, after it (waiting registered
+        // before looking again, so its end cannot be missed).
+        let mut taken = self.leases.as_ref().map(|l| (l, l.take(spec, algorithm)));
+        if let Some((l, Take::Wait)) = taken {
+            let done = l.lease_done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            let mut again = l.take(spec, algorithm);
+            if matches!(again, Take::Wait) {
+                let _ = tokio::time::timeout(LEASE_WAIT, done).await;
+                again = l.take(spec, algorithm);
+            }
+            taken = Some((l, if matches!(again, Take::Wait) { Take::Pass } else { again }));
+        }
+        let leased = match taken {
             Some((_, Take::Admitted(v))) => return Ok((self.store.origin(), v)),
             Some((l, Take::Lease { fp, want })) => Some((l, fp, want)),
             _ => None,

@@ -25,10 +25,15 @@
 //! includes the units any daemon holds.
 
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
 use crate::log_limit::RateLimitedLog;
+use crate::metrics::METRICS;
 use crate::protocol::{Algorithm, MAX_SHARE_UNITS};
 use crate::redis::RedisWindow;
 use crate::window::{LimitSpec, StoreError, Verdict};
@@ -43,6 +48,20 @@ const HOT_HITS: u32 = 8;
 pub const MAX_SHARE_MS: u32 = 250;
 /// Shorter validity than this is not worth a share.
 const MIN_SHARE_MS: u32 = 5;
+/// A share is valid for this many times the time the host takes to use its
+/// units at its rate: a worker tops a share up before it runs out, and the
+/// units added keep the earlier deadline.
+const SHARE_USE_FACTOR: u64 = 3;
+/// The shortest validity the rate gives a share: a few of a worker's
+/// round trips to the daemon.
+const MIN_RATE_VALID_MS: u32 = 20;
+/// The longest validity the rate gives a share (`MAX_SHARE_MS` bounds it
+/// too): its units are scored at its deadline, so a share handed out as a
+/// burst begins, when the daemon's count of the key's rate is low (nginx's
+/// denial cache answered the refusals before it), holds its room at most
+/// this long after its use (`scripts/fleet --ci`: 250 ms let the shared
+/// key's window dip to 358 of 2,000).
+const MAX_RATE_VALID_MS: u32 = 100;
 /// What a worker is told to wait before asking again while this daemon's
 /// lease call for the key is in flight: about one Redis round trip, after
 /// which the new lease can be shared.
@@ -136,34 +155,46 @@ impl QuotaLease {
     }
 
     /// Hands up to `want` units (at most `MAX_SHARE_UNITS`) to a worker at
-    /// local time `now_us`, for `limit`, if at least `least` are left.
-    /// They are used from now on, timed at the latest time any admission
-    /// from this lease may have (`t0 + life`): the worker's admissions are
-    /// never timed, so each counts as if made at the end of the lease. The
-    /// share is valid until the last µs at which the daemon itself may
-    /// still admit (offset ⌈1.001 · elapsed⌉ ≤ life), less 1 ms for the
-    /// worker's whole-ms clock, and for at most `MAX_SHARE_MS`.
-    pub fn share(&mut self, now_us: u64, limit: u32, want: u32, least: u32) -> Option<WorkerShare> {
+    /// local time `now_us`, for `limit`, if at least `least` are left, valid
+    /// for at most `max_valid_ms`. The share is valid until the last µs at
+    /// which the daemon itself may still admit (offset ⌈1.001 · elapsed⌉ ≤
+    /// life), less 1 ms for the worker's whole-ms clock, and for at most
+    /// `MAX_SHARE_MS` and `max_valid_ms`. The worker's admissions are never
+    /// timed: each unit is scored at the latest true time any of them may
+    /// have, its deadline (the worker's send, at or before `now_us`, plus
+    /// the validity), timed as `admit` times the daemon's own: never earlier
+    /// than the admission it stands for, and a short share is scored close
+    /// to its use rather than at the lease's end.
+    pub fn share(&mut self, now_us: u64, limit: u32, want: u32, least: u32, max_valid_ms: u32) -> Option<WorkerShare> {
         if limit != self.limit || self.reserve.is_some() {
             return None;
         }
         let used = self.offsets.len() as u32;
+        // Not within the last quarter of the limit: there a worker's units
+        // (scored at the share's deadline, after their use) would hold room
+        // that per-request decisions and the daemon's own leases (re-scored
+        // to their times) use more closely.
+        if u64::from(self.outside + (self.granted - used)) * 4 < u64::from(self.limit) {
+            return None;
+        }
         let units = want.min(self.granted - used).min(MAX_SHARE_UNITS);
         let last_us = self.sent_us + u64::from(self.life_ms) * 1_000_000 / 1001;
-        let valid_ms = (last_us.saturating_sub(now_us) / 1000).saturating_sub(1).min(u64::from(MAX_SHARE_MS)) as u32;
+        let valid_ms = (last_us.saturating_sub(now_us) / 1000).saturating_sub(1).min(u64::from(MAX_SHARE_MS.min(max_valid_ms))) as u32;
         if units == 0 || units < least || valid_ms < MIN_SHARE_MS {
             return None;
         }
+        let elapsed = (now_us + u64::from(valid_ms) * 1000).saturating_sub(self.sent_us);
+        // At most life: the validity ends before the daemon's last admission.
+        let offset = ((elapsed + elapsed / 1000).div_ceil(1000) as u32).min(self.life_ms);
         for _ in 0..units {
-            self.offsets.push(self.life_ms);
+            self.offsets.push(offset);
         }
         Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
     }
 
     /// The scores of the used units, in unit order, for the settle call;
-    /// 0 for a unit already scored right: one used at `t0 + life`, as every
-    /// unit handed to a worker is, keeps the score it was reserved with,
-    /// and the settle skips it (a hot key's units are mostly shares).
+    /// 0 for a unit already scored right: one used at `t0 + life` keeps the
+    /// score it was reserved with, and the settle skips it.
     pub fn used_scores(&self) -> impl Iterator<Item = u64> + '_ {
         self.offsets.iter().map(|&o| if o == self.life_ms { 0 } else { self.t0_ms + u64::from(o) })
     }
@@ -256,6 +287,42 @@ struct Slot {
 }
 
 impl Slot {
+    /// Counts `n` requests (or units handed to workers) of the key at
+    /// `now_us` in its rate: the current period of `life_ms` and the one
+    /// before.
+    fn count(&mut self, now_us: u64, life_ms: u32, n: u32) {
+        let period = u64::from(life_ms) * 1000;
+        if now_us >= self.period_start_us + period {
+            self.last_hits = if now_us < self.period_start_us + 2 * period { self.hits } else { 0 };
+            self.hits = 0;
+            self.period_start_us = now_us;
+        }
+        self.hits = self.hits.saturating_add(n);
+    }
+
+    /// How many of `want` units to hand a worker at `now_us`, and for how
+    /// long: valid `SHARE_USE_FACTOR` times the time this host takes to use
+    /// `want` units at its rate (the faster of the last period's and the
+    /// current one's), within `MIN_RATE_VALID_MS..=MAX_RATE_VALID_MS`; and
+    /// fewer units when the host would not use them within that at its
+    /// rate (at least 2). A share's units are scored at its deadline and an
+    /// unused one counts for a window: the shorter and the closer to the
+    /// host's use, the less room a key at its limit loses to them.
+    fn share_size(&self, now_us: u64, life_ms: u32, want: u32) -> (u32, u32) {
+        let since_ms = (now_us.saturating_sub(self.period_start_us) / 1000).max(u64::from(life_ms / 4)).max(1);
+        let mut use_ms = u64::MAX;
+        if self.last_hits > 0 {
+            use_ms = use_ms.min(u64::from(want) * u64::from(life_ms) / u64::from(self.last_hits));
+        }
+        if self.hits > 0 {
+            use_ms = use_ms.min(u64::from(want) * since_ms / u64::from(self.hits));
+        }
+        let use_ms = use_ms.max(1).saturating_mul(SHARE_USE_FACTOR);
+        let valid = use_ms.clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_RATE_VALID_MS));
+        let units = (u64::from(want) * valid).div_ceil(use_ms).max(2).min(u64::from(want));
+        (units as u32, valid as u32)
+    }
+
     /// The units of the key's next lease if it is due to be taken ahead:
     /// the lease in hand is 3/4 used, and no next lease is held, in flight
     /// or already asked for this lease. Marks it asked.
@@ -286,9 +353,19 @@ pub(super) enum Take {
     /// Ask Redis with a lease of this many units (slot `fp`); then
     /// `lease`, or `abandon` if something else answers.
     Lease { fp: u128, want: u32 },
+    /// The key's lease call is in flight (a renewal ahead, a share's or
+    /// another request's): wait for it (`lease_done`, at most
+    /// `LEASE_WAIT`), then take again. Sent to Redis meanwhile, the request
+    /// would be counted against this daemon's own units in flight, and its
+    /// answer would tell less room than the lease's next admission does.
+    Wait,
     /// Decide as without leases.
     Pass,
 }
+
+/// Longest a request waits for its key's lease call in flight before it is
+/// decided without the lease.
+pub(super) const LEASE_WAIT: Duration = Duration::from_millis(100);
 
 /// The leases of this daemon: a fixed table of slots by key fingerprint
 /// (no allocation per request, bounded memory), one short lock per slot.
@@ -302,6 +379,12 @@ pub struct QuotaLeases {
     /// removed: Redis may admit sooner than a cached refusal says).
     redis: Arc<RedisWindow>,
     settle_log: RateLimitedLog,
+    /// Cancelled at shutdown: every lease is settled at once (`give_back`).
+    closing: CancellationToken,
+    /// Woken when a lease call ends (granted, refused or failed).
+    pub(super) lease_done: Notify,
+    /// Lease timers and settles not finished yet.
+    pending: AtomicUsize,
 }
 
 impl std::fmt::Debug for QuotaLeases {
@@ -314,7 +397,16 @@ impl QuotaLeases {
     /// A table of `slots` keys (rounded up to a power of two) over `redis`.
     pub fn new(redis: Arc<RedisWindow>, slots: usize) -> Arc<Self> {
         let n = slots.max(1).next_power_of_two();
-        Arc::new(Self { slots: (0..n).map(|_| Mutex::default()).collect(), hashers: Default::default(), epoch: Instant::now(), redis, settle_log: RateLimitedLog::new(Duration::from_secs(10)) })
+        Arc::new(Self {
+            slots: (0..n).map(|_| Mutex::default()).collect(),
+            hashers: Default::default(),
+            epoch: Instant::now(),
+            redis,
+            settle_log: RateLimitedLog::new(Duration::from_secs(10)),
+            closing: CancellationToken::new(),
+            lease_done: Notify::new(),
+            pending: AtomicUsize::new(0),
+        })
     }
 
     fn now_us(&self) -> u64 {
@@ -346,13 +438,7 @@ impl QuotaLeases {
             *slot = Slot { fp, ..Slot::default() };
             slot.period_start_us = now;
         }
-        let period = u64::from(life) * 1000;
-        if now >= slot.period_start_us + period {
-            slot.last_hits = if now < slot.period_start_us + 2 * period { slot.hits } else { 0 };
-            slot.hits = 0;
-            slot.period_start_us = now;
-        }
-        slot.hits = slot.hits.saturating_add(1);
+        slot.count(now, life, 1);
         // The lease, else the one taken ahead of it.
         while let Some(lease) = slot.lease.as_mut() {
             if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
@@ -365,6 +451,9 @@ impl QuotaLeases {
             }
             let ended = slot.retire().expect("checked above");
             self.settle(ended, spec.key.into(), spec.window_ms);
+        }
+        if slot.refilling && spec.cost <= spec.limit / 4 {
+            return Take::Wait;
         }
         if slot.refilling || slot.last_hits.max(slot.hits) < HOT_HITS || spec.cost > spec.limit / 4 {
             return Take::Pass;
@@ -410,7 +499,8 @@ impl QuotaLeases {
     /// new lease is shared then, rather than the host's workers deciding
     /// every request through the daemon for their whole back-off.
     pub(super) async fn share(self: &Arc<Self>, spec: &LimitSpec<'_>, want: u32) -> Result<ShareAnswer, StoreError> {
-        if lease_life_ms(spec.window_ms) == 0 {
+        let life = lease_life_ms(spec.window_ms);
+        if life == 0 {
             return Ok(ShareAnswer::NONE);
         }
         let fp = self.fingerprint(spec, Algorithm::Log);
@@ -422,12 +512,13 @@ impl QuotaLeases {
             }
             // Half of what was asked at least, from the lease or the one
             // taken ahead of it, or a fresh lease.
+            let (units, valid) = slot.share_size(now, life, want);
             while let Some(lease) = slot.lease.as_mut() {
-                if let Some(share) = lease.share(now, spec.limit, want, want.div_ceil(2)) {
+                if let Some(share) = lease.share(now, spec.limit, units, units.div_ceil(2), valid) {
                     // A key admitted from shares rarely reaches the daemon's
                     // own admissions: its next lease is taken ahead here too,
                     // so the worker's next ask finds units without a call.
-                    slot.hits = slot.hits.saturating_add(share.units);
+                    slot.count(now, life, share.units);
                     if let Some(ahead) = slot.renewal_due() {
                         drop(slot);
                         self.renew_ahead(fp, spec, ahead);
@@ -450,14 +541,16 @@ impl QuotaLeases {
         self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
-        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, want, 1)) else { return Ok(ShareAnswer::NONE) };
-        slot.hits = slot.hits.saturating_add(share.units);
+        let (units, valid) = slot.share_size(now, life, want);
+        let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, units, 1, valid)) else { return Ok(ShareAnswer::NONE) };
+        slot.count(now, life, share.units);
         Ok(ShareAnswer::Units(share))
     }
 
     /// The request that was to ask for a lease was answered otherwise.
     pub(super) fn abandon(&self, fp: u128) {
         self.slot(fp).refilling = false;
+        self.lease_done.notify_waiters();
     }
 
     /// Decides the request in a lease call and installs the lease granted.
@@ -469,11 +562,26 @@ impl QuotaLeases {
         let life = lease_life_ms(window_ms);
         let task = tokio::spawn(async move {
             let spec = LimitSpec { key: &key, limit, window_ms, cost };
+            let answer = leases.lease_call(fp, &spec, algorithm, want, life, key.clone()).await;
+            leases.lease_done.notify_waiters();
+            answer
+        });
+        match task.await {
+            Ok(answer) => answer,
+            Err(e) => Err(StoreError::Unavailable(format!("lease call abandoned: {e}"))),
+        }
+    }
+
+    /// The body of `lease`, in its task.
+    async fn lease_call(self: &Arc<Self>, fp: u128, spec: &LimitSpec<'_>, algorithm: Algorithm, want: u32, life: u32, key: Box<[u8]>) -> Result<Verdict, StoreError> {
+        let leases = self;
+        let (limit, window_ms) = (spec.limit, spec.window_ms);
+        {
             if algorithm != Algorithm::Log {
-                return leases.lease_reserved(fp, &spec, algorithm, want, life).await;
+                return leases.lease_reserved(fp, spec, algorithm, want, life).await;
             }
             let sent = leases.now_us();
-            let answer = leases.redis.lease_now(&spec, want, life).await;
+            let answer = leases.redis.lease_now(spec, want, life).await;
             let mut slot = leases.slot(fp);
             slot.refilling = false;
             let grant = match answer {
@@ -481,6 +589,7 @@ impl QuotaLeases {
                 Err(e) => return Err(e),
             };
             if grant.granted > 0 {
+                METRICS.lease_granted(grant.granted);
                 let lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
                 let ends = lease.ends_us();
                 // The slot is ours while refilling: no other key took it.
@@ -491,13 +600,16 @@ impl QuotaLeases {
                     slot.lease = Some(lease);
                 }
                 drop(slot);
-                leases.settle_at(fp, grant.seq, ends, key.clone(), window_ms);
+                leases.settle_at(fp, grant.seq, ends, key, window_ms);
             }
-            Ok(grant.verdict)
-        });
-        match task.await {
-            Ok(answer) => answer,
-            Err(e) => Err(StoreError::Unavailable(format!("lease call abandoned: {e}"))),
+            // The request's own answer counts the lease's units as this
+            // host's room, as every admission from the lease then does
+            // (its `remaining` is the room outside plus the units left):
+            // one daemon's answers go down one by one, as without leases.
+            let mut v = grant.verdict;
+            v.count = v.count.saturating_sub(grant.granted);
+            v.remaining = v.remaining.saturating_add(grant.granted);
+            Ok(v)
         }
     }
 
@@ -527,6 +639,7 @@ impl QuotaLeases {
         let mut slot = self.slot(fp);
         slot.refilling = false;
         let Some(r) = reserved.as_ref().ok().filter(|r| r.allowed) else { return decided };
+        METRICS.lease_granted(units);
         let life = reserved_life_ms(algorithm, life, r.reset_ms, spec.window_ms);
         if life == 0 {
             // Too near the window's end to admit anything: give it all back.
@@ -547,9 +660,14 @@ impl QuotaLeases {
     /// there (a request may have settled it first).
     fn settle_at(self: &Arc<Self>, fp: u128, seq: u64, ends_us: u64, key: Box<[u8]>, window_ms: u32) {
         let leases = self.clone();
+        self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             let wait = ends_us.saturating_sub(leases.now_us()) + 1000;
-            tokio::time::sleep(Duration::from_micros(wait)).await;
+            // At shutdown, now: the unused units go back to the other hosts.
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_micros(wait)) => {}
+                _ = leases.closing.cancelled() => {}
+            }
             let ended = {
                 let mut slot = leases.slot(fp);
                 match (&slot.lease, &slot.next) {
@@ -561,7 +679,24 @@ impl QuotaLeases {
             if let Some(l) = ended {
                 leases.settle(l, key, window_ms);
             }
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
+    }
+
+    /// At shutdown: settles every lease now (used units re-scored, unused
+    /// ones removed), so that a daemon stopped or restarted on purpose
+    /// leaves no unit counted for a window that nobody admits from. Waits
+    /// at most `limit`; whether every settle finished.
+    pub async fn give_back(&self, limit: Duration) -> bool {
+        self.closing.cancel();
+        let deadline = Instant::now() + limit;
+        while self.pending.load(Ordering::Relaxed) > 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        true
     }
 
     /// One call: used units re-scored, unused removed (the log), or the
@@ -570,25 +705,30 @@ impl QuotaLeases {
     /// their fixed window: under-admission only.
     fn settle(self: &Arc<Self>, lease: QuotaLease, key: Box<[u8]>, window_ms: u32) {
         let leases = self.clone();
+        METRICS.lease_returned(lease.granted() - lease.used());
+        self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
-            if let Some((algorithm, handle)) = lease.reserve {
-                let spec = LimitSpec { key: &key, limit: lease.limit, window_ms, cost: lease.used() };
-                let settled = leases.redis.settle_reserve(&spec, algorithm, &handle).await;
-                if let Err(e) = settled {
-                    if let Some(suppressed) = leases.settle_log.permit() {
-                        tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until their window ends");
-                    }
-                }
-                return;
-            }
-            let scores: Vec<u64> = lease.used_scores().collect();
-            let settled = leases.redis.settle_lease(&key, window_ms, lease.seq(), lease.granted(), &scores).await;
-            if let Err(e) = settled {
-                if let Some(suppressed) = leases.settle_log.permit() {
-                    tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
-                }
-            }
+            leases.settle_now(lease, &key, window_ms).await;
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
+    }
+
+    async fn settle_now(&self, lease: QuotaLease, key: &[u8], window_ms: u32) {
+        if let Some((algorithm, handle)) = lease.reserve {
+            let spec = LimitSpec { key, limit: lease.limit, window_ms, cost: lease.used() };
+            if let Err(e) = self.redis.settle_reserve(&spec, algorithm, &handle).await {
+                if let Some(suppressed) = self.settle_log.permit() {
+                    tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until their window ends");
+                }
+            }
+            return;
+        }
+        let scores: Vec<u64> = lease.used_scores().collect();
+        if let Err(e) = self.redis.settle_lease(key, window_ms, lease.seq(), lease.granted(), &scores).await {
+            if let Some(suppressed) = self.settle_log.permit() {
+                tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
+            }
+        }
     }
 }
 
@@ -611,30 +751,70 @@ mod tests {
     }
 
     #[test]
-    fn a_share_takes_the_units_asked_for_scores_them_at_the_lease_end_and_ends_before_the_daemon_may_not_admit() {
+    fn a_share_takes_the_units_asked_for_scores_them_at_its_deadline_and_ends_before_the_daemon_may_not_admit() {
         // Sent at 5 ms local, life 250 ms: the daemon admits until
         // 5 ms + 249.750 ms (the 1000 ppm margin).
         let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
-        assert!(l.share(6_000, 99, 8, 1).is_none(), "another limit: an override changed it");
-        assert_eq!(l.share(6_000, 100, 8, 4), Some(WorkerShare { units: 8, valid_ms: 247, remaining: 52 }));
-        assert!(l.share(6_000, 100, 100, 50).is_none(), "12 left, at least 50 asked");
-        assert_eq!(l.share(6_000, 100, 6, 1).map(|s| s.units), Some(6));
+        assert!(l.share(6_000, 99, 8, 1, 250).is_none(), "another limit: an override changed it");
+        assert_eq!(l.share(6_000, 100, 8, 4, 250), Some(WorkerShare { units: 8, valid_ms: 247, remaining: 52 }));
+        assert!(l.share(6_000, 100, 100, 50, 250).is_none(), "12 left, at least 50 asked");
+        // Valid for 30 ms from 1 ms after the send: scored at 1.001 x 31 ms, rounded up.
+        assert_eq!(l.share(6_000, 100, 6, 1, 30).map(|s| (s.units, s.valid_ms)), Some((6, 30)));
         // 200 ms after the send: valid for 254.750 - 200 - 1 ms, whole ms.
-        assert_eq!(l.share(205_000, 100, 3, 1).map(|s| (s.units, s.valid_ms)), Some((3, 48)));
-        assert!(l.share(250_000, 100, 1, 1).is_none(), "under 5 ms of validity left");
+        assert_eq!(l.share(205_000, 100, 3, 1, 250).map(|s| (s.units, s.valid_ms)), Some((3, 48)));
+        assert!(l.share(250_000, 100, 1, 1, 250).is_none(), "under 5 ms of validity left");
+        assert!(l.share(6_000, 100, 1, 1, 4).is_none(), "under 5 ms of validity asked");
+        // Within the last quarter of the limit (room outside plus units
+        // left below 25 of 100): the daemon admits, no worker shares.
+        assert!(QuotaLease::new(1, 100, 0, 5_000, 250, 10, 14).share(6_000, 100, 4, 1, 250).is_none());
+        assert!(QuotaLease::new(1, 100, 0, 5_000, 250, 10, 15).share(6_000, 100, 4, 1, 250).is_some());
         assert_eq!(l.used(), 17);
         assert_eq!(l.admit(250_000, 100, 1).map(|v| v.remaining), Some(42), "the daemon admits from what is left");
         let scores: Vec<u64> = l.used_scores().collect();
-        assert!(scores[..17].iter().all(|&s| s == 0), "shared units keep their reserved score t0 + life (0: unchanged): {scores:?}");
+        // The first share ends at 6 + 247 = 253 ms local, 248 ms after the
+        // send: 248.248 ms, 249 after t0; the second at 36 ms local: 31.031,
+        // 32; the third at 205 + 48 ms: 249 again; the daemon's own
+        // admission at 250 ms local, 245.245: 246.
+        assert_eq!(&scores[..8], &[1_000_249; 8]);
+        assert_eq!(&scores[8..14], &[1_000_032; 6]);
+        assert_eq!(&scores[14..], &[1_000_249, 1_000_249, 1_000_249, 1_000_246]);
         // The worker's last admission (before send + valid_ms, send at or
-        // before the daemon's now) is at most the daemon's last local one.
+        // before the daemon's now) is at most the score of its units, which
+        // is at most t0 + life.
         for now_us in [5_000u64, 100_000, 200_000, 240_000, 249_000] {
-            if let Some(s) = QuotaLease::new(1, 100, 0, 5_000, 250, 200, 0).share(now_us, 100, 1, 1) {
-                let worker_last_us = now_us + u64::from(s.valid_ms) * 1000;
-                let elapsed = worker_last_us - 5_000;
-                assert!((elapsed + elapsed / 1000).div_ceil(1000) <= 250, "a worker admission at {worker_last_us} µs is beyond t0 + life");
+            for max_valid in [5, 20, 100, 250] {
+                let mut l = QuotaLease::new(1, 100, 0, 5_000, 250, 200, 0);
+                if let Some(s) = l.share(now_us, 100, 1, 1, max_valid) {
+                    assert!(s.valid_ms <= max_valid);
+                    let worker_last_us = now_us + u64::from(s.valid_ms) * 1000;
+                    let elapsed = worker_last_us - 5_000;
+                    let true_ms = (elapsed + elapsed / 1000).div_ceil(1000);
+                    let score = l.used_scores().next().map(|s| if s == 0 { 250 } else { s }).unwrap();
+                    assert!(true_ms <= score && score <= 250, "a worker admission at {worker_last_us} µs (t0 + {true_ms} ms) is scored {score}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn a_share_is_sized_and_timed_to_the_host_s_rate() {
+        let life = 250;
+        let mut slot = Slot::default();
+        slot.count(0, life, 8);
+        // 8 in the first 62.5 ms (a quarter of the life at least): 64 units
+        // take 496 ms at that rate, three times that beyond the most (100):
+        // as many as the host uses in 100 ms at a third of its rate, 5.
+        assert_eq!(slot.share_size(10_000, life, 64), (5, MAX_RATE_VALID_MS));
+        slot.count(100_000, life, 1000);
+        // 1008 in 100 ms: 64 units take 6 ms; three times that, 18: the floor.
+        assert_eq!(slot.share_size(100_000, life, 64), (64, MIN_RATE_VALID_MS));
+        assert_eq!(slot.share_size(100_000, life, 1), (1, MIN_RATE_VALID_MS), "never more than asked");
+        // The next period: the last one's rate (1008 in 250 ms) until this one's is faster.
+        slot.count(300_000, life, 1);
+        assert_eq!(slot.share_size(300_000, life, 64), (64, 45), "64 x 250 / 1008 = 15 ms, x 3");
+        // Quiet for two periods: its rate is forgotten; 2 units at least.
+        slot.count(900_000, life, 1);
+        assert_eq!(slot.share_size(900_000, life, 64), (2, MAX_RATE_VALID_MS));
     }
 
     #[test]
@@ -648,7 +828,7 @@ mod tests {
         assert!(leasable(Algorithm::Log) && leasable(Algorithm::Fixed) && leasable(Algorithm::SlidingCounter));
         assert!(!leasable(Algorithm::Gcra) && !leasable(Algorithm::Ring));
         let mut l = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 398, 20, 40);
-        assert!(l.share(6_000, 100, 8, 1).is_none(), "worker shares come from log leases only");
+        assert!(l.share(6_000, 100, 8, 1, 250).is_none(), "worker shares come from log leases only");
         assert_eq!(l.admit(5_000 + 397_000, 100, 1).map(|v| v.remaining), Some(59));
         assert!(l.admit(5_000 + 399_000, 100, 1).is_none(), "past the cut life");
         assert_eq!(l.used(), 1);

@@ -80,6 +80,7 @@ impl Limiter {
             Request::Reserve(r) => Box::pin(self.reserve(r)).await,
             Request::Settle(r) => Box::pin(self.settle(r)).await,
             Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
+            Request::InlineShare(r) => (Box::pin(self.share_item(r.id, OP_CHECK, &Item::inline(r), r.cost)).await, Charge::Nobody),
             Request::Describe(r) => (self.describe(r), Charge::Described),
         };
         account(&response, &charge);
@@ -190,16 +191,23 @@ impl Limiter {
     async fn lease_share(&self, r: &PolicyCheckRequest) -> Response {
         let op = OP_LEASE_SHARE;
         let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: 1, on_error: r.on_error, local_limit: r.local_limit };
-        let item = match self.resolve(&named, Kind::Check) {
-            Ok(item) => item,
-            Err(rejected) => return rejected.response,
-        };
+        match self.resolve(&named, Kind::Check) {
+            Ok(item) => self.share_item(r.id, op, &item, r.cost).await,
+            Err(rejected) => rejected.response,
+        }
+    }
+
+    /// `units` of this daemon's quota lease on a resolved item's window
+    /// for a worker (op 10, or an inline limit's CHECK with the share flag),
+    /// when the item is a plain log window (not exempt, shadow, sharded or
+    /// penalized) and the daemon holds a lease for its limit now in force.
+    async fn share_item(&self, id: u32, op: u8, item: &Item<'_>, units: u32) -> Response {
         let share = match (item.limit, &self.leases) {
             // A penalty policy's refusals must reach Redis (each one is a strike), so
             // its keys are never leased, to the daemon or to a worker.
             (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.penalty.is_none()) => {
                 // A Redis error leaves the worker deciding per request.
-                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, r.cost).await.ok()
+                leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, units).await.ok()
             }
             _ => None,
         };
@@ -216,7 +224,7 @@ impl Limiter {
             remaining: share.remaining,
             retry_after_ms,
             reset_ms: item.window_ms,
-            ..Response::error(r.id, op, ErrorCode::None, "".into())
+            ..Response::error(id, op, ErrorCode::None, "".into())
         }
     }
 

@@ -11,7 +11,7 @@ use tokio_util::codec::Decoder;
 use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
-    FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN, DESCRIBE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE,
+    FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN, DESCRIBE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE, FLAG_SHARE,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -343,6 +343,9 @@ pub enum Request {
     /// key for an nginx worker's shared dict; `cost` is the units wanted
     /// (1..=`MAX_SHARE_UNITS`).
     LeaseShare(PolicyCheckRequest),
+    /// CHECK (op 1) with `FLAG_SHARE`: the same for an inline limit;
+    /// `cost` is the units wanted (1..=`MAX_SHARE_UNITS`).
+    InlineShare(CheckRequest),
     /// DESCRIBE_POLICY (op 8): what the configuration says of a name; not a decision.
     Describe(DescribeRequest),
 }
@@ -461,9 +464,10 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("check body of {} bytes is shorter than the {} fixed bytes", body.len(), REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags & !ALGORITHM_FLAGS != 0 {
+    if flags & !(ALGORITHM_FLAGS | FLAG_SHARE) != 0 {
         return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
     }
+    let share = flags & FLAG_SHARE != 0;
     let algorithm = match Algorithm::from_flags(flags) {
         Ok(a) => a,
         Err(bits) => return invalid(id, op, ErrorCode::UnknownAlgorithm, format!("algorithm {bits} (flags 0x{flags:04x}) is not one this daemon has")),
@@ -497,14 +501,18 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if window_ms == 0 || window_ms > bounds.max_window_ms {
         return invalid(id, op, ErrorCode::InvalidWindow, format!("window {window_ms} ms is outside 1..={} ms", bounds.max_window_ms));
     }
-    if cost == 0 || cost > limit || cost > bounds.max_cost {
+    if share && (cost == 0 || cost > MAX_SHARE_UNITS) {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("{cost} units wanted; a share is 1..={MAX_SHARE_UNITS}"));
+    }
+    if !share && (cost == 0 || cost > limit || cost > bounds.max_cost) {
         return invalid(id, op, ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost));
     }
     if on_error == FailPolicy::Local && (local_limit == 0 || local_limit > bounds.max_limit) {
         return invalid(id, op, ErrorCode::InvalidLocalLimit, format!("fail policy local needs a local limit in 1..={}, got {local_limit}", bounds.max_limit));
     }
     body.advance(key_at);
-    Inbound::Request(Request::Check(CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm }))
+    let r = CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm };
+    Inbound::Request(if share { Request::InlineShare(r) } else { Request::Check(r) })
 }
 
 /// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
@@ -985,6 +993,14 @@ pub fn encode_lease_share(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) 
     dst[start + LEN_PREFIX + 1] = OP_LEASE_SHARE;
 }
 
+/// Appends one worker-share frame of an inline limit (CHECK with
+/// `FLAG_SHARE`) to `dst`: `a.cost` is the units wanted.
+pub fn encode_inline_share(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
+    let start = dst.len();
+    encode_request_with(id, a, Algorithm::Log, dst);
+    dst[start + LEN_PREFIX + 6] |= (FLAG_SHARE >> 8) as u8;
+}
+
 /// Appends one check-policy request frame (one item) to `dst`.
 pub fn encode_policy_request(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) {
     let body_len = POLICY_HEADER_LEN + POLICY_ITEM_LEN + a.policy.len() + a.key.len();
@@ -1091,7 +1107,27 @@ mod tests {
         };
         assert_eq!(with_flags(0x0F, 0), ErrorCode::UnknownAlgorithm);
         assert_eq!(with_flags(0x01, 0x10), ErrorCode::UnsupportedFlags);
-        assert_eq!(with_flags(0x10, 0), ErrorCode::UnsupportedFlags);
+        assert_eq!(with_flags(0x20, 0), ErrorCode::UnsupportedFlags);
+    }
+
+    #[test]
+    fn a_check_with_the_share_flag_asks_for_units_of_an_inline_lease() {
+        let mut buf = BytesMut::new();
+        encode_inline_share(7, &CheckArgs { cost: 64, ..args(b"t1") }, &mut buf);
+        assert_eq!(&buf[10..12], &[0x10, 0x00], "flags 0x1000");
+        match decode_one(&buf) {
+            Inbound::Request(Request::InlineShare(c)) => assert_eq!((c.limit, c.window_ms, c.cost, &c.key[..]), (1000, 1000, 64, &b"t1"[..])),
+            other => panic!("{other:?}"),
+        }
+        // Units, not a cost: above the limit is fine, above a share's most is not.
+        let mut small = BytesMut::new();
+        encode_inline_share(7, &CheckArgs { cost: 200, limit: 10, ..args(b"t1") }, &mut small);
+        assert!(matches!(decode_one(&small), Inbound::Request(Request::InlineShare(_))));
+        for units in [0, MAX_SHARE_UNITS + 1] {
+            let mut bad = BytesMut::new();
+            encode_inline_share(7, &CheckArgs { cost: units, ..args(b"t1") }, &mut bad);
+            assert_eq!(code_of(decode_one(&bad)), ErrorCode::InvalidCost, "{units} units");
+        }
     }
 
     #[test]
@@ -1413,6 +1449,7 @@ mod tests {
                             Some(Inbound::Request(Request::Reserve(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost >= 1 && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
+                            Some(Inbound::Request(Request::InlineShare(c))) => prop_assert!(!c.key.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
                             // Hostile bytes never reach the lookup as a name a policy could not have.
                             Some(Inbound::Request(Request::Describe(d))) => prop_assert!((1..=MAX_POLICY_NAME_LEN).contains(&d.name.len()) && d.name.iter().all(|&b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))),
                             None => break,
@@ -1438,6 +1475,7 @@ mod tests {
                     Inbound::Request(Request::Check(c)) => {
                         prop_assert_eq!((c.id, c.limit, c.window_ms, c.cost, &c.key[..]), (id, limit, window_ms, cost, &key[..]));
                     }
+                    Inbound::Request(Request::InlineShare(_)) => prop_assert!(false, "a CHECK without the share flag decoded as a share"),
                     Inbound::Invalid { id: got, code, .. } => {
                         prop_assert_eq!(got, id);
                         let expected_bad = match code {

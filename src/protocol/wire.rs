@@ -32,6 +32,10 @@ pub const OP_SETTLE: u8 = 9;
 /// (`count`) and the ms they are valid for from the worker's send
 /// (`retry_after_ms`).
 pub const OP_LEASE_SHARE: u8 = 10;
+/// CHECK request flag: not a check but a worker share of an inline
+/// limit's quota lease (docs/PROTOCOL.md section 4h): `cost` is the units
+/// wanted (1..=`MAX_SHARE_UNITS`), answered as a LEASE_SHARE is.
+pub const FLAG_SHARE: u16 = 0x1000;
 /// Most units one LEASE_SHARE asks for (and is granted): the worker's
 /// shared-dict counter packs them under its deadline (lua/resty/ratelimitd/share.lua).
 pub const MAX_SHARE_UNITS: u32 = 255;

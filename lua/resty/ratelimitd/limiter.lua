@@ -9,6 +9,7 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local cache = require "resty.ratelimitd.cache"
 local kind = require "resty.ratelimitd.kind"
+local share = require "resty.ratelimitd.share"
 local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
@@ -17,6 +18,8 @@ local setmetatable = setmetatable
 local next_id, ask_daemon, encode_check = conn.next_id, conn.ask, wire.check
 
 local _M = {}
+
+local decide_cached
 
 local Limiter, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
 
@@ -39,6 +42,14 @@ local function build(limit, window_ms, on_error, local_limit, algorithm)
         -- windows of its own). A wire key holds no control byte, so no
         -- local fallback key (which starts with the wire key) can be one.
         _deny_prefix = "\1" .. (algorithm == "log" and "" or algorithm .. "|") .. limit .. "|" .. window_ms .. "|",
+        -- Worker shares (share.lua) of the log's leases only, the daemon's
+        -- rule: false for the other algorithms. Entries "\2|<limit>|<window_ms>|<key>":
+        -- '|' is above every policy name's length byte, so no inline entry
+        -- is a policy limiter's.
+        _share_dict = algorithm ~= "log" and false or nil,
+        _share_prefix = "\2|" .. limit .. "|" .. window_ms .. "|",
+        _share_before = algorithm == "log" and wire.share_parts(on_error, limit, window_ms) or nil,
+        _share_after = after,
     }, mt)
 end
 
@@ -48,9 +59,30 @@ local function ask(self, key, cost)
     return ask_daemon(self, encode_check(id, self._before_cost, self._after_cost, self._cost_one, cost, key), id)
 end
 
--- One decision: from the denial cache, else from the daemon. `key` is the
--- wire key, `cost` already checked.
+-- The CHECK with the share flag of `units` for `key` (share.lua).
+function Limiter._share_frame(self, id, units, key)
+    return wire.share(id, self._share_before, self._share_after, units, key)
+end
+
+-- One decision: from the host's share of the daemon's lease, else the
+-- denial cache, else the daemon. `key` is the wire key, `cost` already checked.
 function Limiter._decide(self, key, cost)
+    local shares = share.dict(self, settings)
+    if shares then
+        local res = share.admit(self, shares, key, cost)
+        if res then
+            return res
+        end
+    end
+    local res, err = decide_cached(self, key, cost)
+    if shares and res and res.decision == "allowed" and res.source == "redis" then
+        share.refill(self, shares, key, res)
+    end
+    return res, err
+end
+
+-- From the denial cache, else from the daemon.
+function decide_cached(self, key, cost)
     local on = self._denial_cache
     if on == nil then
         on = settings.denial_cache
@@ -80,6 +112,10 @@ _M.new = kind.constructor(mt, "inline", "new: ", function(opts, on_error)
     local lim = build(opts.limit, opts.window_ms, on_error, opts.local_limit, opts.algorithm or "log")
     -- nil: configure()'s denial_cache decides at each request.
     lim._denial_cache = opts.denial_cache
+    -- A dict's name, false (off), or nil: configure()'s shared_dict (share.dict).
+    if opts.share_dict ~= nil and lim._share_dict == nil then
+        lim._share_dict = opts.share_dict and ngx_shared[opts.share_dict]
+    end
     return lim
 end)
 

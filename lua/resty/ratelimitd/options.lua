@@ -90,9 +90,10 @@ local SPECS = {
     -- (the daemon marks them shadow_allowed/shadow_denied; the list is for
     -- an older daemon that marks only refusals).
     -- Worker shares of the daemon's quota leases (share.lua): the
-    -- lua_shared_dict they are kept in.
-    { "share_dict", function(v) return type(v) == "string" and ngx ~= nil and ngx.shared[v] ~= nil end,
-      "share_dict must be the name of a lua_shared_dict" },
+    -- lua_shared_dict they are kept in, or false for none; unset:
+    -- configure()'s shared_dict while configure{ shares = true }.
+    { "share_dict", function(v) return v == false or type(v) == "string" and ngx ~= nil and ngx.shared[v] ~= nil end,
+      "share_dict must be the name of a lua_shared_dict, or false" },
     { "shadow", name_list, "shadow must be a list of policy names (those in shadow mode in ratelimitd.toml)" },
 }
 
@@ -117,7 +118,7 @@ local POLICY_HOLDS = "is not an option of a policy limiter: the limit and algori
 -- The limiter kinds and their options; `refused`: options of other kinds
 -- with the message that says why not here.
 local KINDS = {
-    inline = kind({ "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay" }, { key = PER_REQUEST, cost = PER_REQUEST }),
+    inline = kind({ "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay", "share_dict" }, { key = PER_REQUEST, cost = PER_REQUEST }),
     table_form = kind({ "key", "cost", "limit", "window_ms", "denial_cache", "algorithm", "nodelay", "delay" }),
     policy = kind({ "policy", "window_ms", "nodelay", "delay", "shadow", "share_dict" },
                   { limit = POLICY_HOLDS, cost = POLICY_HOLDS, key = POLICY_HOLDS, algorithm = POLICY_HOLDS }),
@@ -149,6 +150,9 @@ local function rules(k, opts)
         end
         if (opts.nodelay ~= nil or opts.delay ~= nil) and opts.algorithm ~= "gcra" then
             return "nodelay and delay apply to algorithm = 'gcra' only"
+        end
+        if opts.share_dict and (opts.algorithm or "log") ~= "log" then
+            return "share_dict applies to algorithm = 'log' only (the daemon shares the log's leases)"
         end
     elseif k == "policy" or k == "multi" then
         if k == "multi" and opts.policy ~= nil and opts.policies ~= nil then

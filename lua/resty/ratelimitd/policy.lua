@@ -16,6 +16,7 @@ local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
 local share = require "resty.ratelimitd.share"
 local describe = require "resty.ratelimitd.describe"
+local settings = require("resty.ratelimitd.config").settings
 
 local char = string.char
 local ngx = ngx
@@ -39,9 +40,9 @@ local function header(self)
 end
 
 function Policy._decide(self, key, cost)
-    -- share_dict: a hot key is admitted from the host's share of the
-    -- daemon's lease, with no round trip (share.lua).
-    local dict = self._share_dict
+    -- A hot key is admitted from the host's share of the daemon's lease,
+    -- with no round trip (share.lua).
+    local dict = share.dict(self, settings)
     if dict then
         local res = share.admit(self, dict, key, cost)
         if res then
@@ -60,6 +61,13 @@ function Policy._decide(self, key, cost)
         share.refill(self, dict, key, res)
     end
     return res, err
+end
+
+-- The LEASE_SHARE frame (op 10) of `units` for `key`, or nil while the
+-- header is not built (at the first request; a description clears it).
+function Policy._share_frame(self, id, units, key)
+    local h = self._header
+    return h and wire.lease_share(id, h, units, self._name_part, key)
 end
 
 -- A description changed on_error or the local quota: the header is built
@@ -81,8 +89,10 @@ _M.new = kind.constructor(mt, "policy", "new: ", function(opts)
         _kind_wanted = "rate",
         -- After the key length: the name's length and the name.
         _name_part = char(#name) .. name,
-        -- Worker shares of the daemon's quota leases (nil: off).
+        -- Worker shares of the daemon's quota leases: the dict named, false
+        -- (off), or nil: configure()'s shared_dict (share.dict).
         _share_dict = opts.share_dict and ngx.shared[opts.share_dict],
+        _share_prefix = "\2" .. char(#name) .. name,
     }
 end)
 

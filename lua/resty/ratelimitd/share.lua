@@ -1,13 +1,15 @@
 -- resty.ratelimitd.share: worker shares of the daemon's quota leases
 -- (docs/PERFORMANCE.md "Worker shares", docs/PROTOCOL.md 4h). A policy
--- limiter with share_dict = "<lua_shared_dict>" admits a hot key from units
--- the daemon handed to this host's workers (LEASE_SHARE, op 10), with no
--- socket round trip: one atomic incr in the shared dict, no lock.
+-- limiter, or an inline one of the log algorithm, admits a hot key from
+-- units the daemon handed to this host's workers (LEASE_SHARE, op 10, or a
+-- CHECK with the share flag), with no socket round trip: one atomic incr
+-- in the shared dict (share_dict, or configure()'s shared_dict with
+-- configure{ shares = true }; off by default), no lock.
 --
 -- Exact: the daemon takes the units from a lease already reserved in Redis
--- and counts every one as used at the latest time any admission from that
--- lease may have (scored t0 + life), so a unit no worker uses is only
--- under-admission. A unit may be taken until the share's deadline: the
+-- and counts every one as used at the latest time any admission from the
+-- share may have (scored at the share's deadline, at most t0 + life), so a
+-- unit no worker uses is only under-admission. A unit may be taken until the share's deadline: the
 -- worker's send of op 10 (CLOCK_MONOTONIC, before the send, so only
 -- earlier) plus the validity the daemon answered, which ends before the
 -- daemon itself may no longer admit from the lease. The clock is read
@@ -104,14 +106,15 @@ local function be32(s, i)
 end
 
 --- The shared-dict entries of `lim`'s share for wire key `key`: the units
--- and the info entry. The limiter keeps the names of its last key, so a hot
--- key's request makes no string (two concatenations and their interning,
--- per request, before).
+-- and the info entry, under the limiter kind's prefix (a policy's name, or
+-- an inline limit and window). The limiter keeps the names of its last key,
+-- so a hot key's request makes no string (two concatenations and their
+-- interning, per request, before).
 local function entries(lim, key)
     if lim._share_key == key then
         return lim._share_entry, lim._share_info
     end
-    local skey = "\2" .. lim._name_part .. key
+    local skey = lim._share_prefix .. key
     local info = skey .. "\3"
     lim._share_key, lim._share_entry, lim._share_info = key, skey, info
     return skey, info
@@ -127,15 +130,15 @@ end
 -- the entry is borrowed (a take is about to give back): the units are
 -- burnt instead. Errors are ignored: the next request asks the daemon.
 local function ask(lim, dict, skey, key, limit)
-    -- The policy's frame header is built at its first request; a description
-    -- that arrived meanwhile clears it (policy.lua): no refill this time.
-    local header = lim._header
-    if not header then
+    -- The kind's frame (nil: not now, e.g. a policy limiter whose header
+    -- a description just cleared: no refill this time).
+    local id = next_id()
+    local frame = lim:_share_frame(id, WANT, key)
+    if not frame then
         return
     end
-    local id = next_id()
     local sent_ms = floor(mono_us() / 1000)
-    local head = transact(wire.lease_share(id, header, WANT, lim._name_part, key), id)
+    local head = transact(frame, id)
     -- No units, an error (a daemon older than op 10 answers UNKNOWN_OP) or
     -- no answer: not again for NOTHING_S, so that such a daemon costs one
     -- extra round trip per key and host every NOTHING_S, not per request;
@@ -179,6 +182,17 @@ local function ask(lim, dict, skey, key, limit)
     end
     -- The next refill may start as soon as these units run low.
     dict:delete(skey .. "\4")
+end
+
+--- The shared dict `lim` keeps its shares in, or nil: its own share_dict
+-- (false: none), else configure()'s shared_dict while `shares` is on.
+-- Read per request, as configure() may run after the limiter was made.
+function _M.dict(lim, settings)
+    local dict = lim._share_dict
+    if dict == nil and settings.shares then
+        return ngx.shared[settings.shared_dict]
+    end
+    return dict or nil
 end
 
 --- Admits `cost` from the host's share of `lim` for `key`: the decision

@@ -126,6 +126,19 @@ function _M.check(id, before, after, one, cost, key)
     return head(28 + n, 1, id) .. before .. u32(cost) .. after .. key_len(n) .. key
 end
 
+--- The constant part of an inline limit's share request (CHECK with the
+-- share flag 0x1000, the log algorithm) before the units: share() below.
+function _M.share_parts(on_error, limit, window_ms)
+    return char(0x10, 0, POLICY[on_error], 1) .. u32(limit) .. u32(window_ms)
+end
+
+--- CHECK with the share flag (section 4h): `units` of the daemon's lease
+-- on an inline limit's key for this host's workers.
+function _M.share(id, before, after, units, key)
+    local n = #key
+    return head(28 + n, 1, id) .. before .. u32(units) .. after .. key_len(n) .. key
+end
+
 -- ACQUIRE / RELEASE (section 4d): CHECK's fields (the lease length as
 -- window_ms), then the lease id's length, the key and the lease id.
 function _M.lease(op, id, before, after, cost, key, lease)

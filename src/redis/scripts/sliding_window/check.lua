@@ -16,8 +16,7 @@
 -- locally. ARGV[1] 'L', ARGV[2] window, ARGV[3] now (0: Redis TIME), ARGV[4]
 -- member base, ARGV[5] limit, ARGV[6] cost, ARGV[7] units wanted, ARGV[8]
 -- lease life in ms. The request itself is decided as a single check; if it
--- is admitted with at least a quarter of the limit left after it, up to
--- min(wanted, floor(room left / 2)) units are reserved as
+-- is admitted, up to min(wanted, floor(room left / 2)) units are reserved as
 -- "<base>.l<u>", scored now + life: the latest true time of any admission
 -- made from them (the daemon admits from a lease only until life ms after it
 -- sent this call), so each unit counts for a full window after the admission
@@ -73,12 +72,15 @@ for j = 1, n do
   end
   if count + cost <= limit then
     if lease then
-      -- Mode 'L': at most half the room left after the request, and none
-      -- once less than a quarter of the limit is left: near the limit each
-      -- request is decided on its own, and no unit scored up to `life` ms
-      -- late holds room that a key at its limit would use.
+      -- Mode 'L': at most half the room left after the request, all the
+      -- way to the limit: a lease's used units are re-scored to their
+      -- times, so near the limit a hot key is still admitted from leases
+      -- as fast as room frees up (per request there, a key at its limit
+      -- refilled too slowly: docs/PERFORMANCE.md, "Quota leases"); not
+      -- below 4 units (the last 8 of the limit are decided per request).
+      -- Worker shares stay out of the last quarter (the daemon's rule).
       local room = limit - count - cost
-      if room * 4 >= limit then
+      if room >= 8 then
         granted = math.min(want, math.floor(room / 2))
       end
     end
