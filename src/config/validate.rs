@@ -829,7 +829,8 @@ mod tests {
         let cluster_off = redis_of(parse("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = false\n").unwrap());
         assert!(!cluster_off.batch_cold_keys, "saying off on a Cluster is fine");
         // The dump (config show, GET /config) says what is in force.
-        assert!(parse("[redis]\ncluster = [\"h:1\"]\n").unwrap().dump().contains("batch_cold_keys: false"));
+        let shown = parse("[redis]\ncluster = [\"h:1\"]\n").unwrap().dump();
+        assert!(shown.contains("batch_cold_keys = false\n") && shown.contains("quota_leases = false\n"), "{shown}");
     }
 
     #[test]
