@@ -402,8 +402,8 @@ pub async fn run_envoy(args: EnvoyBenchArgs) -> Result<BenchReport, ClientError>
     Ok(report(total, concurrency, 1, start.elapsed()))
 }
 
-/// One HTTP/2 connection to `target`.
-async fn envoy_channel(target: &EnvoyTarget) -> Result<tonic::transport::Channel, ClientError> {
+/// One HTTP/2 connection to `target` (also the tests' gRPC client).
+pub async fn envoy_channel(target: &EnvoyTarget) -> Result<tonic::transport::Channel, ClientError> {
     let io = |e: tonic::transport::Error| ClientError::Io(std::io::Error::other(e));
     match target {
         EnvoyTarget::Tcp(addr) => tonic::transport::Endpoint::from_shared(format!("http://{addr}")).map_err(io)?.connect().await.map_err(io),

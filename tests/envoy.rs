@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use common::{Daemon, RedisServer};
@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use ratelimitd::protocol::{Decision, FailPolicy, PolicyCheckArgs};
 use tempfile::TempDir;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 /// A daemon with `[envoy]` on a Unix socket in `dir`, reading `yaml` (one
 /// file) and `envoy_extra` lines, and `rest` (policies, ...).
@@ -53,16 +53,8 @@ impl Front {
 }
 
 /// A gRPC channel over the Unix socket at `path`.
-async fn channel(path: &Path) -> Channel {
-    let path = path.to_owned();
-    Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .unwrap()
+async fn channel(path: &std::path::Path) -> Channel {
+    ratelimitd::bench::envoy_channel(&ratelimitd::bench::EnvoyTarget::Unix(path.to_owned())).await.unwrap()
 }
 
 fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {

@@ -26,7 +26,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{rate_l
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, PolicyCheckArgs, Source};
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 const KEYS: [&str; 5] = ["a", "b", "k1", "k2", "k3"];
 
@@ -80,16 +80,9 @@ fn config_text(redis: &RedisServer, cfg: &Config, socket: &std::path::Path) -> S
     )
 }
 
+/// A gRPC channel over the Unix socket at `path`.
 async fn channel(path: &std::path::Path) -> Channel {
-    let path = path.to_owned();
-    Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-        }))
-        .await
-        .unwrap()
+    ratelimitd::bench::envoy_channel(&ratelimitd::bench::EnvoyTarget::Unix(path.to_owned())).await.unwrap()
 }
 
 /// Counted sources: what a client is shown a limit from.

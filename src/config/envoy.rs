@@ -169,13 +169,17 @@ fn yaml_files(config: &[PathBuf], base: &Path, p: &mut Problems) -> Vec<PathBuf>
     let mut out = Vec::new();
     for c in config {
         let path = base.join(c);
+        // A file is read as one (its own errors are read_yaml's to name).
+        if !path.is_dir() {
+            out.push(path);
+            continue;
+        }
         match std::fs::read_dir(&path) {
             Ok(dir) => {
                 let mut files: Vec<PathBuf> = dir.filter_map(|e| e.ok().map(|e| e.path())).filter(|f| f.extension().is_some_and(|x| x == "yaml" || x == "yml")).collect();
                 files.sort();
                 out.extend(files);
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => out.push(path),
             Err(e) => p.add("envoy.config", format!("{}: cannot read: {e}", path.display())),
         }
     }

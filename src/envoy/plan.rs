@@ -185,10 +185,11 @@ fn wire_key(raw: Cow<'_, [u8]>, max_key_len: usize) -> Cow<'_, [u8]> {
         return raw;
     }
     let digest = Md5::digest(&raw);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut out = Vec::with_capacity(HASHED.len() + 32);
     out.extend_from_slice(HASHED);
     for b in digest {
-        out.extend_from_slice(format!("{b:02x}").as_bytes());
+        out.extend_from_slice(&[HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]]);
     }
     Cow::Owned(out)
 }
