@@ -8,6 +8,8 @@
 //! |---|---|---|
 //! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back; the libraries' `log` lines under the same rule |
 //! | utilities | `terminal` | client-chosen text escaped for a terminal: controls and bidi overrides shown, never obeyed |
+//! | utilities | `park` | a background task that parks when it has nothing to do and is woken by the work: an idle daemon has no timer firing |
+//! | clocks | `use_clock` | the policies' coarse "last used" clock, read as an atomic; it stops while nobody reads it |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response`, `describe` (DESCRIBE_POLICY's answer) |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
@@ -47,6 +49,7 @@ mod local_store;
 pub mod log_limit;
 mod metrics;
 mod metrics_server;
+mod park;
 mod penalty_box;
 mod policies;
 pub mod protocol;
@@ -58,6 +61,7 @@ mod window_store;
 pub mod terminal;
 pub mod top;
 mod top_refused;
+mod use_clock;
 pub mod top_snapshot;
 pub mod window;
 
