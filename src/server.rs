@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 use futures_util::stream::FuturesUnordered;
 use futures_util::task::AtomicWaker;
 use futures_util::{FutureExt, StreamExt};
@@ -34,17 +34,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tokio_util::codec::Decoder;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
 use crate::decision::{count_undecoded, Limiter};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::{CloseReason, METRICS};
-use crate::protocol::{
-    encode_response, parse_request, Bounds, ErrorCode, Inbound, RequestCodec, Response, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN,
-    REQUEST_HEADER_LEN,
-};
+use crate::protocol::{encode_response, next_frame, parse_request, truncated, Bounds, ErrorCode, Frame, Inbound, LoggedKey, Response, MAX_FRAME_LEN};
 
 /// How long a connection must have been idle before the acceptor, at the
 /// connection cap, may close it for a new one. A connection used more
@@ -325,31 +321,6 @@ impl Listener {
     }
 }
 
-/// One frame split off the read buffer.
-enum Frame {
-    Body(Bytes),
-    TooLarge(usize),
-}
-
-/// The next whole frame in `buf`, if any. The same framing as
-/// `RequestCodec::decode`, keeping the body so that an invalid request's key
-/// can be logged.
-fn next_frame(buf: &mut BytesMut) -> Option<Frame> {
-    if buf.len() < LEN_PREFIX {
-        return None;
-    }
-    let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    if len > MAX_FRAME_LEN {
-        buf.clear();
-        return Some(Frame::TooLarge(len));
-    }
-    if buf.len() < LEN_PREFIX + len {
-        return None;
-    }
-    buf.advance(LEN_PREFIX);
-    Some(Frame::Body(buf.split_to(len).freeze()))
-}
-
 /// Answers a frame whose length prefix is beyond `MAX_FRAME_LEN`; the
 /// connection is then closed.
 fn answer_too_large(len: usize, out: &mut BytesMut) {
@@ -358,41 +329,6 @@ fn answer_too_large(len: usize, out: &mut BytesMut) {
     let r = Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into());
     count_undecoded(&r);
     encode_response(&r, out);
-}
-
-/// The key of a request body, for logs: escaped, at most 128 bytes shown;
-/// `-` when the body does not hold a key of the length it says.
-struct KeyOf<'a>(&'a [u8]);
-
-impl fmt::Display for KeyOf<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = self.0;
-        let key = if b.len() > 1 && b[1] == OP_CHECK_POLICY {
-            // The policy's name, then its key (one item).
-            let fixed = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
-            if b.len() <= fixed {
-                return f.write_str("-");
-            }
-            let key_len = u16::from_be_bytes([b[fixed - 3], b[fixed - 2]]) as usize;
-            let name_len = b[fixed - 1] as usize;
-            if fixed + name_len + key_len != b.len() {
-                return f.write_str("-");
-            }
-            write!(f, "{}/", b[fixed..fixed + name_len].escape_ascii())?;
-            &b[fixed + name_len..]
-        } else {
-            let at = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN;
-            if b.len() <= at || u16::from_be_bytes([b[at - 2], b[at - 1]]) as usize != b.len() - at {
-                return f.write_str("-");
-            }
-            &b[at..]
-        };
-        if key.len() > 128 {
-            write!(f, "{}... ({} bytes)", key[..128].escape_ascii(), key.len())
-        } else {
-            write!(f, "{}", key.escape_ascii())
-        }
-    }
 }
 
 /// The client went away with responses unsent.
@@ -467,7 +403,7 @@ impl Handler {
                                         id,
                                         %code,
                                         reason = %message,
-                                        key = %KeyOf(&body),
+                                        key = %LoggedKey(&body),
                                         suppressed,
                                         "invalid request refused, no decision made: the client's configuration or code is wrong"
                                     );
@@ -591,7 +527,7 @@ impl Handler {
                         reading = false;
                         partial_since = None;
                         // A frame cut off by the end of the stream is answered.
-                        if let Ok(Some(Inbound::Invalid { id, op, code, message })) = RequestCodec::new(bounds).decode_eof(&mut inbuf) {
+                        if let Some(Inbound::Invalid { id, op, code, message }) = truncated(&mut inbuf) {
                             tracing::debug!(id, %code, reason = %message, "the stream ended inside a frame");
                             let r = Response::error(id, op, code, message);
                             count_undecoded(&r);
@@ -650,28 +586,6 @@ mod tests {
             frame_timeout: Duration::from_secs(1),
             write_timeout: Duration::from_secs(1),
         }
-    }
-
-    #[test]
-    fn frames_are_split_as_the_codec_splits_them() {
-        let mut buf = BytesMut::new();
-        let args = CheckArgs { key: b"k\x01y", limit: 2, window_ms: 60_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-        crate::protocol::encode_request(9, &args, &mut buf);
-        let whole = buf.clone();
-        buf.extend_from_slice(&whole[..7]);
-        let Some(Frame::Body(body)) = next_frame(&mut buf) else { panic!("one whole frame") };
-        assert_eq!(body.len(), whole.len() - LEN_PREFIX);
-        assert_eq!(KeyOf(&body).to_string(), "k\\x01y");
-        assert!(next_frame(&mut buf).is_none(), "7 bytes of the next one stay buffered");
-        assert_eq!(buf.len(), 7);
-        assert_eq!(KeyOf(&body[..20]).to_string(), "-");
-        let mut p = BytesMut::new();
-        let pargs = crate::protocol::PolicyCheckArgs { policy: b"order", key: b"t\x7f1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
-        crate::protocol::encode_policy_request(1, &pargs, &mut p);
-        assert_eq!(KeyOf(&p[LEN_PREFIX..]).to_string(), "order/t\\x7f1");
-        assert_eq!(KeyOf(&p[LEN_PREFIX..p.len() - 1]).to_string(), "-");
-        let mut big = BytesMut::from(&(MAX_FRAME_LEN as u32 + 1).to_be_bytes()[..]);
-        assert!(matches!(next_frame(&mut big), Some(Frame::TooLarge(n)) if n == MAX_FRAME_LEN + 1));
     }
 
     #[tokio::test]
