@@ -238,7 +238,7 @@ impl Limiter {
 
 /// A policy item of request `header`, to resolve.
 fn named<'a>(op: u8, header: &Header, i: &'a PolicyItem) -> Named<'a> {
-    Named { id: header.id, op, name: &i.name, key: &i.key, scoped_key: &i.scoped_key, cost: i.cost, on_error: header.on_error, local_limit: header.local_limit }
+    Named { id: header.id, op, name: i.name(), key: i.key(), scoped_key: &i.scoped_key, cost: i.cost, on_error: header.on_error, local_limit: header.local_limit }
 }
 
 #[cfg(test)]
@@ -269,7 +269,7 @@ mod tests {
         let scoped = Bytes::from(scoped);
         PolicyCheckRequest {
             header: Header { id: 3, on_error: FailPolicy::Closed, local_limit: 0 },
-            item: PolicyItem { cost: 1, name: scoped.slice(1..1 + name.len()), key: scoped.slice(1 + name.len()..), scoped_key: scoped },
+            item: PolicyItem { cost: 1, scoped_key: scoped },
         }
     }
 

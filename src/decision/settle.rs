@@ -166,7 +166,7 @@ mod tests {
         scoped.extend_from_slice(name.as_bytes());
         scoped.extend_from_slice(key.as_bytes());
         let scoped = Bytes::from(scoped);
-        PolicyItem { cost, name: scoped.slice(1..1 + name.len()), key: scoped.slice(1 + name.len()..), scoped_key: scoped }
+        PolicyItem { cost, scoped_key: scoped }
     }
 
     fn reserve(names: &[&str], key: &str, cost: u32) -> Request {

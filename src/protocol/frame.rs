@@ -218,15 +218,15 @@ mod tests {
                             Some(Inbound::TooLarge { .. }) => { buf.clear(); break }
                             Some(Inbound::Invalid { code, .. }) => prop_assert!((code as u16) < 20),
                             Some(Inbound::Request(Request::Check(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty()),
-                            Some(Inbound::Request(Request::PolicyCheck(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty()),
+                            Some(Inbound::Request(Request::PolicyCheck(c))) => prop_assert!(!c.item.key().is_empty() && !c.item.name().is_empty()),
                             Some(Inbound::Request(Request::MultiCheck(MultiCheckRequest { items, .. })) | Inbound::Request(Request::Refund(RefundRequest { items, .. }))) => {
-                                prop_assert!((1..=MAX_POLICY_ITEMS).contains(&items.len()) && items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty()))
+                                prop_assert!((1..=MAX_POLICY_ITEMS).contains(&items.len()) && items.iter().all(|i| !i.key().is_empty() && !i.name().is_empty()))
                             }
                             Some(Inbound::Request(Request::Lease(c))) => prop_assert!(c.cost <= c.limit && !c.key.is_empty() && !c.lease.is_empty()),
-                            Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty() && !c.lease.is_empty() && c.item.scoped_key.len() == 1 + c.item.name.len() + c.item.key.len()),
-                            Some(Inbound::Request(Request::Reserve(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost >= 1 && i.cost <= MAX_O1_COST)),
-                            Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost <= MAX_O1_COST)),
-                            Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.item.key.is_empty() && !c.item.name.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.item.cost)),
+                            Some(Inbound::Request(Request::PolicyLease(c))) => prop_assert!(!c.item.key().is_empty() && !c.item.name().is_empty() && !c.lease.is_empty() && c.item.scoped_key.len() == 1 + c.item.name().len() + c.item.key().len()),
+                            Some(Inbound::Request(Request::Reserve(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key().is_empty() && !i.name().is_empty() && i.cost >= 1 && i.cost <= MAX_O1_COST)),
+                            Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key().is_empty() && !i.name().is_empty() && i.cost <= MAX_O1_COST)),
+                            Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.item.key().is_empty() && !c.item.name().is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.item.cost)),
                             Some(Inbound::Request(Request::InlineShare(c))) => prop_assert!(!c.key.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
                             // Hostile bytes never reach the lookup as a name a policy could not have.
                             Some(Inbound::Request(Request::Describe(d))) => prop_assert!((1..=MAX_POLICY_NAME_LEN).contains(&d.name.len()) && d.name.iter().all(|&b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))),

@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use bytes::{BufMut, BytesMut};
 
-use super::wire::{be16, be32, ErrorCode, FailPolicy, LEN_PREFIX, MAX_LEASE_ID_LEN, VERSION};
+use super::wire::{be16, be32, ErrorCode, FailPolicy, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_LEASE_ID_LEN, REQUEST_HEADER_LEN, VERSION};
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +109,69 @@ fn too_short(len: usize, fixed: usize, what: &str) -> Refused {
     refused(ErrorCode::Malformed, format!("{what} body of {len} bytes is shorter than the {fixed} fixed bytes"))
 }
 
+/// The checks an op with a fail policy starts with, in docs/PROTOCOL.md's
+/// order: the body holds the op's `fixed` bytes, `allowed` takes its flags
+/// (else `unsupported` says why), its fail policy is one this daemon has.
+#[inline]
+pub(super) fn opening(body: &[u8], fixed: usize, what: &str, allowed: impl Fn(u16) -> bool, unsupported: impl Fn(u16) -> String) -> Result<(u16, FailPolicy), Refused> {
+    fixed_len(body, fixed, what)?;
+    let flags = flags(body);
+    if !allowed(flags) {
+        return Err(refused(ErrorCode::UnsupportedFlags, unsupported(flags)));
+    }
+    Ok((flags, fail_policy(body)?))
+}
+
+/// The count at byte 9 of an op that takes one limit or item: `what` is
+/// what it counts ("limits in one request").
+#[inline]
+pub(super) fn exactly_one(body: &[u8], what: &str) -> Result<(), Refused> {
+    if body[9] != 1 {
+        return Err(not_one(body[9], what));
+    }
+    Ok(())
+}
+
+#[cold]
+fn not_one(n: u8, what: &str) -> Refused {
+    refused(ErrorCode::UnsupportedLimitCount, format!("{n} {what}; exactly 1"))
+}
+
+/// The limit entry CHECK and ACQUIRE/RELEASE carry at bytes 10..28, after
+/// the header: limit, window (a lease's length), cost, local quota, key
+/// length.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LimitEntry {
+    pub limit: u32,
+    pub window_ms: u32,
+    pub cost: u32,
+    pub local_limit: u32,
+    pub key_len: usize,
+}
+
+impl LimitEntry {
+    /// Bytes of the header and the entry.
+    pub const END: usize = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN;
+
+    /// The entry of a body of at least `END` bytes.
+    #[inline]
+    pub fn parse(body: &[u8]) -> Self {
+        let e = REQUEST_HEADER_LEN;
+        Self { limit: be32(body, e), window_ms: be32(body, e + 4), cost: be32(body, e + 8), local_limit: be32(body, e + 12), key_len: be16(body, e + 16) as usize }
+    }
+
+    /// Appends byte 8 (`on_error`), the count (1) and the entry.
+    pub fn put(&self, on_error: FailPolicy, dst: &mut BytesMut) {
+        dst.put_u8(on_error.to_wire());
+        dst.put_u8(1);
+        dst.put_u32(self.limit);
+        dst.put_u32(self.window_ms);
+        dst.put_u32(self.cost);
+        dst.put_u32(self.local_limit);
+        dst.put_u16(self.key_len as u16);
+    }
+}
+
 /// The flags at bytes 6..8 (the body's length checked first).
 #[inline]
 pub(super) fn flags(body: &[u8]) -> u16 {
@@ -141,6 +204,34 @@ fn bad_key(key: &[u8], bounds: &Bounds) -> Refused {
         Some(pos) if !key.is_empty() && key.len() <= bounds.max_key_len => refused(ErrorCode::InvalidKey, format!("key byte {pos} is a control character")),
         _ => refused(ErrorCode::InvalidKey, format!("key length {} is outside 1..={}", key.len(), bounds.max_key_len)),
     }
+}
+
+/// An inline limit: 1..=`max_limit`.
+#[inline]
+pub(super) fn check_limit(limit: u32, bounds: &Bounds) -> Result<(), Refused> {
+    if limit == 0 || limit > bounds.max_limit {
+        return Err(bad_limit(limit, bounds));
+    }
+    Ok(())
+}
+
+#[cold]
+fn bad_limit(limit: u32, bounds: &Bounds) -> Refused {
+    refused(ErrorCode::InvalidLimit, format!("limit {limit} is outside 1..={}", bounds.max_limit))
+}
+
+/// The cost against an inline limit: 1..=min(limit, `max_cost`).
+#[inline]
+pub(super) fn check_cost(cost: u32, limit: u32, bounds: &Bounds) -> Result<(), Refused> {
+    if cost == 0 || cost > limit || cost > bounds.max_cost {
+        return Err(bad_cost(cost, limit, bounds));
+    }
+    Ok(())
+}
+
+#[cold]
+fn bad_cost(cost: u32, limit: u32, bounds: &Bounds) -> Refused {
+    refused(ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost))
 }
 
 /// The `local` fail policy needs a local quota within the bounds.

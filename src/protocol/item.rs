@@ -8,20 +8,29 @@ use bytes::{BufMut, Bytes, BytesMut};
 use super::header::{check_key, refused, Bounds, Head, Refused};
 use super::wire::{be16, be32, ErrorCode, MAX_POLICY_ITEMS, MAX_POLICY_NAME_LEN, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REQUEST_HEADER_LEN};
 
-/// One item of a request, not yet resolved.
+/// One item of a request, not yet resolved: its cost and its scoped key,
+/// from which the policy's name and the client's key are read (no copy,
+/// and one reference to the frame, not three).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PolicyItem {
     pub cost: u32,
-    /// The policy's name as sent: 1..=`MAX_POLICY_NAME_LEN` bytes, not yet looked up.
-    pub name: Bytes,
-    /// The client's key (what overrides and the allowlist are matched against).
-    pub key: Bytes,
     /// The key the stores count under: the name's length byte, the name and
-    /// the key, as they lie in the frame (no copy). The first byte is a
-    /// control byte, which no inline key may hold, and the name is
-    /// length-prefixed: two policies, or a policy and an inline check, never
-    /// share a window.
+    /// the key, as they lie in the frame. The first byte is a control byte,
+    /// which no inline key may hold, and the name is length-prefixed: two
+    /// policies, or a policy and an inline check, never share a window.
     pub scoped_key: Bytes,
+}
+
+impl PolicyItem {
+    /// The policy's name as sent: 1..=`MAX_POLICY_NAME_LEN` bytes, not yet looked up.
+    pub fn name(&self) -> &[u8] {
+        &self.scoped_key[1..1 + self.scoped_key[0] as usize]
+    }
+
+    /// The client's key (what overrides and the allowlist are matched against).
+    pub fn key(&self) -> &[u8] {
+        &self.scoped_key[1 + self.scoped_key[0] as usize..]
+    }
 }
 
 /// One item as the client builds it (no validation).
@@ -101,7 +110,7 @@ pub(super) fn parse_items(body: &Bytes, at: usize, n: usize, bounds: &Bounds, mi
     for _ in 0..n {
         let (item, after) = parse_item(body, next, bounds, min_cost)?;
         if items.iter().any(|i| i.scoped_key == item.scoped_key) {
-            let why = format!("policy '{}' and key '{}' appear twice", item.name.escape_ascii(), item.key.escape_ascii());
+            let why = format!("policy '{}' and key '{}' appear twice", item.name().escape_ascii(), item.key().escape_ascii());
             return Err(refused(ErrorCode::DuplicateItem, why));
         }
         items.push(item);
@@ -145,10 +154,7 @@ fn parse_item(body: &Bytes, at: usize, bounds: &Bounds, min_cost: u32) -> Result
     if cost < min_cost || cost > bounds.max_cost {
         return Err(refused(ErrorCode::InvalidCost, format!("cost {cost} is outside {min_cost}..=max_cost {}", bounds.max_cost)));
     }
-    let scoped_key = body.slice(name_at - 1..end);
-    let name = scoped_key.slice(1..1 + name_len);
-    let key = scoped_key.slice(1 + name_len..);
-    Ok((PolicyItem { cost, name, key, scoped_key }, end))
+    Ok((PolicyItem { cost, scoped_key: body.slice(name_at - 1..end) }, end))
 }
 
 /// The name and key of the one item of a CHECK_POLICY-shaped body, for

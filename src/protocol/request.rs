@@ -272,7 +272,7 @@ mod tests {
         assert_eq!(hex, "0000001c0102000000070000000100000000000000010002056f726465727431");
         match decode_one(&buf) {
             Inbound::Request(Request::PolicyCheck(c)) => {
-                assert_eq!((c.header.id, c.item.cost, &c.item.name[..], &c.item.key[..]), (7, 1, &b"order"[..], &b"t1"[..]));
+                assert_eq!((c.header.id, c.item.cost, c.item.name(), c.item.key()), (7, 1, &b"order"[..], &b"t1"[..]));
                 assert_eq!(&c.item.scoped_key[..], b"\x05ordert1");
                 assert_eq!(c.header.on_error, FailPolicy::Open);
             }
@@ -291,7 +291,7 @@ mod tests {
         encode_reserve(7, FailPolicy::Closed, 0, &[item], &mut r);
         assert_eq!(hex(&r), "0000001a 01 02 00000007 0002 01 01 00000000 3b9aca00 0002 03 746f6b 7431".replace(' ', ""));
         let Inbound::Request(Request::Reserve(req)) = decode_one(&r) else { panic!("not a reserve") };
-        assert_eq!((req.items.len(), req.items[0].cost, &req.items[0].name[..], &req.items[0].key[..]), (1, 1_000_000_000, &b"tok"[..], &b"t1"[..]));
+        assert_eq!((req.items.len(), req.items[0].cost, req.items[0].name(), req.items[0].key()), (1, 1_000_000_000, &b"tok"[..], &b"t1"[..]));
         let mut s = BytesMut::new();
         encode_settle(8, &[0xab; HANDLE_LEN], &[ItemArgs { cost: 0, ..item }], &mut s);
         assert_eq!(hex(&s), format!("00000026 01 09 00000008 0000 00 01 {} 00000000 0002 03 746f6b 7431", "ab".repeat(16)).replace(' ', ""));
@@ -336,7 +336,7 @@ mod tests {
         assert_eq!(hex, "000000270102000000070001010200000000000000010001026970610000000200020674656e616e747431");
         let Inbound::Request(Request::MultiCheck(m)) = decode_one(&buf) else { panic!("not a multi check") };
         assert_eq!((m.header.id, m.header.on_error, m.refundable, m.items.len()), (7, FailPolicy::Closed, true, 2));
-        assert_eq!((&m.items[1].name[..], &m.items[1].key[..], m.items[1].cost), (&b"tenant"[..], &b"t1"[..], 2));
+        assert_eq!((m.items[1].name(), m.items[1].key(), m.items[1].cost), (&b"tenant"[..], &b"t1"[..], 2));
         assert_eq!(&m.items[0].scoped_key[..], b"\x02ipa");
         // One item with the flag is a multi check too; without, the single one.
         let mut one = BytesMut::new();

@@ -5,8 +5,8 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::protocol::header::{check_key, check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, Refused};
-use crate::protocol::wire::{be16, be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_SHARE, LIMIT_ENTRY_LEN, MAX_SHARE_UNITS, OP_CHECK, REQUEST_HEADER_LEN, VERSION};
+use crate::protocol::header::{check_cost, check_key, check_limit, check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, LimitEntry, Refused};
+use crate::protocol::wire::{be16, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_SHARE, MAX_SHARE_UNITS, OP_CHECK, VERSION};
 
 /// One validated rate-limit check.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,7 +41,7 @@ pub(crate) enum Check {
 }
 
 /// Where the key starts: after the header and the one limit entry.
-const KEY_AT: usize = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN;
+const KEY_AT: usize = LimitEntry::END;
 
 /// Parses and validates a CHECK body, in the validation order of
 /// docs/PROTOCOL.md section 4.
@@ -59,24 +59,20 @@ pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Chec
     if n_limits != 1 {
         return Err(refused(ErrorCode::UnsupportedLimitCount, format!("{n_limits} limits in one request; version {VERSION} takes exactly 1")));
     }
-    let e = REQUEST_HEADER_LEN;
-    let (limit, window_ms, cost, local_limit) = (be32(&body, e), be32(&body, e + 4), be32(&body, e + 8), be32(&body, e + 12));
-    let key_len = be16(&body, e + 16) as usize;
+    let LimitEntry { limit, window_ms, cost, local_limit, key_len } = LimitEntry::parse(&body);
     if body.len() != KEY_AT + key_len {
         return Err(refused(ErrorCode::Malformed, format!("key length {key_len} does not match the {} bytes left in the frame", body.len() - KEY_AT)));
     }
     check_key(&body[KEY_AT..], bounds)?;
-    if limit == 0 || limit > bounds.max_limit {
-        return Err(refused(ErrorCode::InvalidLimit, format!("limit {limit} is outside 1..={}", bounds.max_limit)));
-    }
+    check_limit(limit, bounds)?;
     if window_ms == 0 || window_ms > bounds.max_window_ms {
         return Err(refused(ErrorCode::InvalidWindow, format!("window {window_ms} ms is outside 1..={} ms", bounds.max_window_ms)));
     }
     if share && (cost == 0 || cost > MAX_SHARE_UNITS) {
         return Err(refused(ErrorCode::InvalidCost, format!("{cost} units wanted; a share is 1..={MAX_SHARE_UNITS}")));
     }
-    if !share && (cost == 0 || cost > limit || cost > bounds.max_cost) {
-        return Err(refused(ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost)));
+    if !share {
+        check_cost(cost, limit, bounds)?;
     }
     check_local_limit(on_error, local_limit, bounds)?;
     body.advance(KEY_AT);
@@ -108,12 +104,6 @@ pub fn encode_inline_share(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
 
 fn put(id: u32, a: &CheckArgs<'_>, flags: u16, dst: &mut BytesMut) {
     Head { op: OP_CHECK, id }.put(KEY_AT + a.key.len(), flags, dst);
-    dst.put_u8(a.on_error.to_wire());
-    dst.put_u8(1);
-    dst.put_u32(a.limit);
-    dst.put_u32(a.window_ms);
-    dst.put_u32(a.cost);
-    dst.put_u32(a.local_limit);
-    dst.put_u16(a.key.len() as u16);
+    LimitEntry { limit: a.limit, window_ms: a.window_ms, cost: a.cost, local_limit: a.local_limit, key_len: a.key.len() }.put(a.on_error, dst);
     dst.put_slice(a.key);
 }

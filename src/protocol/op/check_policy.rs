@@ -6,10 +6,10 @@
 
 use bytes::{Bytes, BytesMut};
 
-use crate::protocol::header::{check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, Refused};
+use crate::protocol::header::{check_local_limit, opening, Bounds, Head, Header, Refused};
 use crate::protocol::item::{item_count, one_item, parse_items, put_frame, ItemArgs, PolicyItem};
 use crate::protocol::op::settle::{parse_reserve, ReserveRequest};
-use crate::protocol::wire::{be32, ErrorCode, FailPolicy, FLAG_REFUNDABLE, FLAG_SETTLE, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN};
+use crate::protocol::wire::{be32, FailPolicy, FLAG_REFUNDABLE, FLAG_SETTLE, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN};
 
 /// One validated CHECK_POLICY request (one item): the policy is named, not
 /// yet resolved; the daemon looks it up in its configuration.
@@ -62,12 +62,9 @@ pub(crate) const FIXED: usize = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
 /// docs/PROTOCOL.md section 4b.
 #[inline]
 pub(crate) fn parse(head: Head, body: Bytes, bounds: &Bounds) -> Result<PolicyCheck, Refused> {
-    fixed_len(&body, FIXED, "check-policy")?;
-    let flags = flags(&body);
-    if flags & !FLAG_REFUNDABLE != 0 && flags != FLAG_SETTLE {
-        return Err(refused(ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: only 0x0001 (refundable) or 0x0002 (settle, alone) is defined")));
-    }
-    let on_error = fail_policy(&body)?;
+    let allowed = |flags| flags & !FLAG_REFUNDABLE == 0 || flags == FLAG_SETTLE;
+    let unsupported = |flags| format!("flags 0x{flags:04x}: only 0x0001 (refundable) or 0x0002 (settle, alone) is defined");
+    let (flags, on_error) = opening(&body, FIXED, "check-policy", allowed, unsupported)?;
     let n_items = item_count(&body, "check-policy request")?;
     let header = Header { id: head.id, on_error, local_limit: be32(&body, 10) };
     if flags == FLAG_SETTLE {

@@ -5,8 +5,8 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::protocol::header::{check_key, check_lease_id, check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, Refused};
-use crate::protocol::wire::{be16, be32, ErrorCode, FailPolicy, LEASE_HEADER_LEN};
+use crate::protocol::header::{check_cost, check_key, check_limit, check_lease_id, check_local_limit, exactly_one, opening, refused, Bounds, Head, Header, LimitEntry, Refused};
+use crate::protocol::wire::{ErrorCode, FailPolicy, LEASE_HEADER_LEN};
 
 /// One validated ACQUIRE or RELEASE of a concurrency lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,18 +40,10 @@ pub struct LeaseArgs<'a> {
 /// order of docs/PROTOCOL.md section 4d.
 pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<LeaseRequest, Refused> {
     let op = head.op;
-    fixed_len(&body, LEASE_HEADER_LEN, "lease")?;
-    let flags = flags(&body);
-    if flags != 0 {
-        return Err(refused(ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported for op {op}")));
-    }
-    let on_error = fail_policy(&body)?;
-    if body[9] != 1 {
-        return Err(refused(ErrorCode::UnsupportedLimitCount, format!("{} limits in one request; exactly 1", body[9])));
-    }
-    let (limit, lease_ms, cost, local_limit) = (be32(&body, 10), be32(&body, 14), be32(&body, 18), be32(&body, 22));
-    let key_len = be16(&body, 26) as usize;
-    let lease_len = body[28] as usize;
+    let (_, on_error) = opening(&body, LEASE_HEADER_LEN, "lease", |flags| flags == 0, |flags| format!("flags 0x{flags:04x} are not supported for op {op}"))?;
+    exactly_one(&body, "limits in one request")?;
+    let LimitEntry { limit, window_ms: lease_ms, cost, local_limit, key_len } = LimitEntry::parse(&body);
+    let lease_len = body[LimitEntry::END] as usize;
     if body.len() != LEASE_HEADER_LEN + key_len + lease_len {
         let why = format!("key length {key_len} and lease length {lease_len} do not match the {} bytes left in the frame", body.len() - LEASE_HEADER_LEN);
         return Err(refused(ErrorCode::Malformed, why));
@@ -59,15 +51,11 @@ pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Leas
     let lease_at = LEASE_HEADER_LEN + key_len;
     check_key(&body[LEASE_HEADER_LEN..lease_at], bounds)?;
     check_lease_id(&body[lease_at..])?;
-    if limit == 0 || limit > bounds.max_limit {
-        return Err(refused(ErrorCode::InvalidLimit, format!("limit {limit} is outside 1..={}", bounds.max_limit)));
-    }
+    check_limit(limit, bounds)?;
     if lease_ms == 0 || lease_ms > bounds.max_window_ms {
         return Err(refused(ErrorCode::InvalidLease, format!("lease length {lease_ms} ms is outside 1..={} ms", bounds.max_window_ms)));
     }
-    if cost == 0 || cost > limit || cost > bounds.max_cost {
-        return Err(refused(ErrorCode::InvalidCost, format!("cost {cost} is outside 1..=min(limit {limit}, max_cost {})", bounds.max_cost)));
-    }
+    check_cost(cost, limit, bounds)?;
     check_local_limit(on_error, local_limit, bounds)?;
     body.advance(LEASE_HEADER_LEN);
     let lease = body.split_off(key_len);
@@ -77,13 +65,7 @@ pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Leas
 /// Appends one ACQUIRE (`op` 5) or RELEASE (`op` 6) frame to `dst`.
 pub fn encode_lease_request(id: u32, op: u8, a: &LeaseArgs<'_>, dst: &mut BytesMut) {
     Head { op, id }.put(LEASE_HEADER_LEN + a.key.len() + a.lease.len(), 0, dst);
-    dst.put_u8(a.on_error.to_wire());
-    dst.put_u8(1);
-    dst.put_u32(a.limit);
-    dst.put_u32(a.lease_ms);
-    dst.put_u32(a.cost);
-    dst.put_u32(a.local_limit);
-    dst.put_u16(a.key.len() as u16);
+    LimitEntry { limit: a.limit, window_ms: a.lease_ms, cost: a.cost, local_limit: a.local_limit, key_len: a.key.len() }.put(a.on_error, dst);
     dst.put_u8(a.lease.len() as u8);
     dst.put_slice(a.key);
     dst.put_slice(a.lease);

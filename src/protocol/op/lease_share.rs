@@ -5,7 +5,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use crate::protocol::header::{check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, Refused};
+use crate::protocol::header::{check_local_limit, exactly_one, opening, refused, Bounds, Head, Header, Refused};
 use crate::protocol::item::{one_item, put_frame};
 use crate::protocol::op::check_policy::{PolicyCheckArgs, PolicyCheckRequest, FIXED};
 use crate::protocol::wire::{be32, ErrorCode, MAX_SHARE_UNITS, OP_LEASE_SHARE, POLICY_HEADER_LEN};
@@ -15,15 +15,8 @@ use crate::protocol::wire::{be32, ErrorCode, MAX_SHARE_UNITS, OP_LEASE_SHARE, PO
 #[inline]
 pub(crate) fn parse(head: Head, body: Bytes, bounds: &Bounds) -> Result<PolicyCheckRequest, Refused> {
     let op = head.op;
-    fixed_len(&body, FIXED, "lease-share")?;
-    let flags = flags(&body);
-    if flags != 0 {
-        return Err(refused(ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: none is defined for op {op}")));
-    }
-    let on_error = fail_policy(&body)?;
-    if body[9] != 1 {
-        return Err(refused(ErrorCode::UnsupportedLimitCount, format!("{} items in one lease-share request; exactly 1", body[9])));
-    }
+    let (_, on_error) = opening(&body, FIXED, "lease-share", |flags| flags == 0, |flags| format!("flags 0x{flags:04x}: none is defined for op {op}"))?;
+    exactly_one(&body, "items in one lease-share request")?;
     let local_limit = be32(&body, 10);
     let (item, _) = one_item(&body, POLICY_HEADER_LEN, None, bounds)?;
     if item.cost > MAX_SHARE_UNITS {

@@ -6,9 +6,9 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::protocol::header::{check_lease_id, check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, Refused};
+use crate::protocol::header::{check_lease_id, check_local_limit, exactly_one, opening, Bounds, Head, Header, Refused};
 use crate::protocol::item::{one_item, ItemArgs, PolicyItem};
-use crate::protocol::wire::{be32, ErrorCode, FailPolicy, FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_HEADER_LEN, POLICY_LEASE_HEADER_LEN};
+use crate::protocol::wire::{be32, FailPolicy, FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_HEADER_LEN, POLICY_LEASE_HEADER_LEN};
 
 /// One validated ACQUIRE_POLICY or its release.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,15 +38,9 @@ pub struct PolicyLeaseArgs<'a> {
 /// docs/PROTOCOL.md section 4e.
 pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<PolicyLeaseRequest, Refused> {
     let op = head.op;
-    fixed_len(&body, POLICY_LEASE_HEADER_LEN, "acquire-policy")?;
-    let flags = flags(&body);
-    if flags & !FLAG_RELEASE != 0 {
-        return Err(refused(ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: only 0x0001 (release) is defined for op {op}")));
-    }
-    let on_error = fail_policy(&body)?;
-    if body[9] != 1 {
-        return Err(refused(ErrorCode::UnsupportedLimitCount, format!("{} items in one acquire-policy request; exactly 1", body[9])));
-    }
+    let unsupported = |flags| format!("flags 0x{flags:04x}: only 0x0001 (release) is defined for op {op}");
+    let (flags, on_error) = opening(&body, POLICY_LEASE_HEADER_LEN, "acquire-policy", |flags| flags & !FLAG_RELEASE == 0, unsupported)?;
+    exactly_one(&body, "items in one acquire-policy request")?;
     let local_limit = be32(&body, 10);
     let lease_len = body[POLICY_HEADER_LEN] as usize;
     let (item, end) = one_item(&body, POLICY_HEADER_LEN + 1, Some(lease_len), bounds)?;
