@@ -41,7 +41,7 @@ use crate::config::ServerConfig;
 use crate::decision::{count_undecoded, Limiter};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::{CloseReason, METRICS};
-use crate::protocol::{encode_response, next_frame, parse_request, truncated, Bounds, ErrorCode, Frame, Inbound, LoggedKey, Request, Response, MAX_FRAME_LEN};
+use crate::protocol::{encode_response, next_frame, parse_request, too_large, truncated, Bounds, ErrorCode, Frame, Inbound, LoggedKey, Request, Response};
 
 /// How long a connection must have been idle before the acceptor, at the
 /// connection cap, may close it for a new one. A connection used more
@@ -532,12 +532,11 @@ impl Conn<'_> {
         }
     }
 
-    /// Answers a frame whose length prefix is beyond `MAX_FRAME_LEN`; the
+    /// Answers a frame whose length prefix is beyond the protocol's most; the
     /// connection is then closed.
     fn answer_too_large(&mut self, len: usize) {
         tracing::debug!(len, "frame too large; closing the connection");
-        let msg = format!("frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}");
-        self.answer(Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into()));
+        self.answer(too_large(len));
         self.reading = false;
     }
 

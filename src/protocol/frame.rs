@@ -10,6 +10,7 @@ use tokio_util::codec::Decoder;
 
 use super::header::{Bounds, HEAD_LEN};
 use super::request::{parse_request, Inbound};
+use super::response::Response;
 use super::wire::{be32, ErrorCode, LEN_PREFIX, MAX_FRAME_LEN};
 
 /// One frame split off the read buffer.
@@ -38,6 +39,12 @@ pub fn next_frame(buf: &mut BytesMut) -> Option<Frame> {
     }
     buf.advance(LEN_PREFIX);
     Some(Frame::Body(buf.split_to(len).freeze()))
+}
+
+/// The answer to a frame whose length prefix is beyond `MAX_FRAME_LEN`,
+/// after which the connection is closed (its request id was not read).
+pub fn too_large(len: usize) -> Response {
+    Response::error(0, 0, ErrorCode::FrameTooLarge, format!("frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}").into())
 }
 
 /// At the end of the stream: the answer to a frame it cut off (MALFORMED,

@@ -19,7 +19,8 @@
 //!   `policy_lease`, `lease_share`, `describe` with its answer);
 //! - `request`: the `Request` model and `parse_request`, which hands a
 //!   body to its op;
-//! - `frame`: the one framer (`next_frame`, `truncated`, `RequestCodec`);
+//! - `frame`: the one framer (`next_frame`, `truncated`, `too_large`,
+//!   `RequestCodec`);
 //! - `response`: a response to bytes (daemon) and back (clients).
 
 mod frame;
@@ -30,7 +31,7 @@ mod request;
 mod response;
 mod wire;
 
-pub use frame::{next_frame, truncated, Frame, RequestCodec};
+pub use frame::{next_frame, too_large, truncated, Frame, RequestCodec};
 pub use header::{Bounds, Header, Refused};
 pub use item::{ItemArgs, PolicyItem};
 pub use op::check::{encode_inline_share, encode_request, encode_request_with, CheckArgs, CheckRequest};
