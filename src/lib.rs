@@ -11,7 +11,7 @@
 //! | utilities | `park` | a background task that parks when it has nothing to do and is woken by the work: an idle daemon has no timer firing |
 //! | clocks | `use_clock` | the policies' coarse "last used" clock, read as an atomic; it stops while nobody reads it |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
-//! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response`, `describe` (DESCRIBE_POLICY's answer) |
+//! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `header` (the fields and rules every op shares), `item` (a policy item), one file per op under `op`: `check`, `check_policy`, `refund`, `settle`, `lease`, `policy_lease`, `lease_share`, `describe`; `request` (the model, dispatch by op), `frame` (the one framer), `response` |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
 //! | counters | `metrics` | lock-free counters and their Prometheus text |
 //! | counters | `top_refused` | the keys refused most in the last minute: sharded space-saving summaries, rotated every 10 s |
