@@ -16,12 +16,12 @@
 -- lease_ms after it was taken.
 --
 -- A request keeps its leases across internal redirects (error_page,
--- try_files, ngx.exec, named locations), which clear ngx.ctx (leases.lua):
+-- try_files, ngx.exec, named locations), which clear ngx.ctx (request.lua):
 -- enter() after a redirect finds the lease the request already holds
 -- instead of taking a second slot, and leave() in whichever location the
 -- request ends in releases it.
 
-local leases = require "resty.ratelimitd.leases"
+local request = require "resty.ratelimitd.request"
 local kind = require "resty.ratelimitd.kind"
 local http = require "resty.ratelimitd.http"
 local wire = require "resty.ratelimitd.wire"
@@ -65,7 +65,7 @@ local LEASED = { redis = true, memory = true, ["local"] = true }
 -- returns the first decision: a request holds one slot.
 function Concurrency.enter(self, key, cost)
     local wkey, c = checked(self, key, cost)
-    local id, held = leases.of_request()
+    local id, held = request.leases()
     if held then
         for _, h in ipairs(held) do
             if h[1] == self and h[2] == wkey then
@@ -75,7 +75,7 @@ function Concurrency.enter(self, key, cost)
     end
     local res = http.enforce(self, self, wkey, c, id)
     if res and res.allowed and LEASED[res.source] then
-        leases.remember(id, { self, wkey, c, res }, self._lease_s)
+        request.hold(id, { self, wkey, c, res }, self._lease_s)
     end
     return res
 end
@@ -94,7 +94,7 @@ end
 --- For log_by_lua*: releases every lease enter() took for this request,
 -- in whichever location it ended.
 function _M.leave()
-    local id, held = leases.take()
+    local id, held = request.take_leases()
     if not held then
         return
     end

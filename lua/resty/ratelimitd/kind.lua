@@ -6,7 +6,7 @@
 local http = require "resty.ratelimitd.http"
 local fallback = require "resty.ratelimitd.fallback"
 local options = require "resty.ratelimitd.options"
-local describe = require "resty.ratelimitd.describe"
+local verify = require "resty.ratelimitd.verify"
 local log = require "resty.ratelimitd.log"
 local key_args = require("resty.ratelimitd.key").args
 
@@ -83,7 +83,7 @@ function _M.constructor(mt, spec, prefix, build)
         lim._shadow = options.name_set(opts.shadow)
         lim = options.copy_behaviour(setmetatable(lim, mt), opts)
         if lim._policy then
-            describe.register(lim)
+            verify.register(lim)
         end
         -- A policy limiter says it once its policy is described: the
         -- policy's own on_error may be the choice.
