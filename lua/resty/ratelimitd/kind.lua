@@ -9,6 +9,8 @@ local options = require "resty.ratelimitd.options"
 local verify = require "resty.ratelimitd.verify"
 local log = require "resty.ratelimitd.log"
 local key_args = require("resty.ratelimitd.key").args
+local share = require "resty.ratelimitd.share"
+local settings = require("resty.ratelimitd.config").settings
 
 local error, getmetatable, setmetatable = error, getmetatable, setmetatable
 
@@ -60,6 +62,26 @@ function _M.rate_methods(class, checked)
         local wkey, c = checked(self, key, cost)
         return http.enforce(self, self, wkey, c)
     end
+end
+
+--- One decision of a rate limiter kind that takes worker shares (share.lua):
+-- from the host's share of the daemon's lease on `key`, with no round trip,
+-- else `ask(lim, key, cost)` (the kind's own way to the daemon), whose
+-- admission from Redis tops the share up. `ask` is a function of the
+-- kind's module: no closure per request.
+function _M.share_first(lim, key, cost, ask)
+    local dict = share.dict(lim, settings)
+    if dict then
+        local res = share.admit(lim, dict, key, cost)
+        if res then
+            return res
+        end
+    end
+    local res, err = ask(lim, key, cost)
+    if dict and res and res.decision == "allowed" and res.source == "redis" then
+        share.refill(lim, dict, key, res)
+    end
+    return res, err
 end
 
 --- The constructor of a kind: validates `opts` against the option specs of

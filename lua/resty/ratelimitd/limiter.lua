@@ -9,13 +9,13 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local cache = require "resty.ratelimitd.cache"
 local kind = require "resty.ratelimitd.kind"
-local share = require "resty.ratelimitd.share"
 local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
 local ngx_shared = ngx.shared
 local setmetatable = setmetatable
 local next_id, ask_daemon, encode_check = conn.next_id, conn.ask, wire.check
+local share_first = kind.share_first
 
 local _M = {}
 
@@ -67,18 +67,7 @@ end
 -- One decision: from the host's share of the daemon's lease, else the
 -- denial cache, else the daemon. `key` is the wire key, `cost` already checked.
 function Limiter._decide(self, key, cost)
-    local shares = share.dict(self, settings)
-    if shares then
-        local res = share.admit(self, shares, key, cost)
-        if res then
-            return res
-        end
-    end
-    local res, err = decide_cached(self, key, cost)
-    if shares and res and res.decision == "allowed" and res.source == "redis" then
-        share.refill(self, shares, key, res)
-    end
-    return res, err
+    return share_first(self, key, cost, decide_cached)
 end
 
 -- From the denial cache, else from the daemon.
