@@ -96,38 +96,13 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::model::{code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
+use common::backend::Backend;
+use common::rng::Rng;
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{wait_until, Daemon, RedisServer};
 use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, Source, HANDLE_LEN, OP_ACQUIRE, OP_RELEASE};
-
-/// xorshift64*: a seed gives the same case every time.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + self.below(u64::from(hi - lo + 1)) as u32
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len() as u64) as usize]
-    }
-}
 
 struct Settings {
     seed: Option<u64>,
@@ -702,46 +677,11 @@ fn apply_reload(cfg: &mut Config, what: &str) {
     }
 }
 
-/// A backend the matrix runs on.
-enum Backend {
-    Redis(RedisServer),
-    Cluster(RedisCluster),
-    Memory,
-}
-
-impl Backend {
-    fn store(&self) -> Store {
-        match self {
-            Backend::Redis(_) => Store::Redis,
-            Backend::Cluster(_) => Store::Cluster,
-            Backend::Memory => Store::Memory,
-        }
-    }
-
-    fn redis_toml(&self, cfg: &Config) -> String {
-        let cache = format!("[denial_cache]\nenabled = {}\n", cfg.denial_cache);
-        match self {
-            Backend::Redis(r) => format!("[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{cache}", r.url()),
-            Backend::Cluster(c) => {
-                let seeds: Vec<String> = c.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-                format!("[redis]\ncluster = [{}]\ntimeout_ms = 2000\n{cache}", seeds.join(", "))
-            }
-            Backend::Memory => String::new(),
-        }
-    }
-
-    fn connections(&self) -> Vec<redis::Connection> {
-        match self {
-            Backend::Redis(r) => vec![r.conn()],
-            Backend::Cluster(c) => c.primaries().iter().map(|p| redis::Client::open(format!("redis://127.0.0.1:{p}/")).and_then(|c| c.get_connection()).unwrap()).collect(),
-            Backend::Memory => Vec::new(),
-        }
-    }
-
-    fn flush(&self) {
-        for mut c in self.connections() {
-            let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
-        }
+/// The `[redis]` lines of a case on `backend`, its denial cache as drawn.
+fn redis_toml(backend: &Backend, cfg: &Config) -> String {
+    match backend {
+        Backend::Memory => String::new(),
+        _ => format!("{}timeout_ms = 2000\n[denial_cache]\nenabled = {}\n", backend.redis_table(), cfg.denial_cache),
     }
 }
 
@@ -961,7 +901,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
     let kinds_had = cfg.policies.iter().map(|p| (p.name.clone(), kind_text(&p.kind))).collect();
     let mut g = Gen { rng, keys, handles: Vec::new(), pending: Vec::new(), day_ok, local_limit, outage_case, kinds_had };
     backend.flush();
-    let rest = format!("socket_mode = \"0600\"\n{}\n{}", backend.redis_toml(&cfg), cfg.policies_toml());
+    let rest = format!("socket_mode = \"0600\"\n{}\n{}", redis_toml(backend, &cfg), cfg.policies_toml());
     let d = Daemon::start_config_with_metrics(&rest);
     let header = format!("seed {seed} on {store:?}{}\n--- configuration\n{}", if day_ok { "" } else { " (near UTC midnight: no day-aligned algorithms)" }, d.config_text());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -1163,7 +1103,7 @@ fn sum_samples(text: &str, prefix: &str) -> u64 {
 fn read_state(backend: &Backend, cfg: &Config, raw: &mut BTreeMap<WinKey, Vec<String>>) -> BTreeMap<WinKey, u32> {
     let now = now_ms() as f64;
     let mut out: BTreeMap<WinKey, u32> = BTreeMap::new();
-    for mut conn in backend.connections() {
+    for (_, mut conn) in backend.connections() {
         let mut keys: Vec<Vec<u8>> = Vec::new();
         let mut cursor = 0u64;
         loop {

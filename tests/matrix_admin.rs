@@ -64,6 +64,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
+use common::backend::Backend;
 use common::redis_cluster::RedisCluster;
 use common::rng::Rng;
 use common::{Daemon, RedisServer};
@@ -221,48 +222,14 @@ impl Live {
     }
 }
 
-enum Backend {
-    Redis(RedisServer),
-    Cluster(RedisCluster),
-    Memory,
-}
-
-impl Backend {
-    fn store(&self) -> Store {
-        match self {
-            Backend::Redis(_) => Store::Redis,
-            Backend::Cluster(_) => Store::Cluster,
-            Backend::Memory => Store::Memory,
-        }
-    }
-
-    fn toml(&self) -> String {
-        match self {
-            // The admin API opens a connection per request within
-            // connect_timeout (at least 1 s): a Cluster's, to every node,
-            // took longer than 1 s on a loaded machine (MATRIX_ADMIN_SEED=24134).
-            Backend::Redis(r) => format!("[redis]\nurl = \"{}\"\ntimeout_ms = 1000\nconnect_timeout = \"5s\"\nkey_prefix = \"m:\"\n", r.url()),
-            Backend::Cluster(c) => {
-                let seeds: Vec<String> = c.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-                format!("[redis]\ncluster = [{}]\ntimeout_ms = 1000\nconnect_timeout = \"5s\"\nkey_prefix = \"m:\"\n", seeds.join(", "))
-            }
-            Backend::Memory => String::new(),
-        }
-    }
-
-    /// A clean slate for the next case.
-    fn flush(&self) {
-        match self {
-            Backend::Redis(r) => {
-                let _: () = redis::cmd("FLUSHALL").query(&mut r.conn()).unwrap();
-            }
-            Backend::Cluster(c) => {
-                for p in c.primaries() {
-                    c.cli(p, &["FLUSHALL"]);
-                }
-            }
-            Backend::Memory => {}
-        }
+/// The `[redis]` lines of a case on `backend`.
+fn redis_toml(backend: &Backend) -> String {
+    match backend {
+        Backend::Memory => String::new(),
+        // The admin API opens a connection per request within
+        // connect_timeout (at least 1 s): a Cluster's, to every node,
+        // took longer than 1 s on a loaded machine (MATRIX_ADMIN_SEED=24134).
+        _ => format!("{}timeout_ms = 1000\nconnect_timeout = \"5s\"\nkey_prefix = \"m:\"\n", backend.redis_table()),
     }
 }
 
@@ -390,14 +357,14 @@ fn short(r: &Response) -> String {
 
 async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String> {
     let day_ok = to_midnight_ms() > 10 * 60 * 1000;
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::new(seed);
     let cfg = draw_config(&mut rng, day_ok);
     let store = backend.store();
     backend.flush();
     let dir = tempfile::tempdir().unwrap();
     let admin_lines = if store == Store::Memory { String::new() } else { format!("[admin]\nlisten = \"{}\"\noverrides_refresh = \"{REFRESH_MS}ms\"\n", dir.path().join("admin.sock").display()) };
     let cache = format!("[denial_cache]\nenabled = {}\n", cfg.denial_cache);
-    let d = Daemon::start_config(&format!("{}\n{cache}{admin_lines}\n{}", backend.toml(), toml(&cfg)));
+    let d = Daemon::start_config(&format!("{}\n{cache}{admin_lines}\n{}", redis_toml(backend), toml(&cfg)));
     let mut c = d.client().await;
     wait_for_store(&mut c, &d).await;
     let mut live = Live { model: Model::new(store, cfg.clone()), file: cfg, strikes: BTreeMap::new(), banned: BTreeSet::new(), overrides: BTreeSet::new() };

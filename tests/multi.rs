@@ -10,31 +10,16 @@ use std::collections::HashMap;
 use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
 
-const POLICIES: &str = r#"
-[[policy]]
-name = "ip"
-limit = 5
-window = "60s"
-
-[[policy]]
-name = "tenant"
-limit = 8
-window = "60s"
-[policy.overrides]
-"premium" = 12
-"free" = "unlimited"
-
-[[policy]]
-name = "global"
-limit = 20
-window = "60s"
-
-[[policy]]
-name = "shadow"
-limit = 3
-window = "60s"
-shadow = true
-"#;
+fn policies() -> String {
+    use common::rate_policy;
+    [
+        rate_policy("ip", 5, "60s", &[]),
+        rate_policy("tenant", 8, "60s", &["[policy.overrides]", r#""premium" = 12"#, r#""free" = "unlimited""#]),
+        rate_policy("global", 20, "60s", &[]),
+        rate_policy("shadow", 3, "60s", &["shadow = true"]),
+    ]
+    .concat()
+}
 
 const NAMES: [&str; 4] = ["ip", "tenant", "global", "shadow"];
 const KEYS: [&str; 4] = ["a", "b", "premium", "free"];
@@ -91,8 +76,8 @@ struct Issued {
 fn run_against_model(redis: bool, seed: u64, ops: usize) {
     let server = redis.then(RedisServer::start_unix);
     let d = match &server {
-        Some(r) => Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}", r.url())),
-        None => Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}")),
+        Some(r) => Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{}", r.url(), policies())),
+        None => Daemon::start_config(&format!("socket_mode = \"0600\"\n{}", policies())),
     };
     let store_source = if redis { Source::Redis } else { Source::Memory };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -273,7 +258,7 @@ fn first(r: &Response) -> (Decision, Source) {
 #[test]
 fn fail_policies_decide_multi_item_checks_all_or_nothing() {
     let nowhere = tempfile::tempdir().unwrap();
-    let policies = format!("{POLICIES}\n[[policy]]\nname = \"strict\"\nlimit = 5\nwindow = \"60s\"\nfail_policy = \"closed\"\n");
+    let policies = format!("{}\n[[policy]]\nname = \"strict\"\nlimit = 5\nwindow = \"60s\"\nfail_policy = \"closed\"\n", policies());
     let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"redis+unix://{}/none.sock\"\ntimeout_ms = 50\n{policies}", nowhere.path().display()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -305,7 +290,7 @@ fn fail_policies_decide_multi_item_checks_all_or_nothing() {
 
 #[test]
 fn refunds_need_the_redis_backend_and_unknown_policies_are_errors() {
-    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}"));
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{}", policies()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let mut c = d.client().await;
@@ -328,7 +313,7 @@ fn refunds_need_the_redis_backend_and_unknown_policies_are_errors() {
 #[test]
 fn concurrent_multi_and_single_checks_record_exactly_what_they_answer() {
     let server = RedisServer::start_unix();
-    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{POLICIES}", server.url()));
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{}", server.url(), policies()));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let recorded: HashMap<(usize, usize), u32> = rt.block_on(async {
         let mut tasks = Vec::new();

@@ -162,7 +162,7 @@ fn case(redis: &RedisServer, seed: u64, ops: usize) {
     let mut d = daemon(redis, &socket);
     let nginx = nginx(&d);
     let mut wins = [Win { in_force: LIMIT, most: LIMIT, admitted: 0, under: 0 }; 2];
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::new(seed);
     let mut trace: Vec<String> = Vec::new();
     let (mut shared, mut other, mut kills, mut kept_units) = (0, 0, 0, 0);
     let started = Instant::now();

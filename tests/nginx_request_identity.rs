@@ -12,6 +12,7 @@ mod common;
 use std::time::Duration;
 
 use common::http::{agent, get};
+use common::nginx_cases::recorded;
 use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
@@ -64,19 +65,6 @@ server {{
 "#
     ));
     (d, nginx)
-}
-
-/// The members of every sorted set of client key `key` in Redis.
-fn recorded(redis: &RedisServer, key: &str) -> u64 {
-    let mut conn = redis.conn();
-    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(format!("*{key}}}*")).query(&mut conn).unwrap();
-    let mut members = 0;
-    for k in &keys {
-        if redis::cmd("TYPE").arg(k.as_slice()).query::<String>(&mut conn).unwrap() == "zset" {
-            members += redis::cmd("ZCARD").arg(k.as_slice()).query::<u64>(&mut conn).unwrap();
-        }
-    }
-    members
 }
 
 fn errors(nginx: &Nginx) -> Vec<String> {

@@ -36,42 +36,17 @@ window = "60s"
 
 /// Each location names a policy; the typo locations name one the daemon
 /// does not have, with each fail policy.
-const LOCATIONS: &str = r#"
-    location /order {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new("order"))
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /shadow {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "shadowed", on_error = "closed" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /tight {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new("tight"))
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /typo-open {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "open" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /typo-closed {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "closed" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
+fn locations() -> String {
+    common::ops::tenant_locations(&[
+        ("/order", r#"("order")"#),
+        ("/shadow", r#"{ policy = "shadowed", on_error = "closed" }"#),
+        ("/tight", r#"("tight")"#),
+        ("/typo-open", r#"{ policy = "ordr", on_error = "open" }"#),
+        ("/typo-closed", r#"{ policy = "ordr", on_error = "closed" }"#),
+    ]) + INLINE
+}
+
+const INLINE: &str = r#"
     location /inline {
         access_by_lua_block {
             require("resty.ratelimitd").limit{ key = ngx.var.http_x_tenant_id, limit = 3, window_ms = 60000 }
@@ -81,7 +56,7 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    common::ops::gateway(socket, "", LOCATIONS)
+    common::ops::gateway(socket, "", &locations())
 }
 
 fn daemon(redis: &RedisServer) -> Daemon {

@@ -9,6 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::rng::Rng;
 use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
 
@@ -226,14 +227,8 @@ async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_perce
     let redis = RedisServer::start_unix();
     let d = start(&redis);
     let mut c = d.client().await;
-    // xorshift64: the same sequence every run.
-    let mut state = 25u64;
-    let mut next = move |lo: u64, hi: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        lo + state % (hi - lo + 1)
-    };
+    // The same sequence every run.
+    let mut rng = Rng::new(25);
     for policy in ["fixed_min", "counter"] {
         for tenant in 0..4 {
             let key = format!("tenant-{tenant}");
@@ -241,9 +236,9 @@ async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_perce
             let mut count = 0u64;
             let (mut admitted, mut refused) = (0, 0);
             for _ in 0..60 {
-                let estimate = next(10, 80) as u32;
+                let estimate = rng.in_range(10, 80) as u32;
                 // -90 % to +300 %, in tenths.
-                let actual = (u64::from(estimate) * next(1, 40)).div_ceil(10) as u32;
+                let actual = (u64::from(estimate) * rng.in_range(1, 40)).div_ceil(10) as u32;
                 let r = c.reserve(FailPolicy::Closed, 0, &item(policy, &key, estimate)).await.unwrap();
                 let fits = count + u64::from(estimate) <= limit;
                 assert_eq!(r.decision == Decision::Allowed, fits, "{policy} {key}: count {count}, estimate {estimate}: {r:?}");
@@ -329,21 +324,15 @@ async fn the_budget_of_two_policies_per_reserve_holds_across_estimate_errors() {
     let redis = RedisServer::start_unix();
     let d = start(&redis);
     let mut c = d.client().await;
-    let mut state = 2525u64;
-    let mut next = move |lo: u64, hi: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        lo + state % (hi - lo + 1)
-    };
+    let mut rng = Rng::new(2525);
     let mut minute = std::collections::HashMap::<String, u64>::new();
     let mut budget = std::collections::HashMap::<String, u64>::new();
     let (mut admitted, mut by_minute, mut by_budget) = (0, 0, 0);
     for _ in 0..240 {
-        let tenant = next(0, 3);
+        let tenant = rng.in_range(0, 3);
         let (key, org) = (format!("tenant-{tenant}"), format!("org-{}", tenant / 2));
-        let estimate = next(10, 80) as u32;
-        let actual = (u64::from(estimate) * next(1, 40)).div_ceil(10) as u32;
+        let estimate = rng.in_range(10, 80) as u32;
+        let actual = (u64::from(estimate) * rng.in_range(1, 40)).div_ceil(10) as u32;
         let (m, b) = (*minute.get(&key).unwrap_or(&0), *budget.get(&org).unwrap_or(&0));
         let r = c.reserve_items(FailPolicy::Closed, 0, &[item("fixed_min", &key, estimate), item("budget", &org, estimate)]).await.unwrap();
         let (fits_m, fits_b) = (m + u64::from(estimate) <= 1000, b + u64::from(estimate) <= 1500);
