@@ -8,7 +8,6 @@ mod common;
 use common::http::{agent, get};
 use common::{Daemon, Nginx, RedisServer};
 
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const SITE: &str = r#"
 init_worker_by_lua_block {
@@ -42,9 +41,8 @@ server {
 /// A daemon (limit 3 per key) and nginx with `SITE`.
 fn gateway() -> (RedisServer, Daemon, Nginx) {
     let redis = RedisServer::start_unix();
-    let server = common::ops::socket_access();
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"per_client\"\nlimit = 3\nwindow = \"60s\"\n", redis.url()));
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, &common::rate_policies(&[("per_client", 3, "60s")]));
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = Nginx::start(&format!("{snippet}\n{SITE}"));
     (redis, d, nginx)
 }
@@ -83,11 +81,7 @@ fn ipv4_clients_in_their_ipv6_forms_are_their_ipv4_selves_not_one_shared_64() {
 
 #[test]
 fn an_ipv6_client_rotating_through_its_64_hits_one_limit_and_mapped_ipv4_is_its_ipv4_self() {
-    let redis = RedisServer::start_unix();
-    let server = common::ops::socket_access();
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"per_client\"\nlimit = 3\nwindow = \"60s\"\n", redis.url()));
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    let nginx = Nginx::start(&format!("{snippet}\n{SITE}"));
+    let (_redis, _d, nginx) = gateway();
     let http = agent();
     let url = nginx.url("/");
     let from = |addr: &str| get(&http, &url, &[("X-Forwarded-For", addr)]);

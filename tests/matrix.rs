@@ -96,7 +96,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::model::{code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
-use common::backend::Backend;
+use common::backend::{until_store_answers, Backend};
 use common::rng::Rng;
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{wait_until, Daemon, RedisServer};
@@ -866,23 +866,6 @@ fn suspect(op: &Op, why: &str, features: &[String], store: Store) -> &'static st
     }
 }
 
-/// Runs one case; `Err` with everything needed to see what disagreed.
-/// Until the daemon's Redis link is up its breaker is open (code 33): a
-/// probe of a key of its own, each counted as a decision, not in the state.
-async fn wait_for_store(c: &mut Client, decisions: &mut u64, d: &Daemon) {
-    let probe = CheckArgs { key: PROBE.as_bytes(), limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let r = c.check(&probe).await.unwrap();
-        *decisions += 1;
-        if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the daemon's store never answered: {r:?}\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Failure> {
     let day_ok = to_midnight_ms() > 10 * 60 * 1000;
     let mut rng = Rng::new(seed);
@@ -911,7 +894,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
     let fail = |features: Vec<String>, trace: &str, what: String| Failure { seed, features, text: format!("{header}--- operations\n{trace}--- {what}\nreplay: MATRIX_SEED={seed} cargo test --test matrix {}\n", test_name(store)) };
     let result: Result<usize, Failure> = rt.block_on(async {
         let mut c = d.client().await;
-        wait_for_store(&mut c, &mut model.decisions, &d).await;
+        model.decisions += until_store_answers(&mut c, &d).await;
         let start = Instant::now();
         for n in 0..s.ops + 1 {
             let op = if n < s.ops {
@@ -930,7 +913,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                 } else {
                     r.restart();
                     model.recover();
-                    wait_for_store(&mut c, &mut model.decisions, &d).await;
+                    model.decisions += until_store_answers(&mut c, &d).await;
                 }
                 let _ = writeln!(trace, "{n:3} {} ({:.0?} in)", describe(&op), start.elapsed());
                 continue;

@@ -64,14 +64,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
-use common::backend::Backend;
+use common::backend::{until_store_answers, Backend};
 use common::redis_cluster::RedisCluster;
 use common::rng::Rng;
 use common::{Daemon, RedisServer};
 use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::admin_api::client::{encode, Reply};
-use ratelimitd::client::Client;
-use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
+use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
 use serde_json::json;
 
 const ALGORITHMS: [Algorithm; 5] = [Algorithm::Log, Algorithm::Ring, Algorithm::Gcra, Algorithm::SlidingCounter, Algorithm::Fixed];
@@ -366,7 +365,7 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
     let cache = format!("[denial_cache]\nenabled = {}\n", cfg.denial_cache);
     let d = Daemon::start_config(&format!("{}\n{cache}{admin_lines}\n{}", redis_toml(backend), toml(&cfg)));
     let mut c = d.client().await;
-    wait_for_store(&mut c, &d).await;
+    until_store_answers(&mut c, &d).await;
     let mut live = Live { model: Model::new(store, cfg.clone()), file: cfg, strikes: BTreeMap::new(), banned: BTreeSet::new(), overrides: BTreeSet::new() };
     live.model.decisions += 1; // the store probe
     let mut handles: Vec<(Vec<Item>, usize, [u8; 16])> = Vec::new();
@@ -518,19 +517,6 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
     Ok(())
 }
 
-async fn wait_for_store(c: &mut Client, d: &Daemon) {
-    let probe = CheckArgs { key: b"probe", limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let r = c.check(&probe).await.unwrap();
-        if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the daemon's store never answered: {r:?}\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn run(backend: Backend, base: u64, cases: u64, ops: u64) {
     let seeds: Vec<u64> = match std::env::var("MATRIX_ADMIN_SEED").ok().and_then(|s| s.parse().ok()) {
         Some(seed) => vec![seed],
@@ -566,7 +552,7 @@ async fn while_redis_is_down_a_banned_key_is_refused_from_the_ban_cache_and_othe
     let mut redis = RedisServer::start_unix();
     let d = Daemon::start_config(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = 200\n[[policy]]\nname = \"pen\"\nlimit = 1\nwindow = \"1h\"\n{PENALTY}\n", redis.url()));
     let mut c = d.client().await;
-    wait_for_store(&mut c, &d).await;
+    until_store_answers(&mut c, &d).await;
     let check = |key: &'static str, on_error| PolicyCheckArgs { policy: b"pen", key: key.as_bytes(), cost: 1, on_error, local_limit: 0 };
     let got: Vec<Decision> = {
         let mut v = Vec::new();
@@ -612,7 +598,7 @@ async fn a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most
             dir.path().join("admin.sock").display()
         ));
         let mut c = d.client().await;
-        wait_for_store(&mut c, &d).await;
+        until_store_answers(&mut c, &d).await;
         let key = if cache { "cached" } else { "uncached" };
         let check = PolicyCheckArgs { policy: b"lowered", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
         for _ in 0..4 {
@@ -675,7 +661,7 @@ async fn the_denial_cache_answers_a_fixed_window_in_debt_with_redis_s_reset() {
         dir.path().join("admin.sock").display()
     ));
     let mut c = d.client().await;
-    wait_for_store(&mut c, &d).await;
+    until_store_answers(&mut c, &d).await;
     // The fixed window ends on the hour: not in between.
     let to_the_hour = u64::from(HOUR) - now_ms() % u64::from(HOUR);
     if to_the_hour < 10_000 {

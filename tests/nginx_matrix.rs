@@ -267,8 +267,7 @@ fn every_limiter_kind_algorithm_header_style_and_redirect_through_nginx() {
 #[test]
 fn a_client_abort_after_every_redirect_kind_releases_the_lease() {
     let redis = RedisServer::start_unix();
-    let server = common::ops::socket_access();
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
+    let d = common::ops::daemon(&redis, "");
     let snippet = common::ops::snippet(&d.socket);
     // Each redirect kind ends at the slow upstream.
     let nginx = Nginx::start(&format!(

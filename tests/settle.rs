@@ -71,6 +71,12 @@ limit = 10
 lease = "10s"
 "#;
 
+/// Waits until 20 ms into the next second: a reserve and its settle sent
+/// now share one window of a second.
+async fn early_in_a_second() {
+    tokio::time::sleep(Duration::from_millis(1000 - common::clock::now_ms() % 1000 + 20)).await;
+}
+
 fn start(redis: &RedisServer) -> Daemon {
     Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}", redis.url()))
 }
@@ -177,9 +183,7 @@ async fn a_fixed_windows_debt_is_paid_out_of_the_next_windows() {
     let redis = RedisServer::start_unix();
     let d = start(&redis);
     let mut c = d.client().await;
-    // Start early in a second, so that reserve and settle share one window.
-    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    tokio::time::sleep(Duration::from_millis(1000 - ms % 1000 + 20)).await;
+    early_in_a_second().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "t", 10)).await.unwrap();
     let s = c.settle(&handle(&r).unwrap(), &item("fixed_1s", "t", 250)).await.unwrap();
     assert_eq!((s.count, s.remaining), (250, 0), "{s:?}");
@@ -455,8 +459,7 @@ async fn a_gcra_settle_gives_back_no_token_time_refilled_in_memory() {
 /// end (issue 33 item 6): the `Retry-After` a client is told to wait.
 async fn a_refusal_in_debt_is_told_when_the_debt_ends(d: &Daemon) {
     let mut c = d.client().await;
-    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    tokio::time::sleep(Duration::from_millis(1000 - ms % 1000 + 20)).await;
+    early_in_a_second().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 10)).await.unwrap();
     let s = c.settle(&handle(&r).unwrap(), &item("fixed_1s", "d", 250)).await.unwrap();
     assert_eq!((s.count, s.remaining), (250, 0), "{s:?}");

@@ -63,3 +63,22 @@ impl Backend {
         }
     }
 }
+
+/// Checks the key `probe` (a key no case uses) every 20 ms until the
+/// daemon's store decides it (Redis or memory, not a fail policy): the
+/// checks it took, each a decision the daemon counts. Panics after 15 s
+/// with the daemon's log.
+pub async fn until_store_answers(c: &mut ratelimitd::client::Client, d: &super::Daemon) -> u64 {
+    use ratelimitd::protocol::{CheckArgs, Decision, FailPolicy, Source};
+    let probe = CheckArgs { key: b"probe", limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let deadline = super::Deadline::start("the daemon's store answering", std::time::Duration::from_secs(15));
+    let mut checks = 0;
+    loop {
+        let r = c.check(&probe).await.unwrap();
+        checks += 1;
+        if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
+            return checks;
+        }
+        deadline.retry_in(std::time::Duration::from_millis(20), || format!("{r:?}\n{}", d.log())).await;
+    }
+}
