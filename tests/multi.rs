@@ -7,6 +7,7 @@ mod common;
 
 use std::collections::HashMap;
 
+use common::rng::Rng;
 use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
 
@@ -24,16 +25,19 @@ fn policies() -> String {
 const NAMES: [&str; 4] = ["ip", "tenant", "global", "shadow"];
 const KEYS: [&str; 4] = ["a", "b", "premium", "free"];
 
-/// xorshift64*: a fixed seed gives the same run every time.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+/// 1 to `most` distinct items (policy, key, cost): a policy among the
+/// first `policies` of NAMES, a key among the first `keys` of KEYS, a cost
+/// of 1 to `max_cost`.
+fn draw_items(rng: &mut Rng, most: u64, policies: u64, keys: u64, max_cost: u64) -> Vec<(usize, usize, u32)> {
+    let n = 1 + rng.below(most) as usize;
+    let mut items: Vec<(usize, usize, u32)> = Vec::new();
+    while items.len() < n {
+        let (p, k) = (rng.below(policies) as usize, rng.below(keys) as usize);
+        if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
+            items.push((p, k, 1 + rng.below(max_cost) as u32));
+        }
     }
+    items
 }
 
 /// The serial reference: admissions per (policy, key); the windows (60 s)
@@ -110,14 +114,8 @@ fn run_against_model(redis: bool, seed: u64, ops: usize) {
                 continue;
             }
             // 1 to 4 distinct items.
-            let n = 1 + rng.below(4) as usize;
-            let mut items: Vec<(usize, usize, u32)> = Vec::new();
-            while items.len() < n {
-                let (p, k) = (rng.below(4) as usize, rng.below(4) as usize);
-                if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
-                    items.push((p, k, 1 + rng.below(3) as u32));
-                }
-            }
+            let items = draw_items(&mut rng, 4, 4, 4, 3);
+            let n = items.len();
             let refundable = redis && rng.below(2) == 0;
             // What the serial model decides.
             let mut expect: Vec<Expect> = items
@@ -323,15 +321,9 @@ fn concurrent_multi_and_single_checks_record_exactly_what_they_answer() {
                 let mut rng = Rng(0x5eed ^ ((t + 1) * 0x9e37_79b9));
                 let mut got: HashMap<(usize, usize), u32> = HashMap::new();
                 for _ in 0..150 {
-                    let n = 1 + rng.below(3) as usize;
-                    let mut items: Vec<(usize, usize, u32)> = Vec::new();
-                    while items.len() < n {
-                        // Keys a and b only, no shadow policy: every item is enforced.
-                        let (p, k) = (rng.below(3) as usize, rng.below(2) as usize);
-                        if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
-                            items.push((p, k, 1 + rng.below(2) as u32));
-                        }
-                    }
+                    // Keys a and b only, no shadow policy: every item is enforced.
+                    let items = draw_items(&mut rng, 3, 3, 2, 2);
+                    let n = items.len();
                     let args: Vec<ItemArgs<'_>> = items.iter().map(|&(p, k, cost)| ItemArgs { policy: NAMES[p].as_bytes(), key: KEYS[k].as_bytes(), cost }).collect();
                     let r = c.check_multi(FailPolicy::Closed, 0, n == 1 && rng.below(2) == 0, &args).await.unwrap();
                     assert_eq!(r.error, ErrorCode::None, "{r:?}");
