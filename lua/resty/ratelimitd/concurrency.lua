@@ -40,20 +40,20 @@ local _M = {}
 -- released.
 local Concurrency, mt, checked = kind.class("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)")
 
--- One ACQUIRE (or RELEASE, `op`) of `lease` for `key`.
-local function exchange(self, key, cost, lease, op)
+-- One ACQUIRE (or RELEASE, `op`) of the concurrency lease `lease_id` for `key`.
+local function exchange(self, key, cost, lease_id, op)
     local id = next_id()
     local frame
     if self._policy then
-        frame = wire.acquire_policy(id, op == OP_RELEASE and self._release_header or self._acquire_header, cost, self._name_part, key, lease)
+        frame = wire.acquire_policy(id, op == OP_RELEASE and self._release_header or self._acquire_header, cost, self._name_part, key, lease_id)
     else
-        frame = wire.lease(op, id, self._before_cost, self._after_cost, cost, key, lease)
+        frame = wire.concurrency_lease(op, id, self._before_cost, self._after_cost, cost, key, lease_id)
     end
     return ask(self, frame, id)
 end
 
-function Concurrency._decide(self, key, cost, lease)
-    return exchange(self, key, cost, lease, OP_ACQUIRE)
+function Concurrency._decide(self, key, cost, lease_id)
+    return exchange(self, key, cost, lease_id, OP_ACQUIRE)
 end
 
 -- Sources under which the daemon holds a lease to give back.
@@ -80,9 +80,9 @@ function Concurrency.enter(self, key, cost)
     return res
 end
 
-local function release_all(_premature, held, lease)
+local function release_all(_premature, held, lease_id)
     for _, h in ipairs(held) do
-        local res, err = exchange(h[1], h[2], h[3], lease, OP_RELEASE)
+        local res, err = exchange(h[1], h[2], h[3], lease_id, OP_RELEASE)
         if not res then
             log_failure("release", h[2], tostring(err) .. " (the lease expires after lease_ms)")
         elseif res.decision == "error" then

@@ -65,7 +65,7 @@ function _M.rate_methods(class, checked)
 end
 
 --- One decision of a rate limiter kind that takes worker shares (share.lua):
--- from the host's share of the daemon's lease on `key`, with no round trip,
+-- from the host's worker share of the daemon's quota lease on `key`, with no round trip,
 -- else `ask(lim, key, cost)` (the kind's own way to the daemon), whose
 -- admission from Redis tops the share up. `ask` is a function of the
 -- kind's module: no closure per request.

@@ -49,7 +49,7 @@ local function ask_policy(self, key, cost)
     return ask(self, check_policy(id, h, policy_item(cost, self._name_part, key)), id)
 end
 
--- A hot key is admitted from the host's share of the daemon's lease, with
+-- A hot key is admitted from the host's worker share of the daemon's quota lease, with
 -- no round trip (share.lua), else asked.
 function Policy._decide(self, key, cost)
     return share_first(self, key, cost, ask_policy)

@@ -140,11 +140,12 @@ function _M.share(id, before, after, units, key)
     return head(28 + n, 1, id) .. before .. u32(units) .. after .. key_len(n) .. key
 end
 
--- ACQUIRE / RELEASE (section 4d): CHECK's fields (the lease length as
--- window_ms), then the lease id's length, the key and the lease id.
-function _M.lease(op, id, before, after, cost, key, lease)
+-- ACQUIRE / RELEASE (section 4d) of a concurrency lease: CHECK's fields
+-- (the lease length as window_ms), then the lease id's length, the key and
+-- the lease id.
+function _M.concurrency_lease(op, id, before, after, cost, key, lease_id)
     local n = #key
-    return head(29 + n + #lease, op, id) .. before .. u32(cost) .. after .. key_len(n) .. char(#lease) .. key .. lease
+    return head(29 + n + #lease_id, op, id) .. before .. u32(cost) .. after .. key_len(n) .. char(#lease_id) .. key .. lease_id
 end
 
 -- The constant header of a CHECK_POLICY (section 4b) after the id: flags,
