@@ -38,6 +38,14 @@ server {
 }
 "#;
 
+/// `from(addr)`: a request to `nginx` from the client address `addr`, as
+/// the trusted proxy in front says it (X-Forwarded-For); one agent for all.
+fn as_client(nginx: &Nginx) -> impl Fn(&str) -> common::http::Reply {
+    let http = agent();
+    let url = nginx.url("/");
+    move |addr| get(&http, &url, &[("X-Forwarded-For", addr)])
+}
+
 /// A daemon (limit 3 per key) and nginx with `SITE`.
 fn gateway() -> (RedisServer, Daemon, Nginx) {
     let redis = RedisServer::start_unix();
@@ -50,9 +58,7 @@ fn gateway() -> (RedisServer, Daemon, Nginx) {
 #[test]
 fn ipv4_clients_in_their_ipv6_forms_are_their_ipv4_selves_not_one_shared_64() {
     let (_redis, _d, nginx) = gateway();
-    let http = agent();
-    let url = nginx.url("/");
-    let from = |addr: &str| get(&http, &url, &[("X-Forwarded-For", addr)]);
+    let from = as_client(&nginx);
     // One IPv4 client natively, through NAT64/SIIT (RFC 6052's 64:ff9b::/96)
     // and IPv4-translated (::ffff:0:a.b.c.d): one key, one limit.
     let native = from("198.51.100.20");
@@ -82,9 +88,7 @@ fn ipv4_clients_in_their_ipv6_forms_are_their_ipv4_selves_not_one_shared_64() {
 #[test]
 fn an_ipv6_client_rotating_through_its_64_hits_one_limit_and_mapped_ipv4_is_its_ipv4_self() {
     let (_redis, _d, nginx) = gateway();
-    let http = agent();
-    let url = nginx.url("/");
-    let from = |addr: &str| get(&http, &url, &[("X-Forwarded-For", addr)]);
+    let from = as_client(&nginx);
 
     // Four addresses of one /64: three pass, the fourth is refused.
     let statuses: Vec<u16> = ["2001:db8:0:1::1", "2001:db8:0:1::2", "2001:db8:0:1:dead:beef:0:1", "2001:db8:0:1:ffff:ffff:ffff:ffff"].iter().map(|a| from(a).status).collect();

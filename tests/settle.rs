@@ -77,6 +77,14 @@ async fn early_in_a_second() {
     tokio::time::sleep(Duration::from_millis(1000 - common::clock::now_ms() % 1000 + 20)).await;
 }
 
+/// Redis, a daemon on it with POLICIES, and a client of the daemon.
+async fn started() -> (RedisServer, Daemon, ratelimitd::client::Client) {
+    let redis = RedisServer::start_unix();
+    let d = start(&redis);
+    let c = d.client().await;
+    (redis, d, c)
+}
+
 fn start(redis: &RedisServer) -> Daemon {
     Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}", redis.url()))
 }
@@ -110,9 +118,7 @@ fn settle_records(redis: &RedisServer) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_gives_back_the_surplus_and_a_replayed_or_forged_handle_changes_nothing() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, _d, mut c) = started().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_min", "t1", 300)).await.unwrap();
     assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, Source::Redis, 300, 700), "{r:?}");
     let h = handle(&r).expect("an admitted reserve carries a handle");
@@ -148,9 +154,7 @@ async fn a_settle_gives_back_the_surplus_and_a_replayed_or_forged_handle_changes
 /// the bucket has drained back, and admitted from then on (checked when).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shortfall_past_the_limit_is_debt_refused_until_repaid() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, _d, mut c) = started().await;
     // 1000 per 2 s: one token every 2 ms.
     let r = c.reserve(FailPolicy::Closed, 0, &item("gcra_2s", "t", 100)).await.unwrap();
     let h = handle(&r).unwrap();
@@ -180,9 +184,7 @@ async fn a_shortfall_past_the_limit_is_debt_refused_until_repaid() {
 /// at the one after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fixed_windows_debt_is_paid_out_of_the_next_windows() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (_redis, _d, mut c) = started().await;
     early_in_a_second().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "t", 10)).await.unwrap();
     let s = c.settle(&handle(&r).unwrap(), &item("fixed_1s", "t", 250)).await.unwrap();
@@ -202,9 +204,7 @@ async fn a_fixed_windows_debt_is_paid_out_of_the_next_windows() {
 /// settle after the daemon restarted (the record lives in Redis).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn costs_up_to_a_billion_settle_across_a_daemon_restart() {
-    let redis = RedisServer::start_unix();
-    let mut d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, mut d, mut c) = started().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("month", "t", 1_000_000_000)).await.unwrap();
     assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 1_000_000_000, 0), "{r:?}");
     assert_eq!(c.reserve(FailPolicy::Closed, 0, &item("month", "t", 1)).await.unwrap().decision, Decision::Denied);
@@ -228,9 +228,7 @@ async fn costs_up_to_a_billion_settle_across_a_daemon_restart() {
 /// the last shortfalls (never a reserve's estimate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_percent() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, _d, mut c) = started().await;
     // The same sequence every run.
     let mut rng = Rng::new(25);
     for policy in ["fixed_min", "counter"] {
@@ -274,9 +272,7 @@ async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_perce
 /// the actual (debt on each), once, after a daemon restart too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_reserve_of_a_minute_and_a_month_is_all_or_nothing_and_one_settle_charges_both() {
-    let redis = RedisServer::start_unix();
-    let mut d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, mut d, mut c) = started().await;
     let both = |key: &'static str, cost: u32| [item("gcra_min", key, cost), item("month", key, cost)];
     let r = c.reserve_items(FailPolicy::Closed, 0, &both("t", 600)).await.unwrap();
     assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 600, 400), "the tighter policy's numbers: {r:?}");
@@ -325,9 +321,7 @@ async fn one_reserve_of_a_minute_and_a_month_is_all_or_nothing_and_one_settle_ch
 /// past either limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_of_two_policies_per_reserve_holds_across_estimate_errors() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, _d, mut c) = started().await;
     let mut rng = Rng::new(2525);
     let mut minute = std::collections::HashMap::<String, u64>::new();
     let mut budget = std::collections::HashMap::<String, u64>::new();
