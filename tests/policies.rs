@@ -59,6 +59,14 @@ fn gateway(socket: &std::path::Path) -> Nginx {
     common::ops::gateway(socket, "", &locations())
 }
 
+/// Redis, a daemon on it with POLICIES and nginx with LOCATIONS in front.
+fn started() -> (RedisServer, Daemon, Nginx) {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    (redis, d, nginx)
+}
+
 fn daemon(redis: &RedisServer) -> Daemon {
     common::ops::daemon_with_metrics(redis, POLICIES)
 }
@@ -78,9 +86,7 @@ fn policy_sample(text: &str, policy: &str, outcome: &str) -> u64 {
 
 #[test]
 fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = gateway(&d.socket);
+    let (redis, d, nginx) = started();
     let a = agent();
 
     // The policy's limit, with its headers; the limit comes from the daemon.
@@ -137,9 +143,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
 
 #[test]
 fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = gateway(&d.socket);
+    let (_redis, d, nginx) = started();
     let a = agent();
     assert_eq!(statuses(&a, &nginx.url("/tight"), "r", 3), [200, 200, 429]);
 
@@ -194,9 +198,7 @@ fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
 
 #[test]
 fn the_headers_show_the_limit_in_force_after_a_reload_lowers_it() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = gateway(&d.socket);
+    let (_redis, d, nginx) = started();
     let a = agent();
     d.rewrite_config(&d.config_text().replace("name = \"tight\"\nlimit = 2", "name = \"tight\"\nlimit = 5"));
     d.signal(nix::sys::signal::Signal::SIGHUP);
