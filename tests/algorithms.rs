@@ -41,8 +41,7 @@ async fn ring_matches_the_log(setup: &Setup) {
 async fn the_ring_decides_as_the_log_on_redis_in_a_key_of_its_own() {
     let setup = Setup::redis();
     ring_matches_the_log(&setup).await;
-    let Setup::Redis(redis, _) = &setup else { unreachable!() };
-    let mut conn = redis.conn();
+    let mut conn = setup.redis_conn();
     let kind = |k: &str, conn: &mut redis::Connection| -> String { redis::cmd("TYPE").arg(k).query(conn).unwrap() };
     assert_eq!(kind("ratelimitd:{same}:60000ms", &mut conn), "zset", "the log's key is the seed's");
     assert_eq!(kind("ratelimitd:{same}:60000ms:ring", &mut conn), "string");
@@ -195,8 +194,7 @@ async fn gcra_bursts_paces_and_refills(setup: &Setup) {
 async fn gcra_on_redis() {
     let setup = Setup::redis();
     gcra_bursts_paces_and_refills(&setup).await;
-    let Setup::Redis(redis, _) = &setup else { unreachable!() };
-    let mut conn = redis.conn();
+    let mut conn = setup.redis_conn();
     let tat: String = redis::cmd("GET").arg("ratelimitd:{bucket}:1000ms:gcra").query(&mut conn).unwrap();
     assert!(tat.parse::<f64>().unwrap() > 1.7e12, "one number, the TAT in ms: {tat}");
     let ttl: i64 = redis::cmd("PTTL").arg("ratelimitd:{bucket}:1000ms:gcra").query(&mut conn).unwrap();
@@ -349,8 +347,7 @@ async fn leases_hold_release_and_expire(setup: &Setup) {
 async fn leases_on_redis() {
     let setup = Setup::redis();
     leases_hold_release_and_expire(&setup).await;
-    let Setup::Redis(redis, _) = &setup else { unreachable!() };
-    let n: u64 = redis::cmd("ZCARD").arg("ratelimitd:{conns}:concurrency").query(&mut redis.conn()).unwrap();
+    let n: u64 = redis::cmd("ZCARD").arg("ratelimitd:{conns}:concurrency").query(&mut setup.redis_conn()).unwrap();
     assert_eq!(n, 2, "one member per lease held (b, d)");
 }
 

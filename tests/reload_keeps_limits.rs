@@ -15,6 +15,21 @@ use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 use ratelimitd::protocol::{encode_describe_uses, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, PolicyUse, PolicyUses};
 
+/// Two tests of one body, on one Redis and in memory, named as given.
+macro_rules! on_redis_and_in_memory {
+    ($body:ident: $on_redis:ident, $in_memory:ident) => {
+        #[test]
+        fn $on_redis() {
+            $body(Some(&RedisServer::start_unix()));
+        }
+
+        #[test]
+        fn $in_memory() {
+            $body(None);
+        }
+    };
+}
+
 /// `five`: 5 a minute, the log; `quota`: 5 a calendar month (fixed, UTC);
 /// `idle`: never asked.
 fn counted() -> String {
@@ -112,16 +127,7 @@ fn a_reload_never_silently_restarts_counts(redis: Option<&RedisServer>) {
     assert_eq!(admit(&d, "five", "t1", 6), 5, "forced: the 2m window counts from zero, as the warning said");
 }
 
-#[test]
-fn a_reload_never_silently_restarts_counts_on_redis() {
-    let redis = RedisServer::start_unix();
-    a_reload_never_silently_restarts_counts(Some(&redis));
-}
-
-#[test]
-fn a_reload_never_silently_restarts_counts_in_memory() {
-    a_reload_never_silently_restarts_counts(None);
-}
+on_redis_and_in_memory! { a_reload_never_silently_restarts_counts: a_reload_never_silently_restarts_counts_on_redis, a_reload_never_silently_restarts_counts_in_memory }
 
 /// `login` and `per_ip`, both the exact log; `plain` is checked alone.
 fn used() -> String {
@@ -210,16 +216,7 @@ fn a_reload_breaking_a_described_use_is_refused(redis: Option<&RedisServer>) {
     assert_eq!(statuses(&nginx, "/both", 2), [500, 500], "as the warning said: {}", nginx.error_log());
 }
 
-#[test]
-fn a_reload_breaking_a_use_nginx_described_is_refused_on_redis() {
-    let redis = RedisServer::start_unix();
-    a_reload_breaking_a_described_use_is_refused(Some(&redis));
-}
-
-#[test]
-fn a_reload_breaking_a_use_nginx_described_is_refused_in_memory() {
-    a_reload_breaking_a_described_use_is_refused(None);
-}
+on_redis_and_in_memory! { a_reload_breaking_a_described_use_is_refused: a_reload_breaking_a_use_nginx_described_is_refused_on_redis, a_reload_breaking_a_use_nginx_described_is_refused_in_memory }
 
 /// `check-config --against RUNNING`: without a daemon, every change a
 /// reload from RUNNING would refuse for a policy in use, one line each,

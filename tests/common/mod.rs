@@ -69,6 +69,14 @@ impl Setup {
         }
     }
 
+    /// A connection to the Redis of `Setup::redis()`.
+    pub fn redis_conn(&self) -> redis::Connection {
+        match self {
+            Self::Redis(r, _) => r.conn(),
+            Self::Memory(_) => panic!("a Setup::memory() has no Redis"),
+        }
+    }
+
     pub fn source(&self) -> Source {
         match self {
             Self::Redis(..) => Source::Redis,
