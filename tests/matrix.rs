@@ -95,7 +95,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::model::{code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
+use common::model::{short, code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
 use common::backend::{until_store_answers, Backend};
 use common::rng::Rng;
 use common::redis_cluster::{key_slot, RedisCluster};
@@ -148,7 +148,6 @@ impl Settings {
     }
 }
 
-const ALGORITHMS: [Algorithm; 5] = [Algorithm::Log, Algorithm::Ring, Algorithm::Gcra, Algorithm::SlidingCounter, Algorithm::Fixed];
 /// Keys of policy checks: plain, overridden (`k1`), unlimited (`k2`),
 /// allowlisted (`k3`); `a#<n>` is added per case: today's name of a shard
 /// of key `a` (S2).
@@ -160,7 +159,7 @@ const PROBE: &str = "probe";
 
 /// The algorithms this run may draw.
 fn algorithms(s: &Settings, day_ok: bool) -> Vec<Algorithm> {
-    ALGORITHMS.iter().copied().filter(|a| s.has(a.as_str()) && (day_ok || window_of(*a) != DAY)).collect()
+    Algorithm::ALL.iter().copied().filter(|a| s.has(a.as_str()) && (day_ok || window_of(*a) != DAY)).collect()
 }
 
 fn draw_config(rng: &mut Rng, s: &Settings, day_ok: bool) -> Config {
@@ -178,7 +177,7 @@ fn draw_config(rng: &mut Rng, s: &Settings, day_ok: bool) -> Config {
         let limit = rng.range(1, 4);
         policies.push(draw_policy(rng, s, "c0".into(), Kind::Concurrency, limit));
     }
-    let inline = INLINE_KEYS.iter().flat_map(|k| ALGORITHMS.iter().map(move |a| (k.to_string(), *a))).map(|(k, a)| (k, a, rng.range(1, 5))).collect();
+    let inline = INLINE_KEYS.iter().flat_map(|k| Algorithm::ALL.iter().map(move |a| (k.to_string(), *a))).map(|(k, a)| (k, a, rng.range(1, 5))).collect();
     let inline_leases = vec![("l0".to_string(), rng.range(1, 3))];
     Config { policies, inline, inline_leases, denial_cache: s.has("cache") && rng.chance(50) }
 }
@@ -725,17 +724,6 @@ fn on_error(f: &Fail) -> String {
         (FailPolicy::Local, l) => format!(" on_error local/{l}"),
         (p, _) => format!(" on_error {}", p.as_str()),
     }
-}
-
-fn short(r: &Response) -> String {
-    let mut s = format!("{:?} {:?} count {} remaining {} retry {} reset {} error {}", r.decision, r.source, r.count, r.remaining, r.retry_after_ms, r.reset_ms, r.error.to_wire());
-    if let Some(e) = r.extension.as_deref() {
-        let _ = write!(s, " refused {} handle {}", e.refused, e.handle.is_some());
-        for it in &e.items {
-            let _ = write!(s, " [{:?} {:?} {}/{} r{} t{} l{} w{}]", it.decision, it.source, it.count, it.remaining, it.retry_after_ms, it.reset_ms, it.limit, it.window_ms);
-        }
-    }
-    s
 }
 
 /// Per-policy request totals and shadow refusals the daemon must have

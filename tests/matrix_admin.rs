@@ -63,17 +63,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
+use common::model::{short, code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
 use common::backend::{until_store_answers, Backend};
 use common::redis_cluster::RedisCluster;
 use common::rng::Rng;
 use common::{Daemon, RedisServer};
 use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::admin_api::client::{encode, Reply};
-use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
+use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Source};
 use serde_json::json;
 
-const ALGORITHMS: [Algorithm; 5] = [Algorithm::Log, Algorithm::Ring, Algorithm::Gcra, Algorithm::SlidingCounter, Algorithm::Fixed];
 const KEYS: [&str; 4] = ["a", "b", "big", "vip"];
 const PENALTY: &str = "penalty = { after = 2, within = \"1h\", ban = \"1h\" }";
 const BAN_MS: u32 = HOUR;
@@ -102,7 +101,7 @@ fn rate(name: &str, algorithm: Algorithm, shards: u32, limit: u32, shadow: bool,
 fn draw_config(rng: &mut Rng, day_ok: bool) -> Config {
     let fails = [None, Some((FailPolicy::Open, 0)), Some((FailPolicy::Closed, 0)), Some((FailPolicy::Local, 2))];
     let mut policies = Vec::new();
-    for a in ALGORITHMS.iter().filter(|a| day_ok || !matches!(a, Algorithm::Fixed | Algorithm::SlidingCounter)) {
+    for a in Algorithm::ALL.iter().filter(|a| day_ok || !matches!(a, Algorithm::Fixed | Algorithm::SlidingCounter)) {
         let shards = if *a == Algorithm::Log && rng.below(2) == 0 { 3 } else { 1 };
         let limit = if shards > 1 { 6 } else { 3 + rng.below(3) as u32 };
         policies.push(rate(&format!("r_{}", a.as_str()), *a, shards, limit, false, fails[rng.below(4) as usize]));
@@ -348,10 +347,6 @@ fn is_counted_in_window(p: Option<&PolicySpec>) -> bool {
 
 fn args(items: &[Item]) -> Vec<ItemArgs<'_>> {
     items.iter().map(|i| ItemArgs { policy: i.policy.as_bytes(), key: i.key.as_bytes(), cost: i.cost }).collect()
-}
-
-fn short(r: &Response) -> String {
-    format!("{:?} {:?} err={:?} count={} remaining={} retry={} reset={}", r.decision, r.source, r.error, r.count, r.remaining, r.retry_after_ms, r.reset_ms)
 }
 
 async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String> {

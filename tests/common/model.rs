@@ -1211,3 +1211,16 @@ impl Model {
         Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 20 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
     }
 }
+
+/// A daemon's answer in one line, its items included, for a failure
+/// message of the matrices.
+pub fn short(r: &Response) -> String {
+    let mut s = format!("{:?} {:?} count {} remaining {} retry {} reset {} error {:?}", r.decision, r.source, r.count, r.remaining, r.retry_after_ms, r.reset_ms, r.error);
+    if let Some(e) = r.extension.as_deref() {
+        let _ = write!(s, " refused {} handle {}", e.refused, e.handle.is_some());
+        for it in &e.items {
+            let _ = write!(s, " [{:?} {:?} {}/{} r{} t{} l{} w{}]", it.decision, it.source, it.count, it.remaining, it.retry_after_ms, it.reset_ms, it.limit, it.window_ms);
+        }
+    }
+    s
+}
