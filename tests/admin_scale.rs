@@ -121,7 +121,7 @@ fn cpu_and_rss(pid: u32) -> (u64, u64) {
 /// idle, and the time a new override takes to reach the other daemon.
 /// `cargo test --release --test admin_scale -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement: minutes, 1 GB of Redis traffic at start"]
+#[ignore = "a measurement (minutes, 1 GB of Redis traffic at start): scripts/measure admin-scale runs it"]
 async fn measure_the_admin_state_at_its_caps() {
     let redis = RedisServer::start_unix();
     let dir = tempfile::tempdir().unwrap();

@@ -226,7 +226,7 @@ fn grafana_dashboard_parses_and_names_only_exported_metrics() {
 /// during the traffic. Run with
 /// `cargo test --test top example_output -- --ignored --nocapture`.
 #[test]
-#[ignore]
+#[ignore = "the example output of docs/OPERATIONS.md: scripts/measure top-example runs it"]
 fn example_output_for_the_docs() {
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);
