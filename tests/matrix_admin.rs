@@ -66,7 +66,7 @@ use std::time::{Duration, Instant};
 use common::model::{short, code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
 use common::backend::{until_store_answers, Backend};
 use common::redis_cluster::RedisCluster;
-use common::rng::Rng;
+use common::rng::{env_or, seeds, Rng};
 use common::{Daemon, RedisServer};
 use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::admin_api::client::{encode, Reply};
@@ -77,10 +77,6 @@ const KEYS: [&str; 4] = ["a", "b", "big", "vip"];
 const PENALTY: &str = "penalty = { after = 2, within = \"1h\", ban = \"1h\" }";
 const BAN_MS: u32 = HOUR;
 const REFRESH_MS: u64 = 100;
-
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn rate(name: &str, algorithm: Algorithm, shards: u32, limit: u32, shadow: bool, fail: Option<(FailPolicy, u32)>) -> PolicySpec {
     PolicySpec {
@@ -513,12 +509,8 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
 }
 
 async fn run(backend: Backend, base: u64, cases: u64, ops: u64) {
-    let seeds: Vec<u64> = match std::env::var("MATRIX_ADMIN_SEED").ok().and_then(|s| s.parse().ok()) {
-        Some(seed) => vec![seed],
-        None => (0..env("MATRIX_ADMIN_CASES", cases)).map(|i| base + i).collect(),
-    };
-    for seed in seeds {
-        if let Err(why) = run_case(&backend, seed, env("MATRIX_ADMIN_OPS", ops) as usize).await {
+    for seed in seeds("MATRIX_ADMIN", base, cases) {
+        if let Err(why) = run_case(&backend, seed, env_or("MATRIX_ADMIN_OPS", ops) as usize).await {
             panic!("{why}");
         }
     }

@@ -540,7 +540,7 @@ async fn two_daemons_with_quota_leases_on_a_cluster_never_admit_past_the_limit_t
 mod generated {
     use super::*;
     use common::admin::{admin, until_applied};
-    use common::rng::Rng;
+    use common::rng::{env_or, seeds, Rng};
     use ratelimitd::admin_api::client::encode;
     use ratelimitd::MAX_LEASE_UNITS;
     use serde_json::json;
@@ -817,17 +817,12 @@ mod generated {
     }
 
     pub async fn run(backend: Backend, base: u64, cases: u64, ops: u64) {
-        let env = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
         // The day windows (fixed, sliding counter) must not end mid-case.
         if to_midnight_ms() < 300_000 {
             tokio::time::sleep(Duration::from_millis(u64::from(to_midnight_ms()) + 1000)).await;
         }
-        let seeds: Vec<u64> = match std::env::var("MATRIX_LEASES_SEED").ok().and_then(|s| s.parse().ok()) {
-            Some(seed) => vec![seed],
-            None => (0..env("MATRIX_LEASES_CASES", cases)).map(|i| base + i).collect(),
-        };
-        for seed in seeds {
-            case(&backend, seed, env("MATRIX_LEASES_OPS", ops) as usize).await;
+        for seed in seeds("MATRIX_LEASES", base, cases) {
+            case(&backend, seed, env_or("MATRIX_LEASES_OPS", ops) as usize).await;
         }
     }
 }

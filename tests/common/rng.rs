@@ -50,3 +50,17 @@ impl Rng {
 pub fn base_seed(var: &str) -> u64 {
     std::env::var(var).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64 * 7919)
 }
+
+/// The number in the environment variable `name`, else `default`.
+pub fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// The seeds of a matrix's cases: `<PREFIX>_SEED` alone when set (to replay
+/// a failing case), else `<PREFIX>_CASES` (default `cases`) seeds from `base`.
+pub fn seeds(prefix: &str, base: u64, cases: u64) -> Vec<u64> {
+    match std::env::var(format!("{prefix}_SEED")).ok().and_then(|s| s.parse().ok()) {
+        Some(seed) => vec![seed],
+        None => (0..env_or(&format!("{prefix}_CASES"), cases)).map(|i| base + i).collect(),
+    }
+}
