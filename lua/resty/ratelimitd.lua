@@ -35,7 +35,8 @@
 --   log          rate-limited failure lines
 --   headers      the quota headers per style, the problem body
 --   http         enforce(): the one HTTP decision of every limiter kind
---   kind         what every limiter kind shares: class, arguments, constructor
+--   kind         what every limiter kind shares: class, arguments, constructor,
+--                the decision from a worker share first
 --   limiter      inline limits (new{ limit, window_ms })
 --   form         the table forms limit{} and check{}
 --   policy       one named policy

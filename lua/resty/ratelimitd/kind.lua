@@ -1,7 +1,9 @@
 -- resty.ratelimitd.kind: what every limiter kind shares: its class and
--- metatable, the check of its per-request arguments, and the check() and
--- limit() methods over the kind's own _decide. A kind gives _decide (and
--- may replace _fallback and _label, see http.lua).
+-- metatable, the check of its per-request arguments, the check() and
+-- limit() methods over the kind's own _decide, and (share_first) the
+-- decision from a worker share before the kind's own way to the daemon.
+-- A kind gives _decide (and may replace _fallback and _label, see
+-- http.lua).
 
 local http = require "resty.ratelimitd.http"
 local fallback = require "resty.ratelimitd.fallback"
