@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redis::{RedisWrite, Script, ToRedisArgs};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use super::coalesce::{Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
+use super::coalesce::{Answer, Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
 use super::keys::{verdict, WindowKey};
 use super::link::{LinkSettings, RedisLink};
@@ -237,17 +238,20 @@ impl RedisWindow {
                 let _lead = Lead { window: self, fp };
                 self.check_cold(spec, algorithm).await
             }
-            Join::Wait(rx) => {
-                let limit = self.link.timeout();
-                match tokio::time::timeout(limit, rx).await {
-                    Ok(Ok(answer)) => answer,
-                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
-                    // Its queue place is skipped if the batch has not
-                    // started yet; else it may still be counted, as any
-                    // call cut at its deadline.
-                    Err(_) => Err(StoreError::Timeout(limit)),
-                }
-            }
+            Join::Wait(rx) => self.batched_answer(rx).await,
+        }
+    }
+
+    /// The answer a batched call sends back to a request queued on it,
+    /// within the deadline. At the deadline its queue place is skipped if
+    /// the batch has not started yet; else it may still be counted, as any
+    /// call cut at its deadline.
+    async fn batched_answer(&self, rx: oneshot::Receiver<Answer>) -> Result<Verdict, StoreError> {
+        let limit = self.link.timeout();
+        match tokio::time::timeout(limit, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
+            Err(_) => Err(StoreError::Timeout(limit)),
         }
     }
 
@@ -264,14 +268,7 @@ impl RedisWindow {
                 let _lane = ColdLane { window: self };
                 self.check_at_with(spec, algorithm, self.now_arg()).await
             }
-            Lane::Queued(rx) => {
-                let limit = self.link.timeout();
-                match tokio::time::timeout(limit, rx).await {
-                    Ok(Ok(answer)) => answer,
-                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
-                    Err(_) => Err(StoreError::Timeout(limit)),
-                }
-            }
+            Lane::Queued(rx) => self.batched_answer(rx).await,
         }
     }
 
