@@ -196,8 +196,13 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
         }
         // The log script reads request j's fields at an offset `o` (1 in
         // its mode 'L') and a stride `s` (3 in its mode 'B'); 0 and 2 for a
-        // check, which gives the others' 2 + 2 * j and 3 + 2 * j.
-        let fields = if script == "sliding_window" { ["local limit = tonumber(ARGV[2 + o + s * j])", "local cost = tonumber(ARGV[3 + o + s * j])"] } else { ["local limit = tonumber(ARGV[2 + 2 * j])", "local cost = tonumber(ARGV[3 + 2 * j])"] };
+        // check, which gives the others' 2 + 2 * j and 3 + 2 * j, read by
+        // parts/answer.lua's `request(j)`.
+        let fields = if script == "sliding_window" {
+            ["local limit = tonumber(ARGV[2 + o + s * j])", "local cost = tonumber(ARGV[3 + o + s * j])"]
+        } else {
+            ["return tonumber(ARGV[2 + 2 * j]), tonumber(ARGV[3 + 2 * j])", "local limit, cost = request(j)"]
+        };
         if script == "sliding_window" {
             assert!(lua.contains("local lease, batch, o, s = ARGV[1] == 'L', ARGV[1] == 'B', 0, 2"), "sliding_window.lua: a check reads its fields at o = 0, s = 2");
         }
