@@ -95,10 +95,10 @@ fn unsettleable(cfg: &Config, nginx: &Path) -> anyhow::Result<usize> {
     let mut n = 0;
     for u in ratelimitd::config::nginx_settle_policy_names(nginx)? {
         let Some(p) = cfg.policies.iter().find(|p| p.name == u.name) else { continue };
-        let why = if p.lease_ms.is_some() {
+        let why = if p.rule.lease_ms.is_some() {
             Some("WRONG_POLICY_KIND: a concurrency policy has no window to reserve in".to_string())
         } else {
-            ratelimitd::config::reserve_refusal(p.algorithm, p.shards).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
+            ratelimitd::config::reserve_refusal(p.rule.algorithm, p.rule.shards).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
         };
         if let Some(why) = why {
             n += 1;
@@ -115,10 +115,10 @@ fn unmixable(cfg: &Config, nginx: &Path) -> anyhow::Result<usize> {
     let mut n = 0;
     for u in ratelimitd::config::nginx_multi_policy_names(nginx)? {
         let Some(p) = cfg.policies.iter().find(|p| p.name == u.name) else { continue };
-        let why = if p.lease_ms.is_some() {
+        let why = if p.rule.lease_ms.is_some() {
             Some("WRONG_POLICY_KIND: a concurrency policy is acquired, not checked".to_string())
         } else {
-            ratelimitd::config::multi_refusal(p.algorithm, p.penalty.is_some()).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
+            ratelimitd::config::multi_refusal(p.rule.algorithm, p.rule.penalty.is_some()).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
         };
         if let Some(why) = why {
             n += 1;
@@ -167,9 +167,9 @@ fn policies(policies: &[PolicyConfig]) -> String {
     }
     let names: Vec<String> = policies
         .iter()
-        .map(|p| match p.lease_ms {
+        .map(|p| match p.rule.lease_ms {
             Some(l) => format!("{} (concurrency, lease {l}ms)", p.name),
-            None if p.shards > 1 => format!("{} ({} shards)", p.name, p.shards),
+            None if p.rule.shards > 1 => format!("{} ({} shards)", p.name, p.rule.shards),
             None => p.name.clone(),
         })
         .collect();

@@ -251,37 +251,39 @@ impl Dump<'_> {
 
     fn policy(&self, p: &PolicyConfig) -> Table {
         let w = |field: &str| self.written(&format!("policy.{}.{field}", p.name));
+        let r = &p.rule;
         let mut t = Table::default();
-        t.put("name", p.name.as_str()).put("limit", int(p.limit));
-        match (p.lease_ms, p.calendar_window_ms) {
+        t.put("name", p.name.as_str()).put("limit", int(r.limit));
+        let ms = |ms: u32| Duration::from_millis(u64::from(ms));
+        match (r.lease_ms, r.calendar_window_ms()) {
             (Some(lease), _) => {
-                t.put("algorithm", "concurrency").duration("lease", Duration::from_millis(u64::from(lease)), w("lease"));
+                t.put("algorithm", "concurrency").duration("lease", ms(lease), w("lease"));
             }
-            (None, Some(cal)) if cal >= CALENDAR => {
+            (None, Some(cal)) => {
                 let code = cal - CALENDAR;
                 let (minutes, offset) = (code >> 12, (code & 0xFFF) as i32 - 2048);
                 t.put("window", if minutes == 0 { "month".to_string() } else { duration_text_of(u64::from(minutes) * 60_000) });
                 if offset != 0 {
                     t.put("utc_offset", format!("{}{:02}:{:02}", if offset < 0 { '-' } else { '+' }, offset.abs() / 60, offset.abs() % 60));
                 }
-                t.put("algorithm", p.algorithm.as_str());
+                t.put("algorithm", r.algorithm.as_str());
             }
-            (None, _) => {
-                t.duration("window", p.window, w("window")).put("algorithm", p.algorithm.as_str());
+            (None, None) => {
+                t.duration("window", ms(r.window_ms), w("window")).put("algorithm", r.algorithm.as_str());
             }
         }
-        t.some("on_error", p.fail_policy.map(|f| f.as_str())).some("local_limit", p.local_limit.map(int));
+        t.some("on_error", r.fail_policy.map(|f| f.as_str())).some("local_limit", r.local_limit.map(int));
         // Written when not the default: a concurrency policy takes neither.
-        if p.shadow {
+        if r.shadow {
             t.put("shadow", true);
         }
-        if p.shards > 1 {
-            t.put("shards", int(p.shards));
+        if r.shards > 1 {
+            t.put("shards", int(r.shards));
         }
-        if let Some(pen) = &p.penalty {
+        if let Some(pen) = &r.penalty {
             let mut inline = Table::default();
-            inline.duration("within", Duration::from_millis(u64::from(pen.within_ms)), w("penalty.within"));
-            inline.duration("ban", Duration::from_millis(u64::from(pen.ban_ms)), w("penalty.ban"));
+            inline.duration("within", ms(pen.within_ms), w("penalty.within"));
+            inline.duration("ban", ms(pen.ban_ms), w("penalty.ban"));
             let [within, ban] = [0, 1].map(|i| inline.0.lines().nth(i).unwrap_or_default().to_string());
             let _ = writeln!(t.0, "penalty = {{ after = {}, {within}, {ban} }}", pen.after);
         }

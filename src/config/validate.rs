@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::file;
 use super::model::{valid_policy_name, 
-    redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, Problems, RedisConfig, RedisTarget, SecretSource,
+    redacted_url, AdminConfig, AdminListen, AdminTls, Config, ConfigError, DenialCacheConfig, HostPort, LimitsConfig, LogConfig, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, PolicyRule, Problems, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ClusterConfig, ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 use crate::protocol::{Algorithm, Bounds, FailPolicy, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_POLICY_NAME_LEN, REQUEST_HEADER_LEN};
@@ -582,7 +582,11 @@ fn policies_config(sections: Vec<file::PolicySection>, bounds: &Bounds, p: &mut 
         }
         let shards = if concurrency { 1 } else { policy_shards(p, &name, s.shards, limit, &overrides) };
         let penalty = s.penalty.as_ref().and_then(|pen| policy_penalty(p, &name, pen, concurrency, algorithm, shards, bounds));
-        out.push(PolicyConfig { name, limit, window, calendar_window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, penalty, overrides });
+        // Validated to fit limits.max_window_ms, a u32; a calendar window's
+        // code (src/window.rs) when it has one.
+        let window_ms = calendar_window_ms.unwrap_or_else(|| u32::try_from(window.as_millis()).unwrap_or(u32::MAX));
+        let rule = PolicyRule { limit, window_ms, fail_policy, local_limit, shadow: s.shadow, algorithm, lease_ms, shards, penalty };
+        out.push(PolicyConfig { name, rule, overrides });
     }
     out
 }
@@ -1025,24 +1029,24 @@ mod tests {
         .unwrap();
         assert_eq!(c.policies.len(), 2);
         let order = &c.policies[0];
-        assert_eq!((order.name.as_str(), order.limit, order.window, order.fail_policy, order.shadow), ("order", 1000, Duration::from_secs(1), None, false));
+        assert_eq!((order.name.as_str(), order.rule.limit, order.rule.window_ms, order.rule.fail_policy, order.rule.shadow), ("order", 1000, 1000, None, false));
         assert_eq!(order.overrides.get("tenant-big"), Some(&PolicyLimit::Limit(5000)));
         assert_eq!(order.overrides.get("tenant-free"), Some(&PolicyLimit::Unlimited));
         assert_eq!(order.overrides.get("internal"), Some(&PolicyLimit::Unlimited));
         let login = &c.policies[1];
-        assert_eq!((login.window, login.fail_policy, login.local_limit, login.shadow), (Duration::from_secs(600), Some(FailPolicy::Local), Some(2), true));
-        assert_eq!((order.algorithm, login.algorithm), (Algorithm::Log, Algorithm::Log), "the log by default");
+        assert_eq!((login.rule.window_ms, login.rule.fail_policy, login.rule.local_limit, login.rule.shadow), (600_000, Some(FailPolicy::Local), Some(2), true));
+        assert_eq!((order.rule.algorithm, login.rule.algorithm), (Algorithm::Log, Algorithm::Log), "the log by default");
     }
 
     #[test]
     fn calendar_windows_need_fixed_and_a_valid_offset() {
         let policy = |window: &str, extra: &str| parse(&format!("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"{window}\"\n{extra}"));
         let c = policy("month", "algorithm = \"fixed\"\n").unwrap();
-        assert_eq!(c.policies[0].calendar_window_ms, Some(crate::window::calendar_window_ms(0, 0)));
+        assert_eq!(c.policies[0].rule.window_ms, crate::window::calendar_window_ms(0, 0));
         let c = policy("1d", "algorithm = \"fixed\"\nutc_offset = \"-05:30\"\n").unwrap();
-        assert_eq!(c.policies[0].calendar_window_ms, Some(crate::window::calendar_window_ms(1440, -330)));
-        assert_eq!(policy("1d", "algorithm = \"fixed\"\nutc_offset = \"+00:00\"\n").unwrap().policies[0].calendar_window_ms, Some(86_400_000));
-        assert_eq!(policy("1h", "algorithm = \"fixed\"\n").unwrap().policies[0].calendar_window_ms, None);
+        assert_eq!(c.policies[0].rule.window_ms, crate::window::calendar_window_ms(1440, -330));
+        assert_eq!(policy("1d", "algorithm = \"fixed\"\nutc_offset = \"+00:00\"\n").unwrap().policies[0].rule.window_ms, 86_400_000);
+        assert_eq!(policy("1h", "algorithm = \"fixed\"\n").unwrap().policies[0].rule.calendar_window_ms(), None);
         for (window, extra, field, text) in [
             ("month", "", "policy.window", "window = \"month\" needs algorithm = \"fixed\""),
             ("1d", "algorithm = \"gcra\"\nutc_offset = \"+02:00\"\n", "policy.utc_offset", "utc_offset needs algorithm"),
@@ -1061,7 +1065,7 @@ mod tests {
     #[test]
     fn a_policy_names_its_algorithm() {
         let c = parse("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"1s\"\nalgorithm = \"ring\"\n").unwrap();
-        assert_eq!(c.policies[0].algorithm, Algorithm::Ring);
+        assert_eq!(c.policies[0].rule.algorithm, Algorithm::Ring);
         let e = parse("[[policy]]\nname = \"a\"\nlimit = 10\nwindow = \"1s\"\nalgorithm = \"leaky\"\n").unwrap_err();
         let ConfigError::Invalid { errors, .. } = &e else { panic!("{e}") };
         assert_eq!(errors.iter().map(|e| e.field).collect::<Vec<_>>(), ["policy.algorithm"]);
@@ -1072,8 +1076,8 @@ mod tests {
     fn a_concurrency_policy_has_a_lease_and_no_window_or_shards() {
         let c = parse("[[policy]]\nname = \"up\"\nalgorithm = \"concurrency\"\nlimit = 10\nlease = \"30s\"\n[policy.overrides]\nbig = 20\n").unwrap();
         let up = &c.policies[0];
-        assert_eq!((up.lease_ms, up.limit, up.shards, up.overrides.get("big")), (Some(30_000), 10, 1, Some(&PolicyLimit::Limit(20))));
-        assert_eq!(parse("[[policy]]\nname = \"r\"\nlimit = 10\nwindow = \"1s\"\n").unwrap().policies[0].lease_ms, None, "a rate policy");
+        assert_eq!((up.rule.lease_ms, up.rule.limit, up.rule.shards, up.overrides.get("big")), (Some(30_000), 10, 1, Some(&PolicyLimit::Limit(20))));
+        assert_eq!(parse("[[policy]]\nname = \"r\"\nlimit = 10\nwindow = \"1s\"\n").unwrap().policies[0].rule.lease_ms, None, "a rate policy");
         let cases = [
             ("algorithm = \"concurrency\"\n", "policy.lease", "needs a lease"),
             ("algorithm = \"concurrency\"\nlease = \"0s\"\n", "policy.lease", "outside 1ms"),
@@ -1094,8 +1098,8 @@ mod tests {
     #[test]
     fn a_penalty_box_is_n_refusals_within_w_ban_d_on_an_unsharded_log_policy() {
         let policy = |extra: &str| format!("[[policy]]\nname = \"login\"\nlimit = 5\nwindow = \"1m\"\n{extra}\n");
-        assert_eq!(parse(&policy("")).unwrap().policies[0].penalty, None, "no penalty by default");
-        let p = parse(&policy("penalty = { after = 3, within = \"10m\", ban = \"1h\" }")).unwrap().policies[0].penalty;
+        assert_eq!(parse(&policy("")).unwrap().policies[0].rule.penalty, None, "no penalty by default");
+        let p = parse(&policy("penalty = { after = 3, within = \"10m\", ban = \"1h\" }")).unwrap().policies[0].rule.penalty;
         assert_eq!(p, Some(Penalty { after: 3, within_ms: 600_000, ban_ms: 3_600_000 }));
         for (bad, says) in [
             ("penalty = { after = 0, within = \"1m\", ban = \"1m\" }", "penalty.after 0 is outside 1..=10000"),
@@ -1120,8 +1124,8 @@ mod tests {
     #[test]
     fn shards_are_1_to_64_and_at_most_every_limit() {
         let policy = |extra: &str| format!("[[policy]]\nname = \"hot\"\nlimit = 100\nwindow = \"1s\"\n{extra}\n");
-        assert_eq!(parse(&policy("")).unwrap().policies[0].shards, 1, "default: one window");
-        assert_eq!(parse(&policy("shards = 64")).unwrap().policies[0].shards, 64);
+        assert_eq!(parse(&policy("")).unwrap().policies[0].rule.shards, 1, "default: one window");
+        assert_eq!(parse(&policy("shards = 64")).unwrap().policies[0].rule.shards, 64);
         for (bad, says) in [
             ("shards = 0", "shards 0 is outside 1..=64"),
             ("shards = 65", "shards 65 is outside 1..=64"),
