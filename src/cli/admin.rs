@@ -31,12 +31,26 @@ pub fn call(path: &Path, method: &str, target: &str, body: Option<&str>) -> anyh
     Ok(reply.body)
 }
 
-/// `PATH` or `PATH?policy=NAME`: a listing, of one policy or all.
-pub fn listing(path: &str, policy: Option<&str>) -> String {
-    match policy {
+/// `GET PATH` or `PATH?policy=NAME`, a listing of one policy or all:
+/// printed as JSON, or as a line per entry of the reply's `field` made by
+/// `line` (`none` when there is none).
+pub fn list(config: &Path, path: &str, policy: Option<&str>, json: bool, field: &str, none: &str, line: impl Fn(&serde_json::Value) -> String) -> anyhow::Result<()> {
+    let target = match policy {
         Some(p) => format!("{path}?policy={}", client::encode(p)),
         None => path.to_string(),
+    };
+    let reply = call(config, "GET", &target, None)?;
+    if json {
+        return super::common::print_json(&reply);
     }
+    let all = reply[field].as_array().cloned().unwrap_or_default();
+    if all.is_empty() {
+        println!("{none}");
+    }
+    for entry in &all {
+        println!("{}", line(entry));
+    }
+    Ok(())
 }
 
 /// `PATH?policy=NAME&key=KEY`: one key of one policy.

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use ratelimitd::terminal::escape;
 
-use super::admin::{call, listing, one_key, text};
+use super::admin::{call, list, one_key, text};
 
 #[derive(Args)]
 pub struct BanArgs {
@@ -44,20 +44,9 @@ enum BanAction {
 
 pub fn run(BanArgs { config, action }: BanArgs) -> anyhow::Result<ExitCode> {
     match action {
-        BanAction::List { policy, json } => {
-            let reply = call(&config, "GET", &listing("/v1/bans", policy.as_deref()), None)?;
-            if json {
-                super::common::print_json(&reply)?;
-                return Ok(ExitCode::SUCCESS);
-            }
-            let all = reply["bans"].as_array().cloned().unwrap_or_default();
-            if all.is_empty() {
-                println!("no key is banned");
-            }
-            for b in all {
-                println!("{} {} banned until {} ({} ms left)", text(&b, "policy"), text(&b, "key"), text(&b, "ends_at"), b["ends_in_ms"]);
-            }
-        }
+        BanAction::List { policy, json } => list(&config, "/v1/bans", policy.as_deref(), json, "bans", "no key is banned", |b| {
+            format!("{} {} banned until {} ({} ms left)", text(b, "policy"), text(b, "key"), text(b, "ends_at"), b["ends_in_ms"])
+        })?,
         BanAction::Show { policy, key } => {
             let reply = call(&config, "GET", &one_key("/v1/bans", &policy, &key), None)?;
             let state = match reply["ban"]["ends_at"].as_str() {

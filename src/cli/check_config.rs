@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Args;
-use ratelimitd::config::{preflight, Config, PolicyConfig};
+use ratelimitd::config::{multi_refusal, preflight, reserve_refusal, Config, NamedPolicy, PolicyConfig, PolicyRule};
 use ratelimitd::terminal::escape;
 
 #[derive(Args)]
@@ -92,40 +92,37 @@ fn nginx_uses(config: &Path, cfg: &Config, nginx: &Path) -> anyhow::Result<bool>
 /// A settle = true limiter naming a policy a reserve cannot take: every
 /// request of it would get UNSUPPORTED_COMBINATION. Printed; counted.
 fn unsettleable(cfg: &Config, nginx: &Path) -> anyhow::Result<usize> {
-    let mut n = 0;
-    for u in ratelimitd::config::nginx_settle_policy_names(nginx)? {
-        let Some(p) = cfg.policies.iter().find(|p| p.name == u.name) else { continue };
-        let why = if p.rule.lease_ms.is_some() {
-            Some("WRONG_POLICY_KIND: a concurrency policy has no window to reserve in".to_string())
-        } else {
-            ratelimitd::config::reserve_refusal(p.rule.algorithm, p.rule.shards).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
-        };
-        if let Some(why) = why {
-            n += 1;
-            println!("{}:{}: policy \"{}\" in a settle = true limiter: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
-        }
-    }
-    Ok(n)
+    let uses = ratelimitd::config::nginx_settle_policy_names(nginx)?;
+    Ok(refused_uses(cfg, &uses, "a settle = true limiter", "has no window to reserve in", |r| reserve_refusal(r.algorithm, r.shards)))
 }
 
 /// A multi-item or refundable limiter naming a policy such a check cannot
 /// take (not the log, or a penalty box): every request of it would get
 /// UNSUPPORTED_COMBINATION. Printed; counted.
 fn unmixable(cfg: &Config, nginx: &Path) -> anyhow::Result<usize> {
+    let uses = ratelimitd::config::nginx_multi_policy_names(nginx)?;
+    Ok(refused_uses(cfg, &uses, "a multi-item or refundable limiter", "is acquired, not checked", |r| multi_refusal(r.algorithm, r.penalty.is_some())))
+}
+
+/// The `uses` of configured policies that every request would be refused
+/// for, in a limiter of kind `limiter`: a concurrency policy (which
+/// `concurrency` says why), or a rate policy `refusal` refuses. Printed;
+/// counted.
+fn refused_uses(cfg: &Config, uses: &[NamedPolicy], limiter: &str, concurrency: &str, refusal: impl Fn(&PolicyRule) -> Option<&'static str>) -> usize {
     let mut n = 0;
-    for u in ratelimitd::config::nginx_multi_policy_names(nginx)? {
+    for u in uses {
         let Some(p) = cfg.policies.iter().find(|p| p.name == u.name) else { continue };
         let why = if p.rule.lease_ms.is_some() {
-            Some("WRONG_POLICY_KIND: a concurrency policy is acquired, not checked".to_string())
+            Some(format!("WRONG_POLICY_KIND: a concurrency policy {concurrency}"))
         } else {
-            ratelimitd::config::multi_refusal(p.rule.algorithm, p.rule.penalty.is_some()).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
+            refusal(&p.rule).map(|w| format!("UNSUPPORTED_COMBINATION: {w}"))
         };
         if let Some(why) = why {
             n += 1;
-            println!("{}:{}: policy \"{}\" in a multi-item or refundable limiter: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
+            println!("{}:{}: policy \"{}\" in {limiter}: every request refused with {why}", u.file.display(), u.line, escape(&u.name));
         }
     }
-    Ok(n)
+    n
 }
 
 /// A limiter whose options new() refuses is never built: its location

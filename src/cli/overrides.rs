@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use ratelimitd::terminal::escape;
 
-use super::admin::{call, listing, one_key, text};
+use super::admin::{call, list, one_key, text};
 
 #[derive(Args)]
 pub struct OverrideArgs {
@@ -65,21 +65,10 @@ pub fn run(OverrideArgs { config, action }: OverrideArgs) -> anyhow::Result<Exit
             let after = &reply["after"];
             println!("policy {} key {}: limit {} -> {} until {} (every daemon within {} ms)", escape(&policy), escape(&key), reply["before_limit"], after["limit"], after["expires_at"].as_str().unwrap_or("?"), reply["applies_within_ms"]);
         }
-        OverrideAction::List { policy, json } => {
-            let reply = call(&config, "GET", &listing("/v1/overrides", policy.as_deref()), None)?;
-            if json {
-                super::common::print_json(&reply)?;
-                return Ok(ExitCode::SUCCESS);
-            }
-            let all = reply["overrides"].as_array().cloned().unwrap_or_default();
-            if all.is_empty() {
-                println!("no override in force");
-            }
-            for o in all {
-                let s = |f: &str| text(&o, f);
-                println!("{} {} limit {} until {} (set by {} at {}{})", s("policy"), s("key"), o["limit"], s("expires_at"), s("set_by"), s("set_at"), o["note"].as_str().map(|n| format!(": {}", escape(n))).unwrap_or_default());
-            }
-        }
+        OverrideAction::List { policy, json } => list(&config, "/v1/overrides", policy.as_deref(), json, "overrides", "no override in force", |o| {
+            let s = |f: &str| text(o, f);
+            format!("{} {} limit {} until {} (set by {} at {}{})", s("policy"), s("key"), o["limit"], s("expires_at"), s("set_by"), s("set_at"), o["note"].as_str().map(|n| format!(": {}", escape(n))).unwrap_or_default())
+        })?,
         OverrideAction::Delete { policy, key } => {
             let reply = call(&config, "DELETE", &one_key("/v1/overrides", &policy, &key), None)?;
             println!("policy {} key {}: override deleted; limit now {}", escape(&policy), escape(&key), reply["limit_now"]);

@@ -376,17 +376,7 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
             AdminListen::Unix { path: PathBuf::from(l), mode }
         }
     });
-    let overrides_refresh = match parse_duration(&a.overrides_refresh) {
-        Ok(d) if d >= Duration::from_millis(10) && d <= Duration::from_secs(3600) => d,
-        Ok(_) => {
-            p.add("admin.overrides_refresh", "must be between 10ms and 1h");
-            Duration::from_secs(1)
-        }
-        Err(e) => {
-            p.add("admin.overrides_refresh", e);
-            Duration::from_secs(1)
-        }
-    };
+    let overrides_refresh = duration_within(p, "admin.overrides_refresh", &a.overrides_refresh, (Duration::from_millis(10), Duration::from_secs(3600)), "10ms and 1h", Duration::from_secs(1));
     let tcp = matches!(listen, Some(AdminListen::Tcp(_)));
     let tls = match (a.tls_cert_file, a.tls_key_file) {
         (Some(cert_file), Some(key_file)) if tcp => Some(AdminTls { cert_file, key_file, ca_file: a.tls_ca_file }),
@@ -412,18 +402,24 @@ fn admin_config(a: file::AdminSection, p: &mut Problems) -> AdminConfig {
             ADMIN_MAX_CONNECTIONS_DEFAULT
         }
     };
-    let read_timeout = match parse_duration(&a.read_timeout) {
-        Ok(d) if d >= Duration::from_millis(100) && d <= Duration::from_secs(300) => d,
+    let read_timeout = duration_within(p, "admin.read_timeout", &a.read_timeout, (Duration::from_millis(100), Duration::from_secs(300)), "100ms and 5m", Duration::from_secs(10));
+    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh, tls, max_connections, read_timeout }
+}
+
+/// `text` as a duration within `range` (`range_text` in the error), else
+/// `fallback` and the problem reported under `field`.
+fn duration_within(p: &mut Problems, field: &'static str, text: &str, range: (Duration, Duration), range_text: &str, fallback: Duration) -> Duration {
+    match parse_duration(text) {
+        Ok(d) if d >= range.0 && d <= range.1 => d,
         Ok(_) => {
-            p.add("admin.read_timeout", "must be between 100ms and 5m");
-            Duration::from_secs(10)
+            p.add(field, format!("must be between {range_text}"));
+            fallback
         }
         Err(e) => {
-            p.add("admin.read_timeout", e);
-            Duration::from_secs(10)
+            p.add(field, e);
+            fallback
         }
-    };
-    AdminConfig { listen, token_file: a.token_file, read_token_file: a.read_token_file, overrides_refresh, tls, max_connections, read_timeout }
+    }
 }
 
 /// A duration such as "500ms", "1s", "2m", "1h" or "1d": a whole number and
@@ -757,6 +753,13 @@ fn valid_log_filter(filter: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// `text` refused, with an error that says `says`.
+    #[track_caller]
+    fn refused(text: &str, says: &str) {
+        let e = parse(text).unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+    }
+
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse(Path::new("test.toml"), text)
     }
@@ -841,8 +844,7 @@ mod tests {
     fn secrets_are_named_not_read() {
         let r = redis_of(parse("[redis]\npassword_env = \"RATELIMITD_TEST_UNSET_VAR\"\n").unwrap());
         assert_eq!(r.password, Some(SecretSource::Env("RATELIMITD_TEST_UNSET_VAR".into())));
-        let e = parse("[redis]\npassword_file = \"/x\"\npassword_env = \"X\"\n").unwrap_err().to_string();
-        assert!(e.contains("redis.password_file: set password_file or password_env, not both"), "{e}");
+        refused("[redis]\npassword_file = \"/x\"\npassword_env = \"X\"\n", "redis.password_file: set password_file or password_env, not both");
     }
 
     #[test]
@@ -852,14 +854,10 @@ mod tests {
         assert_eq!(s.master_name, "mymaster");
         assert_eq!(s.addresses, [HostPort { host: "127.0.0.1".into(), port: 26379 }, HostPort { host: "::1".into(), port: 26380 }]);
         assert_eq!(s.addresses[1].to_string(), "[::1]:26380");
-        let e = parse("[redis]\nurl = \"redis://h\"\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap_err().to_string();
-        assert!(e.contains("redis.url"), "{e}");
-        let e = parse("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h\"]\n").unwrap_err().to_string();
-        assert!(e.contains("redis.sentinel.addresses"), "{e}");
-        let e = parse("[redis]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
-        assert!(e.contains("needs a rediss:// url"), "{e}");
-        let e = parse("[redis]\nurl = \"rediss://h\"\ntls_cert_file = \"/c\"\n").unwrap_err().to_string();
-        assert!(e.contains("redis.tls_key_file: tls_cert_file and tls_key_file go together"), "{e}");
+        refused("[redis]\nurl = \"redis://h\"\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n", "redis.url");
+        refused("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h\"]\n", "redis.sentinel.addresses");
+        refused("[redis]\ntls_ca_file = \"/etc/hostname\"\n", "needs a rediss:// url");
+        refused("[redis]\nurl = \"rediss://h\"\ntls_cert_file = \"/c\"\n", "redis.tls_key_file: tls_cert_file and tls_key_file go together");
     }
 
     #[test]
@@ -871,20 +869,14 @@ mod tests {
         assert_eq!(ok.describe(), "cluster 10.0.0.1:6379,[::1]:7000");
         let tls = redis_of(parse("[redis]\ncluster = [\"h:1\"]\ncluster_tls = true\ntls_ca_file = \"/etc/hostname\"\n").unwrap());
         assert!(matches!(&tls.target, RedisTarget::Cluster(c) if c.tls));
-        let e = parse("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = true\n").unwrap_err().to_string();
-        assert!(e.contains("redis.batch_cold_keys: not with redis.cluster"), "{e}");
-        let e = parse("[redis]\ncluster = []\n").unwrap_err().to_string();
-        assert!(e.contains("redis.cluster: needs at least one"), "{e}");
+        refused("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = true\n", "redis.batch_cold_keys: not with redis.cluster");
+        refused("[redis]\ncluster = []\n", "redis.cluster: needs at least one");
         let e = parse("[redis]\ncluster = [\"h\", \"h:0\", \"h:70000\"]\n").unwrap_err().to_string();
         assert_eq!(e.matches("is not \"host:port\"").count(), 3, "{e}");
-        let e = parse("[redis]\nurl = \"redis://h\"\ncluster = [\"h:1\"]\n").unwrap_err().to_string();
-        assert!(e.contains("redis.url: leave it unset with redis.cluster"), "{e}");
-        let e = parse("[redis]\ncluster = [\"h:1\"]\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap_err().to_string();
-        assert!(e.contains("redis.cluster: set [redis.sentinel] or redis.cluster, not both"), "{e}");
-        let e = parse("[redis]\ncluster_tls = true\n").unwrap_err().to_string();
-        assert!(e.contains("redis.cluster_tls: applies to redis.cluster only"), "{e}");
-        let e = parse("[redis]\ncluster = [\"h:1\"]\ntls_ca_file = \"/etc/hostname\"\n").unwrap_err().to_string();
-        assert!(e.contains("redis.tls_ca_file: needs a rediss:// url, or cluster_tls = true"), "{e}");
+        refused("[redis]\nurl = \"redis://h\"\ncluster = [\"h:1\"]\n", "redis.url: leave it unset with redis.cluster");
+        refused("[redis]\ncluster = [\"h:1\"]\n[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n", "redis.cluster: set [redis.sentinel] or redis.cluster, not both");
+        refused("[redis]\ncluster_tls = true\n", "redis.cluster_tls: applies to redis.cluster only");
+        refused("[redis]\ncluster = [\"h:1\"]\ntls_ca_file = \"/etc/hostname\"\n", "redis.tls_ca_file: needs a rediss:// url, or cluster_tls = true");
     }
 
     #[test]
@@ -930,8 +922,7 @@ mod tests {
     fn metrics_only_on_loopback() {
         assert!(parse("[metrics]\nlisten = \"127.0.0.1:9464\"\n").is_ok());
         assert!(parse("[metrics]\nlisten = \"[::1]:9464\"\n").is_ok());
-        let e = parse("[metrics]\nlisten = \"0.0.0.0:9464\"\n").unwrap_err().to_string();
-        assert!(e.contains("metrics.listen"), "{e}");
+        refused("[metrics]\nlisten = \"0.0.0.0:9464\"\n", "metrics.listen");
     }
 
     #[test]
@@ -972,29 +963,23 @@ mod tests {
         let e = parse("[redis]\nurl = \"redis://127.0.0.1\"\ntimout = \"5ms\"\n").unwrap_err().to_string();
         assert!(e.starts_with("test.toml: line 3:"), "{e}");
         assert!(e.contains("unknown field `timout`"), "{e}");
-        let e = parse("[sever]\n").unwrap_err().to_string();
-        assert!(e.contains("unknown field `sever`"), "{e}");
+        refused("[sever]\n", "unknown field `sever`");
     }
 
     #[test]
     fn invalid_values_name_the_field() {
         let e = parse("[server]\nsocket_mode = \"0999\"\n").unwrap_err().to_string();
         assert_eq!(e, "test.toml: server.socket_mode: '0999' is not an octal mode such as \"0660\"");
-        let e = parse("[redis]\ntimeout_ms = 0\n").unwrap_err().to_string();
-        assert!(e.contains("redis.timeout_ms"), "{e}");
+        refused("[redis]\ntimeout_ms = 0\n", "redis.timeout_ms");
         let e = parse("[server]\nwrite_timeout_ms = 0\n").unwrap_err().to_string();
         assert_eq!(e, "test.toml: server.write_timeout_ms: must be at least 1");
-        let e = parse("[redis]\nkey_prefix = \"a{b}\"\n").unwrap_err().to_string();
-        assert!(e.contains("redis.key_prefix"), "{e}");
-        let e = parse("[redis]\nurl = \"http://x\"\n").unwrap_err().to_string();
-        assert!(e.contains("redis.url"), "{e}");
-        let e = parse("[log]\nlevel = \"infoo\"\n").unwrap_err().to_string();
-        assert!(e.contains("log.level"), "{e}");
+        refused("[redis]\nkey_prefix = \"a{b}\"\n", "redis.key_prefix");
+        refused("[redis]\nurl = \"http://x\"\n", "redis.url");
+        refused("[log]\nlevel = \"infoo\"\n", "log.level");
         assert!(parse("[log]\nlevel = \"warn,ratelimitd=debug\"\n").is_ok());
         let e = parse("[redis]\nurl = \"http://u:secret@x\"\n").unwrap_err().to_string();
         assert!(!e.contains("secret"), "{e}");
-        let e = parse("[redis]\nclock = \"ntp\"\n").unwrap_err().to_string();
-        assert!(e.contains("line 2"), "{e}");
+        refused("[redis]\nclock = \"ntp\"\n", "line 2");
     }
 
     #[test]
@@ -1110,15 +1095,12 @@ mod tests {
             ("penalty = { after = 3, within = \"1m\", ban = \"1m\" }\nalgorithm = \"gcra\"", "penalty needs algorithm = \"log\""),
             ("penalty = { after = 3, within = \"1m\", ban = \"1m\" }\nshards = 2", "penalty is not supported with shards = 2"),
         ] {
-            let e = parse(&policy(bad)).unwrap_err().to_string();
-            assert!(e.contains(&format!("policy.penalty: policy 'login': {says}")), "{bad}: {e}");
+            refused(&policy(bad), &format!("policy.penalty: policy 'login': {says}"));
         }
-        let e = parse("[[policy]]\nname = \"c\"\nlimit = 5\nalgorithm = \"concurrency\"\nlease = \"30s\"\npenalty = { after = 3, within = \"1m\", ban = \"1m\" }\n").unwrap_err().to_string();
-        assert!(e.contains("penalty is not supported with algorithm = \"concurrency\""), "{e}");
-        let e = parse(&policy("penalty = { after = 3, within = \"1m\", ban = \"1m\", forever = true }")).unwrap_err().to_string();
-        assert!(e.contains("forever"), "an unknown field is named: {e}");
-        let e = parse(&policy("penalty = { after = 3, ban = \"1m\" }")).unwrap_err().to_string();
-        assert!(e.contains("within"), "a missing field is named: {e}");
+        refused("[[policy]]\nname = \"c\"\nlimit = 5\nalgorithm = \"concurrency\"\nlease = \"30s\"\npenalty = { after = 3, within = \"1m\", ban = \"1m\" }\n", "penalty is not supported with algorithm = \"concurrency\"");
+        // An unknown field is named, and a missing one.
+        refused(&policy("penalty = { after = 3, within = \"1m\", ban = \"1m\", forever = true }"), "forever");
+        refused(&policy("penalty = { after = 3, ban = \"1m\" }"), "within");
     }
 
     #[test]
@@ -1132,11 +1114,9 @@ mod tests {
             ("shards = -1", "shards -1 is outside 1..=64"),
             ("shards = 8\n[policy.overrides]\nsmall = 5", "shards 8 is above the override 5 of \"small\""),
         ] {
-            let e = parse(&policy(bad)).unwrap_err().to_string();
-            assert!(e.contains(&format!("policy.shards: policy 'hot': {says}")), "{bad}: {e}");
+            refused(&policy(bad), &format!("policy.shards: policy 'hot': {says}"));
         }
-        let e = parse("[[policy]]\nname = \"tiny\"\nlimit = 3\nwindow = \"1s\"\nshards = 4\n").unwrap_err().to_string();
-        assert!(e.contains("shards 4 is above its limit 3"), "{e}");
+        refused("[[policy]]\nname = \"tiny\"\nlimit = 3\nwindow = \"1s\"\nshards = 4\n", "shards 4 is above its limit 3");
         // "unlimited" overrides take no shards.
         assert!(parse(&policy("shards = 8\n[policy.overrides]\nfree = \"unlimited\"")).is_ok());
     }
@@ -1174,8 +1154,7 @@ mod tests {
         assert!(text.contains("override of \"j\" is 'lots'"), "{text}");
         assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nburst = 2\n").unwrap_err().to_string().contains("unknown field `burst`"));
         assert!(parse("[[policy]]\nname = \"a\"\nlimit = 1\n").unwrap_err().to_string().contains("policy 'a': missing field `window` (such as \"1s\"), or algorithm = \"concurrency\" with a lease"));
-        let e = parse("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nlocal_limit = 3\n").unwrap_err().to_string();
-        assert!(e.contains("local_limit needs on_error"), "{e}");
+        refused("[[policy]]\nname = \"a\"\nlimit = 1\nwindow = \"1s\"\nlocal_limit = 3\n", "local_limit needs on_error");
     }
 
     #[test]
