@@ -19,10 +19,10 @@ pub enum ConfigError {
     Read { path: PathBuf, err: std::io::Error },
     /// The file does not fit its schema: every error found, in file order
     /// (a syntax error alone: what follows it cannot be read).
-    #[error("{}", ParseErrors { path, errors })]
+    #[error("{}", FileErrors { path, errors })]
     Parse { path: PathBuf, errors: Vec<ParseError> },
     /// Every field that parsed but cannot work, in file order.
-    #[error("{}", FieldErrors { path, errors })]
+    #[error("{}", FileErrors { path, errors })]
     Invalid { path: PathBuf, errors: Vec<FieldError> },
 }
 
@@ -33,20 +33,9 @@ pub struct FieldError {
     pub message: String,
 }
 
-struct FieldErrors<'a> {
-    path: &'a Path,
-    errors: &'a [FieldError],
-}
-
-impl fmt::Display for FieldErrors<'_> {
+impl fmt::Display for FieldError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, e) in self.errors.iter().enumerate() {
-            if i > 0 {
-                f.write_str("\n")?;
-            }
-            write!(f, "{}: {}: {}", self.path.display(), e.field, e.message)?;
-        }
-        Ok(())
+        write!(f, "{}: {}", self.field, self.message)
     }
 }
 
@@ -58,18 +47,25 @@ pub struct ParseError {
     pub message: String,
 }
 
-struct ParseErrors<'a> {
-    path: &'a Path,
-    errors: &'a [ParseError],
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.message)
+    }
 }
 
-impl fmt::Display for ParseErrors<'_> {
+/// A file's errors, a line each, each led by the file's path.
+struct FileErrors<'a, E> {
+    path: &'a Path,
+    errors: &'a [E],
+}
+
+impl<E: fmt::Display> fmt::Display for FileErrors<'_, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (i, e) in self.errors.iter().enumerate() {
             if i > 0 {
                 f.write_str("\n")?;
             }
-            write!(f, "{}: line {}: {}", self.path.display(), e.line, e.message)?;
+            write!(f, "{}: {e}", self.path.display())?;
         }
         Ok(())
     }
