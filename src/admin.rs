@@ -129,7 +129,7 @@ async fn scan_slot(conn: &mut LinkConnection, slot_key: &[u8], pattern: &[u8]) -
 
 /// The key the daemon counts a policy's key under: the name's length
 /// byte, the name and the key, as a CHECK_POLICY frame carries them
-/// (`PolicyCheckRequest::scoped_key`; a unit test holds the two together).
+/// (`PolicyItem::scoped_key`; a unit test holds the two together).
 fn scoped_key(name: &str, key: &str) -> Vec<u8> {
     let mut scoped = Vec::with_capacity(1 + name.len() + key.len());
     scoped.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
@@ -405,6 +405,6 @@ mod tests {
         encode_policy_request(1, &PolicyCheckArgs { policy: b"per_tenant", key: b"tenant-a", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, &mut frame);
         let body = frame.freeze().slice(4..);
         let Inbound::Request(Request::PolicyCheck(req)) = parse_request(body, &Bounds::default()) else { panic!("not a CHECK_POLICY") };
-        assert_eq!(&req.scoped_key[..], &scoped_key("per_tenant", "tenant-a")[..]);
+        assert_eq!(&req.item.scoped_key[..], &scoped_key("per_tenant", "tenant-a")[..]);
     }
 }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::park::Parking;
 use crate::protocol::Algorithm;
 use crate::window::{LimitSpec, Verdict};
 
@@ -382,6 +383,9 @@ pub struct LocalStore {
     /// backend's settle records; Redis keeps its own).
     settles: Mutex<HashMap<Box<[u8]>, SettleRecord>>,
     max_keys: usize,
+    /// The sweeper, parked while the store is empty: woken by whatever
+    /// adds a key, a lease or a settle record.
+    sweeper: Parking,
 }
 
 /// The windows hold `max_keys` keys already, none of them idle.
@@ -400,6 +404,7 @@ impl LocalStore {
             leases: Mutex::new(HashMap::new()),
             settles: Mutex::new(HashMap::new()),
             max_keys,
+            sweeper: Parking::new(),
         }
     }
 
@@ -433,6 +438,7 @@ impl LocalStore {
                 return Err(LocalStoreFull(self.max_keys));
             }
         }
+        self.sweeper.work_arrived();
         let held = all.entry(key.into()).or_default();
         held.retain(|&(_, until, _)| until > now);
         let count: u32 = held.iter().map(|&(_, _, c)| c).sum();
@@ -489,7 +495,10 @@ impl LocalStore {
         }
         let w = match shard.get_mut(name) {
             Some(w) => w,
-            None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
+            None => {
+                self.sweeper.work_arrived();
+                shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() })
+            }
         };
         match algorithm {
             Algorithm::Log | Algorithm::Ring => {}
@@ -529,6 +538,7 @@ impl LocalStore {
                     }
                 }
                 map.insert(names[k].clone(), KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() });
+                self.sweeper.work_arrived();
             }
         }
         let mut fits = Vec::with_capacity(items.len());
@@ -589,6 +599,7 @@ impl LocalStore {
                     }
                 }
                 map.insert(names[k].clone(), KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() });
+                self.sweeper.work_arrived();
             }
         }
         let mut before = Vec::with_capacity(items.len());
@@ -621,6 +632,8 @@ impl LocalStore {
                 settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS, charged, born });
             }
         }
+        // Under the settles' lock, as src/park.rs asks.
+        self.sweeper.work_arrived();
         Ok((true, verdicts))
     }
 
@@ -644,7 +657,10 @@ impl LocalStore {
         // room: the cost was incurred.
         let w = match shard.get_mut(name) {
             Some(w) => w,
-            None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
+            None => {
+                self.sweeper.work_arrived();
+                shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() })
+            }
         };
         let (actual, est, limit) = (u64::from(spec.cost), rec.estimate, u64::from(spec.limit));
         match algorithm {
@@ -711,21 +727,37 @@ impl LocalStore {
         (guards, at)
     }
 
-    /// Frees the memory of idle keys once a second until `shutdown`.
+    /// Frees the memory of idle keys once a second until `shutdown`; parks
+    /// while the store holds nothing, until a key, lease or settle record
+    /// is added (an idle daemon has no timer firing for it).
     pub async fn sweep_every_second(self: Arc<Self>, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {
-                    let removed = self.sweep_at(self.now_ms());
-                    if removed > 0 {
-                        tracing::trace!(removed, "swept idle per-host keys");
-                    }
-                }
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            self.sweeper.about_to_park();
+            let removed = self.sweep_at(self.now_ms());
+            if removed > 0 {
+                tracing::trace!(removed, "swept idle per-host keys");
+            }
+            if !self.is_empty() {
+                self.sweeper.stay_awake();
+                continue;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.sweeper.parked() => {}
             }
         }
+    }
+
+    /// Whether no key, lease or settle record is held (each looked at under
+    /// its lock, after `about_to_park`: see src/park.rs).
+    fn is_empty(&self) -> bool {
+        self.shards.iter().all(|s| s.lock().unwrap_or_else(|e| e.into_inner()).is_empty())
+            && self.leases.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+            && self.settles.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
     }
 
     /// Drops keys whose every admission has left the window; returns how many.

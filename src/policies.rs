@@ -86,22 +86,6 @@ pub fn unknown_requests() -> u64 {
     UNKNOWN_POLICY_REQUESTS.load(Ordering::Relaxed)
 }
 
-/// A coarse clock for "when was this policy last used": seconds since the
-/// daemon started, plus one (0 = the clock does not run: never used), set
-/// once a second by the daemon (`tick_use_clock`), so the request path
-/// reads an atomic instead of the time.
-static USE_CLOCK_SECS: AtomicU64 = AtomicU64::new(0);
-
-/// Sets the use clock (seconds since start, plus one).
-pub fn tick_use_clock(secs: u64) {
-    USE_CLOCK_SECS.store(secs, Ordering::Relaxed);
-}
-
-/// The use clock's reading now.
-pub fn use_clock() -> u64 {
-    USE_CLOCK_SECS.load(Ordering::Relaxed)
-}
-
 /// One policy's counters: an atomic per outcome, added to with one relaxed
 /// operation; and when it was last used (the use clock, 0: never), which a
 /// reload reads to refuse removing a policy that serves (docs/OPERATIONS.md).
@@ -123,7 +107,7 @@ impl PolicyCounters {
     pub fn count(&self, o: Outcome) {
         self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
         // Written once a second at most: a load of a shared line, no store.
-        let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
+        let now = crate::use_clock::now();
         if self.last_used.load(Ordering::Relaxed) != now {
             self.last_used.store(now, Ordering::Relaxed);
         }
@@ -139,7 +123,7 @@ impl PolicyCounters {
     /// `uses`: in use for the reload refusal as a decided request is, and
     /// each use one a reload must keep possible.
     pub fn described(&self, uses: PolicyUses) {
-        let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
+        let now = crate::use_clock::now();
         for slot in std::iter::once(&self.last_described).chain(uses.iter().map(|u| &self.described_uses[u as usize])) {
             if slot.load(Ordering::Relaxed) != now {
                 slot.store(now, Ordering::Relaxed);

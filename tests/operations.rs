@@ -13,34 +13,20 @@ use common::ops::{metrics, sample, snippet, SNIPPET};
 use common::{is_root, wait_until, Daemon, Nginx, RedisServer, WORKER_GROUP};
 use nix::sys::signal::Signal;
 
-const POLICIES: &str = r#"
-[[policy]]
-name = "login"
-limit = 100
-window = "60s"
+fn policies() -> String {
+    common::rate_policies(&[("login", 100, "60s"), ("spare", 5, "60s")])
+}
 
-[[policy]]
-name = "spare"
-limit = 5
-window = "60s"
-"#;
-
-const LOCATIONS: &str = r#"
-    location /login {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "login", on_error = "closed" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-"#;
+fn locations() -> String {
+    common::ops::tenant_locations(&[("/login", r#"{ policy = "login", on_error = "closed" }"#)])
+}
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    common::ops::gateway(socket, "", LOCATIONS)
+    common::ops::gateway(socket, "", &locations())
 }
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    common::ops::daemon_with_metrics(redis, POLICIES)
+    common::ops::daemon_with_metrics(redis, &policies())
 }
 
 fn status(url: &str) -> u16 {
@@ -116,7 +102,7 @@ fn a_reload_removing_a_policy_nginx_described_at_worker_start_is_refused_before_
     let d = daemon(&redis);
     // `spare` is named by a limiter built at worker start, and never asked a decision.
     let init = "init_worker_by_lua_block { spare = require(\"resty.ratelimitd.limiters\").build{ spare = { policy = \"spare\", on_error = \"open\" } } }";
-    let nginx = common::ops::gateway(&d.socket, init, LOCATIONS);
+    let nginx = common::ops::gateway(&d.socket, init, &locations());
     wait_until("nginx described spare", Duration::from_secs(10), || nginx.error_log().contains("policy \"spare\" described by the daemon"));
     let text = metrics(&d);
     assert_eq!(sample(&text, "ratelimitd_policy_requests_total{policy=\"spare\",outcome=\"admitted\"} "), 0.0, "spare decided nothing");

@@ -50,8 +50,8 @@ impl<'a> Item<'a> {
             algorithm: r.algorithm,
             shadow: false,
             shards: 1,
-            on_error: r.on_error,
-            local_limit: r.local_limit,
+            on_error: r.header.on_error,
+            local_limit: r.header.local_limit,
         }
     }
 
@@ -66,8 +66,8 @@ impl<'a> Item<'a> {
             algorithm: Algorithm::Log,
             shadow: false,
             shards: 1,
-            on_error: r.on_error,
-            local_limit: r.local_limit,
+            on_error: r.header.on_error,
+            local_limit: r.header.local_limit,
         }
     }
 
