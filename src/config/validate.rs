@@ -212,10 +212,11 @@ fn secret_source(p: &mut Problems, file_field: &'static str, file: Option<PathBu
     }
 }
 
-/// `None` only when the section had errors (they are in `p`).
-fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<String>) -> Option<RedisConfig> {
-    let before = p.0.len();
-    let target = match (r.sentinel, r.cluster) {
+/// Where `[redis]` points: one Redis (`url`), a master through sentinels
+/// (`[redis.sentinel]`) or a Cluster (`cluster`), and what is wrong with
+/// that choice; those fields taken out of `r`.
+fn redis_target(r: &mut file::RedisSection, p: &mut Problems) -> RedisTarget {
+    match (r.sentinel.take(), r.cluster.take()) {
         (Some(_), Some(_)) => {
             p.add("redis.cluster", "set [redis.sentinel] or redis.cluster, not both");
             RedisTarget::Url(DEFAULT_REDIS_URL.to_string())
@@ -257,25 +258,22 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
             RedisTarget::Sentinel(SentinelConfig { master_name: s.master_name, addresses, username: s.username, password })
         }
         (None, None) => {
-            let url = r.url.unwrap_or_else(|| DEFAULT_REDIS_URL.to_string());
+            let url = r.url.take().unwrap_or_else(|| DEFAULT_REDIS_URL.to_string());
             if let Err(e) = redis::Client::open(url.as_str()) {
                 p.add("redis.url", format!("'{}' is not a Redis URL: {e}", redacted_url(&url)));
             }
             RedisTarget::Url(url)
         }
-    };
-    // Unset: on where the topology allows it. Asked for on a Cluster: the
-    // same refusal at start, reload and check-config (all come here), so
-    // that no daemon runs without what its file says.
-    let one_node = !matches!(&target, RedisTarget::Cluster(_));
-    if r.batch_cold_keys == Some(true) && !one_node {
-        p.add("redis.batch_cold_keys", "not with redis.cluster: one call's keys would span slots (leave it unset: off on a Cluster, on elsewhere)");
     }
-    let batch_cold_keys = r.batch_cold_keys.unwrap_or(one_node);
-    if r.cluster_tls && !matches!(&target, RedisTarget::Cluster(_)) {
+}
+
+/// `[redis]`'s TLS files, each only where the target speaks TLS, the
+/// client's certificate and key together; those fields taken out of `r`.
+fn redis_tls(target: &RedisTarget, r: &mut file::RedisSection, p: &mut Problems) -> TlsFiles {
+    if r.cluster_tls && !matches!(target, RedisTarget::Cluster(_)) {
         p.add("redis.cluster_tls", "applies to redis.cluster only (a single Redis says rediss:// in its url)");
     }
-    let tls_target = match &target {
+    let tls_target = match target {
         RedisTarget::Url(u) => u.starts_with("rediss://"),
         RedisTarget::Cluster(c) => c.tls,
         RedisTarget::Sentinel(_) => false,
@@ -285,7 +283,7 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
             p.add(field, "needs a rediss:// url, or cluster_tls = true with redis.cluster");
         }
     }
-    let client = match (r.tls_cert_file, r.tls_key_file) {
+    let client = match (r.tls_cert_file.take(), r.tls_key_file.take()) {
         (Some(cert), Some(key)) => Some((cert, key)),
         (None, None) => None,
         _ => {
@@ -293,6 +291,22 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
             None
         }
     };
+    TlsFiles { ca: r.tls_ca_file.take(), client }
+}
+
+/// `None` only when the section had errors (they are in `p`).
+fn redis_config(mut r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<String>) -> Option<RedisConfig> {
+    let before = p.0.len();
+    let target = redis_target(&mut r, p);
+    // Unset: on where the topology allows it. Asked for on a Cluster: the
+    // same refusal at start, reload and check-config (all come here), so
+    // that no daemon runs without what its file says.
+    let one_node = !matches!(&target, RedisTarget::Cluster(_));
+    if r.batch_cold_keys == Some(true) && !one_node {
+        p.add("redis.batch_cold_keys", "not with redis.cluster: one call's keys would span slots (leave it unset: off on a Cluster, on elsewhere)");
+    }
+    let batch_cold_keys = r.batch_cold_keys.unwrap_or(one_node);
+    let tls = redis_tls(&target, &mut r, p);
     let password = secret_source(p, "redis.password_file", r.password_file, r.password_env);
     let breaker_failures = in_range(p, "redis.breaker_failures", r.breaker_failures.into(), 1000) as u32;
     let (timeout_field, timeout_ms) = duration_ms(p, deprecated, ("redis.timeout", r.timeout), ("redis.timeout_ms", r.timeout_ms), 20);
@@ -311,7 +325,7 @@ fn redis_config(r: file::RedisSection, p: &mut Problems, deprecated: &mut Vec<St
         target,
         username: r.username,
         password,
-        tls: TlsFiles { ca: r.tls_ca_file, client },
+        tls,
         timeout,
         connect_timeout,
         breaker_failures,
