@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::Notify;
 
+#[derive(Debug, Default)]
 pub struct Parking {
     parked: AtomicBool,
     wake: Notify,
@@ -57,14 +58,3 @@ impl Parking {
     }
 }
 
-impl Default for Parking {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl std::fmt::Debug for Parking {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Parking").field("parked", &self.parked.load(Ordering::Relaxed)).finish()
-    }
-}

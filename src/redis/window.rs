@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redis::{RedisWrite, Script, ToRedisArgs};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::coalesce::{Answer, Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
@@ -237,7 +238,20 @@ impl RedisWindow {
                 let _lead = Lead { window: self, fp };
                 self.check_cold(spec, algorithm).await
             }
-            Join::Wait(rx) => self.answer_of_batch(rx).await,
+            Join::Wait(rx) => self.batched_answer(rx).await,
+        }
+    }
+
+    /// The answer a batched call sends back to a request queued on it,
+    /// within the deadline. At the deadline its queue place is skipped if
+    /// the batch has not started yet; else it may still be counted, as any
+    /// call cut at its deadline.
+    async fn batched_answer(&self, rx: oneshot::Receiver<Answer>) -> Result<Verdict, StoreError> {
+        let limit = self.link.timeout();
+        match tokio::time::timeout(limit, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
+            Err(_) => Err(StoreError::Timeout(limit)),
         }
     }
 
@@ -254,19 +268,7 @@ impl RedisWindow {
                 let _lane = ColdLane { window: self };
                 self.check_at_with(spec, algorithm, self.now_arg()).await
             }
-            Lane::Queued(rx) => self.answer_of_batch(rx).await,
-        }
-    }
-
-    /// A waiter's answer from the call that carries it, within the link's
-    /// timeout. Its queue place is skipped if the batch has not started
-    /// yet; else it may still be counted, as any call cut at its deadline.
-    async fn answer_of_batch(&self, rx: tokio::sync::oneshot::Receiver<Answer>) -> Answer {
-        let limit = self.link.timeout();
-        match tokio::time::timeout(limit, rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
-            Err(_) => Err(StoreError::Timeout(limit)),
+            Lane::Queued(rx) => self.batched_answer(rx).await,
         }
     }
 
@@ -701,7 +703,7 @@ fn wall_clock_ms() -> u64 {
 
 /// Each waiter of a call across requests its own verdict, in order, or the
 /// call's error. A waiter gone by now (its deadline passed) is skipped.
-fn answer_each(waiters: impl Iterator<Item = tokio::sync::oneshot::Sender<Answer>>, verdicts: Result<Vec<Verdict>, StoreError>) {
+fn answer_each(waiters: impl Iterator<Item = oneshot::Sender<Answer>>, verdicts: Result<Vec<Verdict>, StoreError>) {
     match verdicts {
         Ok(verdicts) => {
             for (tx, v) in waiters.zip(verdicts) {
