@@ -140,6 +140,7 @@ impl Client {
         self.round_trip(id).await
     }
 
+    /// The next request's id; the write buffer emptied for it.
     fn take_id(&mut self) -> u32 {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
@@ -147,6 +148,7 @@ impl Client {
         id
     }
 
+    /// Sends the write buffer and reads the answer, which must be to `id`.
     async fn round_trip(&mut self, id: u32) -> Result<Response, ClientError> {
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;

@@ -20,7 +20,7 @@ use crate::metrics_server::{self, BreakerState, ConfigStatus, Live, RefusalReaso
 use crate::policies::{counts_restart, Policies, Policy};
 use crate::protocol::{PolicyUse, PolicyUses};
 use crate::redis::{RedisWindow, StartError};
-use crate::server::{self, Reloadable, ServerSettings};
+use crate::server::{self, Reloadable};
 use crate::socket::{BoundSocket, SocketError};
 
 #[derive(Debug, thiserror::Error)]
@@ -529,7 +529,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         }
     };
     wait_for_redis_at_start(&cfg, &active).await;
-    let settings = ServerSettings::from(s);
+    let settings = s.clone();
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
     let mut current = cfg.clone();

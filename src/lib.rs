@@ -30,8 +30,9 @@
 //! | operations | `admin` | a key's windows in Redis: inspect, reset |
 //! | admin service | `admin_api` | the admin API: listener and routes (`server`), overrides in Redis and their refresh (`store`), the fleet's change log of overrides and lifts (`changes`), the penalty box's bans (`bans`), its `client`, `tls`, RFC 3339 `time` |
 //! | edges | `daemon`, `bench`, `top` | `serve` wiring and reloads; the load generator; `ratelimitd top` |
+//! | command line | `cli` | the binary's (`main.rs`'s `mod cli`, over this library): one file per command, `serve` (+ `logging`), what they share (`common`), `check_config`, `config_show`, `query`, `keys` (inspect, reset), `overrides`, `bans`, `top`, `bench`; the admin API as they call it (`admin`) |
 //!
-//! `main.rs` is the command line over this library. Modules are private
+//! `main.rs` and `cli/` are the command line over this library. Modules are private
 //! unless the command line or the integration tests use them.
 #![forbid(unsafe_code)]
 

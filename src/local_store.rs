@@ -363,11 +363,14 @@ fn wall_clock_ms() -> u64 {
 /// A lease held: its id, when it expires on the store's clock, its slots.
 type Lease = (Box<[u8]>, u64, u32);
 
+/// One shard's windows, by window name.
+type Windows = HashMap<Box<[u8]>, KeyWindow>;
+
 /// The per-host windows, shared by all connections of the process and kept
 /// across configuration reloads, so that a reload forgets no admission.
 #[derive(Debug)]
 pub struct LocalStore {
-    shards: Vec<Mutex<HashMap<Box<[u8]>, KeyWindow>>>,
+    shards: Vec<Mutex<Windows>>,
     hasher: RandomState,
     keys_per_shard: usize,
     /// Origin of the store's monotonic clock: immune to wall-clock steps.
@@ -471,7 +474,7 @@ impl LocalStore {
         Verdict { allowed: released, count, ..Verdict::default() }
     }
 
-    fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
+    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Windows> {
         // A poisoned shard only means another thread panicked mid-update of
         // plain counters; the data is still usable.
         self.lock(self.shard_index(key))
@@ -523,13 +526,8 @@ impl LocalStore {
 
     fn check_multi_at(&self, items: &[(LimitSpec<'_>, bool)], now_ms: u64) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
         let names: Vec<Box<[u8]>> = items.iter().map(|(s, _)| Box::from(WindowName::new(s, Algorithm::Log).as_bytes())).collect();
-        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
-        let mut order = shard_of.clone();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>>> = order.iter().map(|&i| self.lock(i)).collect();
         // Item k's map is guards[at[k]].
-        let at: Vec<usize> = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        let (mut guards, at) = self.lock_all(&names);
         for (k, (spec, _)) in items.iter().enumerate() {
             let map = &mut guards[at[k]];
             if !map.contains_key(&names[k]) {
@@ -589,12 +587,8 @@ impl LocalStore {
                 return Err(LocalStoreFull(self.max_keys));
             }
         }
-        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
-        let mut order = shard_of.clone();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>>> = order.iter().map(|&i| self.lock(i)).collect();
-        let at: Vec<usize> = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        // Item k's map is guards[at[k]].
+        let (mut guards, at) = self.lock_all(&names);
         for (k, (spec, _, _)) in items.iter().enumerate() {
             let map = &mut guards[at[k]];
             if !map.contains_key(&names[k]) {
@@ -716,8 +710,21 @@ impl LocalStore {
         (self.hasher.hash_one(name) as usize) % SHARDS
     }
 
-    fn lock(&self, i: usize) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
+    fn lock(&self, i: usize) -> MutexGuard<'_, Windows> {
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The shards of `names` locked, each once and in ascending order (two
+    /// calls locking several cannot deadlock), and for each name the index
+    /// of its shard's guard.
+    fn lock_all(&self, names: &[Box<[u8]>]) -> (Vec<MutexGuard<'_, Windows>>, Vec<usize>) {
+        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let guards = order.iter().map(|&i| self.lock(i)).collect();
+        let at = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        (guards, at)
     }
 
     /// Frees the memory of idle keys once a second until `shutdown`; parks

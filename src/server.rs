@@ -60,30 +60,6 @@ const OUT_HIGH_WATER: usize = 64 * 1024;
 /// Free space the read buffer is given before each read.
 const READ_RESERVE: usize = 4096;
 
-/// Connection handling settings, from `[server]`; fixed for the daemon's life.
-#[derive(Debug, Clone)]
-pub struct ServerSettings {
-    pub max_connections: usize,
-    pub max_in_flight_per_connection: usize,
-    pub shutdown_grace: Duration,
-    pub idle_timeout: Duration,
-    pub frame_timeout: Duration,
-    pub write_timeout: Duration,
-}
-
-impl From<&ServerConfig> for ServerSettings {
-    fn from(s: &ServerConfig) -> Self {
-        Self {
-            max_connections: s.max_connections,
-            max_in_flight_per_connection: s.max_in_flight_per_connection,
-            shutdown_grace: s.shutdown_grace,
-            idle_timeout: s.idle_timeout,
-            frame_timeout: s.frame_timeout,
-            write_timeout: s.write_timeout,
-        }
-    }
-}
-
 /// What a configuration reload replaces for the frames still to come: the
 /// bounds they are validated against and the limiter that decides them.
 #[derive(Debug, Clone)]
@@ -98,7 +74,7 @@ pub struct Reloadable {
 /// Serves `listener` until `shutdown` completes, then drains. Each request
 /// is validated and decided with what is current on `reloadable` when its
 /// frame is read; a reload may send a new one at any time.
-pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>, settings: ServerSettings, shutdown: impl Future) {
+pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>, settings: ServerConfig, shutdown: impl Future) {
     let tracker = TaskTracker::new();
     let shared = Arc::new(Shared {
         slots: Slots::new(settings.max_connections),
@@ -128,7 +104,8 @@ pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>
 
 /// What every handler shares.
 struct Shared {
-    settings: ServerSettings,
+    /// `[server]`, fixed for the daemon's life.
+    settings: ServerConfig,
     slots: Arc<Slots>,
     /// Invalid requests, one log per code (indexed like `ErrorCode::ALL`).
     invalid_logs: Box<[RateLimitedLog]>,
@@ -346,7 +323,7 @@ enum Abort {
 /// One connection's state between the steps of `Handler::serve`: read,
 /// frames, write, timers.
 struct Conn<'h> {
-    settings: &'h ServerSettings,
+    settings: &'h ServerConfig,
     shared: &'h Shared,
     slot: &'h SlotGuard,
     rd: OwnedReadHalf,
@@ -671,14 +648,15 @@ mod tests {
     use crate::local_store::LocalStore;
     use crate::protocol::{CheckArgs, Decision, FailPolicy};
 
-    fn settings() -> ServerSettings {
-        ServerSettings {
+    fn settings() -> ServerConfig {
+        ServerConfig {
             max_connections: 8,
             max_in_flight_per_connection: 4,
             shutdown_grace: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(60),
             frame_timeout: Duration::from_secs(1),
             write_timeout: Duration::from_secs(1),
+            ..ServerConfig::default()
         }
     }
 

@@ -95,13 +95,13 @@ impl Limiter {
         // nginx names this policy: a reload may not drop it unforced.
         p.counters.described(r.uses);
         PolicyDescription {
-            kind: if p.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
-            algorithm: p.algorithm,
-            limit: p.limit,
-            window_ms: p.lease_ms.unwrap_or(p.window_ms),
-            on_error: p.fail_policy,
-            local_limit: p.local_limit.unwrap_or(0),
-            shadow: p.shadow,
+            kind: if p.rule.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
+            algorithm: p.rule.algorithm,
+            limit: p.rule.limit,
+            window_ms: p.rule.lease_ms.unwrap_or(p.rule.window_ms),
+            on_error: p.rule.fail_policy,
+            local_limit: p.rule.local_limit.unwrap_or(0),
+            shadow: p.rule.shadow,
         }
         .to_response(r.id)
     }
@@ -206,7 +206,7 @@ impl Limiter {
         let share = match (item.limit, &self.leases) {
             // A penalty policy's refusals must reach Redis (each one is a strike), so
             // its keys are never leased, to the daemon or to a worker.
-            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.penalty.is_none()) => {
+            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.rule.penalty.is_none()) => {
                 // A Redis error leaves the worker deciding per request.
                 leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, units).await.ok()
             }
@@ -274,19 +274,10 @@ mod tests {
     }
 
     fn policies(shadow: bool) -> Arc<Policies> {
-        use crate::config::PolicyConfig;
+        use crate::config::{PolicyConfig, PolicyRule};
         let order = PolicyConfig {
             name: "order".into(),
-            limit: 2,
-            window: Duration::from_secs(60),
-            calendar_window_ms: None,
-            fail_policy: None,
-            local_limit: None,
-            shadow,
-            algorithm: crate::protocol::Algorithm::Log,
-            lease_ms: None,
-            shards: 1,
-            penalty: None,
+            rule: PolicyRule { shadow, ..PolicyRule::rate(2, 60_000) },
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
         Arc::new(Policies::build(&[order], None))
@@ -325,8 +316,8 @@ mod tests {
     /// is INVALID_COST.
     #[tokio::test]
     async fn sharded_policy_admits_exactly_its_limit() {
-        use crate::config::PolicyConfig;
-        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, lease_ms: None, shards: 3, penalty: None, overrides: Default::default() };
+        use crate::config::{PolicyConfig, PolicyRule};
+        let hot = PolicyConfig { name: "hot".into(), rule: PolicyRule { shards: 3, ..PolicyRule::rate(10, 60_000) }, overrides: Default::default() };
         let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None))));
         let mut admitted = 0;
         for n in 0..25 {

@@ -146,19 +146,18 @@ mod tests {
     //! settled once.
 
     use std::sync::Arc;
-    use std::time::Duration;
 
     use bytes::Bytes;
 
     use super::*;
-    use crate::config::{PolicyConfig, PolicyLimit};
+    use crate::config::{PolicyConfig, PolicyLimit, PolicyRule};
     use crate::local_store::LocalStore;
     use crate::policies::Policies;
     use crate::protocol::{Algorithm, FailPolicy, PolicyItem, Request};
 
     fn policy(name: &str, algorithm: Algorithm, shards: u32, limit: u32) -> PolicyConfig {
         let overrides = [("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect();
-        PolicyConfig { name: name.into(), limit, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, penalty: None, overrides }
+        PolicyConfig { name: name.into(), rule: PolicyRule { algorithm, shards, ..PolicyRule::rate(limit, 60_000) }, overrides }
     }
 
     fn item(name: &str, key: &str, cost: u32) -> PolicyItem {
