@@ -66,6 +66,10 @@ const MAX_RATE_VALID_MS: u32 = 100;
 /// lease call for the key is in flight: about one Redis round trip, after
 /// which the new lease can be shared.
 const LEASE_IN_FLIGHT_RETRY_MS: u32 = 1;
+/// Leases with worker shares out kept per key after they admit no more
+/// (`Slot::retired`): a lease lives at most 1 s and holds at most 64 units,
+/// so 8 cover a host using 500 units a second of one key in shares.
+const MAX_RETIRED: usize = 8;
 
 /// Units of a lease handed to an nginx worker's shared dict (op 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,6 +113,13 @@ pub struct QuotaLease {
     outside: u32,
     /// The ms offset from `t0_ms` of each used unit, in unit order.
     offsets: Vec<u32>,
+    /// The worker shares handed out of it and not given back: (offset,
+    /// units), each share's units being `units` of `offsets` equal to
+    /// `offset` (its deadline). No allocation until the first share.
+    shared: Vec<(u32, u32)>,
+    /// Its units still reserved in Redis: `granted`, until units given
+    /// back after it retired are removed early (`QuotaLeases::trim_in`).
+    reserved: u32,
     /// A lease of an O(1) algorithm: its units are a reserve (settle record
     /// `handle`), given back with one settle of the units used.
     reserve: Option<(Algorithm, [u8; 16])>,
@@ -119,7 +130,7 @@ impl QuotaLease {
     /// the call sent at `sent_us` that ran at `t0_ms`, for `limit`.
     pub fn new(seq: u64, limit: u32, t0_ms: u64, sent_us: u64, life_ms: u32, granted: u32, outside: u32) -> Self {
         let granted = granted.min(MAX_LEASE_UNITS);
-        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize), reserve: None }
+        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize), shared: Vec::new(), reserved: granted, reserve: None }
     }
 
     /// A lease of an O(1) algorithm (fixed or calendar window, sliding
@@ -189,7 +200,68 @@ impl QuotaLease {
         for _ in 0..units {
             self.offsets.push(offset);
         }
+        self.shared.push((offset, units));
         Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
+    }
+
+    /// Takes back up to `units` units of its worker shares that no worker
+    /// used (a give-back), the earliest-scored share's first; how many.
+    /// They are unused units of the lease again: the daemon admits from
+    /// them, shares them again, or its settle removes them from Redis.
+    pub fn take_back(&mut self, units: u32) -> u32 {
+        let mut taken = 0;
+        while taken < units {
+            let back = self.take_back_earliest(units - taken);
+            if back == 0 {
+                break;
+            }
+            taken += back;
+        }
+        taken
+    }
+
+    /// The Redis score of its earliest worker share not given back.
+    fn earliest_share(&self) -> Option<u64> {
+        self.shared.iter().map(|&(offset, _)| self.t0_ms + u64::from(offset)).min()
+    }
+
+    /// Takes back up to `units` units of its earliest-scored worker share
+    /// (see `QuotaLeases::take_back` for why that one); how many.
+    fn take_back_earliest(&mut self, units: u32) -> u32 {
+        let Some(i) = (0..self.shared.len()).min_by_key(|&i| self.shared[i].0) else { return 0 };
+        let (offset, n) = self.shared[i];
+        let mut taken = 0;
+        while taken < n.min(units) {
+            // Unit order means nothing in Redis (members are named by
+            // position, every one scored at the settle): any unit of this
+            // offset will do. It leaves from the end (the last unit takes
+            // its place), as `QuotaLeases::trim_in` needs.
+            let Some(at) = self.offsets.iter().rposition(|&o| o == offset) else { break };
+            self.offsets.swap_remove(at);
+            taken += 1;
+        }
+        if taken == n {
+            self.shared.swap_remove(i);
+        } else {
+            self.shared[i].1 = n - taken;
+        }
+        taken
+    }
+
+    /// Its units reserved in Redis that nothing used (its settle, or a
+    /// trim, removes them).
+    fn reserved_unused(&self) -> u32 {
+        self.reserved - self.used()
+    }
+
+    /// Units of its worker shares not given back.
+    pub fn shared_out(&self) -> u32 {
+        self.shared.iter().map(|&(_, n)| n).sum()
+    }
+
+    /// The key's room outside the lease plus its units left.
+    pub fn remaining(&self) -> u32 {
+        self.outside + (self.granted - self.used())
     }
 
     /// The scores of the used units, in unit order, for the settle call;
@@ -209,6 +281,13 @@ impl QuotaLease {
 
     pub fn used(&self) -> u32 {
         self.offsets.len() as u32
+    }
+
+    /// Whether it may still admit a request of `limit` at `now_us` (units
+    /// left, life not over, the limit it was granted for).
+    fn can_admit(&self, now_us: u64, limit: u32) -> bool {
+        let elapsed = now_us.saturating_sub(self.sent_us);
+        limit == self.limit && self.used() < self.granted && (elapsed + elapsed / 1000).div_ceil(1000) <= u64::from(self.life_ms)
     }
 
     /// µs after which it admits nothing more (local clock).
@@ -284,6 +363,15 @@ struct Slot {
     /// key near its limit (no units granted) costs one call, not one per
     /// admission.
     renewed_for: u64,
+    /// Leases that admit no more but have worker shares out, oldest first,
+    /// at most `MAX_RETIRED`: kept until their settle (at their end,
+    /// `settle_at`), so that the workers' give-backs of their units reach
+    /// them. Empty (no allocation) for a key no worker takes shares of.
+    retired: Vec<QuotaLease>,
+    /// Settles of its log leases in flight: a lease call waits for them,
+    /// so that the room Redis tells it never counts units being given
+    /// back (its `remaining` would be that much lower than the truth).
+    settling: u16,
 }
 
 impl Slot {
@@ -324,12 +412,13 @@ impl Slot {
     }
 
     /// The units of the key's next lease if it is due to be taken ahead:
-    /// the lease in hand is 3/4 used, and no next lease is held, in flight
-    /// or already asked for this lease. Marks it asked.
-    fn renewal_due(&mut self) -> Option<u32> {
+    /// the lease in hand is 3/4 used (or, `for_shares`, has too few units
+    /// left for a worker's share), and no next lease is held, in flight or
+    /// already asked for this lease. Marks it asked.
+    fn renewal_due(&mut self, for_shares: bool) -> Option<u32> {
         let lease = self.lease.as_ref()?;
         let seq = lease.seq();
-        if lease.used() * 4 < lease.granted() * 3 || self.next.is_some() || self.refilling || self.renewed_for == seq {
+        if (!for_shares && lease.used() * 4 < lease.granted() * 3) || self.next.is_some() || self.refilling || self.renewed_for == seq {
             return None;
         }
         self.refilling = true;
@@ -338,10 +427,16 @@ impl Slot {
     }
 
     /// Takes the lease out (for its settle) and puts the one taken ahead in
-    /// its place.
+    /// its place. The one taken ahead was granted while every unit of the
+    /// ended one was reserved in Redis: the ended one's units left (its
+    /// settle removes them) are room outside it, which its answers then
+    /// tell (a key's `remaining` goes down one by one across leases).
     fn retire(&mut self) -> Option<QuotaLease> {
         let ended = self.lease.take();
         self.lease = self.next.take();
+        if let (Some(e), Some(l)) = (&ended, &mut self.lease) {
+            l.outside += e.reserved_unused();
+        }
         ended
     }
 }
@@ -431,7 +526,7 @@ impl QuotaLeases {
         let now = self.now_us();
         let mut slot = self.slot(fp);
         if slot.fp != fp {
-            if slot.lease.is_some() || slot.next.is_some() || slot.refilling {
+            if slot.lease.is_some() || slot.next.is_some() || !slot.retired.is_empty() || slot.refilling || slot.settling > 0 {
                 // Another key holds the slot until its lease ends.
                 return Take::Pass;
             }
@@ -443,14 +538,14 @@ impl QuotaLeases {
         while let Some(lease) = slot.lease.as_mut() {
             if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
                 v.reset_ms = spec.window_ms;
-                if let Some(want) = (algorithm == Algorithm::Log).then(|| slot.renewal_due()).flatten() {
+                if let Some(want) = (algorithm == Algorithm::Log).then(|| slot.renewal_due(false)).flatten() {
                     drop(slot);
                     self.renew_ahead(fp, spec, want);
                 }
                 return Take::Admitted(v);
             }
             let ended = slot.retire().expect("checked above");
-            self.settle(ended, spec.key.into(), spec.window_ms);
+            self.end(&mut slot, ended, spec.key, spec.window_ms);
         }
         if slot.refilling && spec.cost <= spec.limit / 4 {
             return Take::Wait;
@@ -510,23 +605,54 @@ impl QuotaLeases {
             if slot.fp != fp {
                 return Ok(ShareAnswer::NONE);
             }
-            // Half of what was asked at least, from the lease or the one
-            // taken ahead of it, or a fresh lease.
+            // From the lease, or the one taken ahead of it, or a fresh lease.
             let (units, valid) = slot.share_size(now, life, want);
             while let Some(lease) = slot.lease.as_mut() {
-                if let Some(share) = lease.share(now, spec.limit, units, units.div_ceil(2), valid) {
+                // What it has, if fewer: the worker tops up from the lease
+                // taken ahead, which this share's use asks for.
+                if let Some(share) = lease.share(now, spec.limit, units, 1, valid) {
                     // A key admitted from shares rarely reaches the daemon's
                     // own admissions: its next lease is taken ahead here too,
                     // so the worker's next ask finds units without a call.
                     slot.count(now, life, share.units);
-                    if let Some(ahead) = slot.renewal_due() {
+                    if let Some(ahead) = slot.renewal_due(false) {
                         drop(slot);
                         self.renew_ahead(fp, spec, ahead);
                     }
                     return Ok(ShareAnswer::Units(share));
                 }
+                if lease.can_admit(now, spec.limit) {
+                    // Within the last quarter, or at the end of its life:
+                    // the daemon admits from its units itself (retired now,
+                    // they would stay reserved in Redis until its settle).
+                    let (left, near_limit) = (lease.granted - lease.used(), u64::from(lease.remaining()) * 4 < u64::from(spec.limit));
+                    let ends_ms = (lease.ends_us().saturating_sub(now) / 1000) as u32 + 1;
+                    // The lease taken ahead shares instead; its room
+                    // outside counts these units once it is in hand
+                    // (`retire`): told now.
+                    if let Some(mut share) = slot.next.as_mut().and_then(|n| n.share(now, spec.limit, units, 1, valid)) {
+                        share.remaining += left;
+                        slot.count(now, life, share.units);
+                        return Ok(ShareAnswer::Units(share));
+                    }
+                    if near_limit {
+                        return Ok(ShareAnswer::NONE);
+                    }
+                    // Else one is on its way, or taken ahead now, or the
+                    // lease ends within a few ms: the worker asks again
+                    // then, not after its 100 ms back-off.
+                    if slot.refilling {
+                        return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
+                    }
+                    if let Some(ahead) = slot.renewal_due(true) {
+                        drop(slot);
+                        self.renew_ahead(fp, spec, ahead);
+                        return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
+                    }
+                    return Ok(ShareAnswer::NoUnits { ask_again_ms: ends_ms.min(MIN_SHARE_MS + 1) });
+                }
                 let ended = slot.retire().expect("checked above");
-                self.settle(ended, spec.key.into(), spec.window_ms);
+                self.end(&mut slot, ended, spec.key, spec.window_ms);
             }
             if slot.refilling {
                 return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
@@ -545,6 +671,85 @@ impl QuotaLeases {
         let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, units, 1, valid)) else { return Ok(ShareAnswer::NONE) };
         slot.count(now, life, share.units);
         Ok(ShareAnswer::Units(share))
+    }
+
+    /// A lease that admits no more: settled now, or, with worker shares
+    /// out and its life not over, kept in the slot until its settle at its
+    /// end (`settle_at`) so that their give-backs reach it (past
+    /// `MAX_RETIRED` kept, the oldest is settled now: its shares' units
+    /// left stay counted, under-admission only).
+    fn end(self: &Arc<Self>, slot: &mut Slot, ended: QuotaLease, key: &[u8], window_ms: u32) {
+        if ended.shared_out() > 0 && self.now_us() < ended.ends_us() {
+            if slot.retired.len() == MAX_RETIRED {
+                let oldest = slot.retired.remove(0);
+                self.settle_in(slot, oldest, key, window_ms);
+            }
+            slot.retired.push(ended);
+            return;
+        }
+        self.settle_in(slot, ended, key, window_ms);
+    }
+
+    /// Takes back `units` of the host's worker shares of the key that no
+    /// worker used (a give-back, op 10 with flag 0x0001), from the
+    /// earliest-scored shares of the leases in the slot (the one kept for
+    /// its settle, the one in hand, the one taken ahead). The units taken
+    /// back, and the key's room as the lease in hand tells it (0 without
+    /// one). No Redis call: the lease's settle removes the units its daemon
+    /// does not admit from.
+    ///
+    /// Exact whichever worker gives them back: each admission from a share
+    /// is earlier than its worker's deadline, which is no later than the
+    /// Redis score of every share whose units its dict entry holds (a
+    /// top-up keeps the earlier deadline). The units a give-back returns
+    /// were taken by no worker, so with them removed from the shares they
+    /// came from every admission still has a score at or after its time;
+    /// removing the earliest scores instead leaves scores that are each as
+    /// late or later, so that still holds (two dicts of one daemon, say,
+    /// each giving back units of its own entry).
+    pub(super) fn take_back(self: &Arc<Self>, spec: &LimitSpec<'_>, units: u32) -> (u32, u32) {
+        let fp = self.fingerprint(spec, Algorithm::Log);
+        let mut slot = self.slot(fp);
+        if slot.fp != fp {
+            return (0, 0);
+        }
+        let s = &mut *slot;
+        let mut taken = 0;
+        while taken < units {
+            let retired = s.retired.len();
+            let earliest = s.retired.iter().chain(s.lease.as_ref()).chain(s.next.as_ref()).enumerate().filter(|(_, l)| l.limit == spec.limit).filter_map(|(i, l)| l.earliest_share().map(|score| (score, i))).min();
+            let Some((_, i)) = earliest else { break };
+            let lease = match i.checked_sub(retired) {
+                None => &mut s.retired[i],
+                Some(0) if s.lease.is_some() => s.lease.as_mut().expect("checked"),
+                Some(_) => s.next.as_mut().expect("counted above"),
+            };
+            let back = lease.take_back_earliest(units - taken);
+            if back == 0 {
+                break;
+            }
+            taken += back;
+            if i < retired {
+                // It admits no more: the units it took back are removed
+                // from Redis now, not at its settle (they would be refused
+                // until then); with all its shares back, it is settled.
+                if s.retired[i].shared_out() == 0 {
+                    let done = s.retired.remove(i);
+                    self.settle_in(s, done, spec.key, spec.window_ms);
+                } else if !s.refilling {
+                    // (With a lease call in flight, after it: the room it
+                    // reads counts them, and the new lease is told so.)
+                    self.trim_in(s, i, spec.key, spec.window_ms);
+                }
+                // Room outside the lease in hand and the one taken ahead,
+                // each granted while they were reserved (see `retire` and
+                // the grant in `refill`).
+                for l in [s.lease.as_mut(), s.next.as_mut()].into_iter().flatten() {
+                    l.outside += back;
+                }
+            }
+        }
+        (taken, s.lease.as_ref().map_or(0, QuotaLease::remaining))
     }
 
     /// The request that was to ask for a lease was answered otherwise.
@@ -580,6 +785,14 @@ impl QuotaLeases {
             if algorithm != Algorithm::Log {
                 return leases.lease_reserved(fp, spec, algorithm, want, life).await;
             }
+            // After the key's settles in flight (one Redis round trip each).
+            loop {
+                let settled = leases.lease_done.notified();
+                if leases.slot(fp).settling == 0 {
+                    break;
+                }
+                settled.await;
+            }
             let sent = leases.now_us();
             let answer = leases.redis.lease_now(spec, want, life).await;
             let mut slot = leases.slot(fp);
@@ -588,9 +801,20 @@ impl QuotaLeases {
                 Ok(g) => g,
                 Err(e) => return Err(e),
             };
+            // The lease kept for its shares' give-backs has its units left
+            // reserved in Redis until its settle: room outside this one,
+            // as in `retire`.
+            let retired_left = slot.retired.iter().filter(|r| r.limit == limit).map(QuotaLease::reserved_unused).sum::<u32>();
+            // Units given back to them during the call: removed now.
+            for at in 0..slot.retired.len() {
+                if slot.retired[at].reserved_unused() > 0 && slot.retired[at].shared_out() > 0 {
+                    leases.trim_in(&mut slot, at, &key, window_ms);
+                }
+            }
             if grant.granted > 0 {
                 METRICS.lease_granted(grant.granted);
-                let lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
+                let mut lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
+                lease.outside += retired_left;
                 let ends = lease.ends_us();
                 // The slot is ours while refilling: no other key took it.
                 // Taken ahead: admitted from once the lease in hand is done.
@@ -608,7 +832,8 @@ impl QuotaLeases {
             // one daemon's answers go down one by one, as without leases.
             let mut v = grant.verdict;
             v.count = v.count.saturating_sub(grant.granted);
-            v.remaining = v.remaining.saturating_add(grant.granted);
+            v.remaining = v.remaining.saturating_add(grant.granted).saturating_add(retired_left);
+            v.count = v.count.saturating_sub(retired_left);
             Ok(v)
         }
     }
@@ -668,17 +893,17 @@ impl QuotaLeases {
                 _ = tokio::time::sleep(Duration::from_micros(wait)) => {}
                 _ = leases.closing.cancelled() => {}
             }
-            let ended = {
-                let mut slot = leases.slot(fp);
-                match (&slot.lease, &slot.next) {
-                    (Some(l), _) if l.seq() == seq => slot.retire(),
-                    (_, Some(n)) if n.seq() == seq => slot.next.take(),
-                    _ => None,
-                }
+            let mut slot = leases.slot(fp);
+            let ended = match (&slot.lease, &slot.next, slot.retired.iter().position(|r| r.seq() == seq)) {
+                (Some(l), _, _) if l.seq() == seq => slot.retire(),
+                (_, Some(n), _) if n.seq() == seq => slot.next.take(),
+                (_, _, Some(at)) => Some(slot.retired.remove(at)),
+                _ => None,
             };
             if let Some(l) = ended {
-                leases.settle(l, key, window_ms);
+                leases.settle_in(&mut slot, l, &key, window_ms);
             }
+            drop(slot);
             leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
     }
@@ -709,6 +934,50 @@ impl QuotaLeases {
         self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             leases.settle_now(lease, &key, window_ms).await;
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// `settle` of a log lease of the key of `slot` (locked by the
+    /// caller), counted in the slot's settles in flight until it is done.
+    fn settle_in(self: &Arc<Self>, slot: &mut Slot, lease: QuotaLease, key: &[u8], window_ms: u32) {
+        if lease.reserve.is_some() {
+            return self.settle(lease, key.into(), window_ms);
+        }
+        let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
+        METRICS.lease_returned(lease.granted() - lease.used());
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        slot.settling += 1;
+        tokio::spawn(async move {
+            leases.settle_now(lease, &key, window_ms).await;
+            // The slot is the key's until this is done (`take`).
+            leases.slot(fp).settling -= 1;
+            leases.lease_done.notify_waiters();
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// Removes from Redis the unused units of the retired lease `at` of
+    /// `slot` (locked by the caller), leaving every used unit's score as
+    /// reserved (its settle re-scores them): the settle call with no unit
+    /// re-scored. Any number of these and the settle may run in any order:
+    /// each removes the units past the used ones it saw, and a give-back
+    /// only lowers that count (its units leave from the end, `take_back`).
+    fn trim_in(self: &Arc<Self>, slot: &mut Slot, at: usize, key: &[u8], window_ms: u32) {
+        let lease = &mut slot.retired[at];
+        let (seq, granted, used) = (lease.seq(), lease.granted(), lease.used());
+        lease.reserved = used;
+        let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        slot.settling += 1;
+        tokio::spawn(async move {
+            if let Err(e) = leases.redis.settle_lease(&key, window_ms, seq, granted, &vec![0; used as usize]).await {
+                if let Some(suppressed) = leases.settle_log.permit() {
+                    tracing::warn!(error = %e, suppressed, "giving back a worker share's units failed: they count until the lease's settle");
+                }
+            }
+            leases.slot(fp).settling -= 1;
+            leases.lease_done.notify_waiters();
             leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
     }
@@ -794,6 +1063,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn units_a_worker_gives_back_are_the_lease_s_again_and_only_its_shares_units() {
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
+        // A share of 8 (scored at its deadline, 32 ms after t0), then the
+        // daemon's own admission 2 ms after the send (3 ms after t0).
+        assert_eq!(l.share(6_000, 100, 8, 1, 30).map(|s| s.units), Some(8));
+        assert_eq!(l.admit(7_000, 100, 1).map(|v| v.remaining), Some(40 + 20 - 9));
+        assert_eq!((l.used(), l.shared_out()), (9, 8));
+        assert_eq!(l.take_back(5), 5);
+        assert_eq!((l.used(), l.shared_out(), l.remaining()), (4, 3, 40 + 16), "the units given back are the lease's again");
+        assert_eq!(l.take_back(10), 3, "no more than its shares hold: the daemon's own admission stays");
+        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_003]);
+        // The daemon admits from them, and a later share may hand them out again.
+        assert_eq!(l.admit(8_000, 100, 19).map(|v| v.remaining), Some(40));
+        assert!(l.share(8_000, 100, 1, 1, 30).is_none(), "spent");
+        assert_eq!(l.take_back(1), 0);
+    }
+
+    #[test]
+    fn a_give_back_takes_the_earliest_scored_share_s_units_first() {
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 40, 40);
+        // A share valid 30 ms (scored 32 ms after t0), then one valid 10 ms
+        // handed out later but scored earlier (13 ms after t0).
+        assert_eq!(l.share(6_000, 100, 8, 1, 30).map(|s| s.units), Some(8));
+        assert_eq!(l.share(7_000, 100, 4, 1, 10).map(|s| s.units), Some(4));
+        assert_eq!(l.take_back(6), 6);
+        // The 4 scored at 13 ms and 2 of the 8 scored at 32 ms went back:
+        // what stays scored is as late as any choice could leave it.
+        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_032; 6]);
+        assert_eq!((l.shared_out(), l.remaining()), (6, 40 + 34));
     }
 
     #[test]

@@ -81,6 +81,8 @@ impl Limiter {
             Request::Settle(r) => Box::pin(self.settle(r)).await,
             Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
             Request::InlineShare(r) => (Box::pin(self.share_item(r.id, OP_CHECK, &Item::inline(r), r.cost)).await, Charge::Nobody),
+            Request::GiveBack(r) => (self.give_back(r), Charge::Nobody),
+            Request::InlineGiveBack(r) => (self.give_back_item(r.id, OP_CHECK, &Item::inline(r), r.cost), Charge::Nobody),
             Request::Describe(r) => (self.describe(r), Charge::Described),
         };
         account(&response, &charge);
@@ -194,6 +196,42 @@ impl Limiter {
         match self.resolve(&named, Kind::Check) {
             Ok(item) => self.share_item(r.id, op, &item, r.cost).await,
             Err(rejected) => rejected.response,
+        }
+    }
+
+    /// LEASE_SHARE with the give-back flag: units of a worker share of the
+    /// policy's key that no worker used, back into this daemon's lease.
+    fn give_back(&self, r: &PolicyCheckRequest) -> Response {
+        let op = OP_LEASE_SHARE;
+        let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: 1, on_error: r.on_error, local_limit: r.local_limit };
+        match self.resolve(&named, Kind::Check) {
+            Ok(item) => self.give_back_item(r.id, op, &item, r.cost),
+            Err(rejected) => rejected.response,
+        }
+    }
+
+    /// `units` of a worker share of a resolved item's window given back,
+    /// unused: taken back into the lease they were shared from, if this
+    /// daemon still holds it (its settle then removes them from Redis, or
+    /// the daemon admits from them); else nothing (they stay counted until
+    /// they leave the window: under-admission only). No Redis call. The
+    /// answer's `count` is the units taken back, `remaining` the key's
+    /// room outside the lease plus its units left.
+    fn give_back_item(&self, id: u32, op: u8, item: &Item<'_>, units: u32) -> Response {
+        let (taken, remaining) = match (item.limit, &self.leases) {
+            (Some(limit), Some(leases)) if item.algorithm == Algorithm::Log => leases.take_back(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, units),
+            _ => (0, 0),
+        };
+        if taken > 0 {
+            METRICS.share_units_given_back(taken);
+        }
+        Response {
+            decision: Decision::Allowed,
+            source: Source::Redis,
+            count: taken,
+            remaining,
+            reset_ms: item.window_ms,
+            ..Response::error(id, op, ErrorCode::None, "".into())
         }
     }
 

@@ -12,6 +12,7 @@ use super::wire::{
     be32, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, LEASE_HEADER_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, MAX_LEASE_ID_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, VERSION,
     FLAG_RELEASE, OP_ACQUIRE_POLICY, OP_DESCRIBE_POLICY, POLICY_LEASE_HEADER_LEN, DESCRIBE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE, FLAG_SHARE,
+    FLAG_GIVE_BACK, FLAG_SHARE_GIVE_BACK, MAX_GIVE_BACK_UNITS,
 };
 
 /// Bounds a request must stay within; set from `[limits]` in the config.
@@ -346,6 +347,12 @@ pub enum Request {
     /// CHECK (op 1) with `FLAG_SHARE`: the same for an inline limit;
     /// `cost` is the units wanted (1..=`MAX_SHARE_UNITS`).
     InlineShare(CheckRequest),
+    /// LEASE_SHARE with `FLAG_GIVE_BACK`: `cost` units of the host's share
+    /// of the policy's key given back, unused.
+    GiveBack(PolicyCheckRequest),
+    /// CHECK with `FLAG_SHARE | FLAG_SHARE_GIVE_BACK`: the same for an
+    /// inline limit.
+    InlineGiveBack(CheckRequest),
     /// DESCRIBE_POLICY (op 8): what the configuration says of a name; not a decision.
     Describe(DescribeRequest),
 }
@@ -464,10 +471,11 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("check body of {} bytes is shorter than the {} fixed bytes", body.len(), REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags & !(ALGORITHM_FLAGS | FLAG_SHARE) != 0 {
+    if flags & !(ALGORITHM_FLAGS | FLAG_SHARE | FLAG_SHARE_GIVE_BACK) != 0 || (flags & FLAG_SHARE_GIVE_BACK != 0 && flags & FLAG_SHARE == 0) {
         return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}"));
     }
     let share = flags & FLAG_SHARE != 0;
+    let give_back = flags & FLAG_SHARE_GIVE_BACK != 0;
     let algorithm = match Algorithm::from_flags(flags) {
         Ok(a) => a,
         Err(bits) => return invalid(id, op, ErrorCode::UnknownAlgorithm, format!("algorithm {bits} (flags 0x{flags:04x}) is not one this daemon has")),
@@ -501,7 +509,10 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     if window_ms == 0 || window_ms > bounds.max_window_ms {
         return invalid(id, op, ErrorCode::InvalidWindow, format!("window {window_ms} ms is outside 1..={} ms", bounds.max_window_ms));
     }
-    if share && (cost == 0 || cost > MAX_SHARE_UNITS) {
+    if give_back && (cost == 0 || cost > MAX_GIVE_BACK_UNITS) {
+        return invalid(id, op, ErrorCode::InvalidCost, format!("{cost} units given back; a give-back is 1..={MAX_GIVE_BACK_UNITS}"));
+    }
+    if share && !give_back && (cost == 0 || cost > MAX_SHARE_UNITS) {
         return invalid(id, op, ErrorCode::InvalidCost, format!("{cost} units wanted; a share is 1..={MAX_SHARE_UNITS}"));
     }
     if !share && (cost == 0 || cost > limit || cost > bounds.max_cost) {
@@ -512,7 +523,11 @@ pub fn parse_request(mut body: Bytes, bounds: &Bounds) -> Inbound {
     }
     body.advance(key_at);
     let r = CheckRequest { id, on_error, limit, window_ms, cost, local_limit, key: body, algorithm };
-    Inbound::Request(if share { Request::InlineShare(r) } else { Request::Check(r) })
+    Inbound::Request(match (share, give_back) {
+        (_, true) => Request::InlineGiveBack(r),
+        (true, false) => Request::InlineShare(r),
+        (false, false) => Request::Check(r),
+    })
 }
 
 /// The rest of `parse_request` for op 2 (docs/PROTOCOL.md, section 4b, in
@@ -949,17 +964,22 @@ fn parse_lease_share(body: Bytes, id: u32, bounds: &Bounds) -> Inbound {
         return invalid(id, op, ErrorCode::Malformed, format!("lease-share body of {} bytes is shorter than the {fixed} fixed bytes", body.len()));
     }
     let flags = u16::from_be_bytes([body[6], body[7]]);
-    if flags != 0 {
-        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: none is defined for op {op}"));
+    if flags & !FLAG_GIVE_BACK != 0 {
+        return invalid(id, op, ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x}: op {op} defines 0x0001 (give back) only"));
     }
+    let give_back = flags == FLAG_GIVE_BACK;
     let Some(on_error) = FailPolicy::from_wire(body[8]) else {
         return invalid(id, op, ErrorCode::InvalidPolicy, format!("fail policy {} is not 0 (open), 1 (closed) or 2 (local)", body[8]));
     };
     if body[9] != 1 {
         return invalid(id, op, ErrorCode::UnsupportedLimitCount, format!("{} items in one lease-share request; exactly 1", body[9]));
     }
-    let units = |item: &PolicyItem| (item.cost > MAX_SHARE_UNITS).then(|| format!("{} units wanted; a share is 1..={MAX_SHARE_UNITS}", item.cost));
+    let units = |item: &PolicyItem| match give_back {
+        true => (item.cost > MAX_GIVE_BACK_UNITS).then(|| format!("{} units given back; a give-back is 1..={MAX_GIVE_BACK_UNITS}", item.cost)),
+        false => (item.cost > MAX_SHARE_UNITS).then(|| format!("{} units wanted; a share is 1..={MAX_SHARE_UNITS}", item.cost)),
+    };
     match one_item(&body, id, op, on_error, be32(&body, 10), bounds, units) {
+        Ok(r) if give_back => Inbound::Request(Request::GiveBack(r)),
         Ok(r) => Inbound::Request(Request::LeaseShare(r)),
         Err(invalid) => invalid,
     }
@@ -991,6 +1011,23 @@ pub fn encode_lease_share(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) 
     let start = dst.len();
     encode_policy_request(id, a, dst);
     dst[start + LEN_PREFIX + 1] = OP_LEASE_SHARE;
+}
+
+/// Appends one give-back frame (op 10 with `FLAG_GIVE_BACK`) to `dst`:
+/// `a.cost` is the units given back.
+pub fn encode_give_back(id: u32, a: &PolicyCheckArgs<'_>, dst: &mut BytesMut) {
+    let start = dst.len();
+    encode_lease_share(id, a, dst);
+    dst[start + LEN_PREFIX + 7] |= FLAG_GIVE_BACK as u8;
+}
+
+/// Appends one give-back frame of an inline limit's share (CHECK with
+/// `FLAG_SHARE | FLAG_SHARE_GIVE_BACK`) to `dst`: `a.cost` is the units
+/// given back.
+pub fn encode_inline_give_back(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
+    let start = dst.len();
+    encode_inline_share(id, a, dst);
+    dst[start + LEN_PREFIX + 6] |= (FLAG_SHARE_GIVE_BACK >> 8) as u8;
 }
 
 /// Appends one worker-share frame of an inline limit (CHECK with
@@ -1450,6 +1487,8 @@ mod tests {
                             Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key.is_empty() && !i.name.is_empty() && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
                             Some(Inbound::Request(Request::InlineShare(c))) => prop_assert!(!c.key.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
+                            Some(Inbound::Request(Request::GiveBack(c))) => prop_assert!(!c.key.is_empty() && !c.name.is_empty() && (1..=MAX_GIVE_BACK_UNITS).contains(&c.cost)),
+                            Some(Inbound::Request(Request::InlineGiveBack(c))) => prop_assert!(!c.key.is_empty() && (1..=MAX_GIVE_BACK_UNITS).contains(&c.cost)),
                             // Hostile bytes never reach the lookup as a name a policy could not have.
                             Some(Inbound::Request(Request::Describe(d))) => prop_assert!((1..=MAX_POLICY_NAME_LEN).contains(&d.name.len()) && d.name.iter().all(|&b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))),
                             None => break,
@@ -1475,7 +1514,7 @@ mod tests {
                     Inbound::Request(Request::Check(c)) => {
                         prop_assert_eq!((c.id, c.limit, c.window_ms, c.cost, &c.key[..]), (id, limit, window_ms, cost, &key[..]));
                     }
-                    Inbound::Request(Request::InlineShare(_)) => prop_assert!(false, "a CHECK without the share flag decoded as a share"),
+                    Inbound::Request(Request::InlineShare(_) | Request::InlineGiveBack(_)) => prop_assert!(false, "a CHECK without the share flag decoded as a share"),
                     Inbound::Invalid { id: got, code, .. } => {
                         prop_assert_eq!(got, id);
                         let expected_bad = match code {
@@ -1493,7 +1532,7 @@ mod tests {
                     Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                     Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
-                    Inbound::Request(Request::LeaseShare(_)) => prop_assert!(false, "a CHECK decoded as a lease share"),
+                    Inbound::Request(Request::LeaseShare(_) | Request::GiveBack(_)) => prop_assert!(false, "a CHECK decoded as a lease share"),
                     Inbound::Request(Request::Describe(_)) => prop_assert!(false, "a CHECK decoded as a describe"),
                 }
             }
