@@ -45,7 +45,6 @@ build = {
       ["resty.ratelimitd.http"] = "lua/resty/ratelimitd/http.lua",
       ["resty.ratelimitd.key"] = "lua/resty/ratelimitd/key.lua",
       ["resty.ratelimitd.kind"] = "lua/resty/ratelimitd/kind.lua",
-      ["resty.ratelimitd.leases"] = "lua/resty/ratelimitd/leases.lua",
       ["resty.ratelimitd.share"] = "lua/resty/ratelimitd/share.lua",
       ["resty.ratelimitd.limiter"] = "lua/resty/ratelimitd/limiter.lua",
       ["resty.ratelimitd.limiters"] = "lua/resty/ratelimitd/limiters.lua",
@@ -56,6 +55,7 @@ build = {
       ["resty.ratelimitd.refund"] = "lua/resty/ratelimitd/refund.lua",
       ["resty.ratelimitd.request"] = "lua/resty/ratelimitd/request.lua",
       ["resty.ratelimitd.settle"] = "lua/resty/ratelimitd/settle.lua",
+      ["resty.ratelimitd.verify"] = "lua/resty/ratelimitd/verify.lua",
       ["resty.ratelimitd.wire"] = "lua/resty/ratelimitd/wire.lua",
    } },
 }

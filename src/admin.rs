@@ -129,7 +129,7 @@ async fn scan_slot(conn: &mut LinkConnection, slot_key: &[u8], pattern: &[u8]) -
 
 /// The key the daemon counts a policy's key under: the name's length
 /// byte, the name and the key, as a CHECK_POLICY frame carries them
-/// (`PolicyCheckRequest::scoped_key`; a unit test holds the two together).
+/// (`PolicyItem::scoped_key`; a unit test holds the two together).
 fn scoped_key(name: &str, key: &str) -> Vec<u8> {
     let mut scoped = Vec::with_capacity(1 + name.len() + key.len());
     scoped.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
@@ -171,21 +171,21 @@ fn policy_windows(cfg: &RedisConfig, policies: &[PolicyConfig], name: &str, key:
     let policy = table.get(name.as_bytes()).expect("the table was built from this policy");
     let scoped = scoped_key(name, key);
     let prefix = cfg.key_prefix.as_bytes();
-    if let Some(lease_ms) = policy.lease_ms {
+    if let Some(lease_ms) = policy.rule.lease_ms {
         let redis_key = WindowKey { prefix, key: &scoped, window_ms: 0, algorithm: Algorithm::Log }.lease_key();
         return Ok(vec![Found { key: scoped, redis_key, window_ms: lease_ms, counter: Counter::Leases, shard: None }]);
     }
     let window = |k: &[u8], shard| Found {
         key: k.to_vec(),
-        redis_key: WindowKey { prefix, key: k, window_ms: policy.window_ms, algorithm: policy.algorithm }.to_vec(),
-        window_ms: policy.window_ms,
-        counter: Counter::Window(policy.algorithm),
+        redis_key: WindowKey { prefix, key: k, window_ms: policy.rule.window_ms, algorithm: policy.rule.algorithm }.to_vec(),
+        window_ms: policy.rule.window_ms,
+        counter: Counter::Window(policy.rule.algorithm),
         shard,
     };
-    if policy.shards <= 1 {
+    if policy.rule.shards <= 1 {
         return Ok(vec![window(&scoped, None)]);
     }
-    Ok((0..policy.shards).map(|i| window(&shard_key(&scoped, i, policy.shards), Some(i))).collect())
+    Ok((0..policy.rule.shards).map(|i| window(&shard_key(&scoped, i, policy.rule.shards), Some(i))).collect())
 }
 
 /// The Redis keys of `target`.
@@ -405,6 +405,6 @@ mod tests {
         encode_policy_request(1, &PolicyCheckArgs { policy: b"per_tenant", key: b"tenant-a", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, &mut frame);
         let body = frame.freeze().slice(4..);
         let Inbound::Request(Request::PolicyCheck(req)) = parse_request(body, &Bounds::default()) else { panic!("not a CHECK_POLICY") };
-        assert_eq!(&req.scoped_key[..], &scoped_key("per_tenant", "tenant-a")[..]);
+        assert_eq!(&req.item.scoped_key[..], &scoped_key("per_tenant", "tenant-a")[..]);
     }
 }

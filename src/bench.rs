@@ -143,23 +143,35 @@ pub async fn run(args: BenchArgs) -> Result<BenchReport, ClientError> {
     if args.pipeline <= 1 && args.rate.is_none() && !args.distinct_keys && args.key_space.is_none() {
         return run_one_at_a_time(args).await;
     }
+    let pipeline = args.pipeline.max(1);
+    drive(args, pipeline, |socket| async move { UnixStream::connect(socket).await }, pipelined).await
+}
+
+/// Both ways of running: `concurrency` connections opened by `open` (all
+/// before the clock starts), each driven by `work` in a task of its own
+/// until `args.requests` are spent; their tallies summed into the report.
+async fn drive<C, O, W>(args: BenchArgs, pipeline: usize, open: impl Fn(PathBuf) -> O, work: fn(C, usize, usize, Arc<BenchArgs>, Arc<AtomicU64>, Instant) -> W) -> Result<BenchReport, ClientError>
+where
+    O: std::future::Future<Output = std::io::Result<C>>,
+    W: std::future::Future<Output = Result<WorkerTally, ClientError>> + Send + 'static,
+{
     let concurrency = args.concurrency.max(1);
-    let mut streams = Vec::with_capacity(concurrency);
+    let mut connections = Vec::with_capacity(concurrency);
     for _ in 0..concurrency {
-        streams.push(UnixStream::connect(&args.socket).await?);
+        connections.push(open(args.socket.clone()).await?);
     }
     let left = Arc::new(AtomicU64::new(args.requests));
     let args = Arc::new(args);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(concurrency);
-    for (n, stream) in streams.into_iter().enumerate() {
-        tasks.push(tokio::spawn(pipelined(stream, n, concurrency, args.clone(), left.clone(), start)));
+    for (n, connection) in connections.into_iter().enumerate() {
+        tasks.push(tokio::spawn(work(connection, n, concurrency, args.clone(), left.clone(), start)));
     }
     let mut total = WorkerTally::default();
     for task in tasks {
         total.add(task.await.map_err(|e| ClientError::Io(std::io::Error::other(e)))??);
     }
-    Ok(report(total, concurrency, args.pipeline.max(1), start.elapsed()))
+    Ok(report(total, concurrency, pipeline, start.elapsed()))
 }
 
 /// Slots for send times, indexed by request id: more than can ever be in
@@ -248,45 +260,30 @@ async fn pipelined(mut stream: UnixStream, conn: usize, conns: usize, args: Arc<
 }
 
 async fn run_one_at_a_time(args: BenchArgs) -> Result<BenchReport, ClientError> {
-    let concurrency = args.concurrency.max(1);
-    let mut clients = Vec::with_capacity(concurrency);
-    for _ in 0..concurrency {
-        clients.push(Client::connect(&args.socket).await?);
+    drive(args, 1, |socket| async move { Client::connect(&socket).await }, one_at_a_time).await
+}
+
+/// One connection with one request in flight, as an Nginx worker uses it.
+async fn one_at_a_time(mut client: Client, _conn: usize, conns: usize, args: Arc<BenchArgs>, left: Arc<AtomicU64>, start: Instant) -> Result<WorkerTally, ClientError> {
+    let check = CheckArgs {
+        key: args.key.as_bytes(),
+        limit: args.limit,
+        window_ms: args.window_ms,
+        cost: args.cost,
+        on_error: args.on_error,
+        local_limit: args.local_limit,
+    };
+    let mut t = WorkerTally { latencies_us: Vec::with_capacity((args.requests as usize / conns) + 1), ..Default::default() };
+    while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
+        let sent = Instant::now();
+        let r = match &args.policy {
+            Some(p) => client.check_policy(&PolicyCheckArgs { policy: p.as_bytes(), key: check.key, cost: check.cost, on_error: check.on_error, local_limit: check.local_limit }).await?,
+            None => client.check_with(&check, args.algorithm).await?,
+        };
+        t.count(&r, sent.elapsed());
+        t.sending = sent - start;
     }
-    let left = Arc::new(AtomicU64::new(args.requests));
-    let args = Arc::new(args);
-    let start = Instant::now();
-    let mut tasks = Vec::with_capacity(concurrency);
-    for mut client in clients {
-        let left = left.clone();
-        let args = args.clone();
-        tasks.push(tokio::spawn(async move {
-            let check = CheckArgs {
-                key: args.key.as_bytes(),
-                limit: args.limit,
-                window_ms: args.window_ms,
-                cost: args.cost,
-                on_error: args.on_error,
-                local_limit: args.local_limit,
-            };
-            let mut t = WorkerTally { latencies_us: Vec::with_capacity((args.requests as usize / concurrency) + 1), ..Default::default() };
-            while left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok() {
-                let sent = Instant::now();
-                let r = match &args.policy {
-                    Some(p) => client.check_policy(&PolicyCheckArgs { policy: p.as_bytes(), key: check.key, cost: check.cost, on_error: check.on_error, local_limit: check.local_limit }).await?,
-                    None => client.check_with(&check, args.algorithm).await?,
-                };
-                t.count(&r, sent.elapsed());
-                t.sending = sent - start;
-            }
-            Ok::<_, ClientError>(t)
-        }));
-    }
-    let mut total = WorkerTally::default();
-    for task in tasks {
-        total.add(task.await.map_err(|e| ClientError::Io(std::io::Error::other(e)))??);
-    }
-    Ok(report(total, concurrency, 1, start.elapsed()))
+    Ok(t)
 }
 
 fn report(mut total: WorkerTally, concurrency: usize, pipeline: usize, elapsed: Duration) -> BenchReport {

@@ -44,16 +44,9 @@ impl Client {
 
     /// Sends one check counted by `algorithm` and waits for its response.
     pub async fn check_with(&mut self, args: &CheckArgs<'_>, algorithm: Algorithm) -> Result<Response, ClientError> {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
-        self.wbuf.clear();
+        let id = self.take_id();
         encode_request_with(id, args, algorithm, &mut self.wbuf);
-        self.stream.write_all(&self.wbuf).await?;
-        let r = self.read_response().await?;
-        if r.id != id {
-            return Err(ClientError::IdMismatch { want: id, got: r.id });
-        }
-        Ok(r)
+        self.round_trip(id).await
     }
 
     /// Sends one LEASE_SHARE (op 10, `args.cost` units wanted) and waits for
@@ -62,12 +55,7 @@ impl Client {
     pub async fn lease_share(&mut self, args: &PolicyCheckArgs<'_>) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_lease_share(id, args, &mut self.wbuf);
-        self.stream.write_all(&self.wbuf).await?;
-        let r = self.read_response().await?;
-        if r.id != id {
-            return Err(ClientError::IdMismatch { want: id, got: r.id });
-        }
-        Ok(r)
+        self.round_trip(id).await
     }
 
     /// Sends one worker share of an inline limit (CHECK with the share
@@ -76,26 +64,14 @@ impl Client {
     pub async fn inline_share(&mut self, args: &CheckArgs<'_>) -> Result<Response, ClientError> {
         let id = self.take_id();
         encode_inline_share(id, args, &mut self.wbuf);
-        self.stream.write_all(&self.wbuf).await?;
-        let r = self.read_response().await?;
-        if r.id != id {
-            return Err(ClientError::IdMismatch { want: id, got: r.id });
-        }
-        Ok(r)
+        self.round_trip(id).await
     }
 
     /// Sends one CHECK_POLICY request and waits for its response.
     pub async fn check_policy(&mut self, args: &PolicyCheckArgs<'_>) -> Result<Response, ClientError> {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1);
-        self.wbuf.clear();
+        let id = self.take_id();
         encode_policy_request(id, args, &mut self.wbuf);
-        self.stream.write_all(&self.wbuf).await?;
-        let r = self.read_response().await?;
-        if r.id != id {
-            return Err(ClientError::IdMismatch { want: id, got: r.id });
-        }
-        Ok(r)
+        self.round_trip(id).await
     }
 
     /// Sends one ACQUIRE (`op` 5) or RELEASE (`op` 6) and waits for its response.
@@ -164,6 +140,7 @@ impl Client {
         self.round_trip(id).await
     }
 
+    /// The next request's id; the write buffer emptied for it.
     fn take_id(&mut self) -> u32 {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
@@ -171,6 +148,7 @@ impl Client {
         id
     }
 
+    /// Sends the write buffer and reads the answer, which must be to `id`.
     async fn round_trip(&mut self, id: u32) -> Result<Response, ClientError> {
         self.stream.write_all(&self.wbuf).await?;
         let r = self.read_response().await?;

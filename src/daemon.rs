@@ -20,7 +20,7 @@ use crate::metrics_server::{self, BreakerState, ConfigStatus, Live, RefusalReaso
 use crate::policies::{counts_restart, Policies, Policy};
 use crate::protocol::{PolicyUse, PolicyUses};
 use crate::redis::{RedisWindow, StartError};
-use crate::server::{self, Reloadable, ServerSettings};
+use crate::server::{self, Reloadable};
 use crate::socket::{BoundSocket, SocketError};
 
 #[derive(Debug, thiserror::Error)]
@@ -276,7 +276,7 @@ impl Breaks {
     /// daemon's start and are shared with other daemons: a change of a
     /// policy's keys is refused whatever this daemon saw of it.
     fn of(running: &Policies, new: &Config, shared: bool) -> Self {
-        let now = crate::policies::use_clock();
+        let now = crate::use_clock::now();
         let recent = |at: u64| at != 0 && now.saturating_sub(at) <= POLICY_IN_USE_WINDOW.as_secs();
         // The uses nginx described lately: the only ones a reload must keep.
         let described = |p: &Policy| PolicyUse::ALL.into_iter().filter(|u| recent(p.counters.last_described_use(*u))).fold(PolicyUses::default(), PolicyUses::with);
@@ -382,27 +382,6 @@ fn log_deprecated(cfg: &Config) {
     }
 }
 
-/// Keeps the policies' use clock (`policies::use_clock`) at seconds since
-/// start, plus one; and sweeps the penalty box every 10 s.
-async fn run_use_clock(shutdown: CancellationToken) {
-    let start = tokio::time::Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {
-                let secs = start.elapsed().as_secs();
-                crate::policies::tick_use_clock(secs + 1);
-                // The penalty box's ended bans and stale strikes (memory
-                // backend; with Redis the admin refresher sweeps too).
-                if secs % 10 == 9 {
-                    crate::penalty_box::BANS.sweep();
-                }
-            }
-        }
-    }
-}
-
 /// The next frames' bounds and limiter. `previous` is the limiter in force,
 /// whose policies' counters carry over to the policies of the same name.
 fn reloadable(cfg: &Config, active: &ActiveBackend, local: &Arc<LocalStore>, live: &Arc<LiveOverrides>, previous: Option<&Limiter>) -> Reloadable {
@@ -476,8 +455,9 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let background = CancellationToken::new();
     tokio::spawn(local.clone().sweep_every_second(background.clone()));
     log_deprecated(&cfg);
-    crate::policies::tick_use_clock(1);
-    tokio::spawn(run_use_clock(background.clone()));
+    // The penalty box's ended bans and stale strikes (memory backend; with
+    // Redis the admin refresher sweeps too), every 10 s while the clock runs.
+    tokio::spawn(crate::use_clock::run(background.clone(), || crate::penalty_box::BANS.sweep()));
     let status = Arc::new(ConfigStatus::default());
     status.loaded(cfg.dump());
     tokio::spawn(crate::top_refused::TOP_REFUSED.rotate_every_slot(background.clone()));
@@ -549,7 +529,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
         }
     };
     wait_for_redis_at_start(&cfg, &active).await;
-    let settings = ServerSettings::from(s);
+    let settings = s.clone();
     notify_systemd(&[sd_notify::NotifyState::Ready]);
 
     let mut current = cfg.clone();

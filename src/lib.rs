@@ -8,8 +8,10 @@
 //! |---|---|---|
 //! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back; the libraries' `log` lines under the same rule |
 //! | utilities | `terminal` | client-chosen text escaped for a terminal: controls and bidi overrides shown, never obeyed |
+//! | utilities | `park` | a background task that parks when it has nothing to do and is woken by the work: an idle daemon has no timer firing |
+//! | clocks | `use_clock` | the policies' coarse "last used" clock, read as an atomic; it stops while nobody reads it |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
-//! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `request`, `response`, `describe` (DESCRIBE_POLICY's answer) |
+//! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `header` (the fields and rules every op shares), `item` (a policy item), one file per op under `op`: `check`, `check_policy`, `refund`, `settle`, `lease`, `policy_lease`, `lease_share`, `describe`; `request` (the model, dispatch by op), `frame` (the one framer), `response` |
 //! | client side | `client` | one connection to the daemon, as `query`, `bench` and the tests use it |
 //! | counters | `metrics` | lock-free counters and their Prometheus text |
 //! | counters | `top_refused` | the keys refused most in the last minute: sharded space-saving summaries, rotated every 10 s |
@@ -28,8 +30,9 @@
 //! | operations | `admin` | a key's windows in Redis: inspect, reset |
 //! | admin service | `admin_api` | the admin API: listener and routes (`server`), overrides in Redis and their refresh (`store`), the fleet's change log of overrides and lifts (`changes`), the penalty box's bans (`bans`), its `client`, `tls`, RFC 3339 `time` |
 //! | edges | `daemon`, `bench`, `top` | `serve` wiring and reloads; the load generator; `ratelimitd top` |
+//! | command line | `cli` | the binary's (`main.rs`'s `mod cli`, over this library): one file per command, `serve` (+ `logging`), what they share (`common`), `check_config`, `config_show`, `query`, `keys` (inspect, reset), `overrides`, `bans`, `top`, `bench`; the admin API as they call it (`admin`) |
 //!
-//! `main.rs` is the command line over this library. Modules are private
+//! `main.rs` and `cli/` are the command line over this library. Modules are private
 //! unless the command line or the integration tests use them.
 #![forbid(unsafe_code)]
 
@@ -47,6 +50,7 @@ mod local_store;
 pub mod log_limit;
 mod metrics;
 mod metrics_server;
+mod park;
 mod penalty_box;
 mod policies;
 pub mod protocol;
@@ -58,6 +62,7 @@ mod window_store;
 pub mod terminal;
 pub mod top;
 mod top_refused;
+mod use_clock;
 pub mod top_snapshot;
 pub mod window;
 

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::park::Parking;
 use crate::protocol::Algorithm;
 use crate::window::{LimitSpec, Verdict};
 
@@ -362,11 +363,14 @@ fn wall_clock_ms() -> u64 {
 /// A lease held: its id, when it expires on the store's clock, its slots.
 type Lease = (Box<[u8]>, u64, u32);
 
+/// One shard's windows, by window name.
+type Windows = HashMap<Box<[u8]>, KeyWindow>;
+
 /// The per-host windows, shared by all connections of the process and kept
 /// across configuration reloads, so that a reload forgets no admission.
 #[derive(Debug)]
 pub struct LocalStore {
-    shards: Vec<Mutex<HashMap<Box<[u8]>, KeyWindow>>>,
+    shards: Vec<Mutex<Windows>>,
     hasher: RandomState,
     keys_per_shard: usize,
     /// Origin of the store's monotonic clock: immune to wall-clock steps.
@@ -379,6 +383,9 @@ pub struct LocalStore {
     /// backend's settle records; Redis keeps its own).
     settles: Mutex<HashMap<Box<[u8]>, SettleRecord>>,
     max_keys: usize,
+    /// The sweeper, parked while the store is empty: woken by whatever
+    /// adds a key, a lease or a settle record.
+    sweeper: Parking,
 }
 
 /// The windows hold `max_keys` keys already, none of them idle.
@@ -397,6 +404,7 @@ impl LocalStore {
             leases: Mutex::new(HashMap::new()),
             settles: Mutex::new(HashMap::new()),
             max_keys,
+            sweeper: Parking::new(),
         }
     }
 
@@ -430,6 +438,7 @@ impl LocalStore {
                 return Err(LocalStoreFull(self.max_keys));
             }
         }
+        self.sweeper.work_arrived();
         let held = all.entry(key.into()).or_default();
         held.retain(|&(_, until, _)| until > now);
         let count: u32 = held.iter().map(|&(_, _, c)| c).sum();
@@ -465,7 +474,7 @@ impl LocalStore {
         Verdict { allowed: released, count, ..Verdict::default() }
     }
 
-    fn shard(&self, key: &[u8]) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
+    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Windows> {
         // A poisoned shard only means another thread panicked mid-update of
         // plain counters; the data is still usable.
         self.lock(self.shard_index(key))
@@ -486,7 +495,10 @@ impl LocalStore {
         }
         let w = match shard.get_mut(name) {
             Some(w) => w,
-            None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
+            None => {
+                self.sweeper.work_arrived();
+                shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() })
+            }
         };
         match algorithm {
             Algorithm::Log | Algorithm::Ring => {}
@@ -514,13 +526,8 @@ impl LocalStore {
 
     fn check_multi_at(&self, items: &[(LimitSpec<'_>, bool)], now_ms: u64) -> Result<(bool, Vec<Verdict>), LocalStoreFull> {
         let names: Vec<Box<[u8]>> = items.iter().map(|(s, _)| Box::from(WindowName::new(s, Algorithm::Log).as_bytes())).collect();
-        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
-        let mut order = shard_of.clone();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>>> = order.iter().map(|&i| self.lock(i)).collect();
         // Item k's map is guards[at[k]].
-        let at: Vec<usize> = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        let (mut guards, at) = self.lock_all(&names);
         for (k, (spec, _)) in items.iter().enumerate() {
             let map = &mut guards[at[k]];
             if !map.contains_key(&names[k]) {
@@ -531,6 +538,7 @@ impl LocalStore {
                     }
                 }
                 map.insert(names[k].clone(), KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() });
+                self.sweeper.work_arrived();
             }
         }
         let mut fits = Vec::with_capacity(items.len());
@@ -579,12 +587,8 @@ impl LocalStore {
                 return Err(LocalStoreFull(self.max_keys));
             }
         }
-        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
-        let mut order = shard_of.clone();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>>> = order.iter().map(|&i| self.lock(i)).collect();
-        let at: Vec<usize> = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        // Item k's map is guards[at[k]].
+        let (mut guards, at) = self.lock_all(&names);
         for (k, (spec, _, _)) in items.iter().enumerate() {
             let map = &mut guards[at[k]];
             if !map.contains_key(&names[k]) {
@@ -595,6 +599,7 @@ impl LocalStore {
                     }
                 }
                 map.insert(names[k].clone(), KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() });
+                self.sweeper.work_arrived();
             }
         }
         let mut before = Vec::with_capacity(items.len());
@@ -627,6 +632,8 @@ impl LocalStore {
                 settles.insert(key.into(), SettleRecord { start, estimate: u64::from(spec.cost), until_ms: now_ms + SETTLE_LIFE_MS, charged, born });
             }
         }
+        // Under the settles' lock, as src/park.rs asks.
+        self.sweeper.work_arrived();
         Ok((true, verdicts))
     }
 
@@ -650,7 +657,10 @@ impl LocalStore {
         // room: the cost was incurred.
         let w = match shard.get_mut(name) {
             Some(w) => w,
-            None => shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() }),
+            None => {
+                self.sweeper.work_arrived();
+                shard.entry(name.into()).or_insert_with(|| KeyWindow { window_ms: spec.window_ms, ..KeyWindow::default() })
+            }
         };
         let (actual, est, limit) = (u64::from(spec.cost), rec.estimate, u64::from(spec.limit));
         match algorithm {
@@ -700,25 +710,54 @@ impl LocalStore {
         (self.hasher.hash_one(name) as usize) % SHARDS
     }
 
-    fn lock(&self, i: usize) -> MutexGuard<'_, HashMap<Box<[u8]>, KeyWindow>> {
+    fn lock(&self, i: usize) -> MutexGuard<'_, Windows> {
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Frees the memory of idle keys once a second until `shutdown`.
+    /// The shards of `names` locked, each once and in ascending order (two
+    /// calls locking several cannot deadlock), and for each name the index
+    /// of its shard's guard.
+    fn lock_all(&self, names: &[Box<[u8]>]) -> (Vec<MutexGuard<'_, Windows>>, Vec<usize>) {
+        let shard_of: Vec<usize> = names.iter().map(|n| self.shard_index(n)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let guards = order.iter().map(|&i| self.lock(i)).collect();
+        let at = shard_of.iter().map(|i| order.binary_search(i).unwrap_or(0)).collect();
+        (guards, at)
+    }
+
+    /// Frees the memory of idle keys once a second until `shutdown`; parks
+    /// while the store holds nothing, until a key, lease or settle record
+    /// is added (an idle daemon has no timer firing for it).
     pub async fn sweep_every_second(self: Arc<Self>, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {
-                    let removed = self.sweep_at(self.now_ms());
-                    if removed > 0 {
-                        tracing::trace!(removed, "swept idle per-host keys");
-                    }
-                }
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            self.sweeper.about_to_park();
+            let removed = self.sweep_at(self.now_ms());
+            if removed > 0 {
+                tracing::trace!(removed, "swept idle per-host keys");
+            }
+            if !self.is_empty() {
+                self.sweeper.stay_awake();
+                continue;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.sweeper.parked() => {}
             }
         }
+    }
+
+    /// Whether no key, lease or settle record is held (each looked at under
+    /// its lock, after `about_to_park`: see src/park.rs).
+    fn is_empty(&self) -> bool {
+        self.shards.iter().all(|s| s.lock().unwrap_or_else(|e| e.into_inner()).is_empty())
+            && self.leases.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+            && self.settles.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
     }
 
     /// Drops keys whose every admission has left the window; returns how many.

@@ -13,8 +13,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::config::{Penalty, PolicyConfig, PolicyLimit};
-use crate::protocol::{Algorithm, FailPolicy, PolicyUse, PolicyUses};
+use crate::config::{PolicyConfig, PolicyLimit, PolicyRule};
+use crate::protocol::{PolicyUse, PolicyUses};
 
 /// What happened to one policy request; each request counts in exactly one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,22 +86,6 @@ pub fn unknown_requests() -> u64 {
     UNKNOWN_POLICY_REQUESTS.load(Ordering::Relaxed)
 }
 
-/// A coarse clock for "when was this policy last used": seconds since the
-/// daemon started, plus one (0 = the clock does not run: never used), set
-/// once a second by the daemon (`tick_use_clock`), so the request path
-/// reads an atomic instead of the time.
-static USE_CLOCK_SECS: AtomicU64 = AtomicU64::new(0);
-
-/// Sets the use clock (seconds since start, plus one).
-pub fn tick_use_clock(secs: u64) {
-    USE_CLOCK_SECS.store(secs, Ordering::Relaxed);
-}
-
-/// The use clock's reading now.
-pub fn use_clock() -> u64 {
-    USE_CLOCK_SECS.load(Ordering::Relaxed)
-}
-
 /// One policy's counters: an atomic per outcome, added to with one relaxed
 /// operation; and when it was last used (the use clock, 0: never), which a
 /// reload reads to refuse removing a policy that serves (docs/OPERATIONS.md).
@@ -123,7 +107,7 @@ impl PolicyCounters {
     pub fn count(&self, o: Outcome) {
         self.outcomes[o as usize].fetch_add(1, Ordering::Relaxed);
         // Written once a second at most: a load of a shared line, no store.
-        let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
+        let now = crate::use_clock::now();
         if self.last_used.load(Ordering::Relaxed) != now {
             self.last_used.store(now, Ordering::Relaxed);
         }
@@ -139,7 +123,7 @@ impl PolicyCounters {
     /// `uses`: in use for the reload refusal as a decided request is, and
     /// each use one a reload must keep possible.
     pub fn described(&self, uses: PolicyUses) {
-        let now = USE_CLOCK_SECS.load(Ordering::Relaxed);
+        let now = crate::use_clock::now();
         for slot in std::iter::once(&self.last_described).chain(uses.iter().map(|u| &self.described_uses[u as usize])) {
             if slot.load(Ordering::Relaxed) != now {
                 slot.store(now, Ordering::Relaxed);
@@ -171,24 +155,13 @@ pub struct PenaltyCounters {
     pub banned: AtomicU64,
 }
 
-/// One policy, ready for the request path.
+/// One policy, ready for the request path: its rule as the configuration
+/// typed it, the keys' overrides in a map the request's key is looked up
+/// in, and what it keeps at run time.
 #[derive(Debug)]
 pub struct Policy {
     pub name: Box<str>,
-    pub limit: u32,
-    pub window_ms: u32,
-    pub fail_policy: Option<FailPolicy>,
-    pub local_limit: Option<u32>,
-    pub shadow: bool,
-    pub algorithm: Algorithm,
-    /// `Some`: a concurrency policy (ACQUIRE_POLICY, op 7) holding each
-    /// slot for at most this many ms; `None`: a rate policy (CHECK_POLICY).
-    pub lease_ms: Option<u32>,
-    /// Hot-key shards: 1 (one window per key) or the key's quota split over
-    /// this many windows (`redis::shard_key`).
-    pub shards: u32,
-    /// The penalty box: ban a key refused `after` times within `within`.
-    pub penalty: Option<Penalty>,
+    pub rule: PolicyRule,
     /// Kept across reloads, by name, as `counters`.
     pub penalty_counters: Arc<PenaltyCounters>,
     /// Where this daemon's next sharded request starts (round robin, from a
@@ -204,15 +177,15 @@ impl Policy {
     #[inline]
     pub fn limit_for(&self, key: &[u8]) -> PolicyLimit {
         if self.overrides.is_empty() {
-            return PolicyLimit::Limit(self.limit);
+            return PolicyLimit::Limit(self.rule.limit);
         }
-        self.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(self.limit))
+        self.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(self.rule.limit))
     }
 
     /// The shard a sharded request tries first: one relaxed increment.
     #[inline]
     pub fn first_shard(&self) -> u32 {
-        self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards
+        self.next_shard.fetch_add(1, Ordering::Relaxed) % self.rule.shards
     }
 }
 
@@ -236,7 +209,8 @@ fn window_text(window_ms: u32) -> String {
 /// keys, which start empty. A concurrency policy's leases are one set per
 /// key whatever the lease (`WindowKey::lease_key`): they carry over.
 pub fn counts_restart(old: &Policy, new: &Policy) -> Option<String> {
-    let kind = |p: &Policy| if p.lease_ms.is_some() { "concurrency" } else { "rate" };
+    let (old, new) = (&old.rule, &new.rule);
+    let kind = |p: &PolicyRule| if p.lease_ms.is_some() { "concurrency" } else { "rate" };
     if kind(old) != kind(new) {
         return Some(format!("kind {} -> {}", kind(old), kind(new)));
     }
@@ -289,17 +263,7 @@ impl Policies {
             by_name.insert(Box::from(c.name.as_bytes()), list.len());
             list.push(Policy {
                 name: c.name.as_str().into(),
-                limit: c.limit,
-                // Validated to fit limits.max_window_ms, a u32.
-                // A calendar window's code (src/window.rs) when it has one.
-                window_ms: c.calendar_window_ms.unwrap_or_else(|| u32::try_from(c.window.as_millis()).unwrap_or(u32::MAX)),
-                fail_policy: c.fail_policy,
-                local_limit: c.local_limit,
-                shadow: c.shadow,
-                algorithm: c.algorithm,
-                lease_ms: c.lease_ms,
-                shards: c.shards,
-                penalty: c.penalty,
+                rule: c.rule,
                 penalty_counters,
                 next_shard: AtomicU32::new(random_u32()),
                 overrides: c.overrides.iter().map(|(k, v)| (Box::from(k.as_bytes()), *v)).collect(),
@@ -349,7 +313,7 @@ impl Policies {
                 let _ = writeln!(out, "ratelimitd_policy_requests_total{{policy=\"{}\",outcome=\"{}\"}} {}", p.name, o.as_str(), p.counters.get(o));
             }
         }
-        let penalized = || self.list.iter().filter(|p| p.penalty.is_some());
+        let penalized = || self.list.iter().filter(|p| p.rule.penalty.is_some());
         if penalized().next().is_some() {
             let _ = writeln!(out, "# HELP ratelimitd_penalty_bans_total Bans of the penalty box engaged by this daemon's requests, by policy (a shadow policy's too: recorded, never enforced).\n# TYPE ratelimitd_penalty_bans_total counter");
             for p in penalized() {
@@ -366,22 +330,13 @@ impl Policies {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::Algorithm;
     use std::collections::BTreeMap;
-    use std::time::Duration;
 
     fn config(name: &str, limit: u32) -> PolicyConfig {
         PolicyConfig {
             name: name.into(),
-            limit,
-            window: Duration::from_secs(1),
-            calendar_window_ms: None,
-            fail_policy: None,
-            local_limit: None,
-            shadow: false,
-            algorithm: Algorithm::Log,
-            lease_ms: None,
-            shards: 1,
-            penalty: None,
+            rule: PolicyRule::rate(limit, 1000),
             overrides: BTreeMap::from([("big".into(), PolicyLimit::Limit(50)), ("free".into(), PolicyLimit::Unlimited)]),
         }
     }
@@ -390,7 +345,7 @@ mod tests {
     fn lookups_and_overrides() {
         let p = Policies::build(&[config("order", 10)], None);
         let order = p.get(b"order").unwrap();
-        assert_eq!(order.window_ms, 1000);
+        assert_eq!(order.rule.window_ms, 1000);
         assert_eq!(order.limit_for(b"t1"), PolicyLimit::Limit(10));
         assert_eq!(order.limit_for(b"big"), PolicyLimit::Limit(50));
         assert_eq!(order.limit_for(b"free"), PolicyLimit::Unlimited);
@@ -400,17 +355,19 @@ mod tests {
     #[test]
     fn only_a_change_of_the_keys_restarts_counts() {
         let build = |c: PolicyConfig| Policies::build(&[c], None);
-        let (old, same) = (build(config("p", 10)), build(PolicyConfig { limit: 20, shadow: true, overrides: Default::default(), ..config("p", 10) }));
+        let with = |rule: PolicyRule| PolicyConfig { rule, ..config("p", 10) };
+        let base = config("p", 10).rule;
+        let (old, same) = (build(config("p", 10)), build(PolicyConfig { rule: PolicyRule { limit: 20, shadow: true, ..base }, overrides: Default::default(), ..config("p", 10) }));
         let p = |ps: &Policies| ps.get(b"p").map(|p| counts_restart(old.get(b"p").unwrap(), p));
         assert_eq!(p(&same), Some(None), "limit, shadow and overrides live outside the key");
-        let window = build(PolicyConfig { window: Duration::from_secs(2), ..config("p", 10) });
+        let window = build(with(PolicyRule { window_ms: 2000, ..base }));
         assert_eq!(p(&window), Some(Some("window 1000 ms -> 2000 ms".into())));
-        let ring = build(PolicyConfig { algorithm: Algorithm::Ring, shards: 4, ..config("p", 10) });
+        let ring = build(with(PolicyRule { algorithm: Algorithm::Ring, shards: 4, ..base }));
         assert_eq!(p(&ring), Some(Some("algorithm log -> ring, shards 1 -> 4".into())));
-        let month = |offset| build(PolicyConfig { algorithm: Algorithm::Fixed, calendar_window_ms: Some(crate::window::calendar_window_ms(0, offset)), ..config("p", 10) });
+        let month = |offset| build(with(PolicyRule { algorithm: Algorithm::Fixed, window_ms: crate::window::calendar_window_ms(0, offset), ..base }));
         let (utc, cest) = (month(0), month(120));
         assert_eq!(counts_restart(utc.get(b"p").unwrap(), cest.get(b"p").unwrap()), Some("window month at utc_offset +00:00 -> month at utc_offset +02:00".into()));
-        let lease = |ms| build(PolicyConfig { lease_ms: Some(ms), ..config("p", 10) });
+        let lease = |ms| build(with(PolicyRule { lease_ms: Some(ms), ..base }));
         assert_eq!(counts_restart(lease(1000).get(b"p").unwrap(), lease(5000).get(b"p").unwrap()), None, "one lease set per key, whatever the lease");
         assert_eq!(p(&lease(1000)), Some(Some("kind rate -> concurrency".into())));
     }

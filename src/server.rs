@@ -26,25 +26,22 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 use futures_util::stream::FuturesUnordered;
 use futures_util::task::AtomicWaker;
 use futures_util::{FutureExt, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tokio_util::codec::Decoder;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServerConfig;
 use crate::decision::{count_undecoded, Limiter};
 use crate::log_limit::RateLimitedLog;
 use crate::metrics::{CloseReason, METRICS};
-use crate::protocol::{
-    encode_response, parse_request, Bounds, ErrorCode, Inbound, RequestCodec, Response, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_FRAME_LEN, OP_CHECK_POLICY, POLICY_HEADER_LEN, POLICY_ITEM_LEN,
-    REQUEST_HEADER_LEN,
-};
+use crate::protocol::{encode_response, next_frame, parse_request, too_large, truncated, Bounds, ErrorCode, Frame, Inbound, LoggedKey, Request, Response};
 
 /// How long a connection must have been idle before the acceptor, at the
 /// connection cap, may close it for a new one. A connection used more
@@ -63,30 +60,6 @@ const OUT_HIGH_WATER: usize = 64 * 1024;
 /// Free space the read buffer is given before each read.
 const READ_RESERVE: usize = 4096;
 
-/// Connection handling settings, from `[server]`; fixed for the daemon's life.
-#[derive(Debug, Clone)]
-pub struct ServerSettings {
-    pub max_connections: usize,
-    pub max_in_flight_per_connection: usize,
-    pub shutdown_grace: Duration,
-    pub idle_timeout: Duration,
-    pub frame_timeout: Duration,
-    pub write_timeout: Duration,
-}
-
-impl From<&ServerConfig> for ServerSettings {
-    fn from(s: &ServerConfig) -> Self {
-        Self {
-            max_connections: s.max_connections,
-            max_in_flight_per_connection: s.max_in_flight_per_connection,
-            shutdown_grace: s.shutdown_grace,
-            idle_timeout: s.idle_timeout,
-            frame_timeout: s.frame_timeout,
-            write_timeout: s.write_timeout,
-        }
-    }
-}
-
 /// What a configuration reload replaces for the frames still to come: the
 /// bounds they are validated against and the limiter that decides them.
 #[derive(Debug, Clone)]
@@ -101,7 +74,7 @@ pub struct Reloadable {
 /// Serves `listener` until `shutdown` completes, then drains. Each request
 /// is validated and decided with what is current on `reloadable` when its
 /// frame is read; a reload may send a new one at any time.
-pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>, settings: ServerSettings, shutdown: impl Future) {
+pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>, settings: ServerConfig, shutdown: impl Future) {
     let tracker = TaskTracker::new();
     let shared = Arc::new(Shared {
         slots: Slots::new(settings.max_connections),
@@ -131,7 +104,8 @@ pub async fn run(listener: UnixListener, reloadable: watch::Receiver<Reloadable>
 
 /// What every handler shares.
 struct Shared {
-    settings: ServerSettings,
+    /// `[server]`, fixed for the daemon's life.
+    settings: ServerConfig,
     slots: Arc<Slots>,
     /// Invalid requests, one log per code (indexed like `ErrorCode::ALL`).
     invalid_logs: Box<[RateLimitedLog]>,
@@ -325,82 +299,6 @@ impl Listener {
     }
 }
 
-/// One frame split off the read buffer.
-enum Frame {
-    Body(Bytes),
-    TooLarge(usize),
-}
-
-/// The next whole frame in `buf`, if any. The same framing as
-/// `RequestCodec::decode`, keeping the body so that an invalid request's key
-/// can be logged.
-fn next_frame(buf: &mut BytesMut) -> Option<Frame> {
-    if buf.len() < LEN_PREFIX {
-        return None;
-    }
-    let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    if len > MAX_FRAME_LEN {
-        buf.clear();
-        return Some(Frame::TooLarge(len));
-    }
-    if buf.len() < LEN_PREFIX + len {
-        return None;
-    }
-    buf.advance(LEN_PREFIX);
-    Some(Frame::Body(buf.split_to(len).freeze()))
-}
-
-/// Answers a frame whose length prefix is beyond `MAX_FRAME_LEN`; the
-/// connection is then closed.
-fn answer_too_large(len: usize, out: &mut BytesMut) {
-    tracing::debug!(len, "frame too large; closing the connection");
-    let msg = format!("frame of {len} bytes exceeds the maximum of {MAX_FRAME_LEN}");
-    let r = Response::error(0, 0, ErrorCode::FrameTooLarge, msg.into());
-    count_undecoded(&r);
-    encode_response(&r, out);
-}
-
-/// The key of a request body, for logs: escaped, at most 128 bytes shown;
-/// `-` when the body does not hold a key of the length it says.
-struct KeyOf<'a>(&'a [u8]);
-
-impl fmt::Display for KeyOf<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = self.0;
-        let key = if b.len() > 1 && b[1] == OP_CHECK_POLICY {
-            // The policy's name, then its key (one item).
-            let fixed = POLICY_HEADER_LEN + POLICY_ITEM_LEN;
-            if b.len() <= fixed {
-                return f.write_str("-");
-            }
-            let key_len = u16::from_be_bytes([b[fixed - 3], b[fixed - 2]]) as usize;
-            let name_len = b[fixed - 1] as usize;
-            if fixed + name_len + key_len != b.len() {
-                return f.write_str("-");
-            }
-            write!(f, "{}/", b[fixed..fixed + name_len].escape_ascii())?;
-            &b[fixed + name_len..]
-        } else {
-            let at = REQUEST_HEADER_LEN + LIMIT_ENTRY_LEN;
-            if b.len() <= at || u16::from_be_bytes([b[at - 2], b[at - 1]]) as usize != b.len() - at {
-                return f.write_str("-");
-            }
-            &b[at..]
-        };
-        if key.len() > 128 {
-            write!(f, "{}... ({} bytes)", key[..128].escape_ascii(), key.len())
-        } else {
-            write!(f, "{}", key.escape_ascii())
-        }
-    }
-}
-
-/// The client went away with responses unsent.
-fn gone(in_flight: usize, error: &dyn fmt::Display) {
-    tracing::debug!(%error, "client went away before its response");
-    METRICS.in_flight(-(in_flight as i64));
-}
-
 /// Serves one connection: reads frames, decides up to
 /// `max_in_flight_per_connection` of them concurrently, and writes each
 /// response as soon as it is ready (responses carry the request id, so they
@@ -414,6 +312,39 @@ struct Handler {
     slot: SlotGuard,
 }
 
+/// Why a connection ends before it has answered all it took.
+enum Abort {
+    /// The client went away, or its socket failed, with responses unsent.
+    Gone(Box<dyn fmt::Display + Send>),
+    /// Responses wait and none could be written for `write_timeout`.
+    WriteTimeout,
+}
+
+/// One connection's state between the steps of `Handler::serve`: read,
+/// frames, write, timers.
+struct Conn<'h> {
+    settings: &'h ServerConfig,
+    shared: &'h Shared,
+    slot: &'h SlotGuard,
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+    inbuf: BytesMut,
+    out: BytesMut,
+    /// The frames taken from now on are validated against these.
+    bounds: Bounds,
+    /// False once the connection is to close: no more frames are taken;
+    /// what is in flight is answered first.
+    reading: bool,
+    /// Since when nothing is in flight or buffered either way.
+    idle_since: Option<Instant>,
+    /// Since when a partial frame waits while the daemon reads.
+    partial_since: Option<Instant>,
+    /// Since when responses wait unwritten, or the last write that progressed.
+    write_since: Instant,
+    /// Whether responses were left unwritten at the last look.
+    waiting: bool,
+}
+
 impl Handler {
     async fn run(self, stream: UnixStream) {
         METRICS.connection_opened();
@@ -421,216 +352,292 @@ impl Handler {
         METRICS.connection_closed();
     }
 
+    /// The steps, in a loop: take the frames received (`Conn::next_request`),
+    /// write what the socket takes (`Conn::write_now`), arm the timer
+    /// (`Conn::deadline`), then wait for whichever comes first: a request
+    /// from the acceptor, decided responses, room to write, bytes to read,
+    /// the timer.
     async fn serve(mut self, stream: UnixStream) {
-        let shared = self.shared.clone();
-        let s = &shared.settings;
-        let (mut rd, mut wr) = stream.into_split();
-        let Reloadable { mut bounds, mut limiter, .. } = self.reloadable.borrow_and_update().clone();
-        let mut inbuf = BytesMut::with_capacity(READ_RESERVE);
-        let mut out = BytesMut::with_capacity(1024);
-        let mut in_flight = FuturesUnordered::new();
-        // False once the connection is to close: no more frames are taken;
-        // what is in flight is answered first.
-        let mut reading = true;
+        let (rd, wr) = stream.into_split();
+        let Reloadable { bounds, mut limiter, .. } = self.reloadable.borrow_and_update().clone();
         // Idle since it was accepted (as the slot says already).
         let start = self.slot.accepted;
-        let mut idle_since = Some(start);
-        // Since when a partial frame waits while the daemon reads.
-        let mut partial_since: Option<Instant> = None;
-        // Since when responses wait unwritten, or the last write that progressed.
-        let mut write_since = start;
-        // Whether responses were left unwritten at the last look.
-        let mut waiting = false;
-        let timer = tokio::time::sleep_until(start + s.idle_timeout);
+        let mut c = Conn {
+            settings: &self.shared.settings,
+            shared: &self.shared,
+            slot: &self.slot,
+            rd,
+            wr,
+            inbuf: BytesMut::with_capacity(READ_RESERVE),
+            out: BytesMut::with_capacity(1024),
+            bounds,
+            reading: true,
+            idle_since: Some(start),
+            partial_since: None,
+            write_since: start,
+            waiting: false,
+        };
+        let mut in_flight = FuturesUnordered::new();
+        let timer = tokio::time::sleep_until(start + c.settings.idle_timeout);
         tokio::pin!(timer);
-        loop {
-            // Take the frames already received, as far as the limits allow.
-            if reading {
+        let aborted = loop {
+            if c.reading {
                 // Before the next frame: a reload's bounds apply to it.
                 if self.reloadable.has_changed().unwrap_or(false) {
                     let current = self.reloadable.borrow_and_update().clone();
-                    (bounds, limiter) = (current.bounds, current.limiter);
+                    (c.bounds, limiter) = (current.bounds, current.limiter);
                 }
                 let mut took = false;
-                while in_flight.len() < s.max_in_flight_per_connection && out.len() < OUT_HIGH_WATER {
-                    let Some(frame) = next_frame(&mut inbuf) else { break };
+                while let Some(frame) = c.next_frame(in_flight.len()) {
                     took = true;
-                    match frame {
-                        Frame::Body(body) => match parse_request(body.clone(), &bounds) {
-                            Inbound::Request(req) => {
-                                METRICS.in_flight(1);
-                                in_flight.push(limiter.clone().decide(req));
-                            }
-                            Inbound::Invalid { id, op, code, message } => {
-                                if let Some(suppressed) = shared.invalid_logs[code.index()].permit() {
-                                    tracing::error!(
-                                        id,
-                                        %code,
-                                        reason = %message,
-                                        key = %KeyOf(&body),
-                                        suppressed,
-                                        "invalid request refused, no decision made: the client's configuration or code is wrong"
-                                    );
-                                }
-                                let r = Response::error(id, op, code, message);
-                                count_undecoded(&r);
-                                encode_response(&r, &mut out);
-                            }
-                            // Not from parse_request (next_frame frames), but handled alike.
-                            Inbound::TooLarge { len } => {
-                                answer_too_large(len, &mut out);
-                                reading = false;
-                                break;
-                            }
-                        },
-                        Frame::TooLarge(len) => {
-                            answer_too_large(len, &mut out);
-                            reading = false;
-                            break;
-                        }
+                    if let Some(req) = c.answer_or_take(frame) {
+                        METRICS.in_flight(1);
+                        in_flight.push(limiter.clone().decide(req));
                     }
                 }
                 if took {
                     // What is left, if anything, came with the last read.
-                    partial_since = None;
+                    c.partial_since = None;
                 }
             }
-            let can_read = reading && in_flight.len() < s.max_in_flight_per_connection && out.len() < OUT_HIGH_WATER;
-            // The frame clock runs only while the daemon reads: with reading
-            // paused, the rest of the frame may be waiting in the socket.
-            if !can_read || inbuf.is_empty() {
-                partial_since = None;
-            } else if partial_since.is_none() {
-                partial_since = Some(Instant::now());
+            let can_read = c.has_room(in_flight.len());
+            c.frame_clock(can_read);
+            if let Err(e) = c.write_now() {
+                break Some(e);
             }
-            if !out.is_empty() {
-                // Write at once what the socket takes; wait in the select
-                // only for the rest.
-                let before = out.len();
-                loop {
-                    match wr.try_write(&out) {
-                        Ok(0) => return gone(in_flight.len(), &"the socket took no byte"),
-                        Ok(n) => {
-                            out.advance(n);
-                            if out.is_empty() {
-                                break;
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                        Err(e) => return gone(in_flight.len(), &e),
-                    }
-                }
-                if !out.is_empty() && (out.len() < before || !waiting) {
-                    write_since = Instant::now();
-                }
+            if !c.reading && in_flight.is_empty() && c.out.is_empty() {
+                break None;
             }
-            waiting = !out.is_empty();
-            if !reading && in_flight.is_empty() && out.is_empty() {
-                break;
-            }
-            let idle = in_flight.is_empty() && out.is_empty() && inbuf.is_empty();
-            if idle != idle_since.is_some() {
-                idle_since = idle.then(Instant::now);
-                self.slot.set_idle(idle_since);
-            }
-            // The earliest deadline that applies; none while merely busy (the
-            // timer is then left where it is, and re-armed if it fires).
-            let mut deadline: Option<Instant> = None;
-            let mut arm = |d: Instant| deadline = Some(deadline.map_or(d, |e: Instant| e.min(d)));
-            if !out.is_empty() {
-                arm(write_since + s.write_timeout);
-            }
-            if let Some(p) = partial_since {
-                arm(p + s.frame_timeout);
-            }
-            if let (true, Some(i)) = (reading, idle_since) {
-                arm(i + s.idle_timeout);
-            }
-            if let Some(d) = deadline {
+            c.publish_idle(in_flight.is_empty());
+            if let Some(d) = c.deadline() {
                 if timer.deadline() != d {
                     timer.as_mut().reset(d);
                 }
             }
-            if can_read && inbuf.capacity() - inbuf.len() < READ_RESERVE / 4 {
-                inbuf.reserve(READ_RESERVE);
+            if can_read && c.inbuf.capacity() - c.inbuf.len() < READ_RESERVE / 4 {
+                c.inbuf.reserve(READ_RESERVE);
             }
             tokio::select! {
                 biased;
-                asked = Asked(self.slot.slot()), if reading => {
-                    if asked & STOP != 0 {
-                        reading = false;
-                    } else {
-                        self.slot.slot().asked.fetch_and(!EVICT, Ordering::AcqRel);
-                        // Only if still idle, and long enough: it may have
-                        // taken a request since the acceptor looked, or one
-                        // may be waiting in the socket right now.
-                        if idle_since.is_some_and(|t| t.elapsed() >= EVICTABLE_AFTER) && !matches!(rd.try_read_buf(&mut inbuf), Ok(n) if n > 0) {
-                            tracing::debug!(idle_ms = idle_since.map_or(0, |t| t.elapsed().as_millis() as u64), "connection cap reached: closing the connection idle the longest for a new one");
-                            METRICS.connection_closed_by_daemon(CloseReason::Evicted);
-                            reading = false;
-                        }
-                    }
-                }
+                asked = Asked(c.slot.slot()), if c.reading => c.on_asked(asked),
                 Some(resp) = in_flight.next(), if !in_flight.is_empty() => {
-                    encode_response(&resp, &mut out);
+                    encode_response(&resp, &mut c.out);
                     let mut done = 1;
                     // Batch whatever else is ready into the same write.
                     while let Some(Some(resp)) = in_flight.next().now_or_never() {
-                        encode_response(&resp, &mut out);
+                        encode_response(&resp, &mut c.out);
                         done += 1;
                     }
                     METRICS.in_flight(-done);
                 }
-                written = wr.write_buf(&mut out), if !out.is_empty() => match written {
-                    Ok(0) => return gone(in_flight.len(), &"the socket took no byte"),
-                    Ok(_) => write_since = Instant::now(),
-                    Err(e) => return gone(in_flight.len(), &e),
+                written = c.wr.write_buf(&mut c.out), if !c.out.is_empty() => match written {
+                    Ok(0) => break Some(Abort::Gone(Box::new("the socket took no byte"))),
+                    Ok(_) => c.write_since = Instant::now(),
+                    Err(e) => break Some(Abort::Gone(Box::new(e))),
                 },
-                read = rd.read_buf(&mut inbuf), if can_read => match read {
-                    Ok(0) => {
-                        reading = false;
-                        partial_since = None;
-                        // A frame cut off by the end of the stream is answered.
-                        if let Ok(Some(Inbound::Invalid { id, op, code, message })) = RequestCodec::new(bounds).decode_eof(&mut inbuf) {
-                            tracing::debug!(id, %code, reason = %message, "the stream ended inside a frame");
-                            let r = Response::error(id, op, code, message);
-                            count_undecoded(&r);
-                            encode_response(&r, &mut out);
-                        }
-                        inbuf.clear();
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::debug!(error = %e, "connection read failed");
-                        reading = false;
-                        inbuf.clear();
-                    }
-                },
+                read = c.rd.read_buf(&mut c.inbuf), if can_read => c.on_read(read),
                 _ = &mut timer => {
-                    let now = Instant::now();
-                    if !out.is_empty() && now >= write_since + s.write_timeout {
-                        tracing::debug!(timeout_ms = s.write_timeout.as_millis() as u64, unsent = out.len(), "the client does not read its responses; closing the connection");
-                        METRICS.connection_closed_by_daemon(CloseReason::WriteTimeout);
-                        METRICS.in_flight(-(in_flight.len() as i64));
-                        return;
-                    } else if partial_since.is_some_and(|p| now >= p + s.frame_timeout) {
-                        tracing::debug!(timeout_ms = s.frame_timeout.as_millis() as u64, "frame not completed in time; closing the connection");
-                        METRICS.connection_closed_by_daemon(CloseReason::FrameTimeout);
-                        reading = false;
-                        partial_since = None;
-                        inbuf.clear();
-                    } else if reading && idle_since.is_some_and(|i| now >= i + s.idle_timeout) {
-                        tracing::debug!(idle_ms = s.idle_timeout.as_millis() as u64, "closing an idle connection");
-                        METRICS.connection_closed_by_daemon(CloseReason::Idle);
-                        reading = false;
-                    } else {
-                        // Fired while busy, with no deadline of its own.
-                        timer.as_mut().reset(now + s.idle_timeout);
+                    if let Err(e) = c.on_timer(&mut timer) {
+                        break Some(e);
                     }
                 }
             }
+        };
+        match aborted {
+            None => {
+                let _ = c.wr.shutdown().await;
+                return;
+            }
+            Some(Abort::Gone(error)) => tracing::debug!(%error, "client went away before its response"),
+            Some(Abort::WriteTimeout) => {
+                let s = c.settings;
+                tracing::debug!(timeout_ms = s.write_timeout.as_millis() as u64, unsent = c.out.len(), "the client does not read its responses; closing the connection");
+                METRICS.connection_closed_by_daemon(CloseReason::WriteTimeout);
+            }
         }
-        let _ = wr.shutdown().await;
+        // Decided or not, none of these will be answered.
+        METRICS.in_flight(-(in_flight.len() as i64));
+    }
+}
+
+impl Conn<'_> {
+    /// Whether another frame may be taken: reading, and within the
+    /// connection's limits of requests in flight and unsent bytes.
+    fn has_room(&self, in_flight: usize) -> bool {
+        self.reading && in_flight < self.settings.max_in_flight_per_connection && self.out.len() < OUT_HIGH_WATER
+    }
+
+    /// Frames step: the next whole frame received, while there is room for it.
+    fn next_frame(&mut self, in_flight: usize) -> Option<Frame> {
+        if !self.has_room(in_flight) {
+            return None;
+        }
+        next_frame(&mut self.inbuf)
+    }
+
+    /// A frame's request to decide; a frame that is none is answered here
+    /// (a too-large one also stops the reading).
+    fn answer_or_take(&mut self, frame: Frame) -> Option<Request> {
+        let body = match frame {
+            Frame::Body(body) => body,
+            Frame::TooLarge(len) => {
+                self.answer_too_large(len);
+                return None;
+            }
+        };
+        match parse_request(body.clone(), &self.bounds) {
+            Inbound::Request(req) => Some(req),
+            Inbound::Invalid { id, op, code, message } => {
+                if let Some(suppressed) = self.shared.invalid_logs[code.index()].permit() {
+                    tracing::error!(
+                        id,
+                        %code,
+                        reason = %message,
+                        key = %LoggedKey(&body),
+                        suppressed,
+                        "invalid request refused, no decision made: the client's configuration or code is wrong"
+                    );
+                }
+                self.answer(Response::error(id, op, code, message));
+                None
+            }
+            // Not from parse_request (next_frame frames), but handled alike.
+            Inbound::TooLarge { len } => {
+                self.answer_too_large(len);
+                None
+            }
+        }
+    }
+
+    /// Answers a frame whose length prefix is beyond the protocol's most; the
+    /// connection is then closed.
+    fn answer_too_large(&mut self, len: usize) {
+        tracing::debug!(len, "frame too large; closing the connection");
+        self.answer(too_large(len));
+        self.reading = false;
+    }
+
+    /// An answer made without a decision: counted, and queued to write.
+    fn answer(&mut self, r: Response) {
+        count_undecoded(&r);
+        encode_response(&r, &mut self.out);
+    }
+
+    /// Timers step: the frame clock runs only while the daemon reads (with
+    /// reading paused, the rest of the frame may be waiting in the socket).
+    fn frame_clock(&mut self, can_read: bool) {
+        if !can_read || self.inbuf.is_empty() {
+            self.partial_since = None;
+        } else if self.partial_since.is_none() {
+            self.partial_since = Some(Instant::now());
+        }
+    }
+
+    /// Write step: writes at once what the socket takes; the select waits
+    /// only for the rest.
+    fn write_now(&mut self) -> Result<(), Abort> {
+        if !self.out.is_empty() {
+            let before = self.out.len();
+            loop {
+                match self.wr.try_write(&self.out) {
+                    Ok(0) => return Err(Abort::Gone(Box::new("the socket took no byte"))),
+                    Ok(n) => {
+                        self.out.advance(n);
+                        if self.out.is_empty() {
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(Abort::Gone(Box::new(e))),
+                }
+            }
+            if !self.out.is_empty() && (self.out.len() < before || !self.waiting) {
+                self.write_since = Instant::now();
+            }
+        }
+        self.waiting = !self.out.is_empty();
+        Ok(())
+    }
+
+    /// Tells the acceptor, through the slot, whether the connection is idle
+    /// and since when.
+    fn publish_idle(&mut self, nothing_in_flight: bool) {
+        let idle = nothing_in_flight && self.out.is_empty() && self.inbuf.is_empty();
+        if idle != self.idle_since.is_some() {
+            self.idle_since = idle.then(Instant::now);
+            self.slot.set_idle(self.idle_since);
+        }
+    }
+
+    /// Timers step: the earliest deadline that applies; none while merely
+    /// busy (the timer is then left where it is, and re-armed if it fires).
+    fn deadline(&self) -> Option<Instant> {
+        let s = self.settings;
+        let write = (!self.out.is_empty()).then(|| self.write_since + s.write_timeout);
+        let frame = self.partial_since.map(|p| p + s.frame_timeout);
+        let idle = self.idle_since.filter(|_| self.reading).map(|i| i + s.idle_timeout);
+        [write, frame, idle].into_iter().flatten().min()
+    }
+
+    /// Timers step: the timer fired; which deadline passed decides.
+    fn on_timer(&mut self, timer: &mut Pin<&mut tokio::time::Sleep>) -> Result<(), Abort> {
+        let s = self.settings;
+        let now = Instant::now();
+        if !self.out.is_empty() && now >= self.write_since + s.write_timeout {
+            return Err(Abort::WriteTimeout);
+        }
+        if self.partial_since.is_some_and(|p| now >= p + s.frame_timeout) {
+            tracing::debug!(timeout_ms = s.frame_timeout.as_millis() as u64, "frame not completed in time; closing the connection");
+            METRICS.connection_closed_by_daemon(CloseReason::FrameTimeout);
+            self.reading = false;
+            self.partial_since = None;
+            self.inbuf.clear();
+        } else if self.reading && self.idle_since.is_some_and(|i| now >= i + s.idle_timeout) {
+            tracing::debug!(idle_ms = s.idle_timeout.as_millis() as u64, "closing an idle connection");
+            METRICS.connection_closed_by_daemon(CloseReason::Idle);
+            self.reading = false;
+        } else {
+            // Fired while busy, with no deadline of its own.
+            timer.as_mut().reset(now + s.idle_timeout);
+        }
+        Ok(())
+    }
+
+    /// Read step: what a read brought. At the end of the stream a frame it
+    /// cut off is answered.
+    fn on_read(&mut self, read: std::io::Result<usize>) {
+        match read {
+            Ok(0) => {
+                self.reading = false;
+                self.partial_since = None;
+                if let Some(Inbound::Invalid { id, op, code, message }) = truncated(&mut self.inbuf) {
+                    tracing::debug!(id, %code, reason = %message, "the stream ended inside a frame");
+                    self.answer(Response::error(id, op, code, message));
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "connection read failed");
+                self.reading = false;
+                self.inbuf.clear();
+            }
+        }
+    }
+
+    /// The acceptor asked: stop (shutdown), or close if still idle, and
+    /// long enough (it may have taken a request since the acceptor looked,
+    /// or one may be waiting in the socket right now).
+    fn on_asked(&mut self, asked: u8) {
+        if asked & STOP != 0 {
+            self.reading = false;
+            return;
+        }
+        self.slot.slot().asked.fetch_and(!EVICT, Ordering::AcqRel);
+        if self.idle_since.is_some_and(|t| t.elapsed() >= EVICTABLE_AFTER) && !matches!(self.rd.try_read_buf(&mut self.inbuf), Ok(n) if n > 0) {
+            tracing::debug!(idle_ms = self.idle_since.map_or(0, |t| t.elapsed().as_millis() as u64), "connection cap reached: closing the connection idle the longest for a new one");
+            METRICS.connection_closed_by_daemon(CloseReason::Evicted);
+            self.reading = false;
+        }
     }
 }
 
@@ -641,37 +648,16 @@ mod tests {
     use crate::local_store::LocalStore;
     use crate::protocol::{CheckArgs, Decision, FailPolicy};
 
-    fn settings() -> ServerSettings {
-        ServerSettings {
+    fn settings() -> ServerConfig {
+        ServerConfig {
             max_connections: 8,
             max_in_flight_per_connection: 4,
             shutdown_grace: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(60),
             frame_timeout: Duration::from_secs(1),
             write_timeout: Duration::from_secs(1),
+            ..ServerConfig::default()
         }
-    }
-
-    #[test]
-    fn frames_are_split_as_the_codec_splits_them() {
-        let mut buf = BytesMut::new();
-        let args = CheckArgs { key: b"k\x01y", limit: 2, window_ms: 60_000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-        crate::protocol::encode_request(9, &args, &mut buf);
-        let whole = buf.clone();
-        buf.extend_from_slice(&whole[..7]);
-        let Some(Frame::Body(body)) = next_frame(&mut buf) else { panic!("one whole frame") };
-        assert_eq!(body.len(), whole.len() - LEN_PREFIX);
-        assert_eq!(KeyOf(&body).to_string(), "k\\x01y");
-        assert!(next_frame(&mut buf).is_none(), "7 bytes of the next one stay buffered");
-        assert_eq!(buf.len(), 7);
-        assert_eq!(KeyOf(&body[..20]).to_string(), "-");
-        let mut p = BytesMut::new();
-        let pargs = crate::protocol::PolicyCheckArgs { policy: b"order", key: b"t\x7f1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
-        crate::protocol::encode_policy_request(1, &pargs, &mut p);
-        assert_eq!(KeyOf(&p[LEN_PREFIX..]).to_string(), "order/t\\x7f1");
-        assert_eq!(KeyOf(&p[LEN_PREFIX..p.len() - 1]).to_string(), "-");
-        let mut big = BytesMut::from(&(MAX_FRAME_LEN as u32 + 1).to_be_bytes()[..]);
-        assert!(matches!(next_frame(&mut big), Some(Frame::TooLarge(n)) if n == MAX_FRAME_LEN + 1));
     }
 
     #[tokio::test]

@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use crate::park::Parking;
+
 /// Keys tracked per summary.
 pub const K: usize = 64;
 /// Bytes of a key kept for display (the first ones); the identity is the
@@ -153,6 +155,8 @@ pub struct TopRefused {
     rotations: AtomicU64,
     /// When the current slot began, in ms since `epoch()`.
     slot_started_ms: AtomicU64,
+    /// The rotating task, parked while every slot is empty.
+    rotator: Parking,
 }
 
 /// The process's summaries, fed by the limiter.
@@ -199,6 +203,7 @@ impl TopRefused {
             skipped: AtomicU64::new(0),
             rotations: AtomicU64::new(0),
             slot_started_ms: AtomicU64::new(0),
+            rotator: Parking::new(),
         }
     }
 
@@ -220,7 +225,11 @@ impl TopRefused {
     #[inline]
     fn record_in(&self, shard: usize, hash: u64, key: &[u8]) {
         match self.shards[shard].try_lock() {
-            Ok(mut s) => s.current.add(hash, key),
+            Ok(mut s) => {
+                s.current.add(hash, key);
+                // Under the shard's lock, as src/park.rs asks.
+                self.rotator.work_arrived();
+            }
             Err(_) => {
                 self.skipped.fetch_add(1, Ordering::Relaxed);
             }
@@ -240,18 +249,41 @@ impl TopRefused {
         self.slot_started_ms.store(now_ms(), Ordering::Relaxed);
     }
 
-    /// Rotates every `SLOT` until `token` is cancelled.
+    /// Rotates every `SLOT` until `token` is cancelled; parks once every
+    /// slot is empty, until the next refusal (an idle daemon has no timer
+    /// firing for it).
     pub async fn rotate_every_slot(&'static self, token: CancellationToken) {
         epoch();
-        self.slot_started_ms.store(now_ms(), Ordering::Relaxed);
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + SLOT, SLOT);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            self.slot_started_ms.store(now_ms(), Ordering::Relaxed);
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + SLOT, SLOT);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = token.cancelled() => return,
+                    _ = tick.tick() => self.rotate(),
+                }
+                self.rotator.about_to_park();
+                if !self.is_empty() {
+                    self.rotator.stay_awake();
+                    continue;
+                }
+                break;
+            }
             tokio::select! {
                 _ = token.cancelled() => return,
-                _ = tick.tick() => self.rotate(),
+                _ = self.rotator.parked() => {}
             }
         }
+    }
+
+    /// Whether every slot of every shard is empty (each shard looked at
+    /// under its lock, after `about_to_park`: see src/park.rs).
+    fn is_empty(&self) -> bool {
+        self.shards.iter().all(|shard| {
+            let s = shard.lock().unwrap_or_else(|p| p.into_inner());
+            s.current.total == 0 && s.past.iter().all(|p| p.total == 0)
+        })
     }
 
     /// The `n` (at most `K`) most refused keys of the window, merged over

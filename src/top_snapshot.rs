@@ -213,10 +213,10 @@ pub fn build(breaker_open: Option<bool>, policies: &Policies, live: &LiveOverrid
             .iter()
             .map(|p| PolicyCounts {
                 name: p.name.to_string(),
-                limit: p.limit,
+                limit: p.rule.limit,
                 // A calendar month as 31 days (src/window.rs).
-                window_ms: crate::window::nominal_window_ms(p.window_ms),
-                shadow: p.shadow,
+                window_ms: crate::window::nominal_window_ms(p.rule.window_ms),
+                shadow: p.rule.shadow,
                 outcomes: Outcome::ALL.iter().map(|o| (o.as_str().to_string(), p.counters.get(*o))).collect(),
             })
             .collect(),

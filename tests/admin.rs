@@ -47,14 +47,21 @@ fn policy(name: &'static str, key: &'static str) -> PolicyCheckArgs<'static> {
     PolicyCheckArgs { policy: name.as_bytes(), key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
 }
 
+/// A client of `d` that has spent the quota of (`name`, `key`): `n` checks
+/// admitted, the next refused.
+async fn spent(d: &Daemon, name: &'static str, key: &'static str, n: usize) -> ratelimitd::client::Client {
+    let mut c = d.client().await;
+    for _ in 0..n {
+        assert_eq!(c.check_policy(&policy(name, key)).await.unwrap().decision, Decision::Allowed);
+    }
+    assert_eq!(c.check_policy(&policy(name, key)).await.unwrap().decision, Decision::Denied);
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_and_reset_address_a_policys_window_by_name_and_key_as_top_shows_them() {
     let (_redis, d) = start();
-    let mut c = d.client().await;
-    for _ in 0..5 {
-        assert_eq!(c.check_policy(&policy("per_tenant", "tenant-a")).await.unwrap().decision, Decision::Allowed);
-    }
-    assert_eq!(c.check_policy(&policy("per_tenant", "tenant-a")).await.unwrap().decision, Decision::Denied);
+    let mut c = spent(&d, "per_tenant", "tenant-a", 5).await;
 
     let windows = inspect_json(&d, &["--policy", "per_tenant", "--key", "tenant-a"]);
     assert_eq!(windows.len(), 1, "{windows:?}");
@@ -86,12 +93,8 @@ async fn inspect_and_reset_address_a_policys_window_by_name_and_key_as_top_shows
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_policy_is_inspected_and_reset_in_every_shard() {
     let (redis, d) = start();
-    let mut c = d.client().await;
     // 6 over 3 shards of 2: every shard full, the key refused.
-    for _ in 0..6 {
-        assert_eq!(c.check_policy(&policy("hot", "t1")).await.unwrap().decision, Decision::Allowed);
-    }
-    assert_eq!(c.check_policy(&policy("hot", "t1")).await.unwrap().decision, Decision::Denied);
+    let mut c = spent(&d, "hot", "t1", 6).await;
 
     let windows = inspect_json(&d, &["--policy", "hot", "--key", "t1"]);
     let shards: Vec<u64> = windows.iter().map(|w| w["shard"].as_u64().unwrap()).collect();

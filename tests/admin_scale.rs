@@ -9,12 +9,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, RedisServer};
-use ratelimitd::admin_api::client::{request, Reply};
-use ratelimitd::config::AdminListen;
+use common::{Daemon, Deadline, RedisServer};
+use ratelimitd::admin_api::client::Reply;
 use ratelimitd::protocol::{Decision, FailPolicy, PolicyCheckArgs};
 use serde_json::json;
 
@@ -25,18 +24,14 @@ const REFRESH_MS: u64 = 100;
 const POLICIES: &str = "[[policy]]\nname = \"per_tenant\"\nlimit = 1\nwindow = \"60s\"\n\
     [[policy]]\nname = \"ban\"\nlimit = 1\nwindow = \"10s\"\npenalty = { after = 1, within = \"10s\", ban = \"10m\" }\n";
 
-fn admin_socket(dir: &Path) -> PathBuf {
-    dir.join("admin.sock")
-}
-
 fn daemon(redis: &RedisServer, dir: Option<&Path>, refresh: &str) -> Daemon {
-    let listen = dir.map(|d| format!("listen = \"{}\"\n", admin_socket(d).display())).unwrap_or_default();
+    let listen = dir.map(|d| format!("listen = \"{}\"\n", d.join("admin.sock").display())).unwrap_or_default();
     // A generous Redis timeout: the checks below must be Redis's answers, not the fail policy's.
     Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\nkey_prefix = \"gw:\"\ntimeout_ms = 500\n[admin]\n{listen}overrides_refresh = \"{refresh}\"\n{POLICIES}", redis.url()))
 }
 
 fn put(dir: &Path, body: serde_json::Value) -> Reply {
-    request(&AdminListen::Unix { path: admin_socket(dir), mode: 0o600 }, None, "PUT", "/v1/overrides", Some(&body.to_string())).unwrap()
+    common::admin::admin(&dir.join("admin.sock"), "PUT", "/v1/overrides", Some(body))
 }
 
 fn tenant(key: &str) -> PolicyCheckArgs<'_> {
@@ -57,13 +52,12 @@ fn info(redis: &RedisServer) -> String {
 /// Checks `key` on `d` every 5 ms until it is admitted; how long it took.
 async fn until_admitted(d: &Daemon, key: &str, limit: Duration) -> Duration {
     let mut c = d.client().await;
-    let start = Instant::now();
+    let deadline = Deadline::start(format!("{key} admitted"), limit);
     loop {
         if c.check_policy(&tenant(key)).await.unwrap().decision == Decision::Allowed {
-            return start.elapsed();
+            return deadline.elapsed();
         }
-        assert!(start.elapsed() < limit, "{key} still refused after {limit:?}: the override did not reach this daemon");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        deadline.retry_in(Duration::from_millis(5), || "still refused: the override did not reach this daemon").await;
     }
 }
 
@@ -127,7 +121,7 @@ fn cpu_and_rss(pid: u32) -> (u64, u64) {
 /// idle, and the time a new override takes to reach the other daemon.
 /// `cargo test --release --test admin_scale -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement: minutes, 1 GB of Redis traffic at start"]
+#[ignore = "a measurement (minutes, 1 GB of Redis traffic at start): scripts/measure admin-scale runs it"]
 async fn measure_the_admin_state_at_its_caps() {
     let redis = RedisServer::start_unix();
     let dir = tempfile::tempdir().unwrap();

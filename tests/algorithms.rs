@@ -41,8 +41,7 @@ async fn ring_matches_the_log(setup: &Setup) {
 async fn the_ring_decides_as_the_log_on_redis_in_a_key_of_its_own() {
     let setup = Setup::redis();
     ring_matches_the_log(&setup).await;
-    let Setup::Redis(redis, _) = &setup else { unreachable!() };
-    let mut conn = redis.conn();
+    let mut conn = setup.redis_conn();
     let kind = |k: &str, conn: &mut redis::Connection| -> String { redis::cmd("TYPE").arg(k).query(conn).unwrap() };
     assert_eq!(kind("ratelimitd:{same}:60000ms", &mut conn), "zset", "the log's key is the seed's");
     assert_eq!(kind("ratelimitd:{same}:60000ms:ring", &mut conn), "string");
@@ -195,8 +194,7 @@ async fn gcra_bursts_paces_and_refills(setup: &Setup) {
 async fn gcra_on_redis() {
     let setup = Setup::redis();
     gcra_bursts_paces_and_refills(&setup).await;
-    let Setup::Redis(redis, _) = &setup else { unreachable!() };
-    let mut conn = redis.conn();
+    let mut conn = setup.redis_conn();
     let tat: String = redis::cmd("GET").arg("ratelimitd:{bucket}:1000ms:gcra").query(&mut conn).unwrap();
     assert!(tat.parse::<f64>().unwrap() > 1.7e12, "one number, the TAT in ms: {tat}");
     let ttl: i64 = redis::cmd("PTTL").arg("ratelimitd:{bucket}:1000ms:gcra").query(&mut conn).unwrap();
@@ -349,8 +347,7 @@ async fn leases_hold_release_and_expire(setup: &Setup) {
 async fn leases_on_redis() {
     let setup = Setup::redis();
     leases_hold_release_and_expire(&setup).await;
-    let Setup::Redis(redis, _) = &setup else { unreachable!() };
-    let n: u64 = redis::cmd("ZCARD").arg("ratelimitd:{conns}:concurrency").query(&mut redis.conn()).unwrap();
+    let n: u64 = redis::cmd("ZCARD").arg("ratelimitd:{conns}:concurrency").query(&mut setup.redis_conn()).unwrap();
     assert_eq!(n, 2, "one member per lease held (b, d)");
 }
 
@@ -434,42 +431,62 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
     assert_eq!((sample("admitted"), sample("refused"), sample("exempt"), sample("error")), (7, 5, 3, 3), "{text}");
 }
 
+/// nginx with the snippet pointed at `d`, an upstream server (`/slow`
+/// answers after 5 s, anything else at once) and a front server holding
+/// `front`, its locations (`{PORT:up}` is the upstream's port).
+fn behind_a_slow_upstream(d: &Daemon, front: &str) -> common::Nginx {
+    let snippet = common::ops::snippet(&d.socket);
+    common::Nginx::start(&format!(
+        r#"{snippet}
+server {{
+    listen 127.0.0.1:{{PORT:up}};
+    location /slow {{ content_by_lua_block {{ ngx.sleep(5) ngx.say("late") }} }}
+    location / {{ content_by_lua_block {{ ngx.say("ok") }} }}
+}}
+server {{
+    listen 127.0.0.1:{{PORT}};
+{front}}}
+"#
+    ))
+}
+
+/// The status nginx answers `GET path` with.
+fn status_of(nginx: &common::Nginx, path: &str) -> u16 {
+    common::http::get(&common::http::agent(), &nginx.url(path), &[]).status
+}
+
+/// `GET /slow` sent on a raw connection, which the test shuts down to
+/// abort the request.
+fn slow_request(nginx: &common::Nginx) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).unwrap();
+    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+    slow
+}
+
 /// Through nginx: a request holds its slot while its upstream works; the
 /// client aborts it; nginx finalizes it (499), log_by_lua releases the
 /// lease, and the next request passes at once, long before the lease
 /// (30 s) or the upstream (5 s) would have freed it.
 #[test]
 fn a_client_abort_releases_its_slot() {
-    use std::io::Write;
     let redis = RedisServer::start_unix();
     let d = common::ops::daemon(&redis, "");
-    let snippet = common::ops::snippet(&d.socket);
-    let nginx = common::Nginx::start(&format!(
-        r#"{snippet}
-server {{
-    listen 127.0.0.1:{{PORT:up}};
-    location /slow {{ content_by_lua_block {{ ngx.sleep(5) ngx.say("late") }} }}
-    location /fast {{ content_by_lua_block {{ ngx.say("ok") }} }}
-}}
-server {{
-    listen 127.0.0.1:{{PORT}};
-    location / {{
-        access_by_lua_block {{
-            local conns = assert(require("resty.ratelimitd").concurrency{{ limit = 1, lease_ms = 30000 }})
+    let nginx = behind_a_slow_upstream(
+        &d,
+        r#"
+    location / {
+        access_by_lua_block {
+            local conns = assert(require("resty.ratelimitd").concurrency{ limit = 1, lease_ms = 30000 })
             conns:enter("tenant-1")
-        }}
-        log_by_lua_block {{ require("resty.ratelimitd").leave() }}
-        proxy_pass http://127.0.0.1:{{PORT:up}};
-    }}
-}}
-"#
-    ));
-    let agent = common::http::agent();
-    let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
-
-    // The slow request, on a raw connection we can drop.
-    let mut slow = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).unwrap();
-    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+        }
+        log_by_lua_block { require("resty.ratelimitd").leave() }
+        proxy_pass http://127.0.0.1:{PORT:up};
+    }
+"#,
+    );
+    let status = |path: &str| status_of(&nginx, path);
+    let slow = slow_request(&nginx);
     let zcard = || -> u64 { redis::cmd("ZCARD").arg("ratelimitd:{tenant-1}:concurrency").query(&mut redis.conn()).unwrap() };
     common::wait_until("the slow request holds its lease", Duration::from_secs(5), || zcard() == 1);
     assert_eq!(status("/fast"), 429, "one in flight: the slot is taken");
@@ -519,47 +536,37 @@ async fn a_concurrency_policy_applies_its_own_fail_policy() {
 /// a limit given to a policy limiter is refused when it is built.
 #[test]
 fn a_concurrency_policy_holds_and_releases_through_nginx() {
-    use std::io::Write;
     let redis = RedisServer::start_unix();
-    let d = common::ops::daemon(&redis, "[[policy]]\nname = \"uploads\"\nalgorithm = \"concurrency\"\nlimit = 1\nlease = \"30s\"\n[[policy]]\nname = \"rate\"\nlimit = 5\nwindow = \"1s\"\n");
-    let snippet = common::ops::snippet(&d.socket);
-    let nginx = common::Nginx::start(&format!(
-        r#"{snippet}
-server {{
-    listen 127.0.0.1:{{PORT:up}};
-    location /slow {{ content_by_lua_block {{ ngx.sleep(5) ngx.say("late") }} }}
-    location / {{ content_by_lua_block {{ ngx.say("ok") }} }}
-}}
-server {{
-    listen 127.0.0.1:{{PORT}};
-    location /bad-options {{
-        content_by_lua_block {{
-            local lim, err = require("resty.ratelimitd").concurrency{{ policy = "uploads", limit = 3 }}
+    let d = common::ops::daemon(&redis, &(common::concurrency_policy("uploads", 1, "30s") + &common::rate_policies(&[("rate", 5, "1s")])));
+    let nginx = behind_a_slow_upstream(
+        &d,
+        r#"
+    location /bad-options {
+        content_by_lua_block {
+            local lim, err = require("resty.ratelimitd").concurrency{ policy = "uploads", limit = 3 }
             ngx.say(tostring(lim), " ", err)
-        }}
-    }}
-    location /rate {{
-        access_by_lua_block {{
-            local conns = assert(require("resty.ratelimitd").concurrency{{ policy = "rate", on_error = "open" }})
+        }
+    }
+    location /rate {
+        access_by_lua_block {
+            local conns = assert(require("resty.ratelimitd").concurrency{ policy = "rate", on_error = "open" })
             conns:enter("tenant-1")
-        }}
-        log_by_lua_block {{ require("resty.ratelimitd").leave() }}
-        proxy_pass http://127.0.0.1:{{PORT:up}};
-    }}
-    location / {{
-        access_by_lua_block {{
-            local conns = assert(require("resty.ratelimitd").concurrency{{ policy = "uploads", on_error = "closed" }})
+        }
+        log_by_lua_block { require("resty.ratelimitd").leave() }
+        proxy_pass http://127.0.0.1:{PORT:up};
+    }
+    location / {
+        access_by_lua_block {
+            local conns = assert(require("resty.ratelimitd").concurrency{ policy = "uploads", on_error = "closed" })
             conns:enter("tenant-1")
-        }}
-        log_by_lua_block {{ require("resty.ratelimitd").leave() }}
-        proxy_pass http://127.0.0.1:{{PORT:up}};
-    }}
-}}
-"#
-    ));
-    let agent = common::http::agent();
-    let status = |path: &str| agent.get(&nginx.url(path)).call().unwrap().status().as_u16();
-    let body = agent.get(&nginx.url("/bad-options")).call().unwrap().body_mut().read_to_string().unwrap();
+        }
+        log_by_lua_block { require("resty.ratelimitd").leave() }
+        proxy_pass http://127.0.0.1:{PORT:up};
+    }
+"#,
+    );
+    let status = |path: &str| status_of(&nginx, path);
+    let body = common::http::get(&common::http::agent(), &nginx.url("/bad-options"), &[]).body;
     assert!(body.starts_with("nil concurrency: limit is not an option of a policy limiter"), "{body}");
 
     let scoped = b"ratelimitd:{\x07uploadstenant-1}:concurrency";
@@ -568,8 +575,7 @@ server {{
     // Released from a zero-delay timer after the log phase: it may land
     // just after the client has its response.
     common::wait_until("released after the request", Duration::from_secs(3), || zcard() == 0);
-    let mut slow = std::net::TcpStream::connect(("127.0.0.1", nginx.port)).unwrap();
-    slow.write_all(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+    let slow = slow_request(&nginx);
     common::wait_until("the slow request holds the policy's slot", Duration::from_secs(5), || zcard() == 1);
     assert_eq!(status("/fast"), 429, "the policy's limit of 1 in flight");
     slow.shutdown(std::net::Shutdown::Both).unwrap();

@@ -6,13 +6,13 @@
 
 mod common;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use common::clock::now_ms;
+use common::redis_server::window;
 use common::{Daemon, RedisServer};
-use ratelimitd::config::{RedisConfig, RedisSecrets, RedisTarget};
 use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, PolicyCheckArgs};
 use ratelimitd::window::calendar_window_ms;
-use ratelimitd::{BatchAsk, RedisWindow};
+use ratelimitd::BatchAsk;
 use tokio_util::sync::CancellationToken;
 
 const DAY: u64 = 86_400_000;
@@ -28,20 +28,9 @@ fn utc(y: u64, m: u64, d: u64) -> u64 {
     days * DAY
 }
 
-fn wall_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
-
 /// The next 1st of a month at 00:00 at `offset_ms` east of UTC, after `now`.
 fn next_month_start(now: u64, offset_ms: u64) -> u64 {
     (1970..2200).flat_map(|y| (1..=12).map(move |m| utc(y, m, 1))).find(|&t| t > now + offset_ms).unwrap() - offset_ms
-}
-
-async fn redis_window(r: &RedisServer, token: &CancellationToken) -> std::sync::Arc<RedisWindow> {
-    let cfg = RedisConfig { target: RedisTarget::Url(r.url()), timeout: Duration::from_secs(2), ..RedisConfig::default() };
-    let w = RedisWindow::start(&cfg, &RedisSecrets::default(), token.clone()).unwrap();
-    assert!(w.wait_ready(Duration::from_secs(5)).await);
-    w
 }
 
 /// The script at chosen instants: a month's quota holds until the 1st
@@ -52,7 +41,7 @@ async fn redis_window(r: &RedisServer, token: &CancellationToken) -> std::sync::
 async fn the_script_resets_on_the_first_of_the_month() {
     let r = RedisServer::start_unix();
     let token = CancellationToken::new();
-    let w = redis_window(&r, &token).await;
+    let w = window(&r, &token).await;
     let ask = |cost| [BatchAsk { limit: 3, cost }];
     let month = calendar_window_ms(0, 0);
     let at = |key: &'static str, window: u32, now: u64, cost: u32| {
@@ -85,9 +74,9 @@ async fn the_script_resets_on_the_first_of_the_month() {
     let v = at("d", day, t, 1).await;
     assert_eq!(v.reset_ms as u64, utc(2026, 7, 4) + 5 * HOUR + 30 * 60_000 - t);
     // Redis TIME: the reset is the next 1st, as computed here.
-    let before = wall_ms();
+    let before = now_ms();
     let v = at("now", month, 0, 1).await;
-    let after = wall_ms();
+    let after = now_ms();
     let next = next_month_start(before, 0);
     let reset = v.reset_ms as u64;
     assert!(v.allowed && reset + 1000 >= next - after && reset <= next - before + 1000, "{v:?} next {next}");
@@ -105,9 +94,9 @@ async fn a_monthly_policy_reports_the_next_first() {
         let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{backend}{policies}"));
         let mut c = d.client().await;
         let ask = PolicyCheckArgs { policy: b"monthly", key: b"tenant", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-        let before = wall_ms();
+        let before = now_ms();
         let got = [c.check_policy(&ask).await.unwrap(), c.check_policy(&ask).await.unwrap(), c.check_policy(&ask).await.unwrap()];
-        let after = wall_ms();
+        let after = now_ms();
         assert_eq!(got.each_ref().map(|r| r.decision), [Decision::Allowed, Decision::Allowed, Decision::Denied], "{backend}");
         let next = next_month_start(before, 2 * HOUR);
         for r in &got {

@@ -8,7 +8,6 @@ mod common;
 use common::http::{agent, get};
 use common::{Daemon, Nginx, RedisServer};
 
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 
 const SITE: &str = r#"
 init_worker_by_lua_block {
@@ -39,12 +38,19 @@ server {
 }
 "#;
 
+/// `from(addr)`: a request to `nginx` from the client address `addr`, as
+/// the trusted proxy in front says it (X-Forwarded-For); one agent for all.
+fn as_client(nginx: &Nginx) -> impl Fn(&str) -> common::http::Reply {
+    let http = agent();
+    let url = nginx.url("/");
+    move |addr| get(&http, &url, &[("X-Forwarded-For", addr)])
+}
+
 /// A daemon (limit 3 per key) and nginx with `SITE`.
 fn gateway() -> (RedisServer, Daemon, Nginx) {
     let redis = RedisServer::start_unix();
-    let server = common::ops::socket_access();
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"per_client\"\nlimit = 3\nwindow = \"60s\"\n", redis.url()));
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, &common::rate_policies(&[("per_client", 3, "60s")]));
+    let snippet = common::ops::snippet(&d.socket);
     let nginx = Nginx::start(&format!("{snippet}\n{SITE}"));
     (redis, d, nginx)
 }
@@ -52,9 +58,7 @@ fn gateway() -> (RedisServer, Daemon, Nginx) {
 #[test]
 fn ipv4_clients_in_their_ipv6_forms_are_their_ipv4_selves_not_one_shared_64() {
     let (_redis, _d, nginx) = gateway();
-    let http = agent();
-    let url = nginx.url("/");
-    let from = |addr: &str| get(&http, &url, &[("X-Forwarded-For", addr)]);
+    let from = as_client(&nginx);
     // One IPv4 client natively, through NAT64/SIIT (RFC 6052's 64:ff9b::/96)
     // and IPv4-translated (::ffff:0:a.b.c.d): one key, one limit.
     let native = from("198.51.100.20");
@@ -83,14 +87,8 @@ fn ipv4_clients_in_their_ipv6_forms_are_their_ipv4_selves_not_one_shared_64() {
 
 #[test]
 fn an_ipv6_client_rotating_through_its_64_hits_one_limit_and_mapped_ipv4_is_its_ipv4_self() {
-    let redis = RedisServer::start_unix();
-    let server = common::ops::socket_access();
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n[[policy]]\nname = \"per_client\"\nlimit = 3\nwindow = \"60s\"\n", redis.url()));
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
-    let nginx = Nginx::start(&format!("{snippet}\n{SITE}"));
-    let http = agent();
-    let url = nginx.url("/");
-    let from = |addr: &str| get(&http, &url, &[("X-Forwarded-For", addr)]);
+    let (_redis, _d, nginx) = gateway();
+    let from = as_client(&nginx);
 
     // Four addresses of one /64: three pass, the fourth is refused.
     let statuses: Vec<u16> = ["2001:db8:0:1::1", "2001:db8:0:1::2", "2001:db8:0:1:dead:beef:0:1", "2001:db8:0:1:ffff:ffff:ffff:ffff"].iter().map(|a| from(a).status).collect();

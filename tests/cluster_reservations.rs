@@ -534,10 +534,24 @@ async fn ask_redirects_are_followed_during_a_manual_slot_move() {
     } else {
         // The watchdog replaced a stalled connection: the calls caught on it
         // time out within one deadline of the stall, and nothing else fails.
-        let first = errors.iter().map(|(t, _)| *t).min().unwrap_or_default();
-        let last = errors.iter().map(|(t, _)| *t).max().unwrap_or_default();
-        eprintln!("the watchdog replaced the cluster connection {replaced} time(s); {} plain checks failed between {first:?} and {last:?}", errors.len());
-        assert!(last - first <= Duration::from_millis(1000) * replaced, "the failures of a stall last at most twice the deadline per replacement: {} from {first:?} to {last:?}, e.g. {shown:?}\n{log}", errors.len());
+        // Counted per stall, not per logged replacement: the replacement's
+        // warning is rate-limited (two stalls a second apart log once), so
+        // the failures are cut into stalls where they pause for 250 ms; at
+        // most one stall per slot move, each over within twice the deadline.
+        let mut times: Vec<Duration> = errors.iter().map(|(t, _)| *t).collect();
+        times.sort();
+        let mut stalls: Vec<(Duration, Duration)> = Vec::new();
+        for t in times {
+            match stalls.last_mut() {
+                Some((_, last)) if t - *last < Duration::from_millis(250) => *last = t,
+                _ => stalls.push((t, t)),
+            }
+        }
+        eprintln!("the watchdog replaced the cluster connection (logged) {replaced} time(s); {} plain checks failed in stalls {stalls:?}", errors.len());
+        assert!(stalls.len() <= 3, "at most one stall per slot move (3): {stalls:?}, e.g. {shown:?}\n{log}");
+        for &(first, last) in &stalls {
+            assert!(last - first <= Duration::from_millis(1000), "the failures of a stall last at most twice the deadline: {} from {first:?} to {last:?}, e.g. {shown:?}\n{log}", errors.len());
+        }
     }
     assert!(admitted >= 100, "multi-item checks went on during the moves: {admitted} admitted, failed {failed:?}");
     // Past any reservation's life: exactly the admitted ones stay.

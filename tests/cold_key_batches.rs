@@ -70,8 +70,8 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
 fn a_batch_of_different_keys_decides_exactly_as_calls_one_by_one() {
     let r = RedisServer::start_unix();
     let mut conn = r.conn();
-    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(LOG).query(&mut conn).unwrap();
-    let base: u64 = std::env::var("BATCH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64 * 7919);
+    let sha = common::scripts::load(&mut conn, LOG);
+    let base = common::rng::base_seed("BATCH_SEED");
     let (mut decisions, mut admitted) = (0, 0);
     for t in 0..40u64 {
         let (d, a) = run_trace(&mut conn, &sha, base + t, 200);

@@ -14,42 +14,21 @@ use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 use ratelimitd::protocol::{Algorithm, Decision, ErrorCode, FailPolicy, PolicyDescription, PolicyKind, OP_DESCRIBE_POLICY};
 
-const POLICIES: &str = r#"
-[[policy]]
-name = "login"
-limit = 100
-window = "60s"
-
-[[policy]]
-name = "pay"
-limit = 1000
-window = "60s"
-on_error = "local"
-local_limit = 2
-
-[[policy]]
-name = "basket"
-limit = 1000
-window = "30s"
-on_error = "local"
-local_limit = 3
-
-[[policy]]
-name = "search.v2"
-limit = 7
-window = "10s"
-algorithm = "gcra"
-shadow = true
-
-[[policy]]
-name = "uploads"
-algorithm = "concurrency"
-limit = 3
-lease = "30s"
-"#;
+fn policies() -> String {
+    use common::rate_policy;
+    let local = r#"on_error = "local""#;
+    [
+        rate_policy("login", 100, "60s", &[]),
+        rate_policy("pay", 1000, "60s", &[local, "local_limit = 2"]),
+        rate_policy("basket", 1000, "30s", &[local, "local_limit = 3"]),
+        rate_policy("search.v2", 7, "10s", &[r#"algorithm = "gcra""#, "shadow = true"]),
+        common::concurrency_policy("uploads", 3, "30s"),
+    ]
+    .concat()
+}
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    common::ops::daemon(redis, POLICIES)
+    common::ops::daemon(redis, &policies())
 }
 
 async fn describe(c: &mut ratelimitd::client::Client, name: &str) -> Option<PolicyDescription> {

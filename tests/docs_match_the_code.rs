@@ -165,19 +165,7 @@ struct LogCall {
 /// The one reader of the daemon's log calls: every `error!(` ... `trace!(`
 /// in every `.rs` file under src/.
 fn log_calls() -> Vec<LogCall> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                out.push(p);
-            }
-        }
-    }
-    let mut files = Vec::new();
-    walk(&root().join("src"), &mut files);
-    files.sort();
+    let files: Vec<PathBuf> = repo::files_under("src", ".rs").iter().map(|f| root().join(f)).collect();
     let mut out = Vec::new();
     for (file, f) in files.iter().enumerate() {
         let text = std::fs::read_to_string(f).unwrap();

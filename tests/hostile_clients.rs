@@ -118,6 +118,17 @@ async fn a_slow_reader_gets_every_answer() {
     assert_eq!(c.check(&args("other", 10, 60_000)).await.unwrap().decision, Decision::Allowed);
 }
 
+/// Sends the first ten bytes of `whole` on `c` and nothing more: the
+/// daemon closes the connection 0.5 s (its frame timeout) after them,
+/// within 0.4 to 1.5 s.
+async fn partial_frame_cut_off(c: &mut ratelimitd::client::Client, whole: &[u8], when: &str) {
+    let t0 = Instant::now();
+    c.send_raw(&whole[..10]).await.unwrap();
+    let took = closed_after(c, t0, Duration::from_secs(5)).await;
+    println!("partial frame {when}: closed after {:.3} s (frame timeout 0.5 s, idle 3 s)", secs(took));
+    assert!((Duration::from_millis(400)..=Duration::from_millis(1500)).contains(&took), "{when}: closed after {took:?}, bound 0.5 s");
+}
+
 /// Ten bytes of a frame and nothing more: closed `frame_timeout_ms` after
 /// the first byte, not after the idle timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -128,22 +139,14 @@ async fn a_partial_frame_is_cut_off_after_the_frame_timeout() {
 
     // On a fresh connection.
     let mut c = d.client().await;
-    let t0 = Instant::now();
-    c.send_raw(&whole[..10]).await.unwrap();
-    let took = closed_after(&mut c, t0, Duration::from_secs(5)).await;
-    println!("partial frame on a fresh connection: closed after {:.3} s (frame timeout 0.5 s, idle 3 s)", secs(took));
-    assert!((Duration::from_millis(400)..=Duration::from_millis(1500)).contains(&took), "closed after {took:?}, bound 0.5 s");
+    partial_frame_cut_off(&mut c, &whole, "on a fresh connection").await;
 
     // After earlier traffic and a pause: the clock starts at the partial
     // frame's first byte, not at the last complete frame.
     let mut c = d.client().await;
     assert_eq!(c.check(&args("partial", 10, 60_000)).await.unwrap().decision, Decision::Allowed);
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let t0 = Instant::now();
-    c.send_raw(&whole[..10]).await.unwrap();
-    let took = closed_after(&mut c, t0, Duration::from_secs(5)).await;
-    println!("partial frame after a pause: closed after {:.3} s", secs(took));
-    assert!((Duration::from_millis(400)..=Duration::from_millis(1500)).contains(&took), "closed after {took:?}, bound 0.5 s");
+    partial_frame_cut_off(&mut c, &whole, "after a pause").await;
 
     // A frame that arrives in pieces within the bound is answered.
     let mut c = d.client().await;

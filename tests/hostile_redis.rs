@@ -46,6 +46,16 @@ async fn load(d: &Daemon, conns: usize, key: &str, until: Instant) -> Vec<rateli
     all
 }
 
+/// Redis, a daemon on it (its deadline DEADLINE_MS) that Redis has
+/// answered, and an admin connection to Redis.
+async fn daemon_on_redis() -> (RedisServer, Daemon, redis::Connection) {
+    let r = RedisServer::start_unix();
+    let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}"));
+    back_on_redis(&d, Duration::from_secs(2)).await;
+    let admin = r.conn();
+    (r, d, admin)
+}
+
 /// Until a request is decided by Redis again; panics after `limit`.
 async fn back_on_redis(d: &Daemon, limit: Duration) -> Duration {
     let mut c = d.client().await;
@@ -68,10 +78,7 @@ async fn back_on_redis(d: &Daemon, limit: Duration) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_behind_the_url_is_not_a_reconnect_storm() {
     let master = RedisServer::start();
-    let r = RedisServer::start_unix();
-    let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}"));
-    back_on_redis(&d, Duration::from_secs(2)).await;
-    let mut admin = r.conn();
+    let (_r, d, mut admin) = daemon_on_redis().await;
     let conns_before = info_field(&mut admin, "stats", "total_connections_received");
     let warns_before = warn_lines(&d);
     let _: () = redis::cmd("REPLICAOF").arg("127.0.0.1").arg(master.port).query(&mut admin).unwrap();
@@ -127,10 +134,7 @@ async fn out_of_memory_is_refused_and_decided_by_the_fail_policy() {
 /// call of the script, which the pause holds: the breaker stays open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_writes_do_not_cycle_the_breaker() {
-    let r = RedisServer::start_unix();
-    let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}"));
-    back_on_redis(&d, Duration::from_secs(2)).await;
-    let mut admin = r.conn();
+    let (_r, d, mut admin) = daemon_on_redis().await;
     let conns_before = info_field(&mut admin, "stats", "total_connections_received");
     let warns_before = warn_lines(&d);
     let opened_before = d.log().matches("breaker open").count();
@@ -161,10 +165,7 @@ async fn paused_writes_do_not_cycle_the_breaker() {
 /// again on the fresh connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_timeout_is_not_an_outage() {
-    let r = RedisServer::start_unix();
-    let d = Daemon::start(Some(&r.url()), &format!("timeout_ms = {DEADLINE_MS}"));
-    back_on_redis(&d, Duration::from_secs(2)).await;
-    let mut admin = r.conn();
+    let (r, d, mut admin) = daemon_on_redis().await;
     let _: () = redis::cmd("CONFIG").arg("SET").arg("timeout").arg(1).query(&mut admin).unwrap();
     let mut c = d.client().await;
     for round in 0..2 {

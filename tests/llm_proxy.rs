@@ -12,6 +12,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::http::{agent, get};
+use common::rng::Rng;
 use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
@@ -197,18 +198,12 @@ fn a_settle_after_a_daemon_restart_and_forged_or_replayed_handles() {
 fn the_budget_audited_from_redis_across_estimate_errors() {
     away_from_a_minute_boundary();
     let s = setup();
-    let mut state = 0x2545_f491u64;
-    let mut next = move |lo: u64, hi: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        lo + state % (hi - lo + 1)
-    };
+    let mut rng = Rng::new(0x2545_f491);
     let (mut model, mut admitted, mut refused) = (0u64, 0, 0);
     for _ in 0..40 {
-        let estimate = next(20, 80);
+        let estimate = rng.in_range(20, 80);
         // total_tokens = tokens + 10: from -90 % to +300 % of the estimate.
-        let actual = (estimate * next(1, 40)).div_ceil(10).max(10);
+        let actual = (estimate * rng.in_range(1, 40)).div_ceil(10).max(10);
         let r = completion(&s, "t6", estimate as u32, (actual - 10) as u32);
         let fits = model + estimate <= 2000;
         assert_eq!(r.status == 200, fits, "model {model}, estimate {estimate}: HTTP {}", r.status);

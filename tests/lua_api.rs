@@ -185,16 +185,23 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn http_body(socket: &std::path::Path) -> String {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", socket.display()), 1);
-    assert!(snippet.contains("read_timeout = 50,"), "the shipped snippet no longer sets read_timeout = 50");
+    assert!(SNIPPET.contains("read_timeout = 50,"), "the shipped snippet no longer sets read_timeout = 50");
     // Loaded CI machines stall processes for tens of ms (see tests/nginx.rs).
-    let snippet = snippet.replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let snippet = common::ops::snippet(socket);
     format!("{snippet}\n{LIMITERS}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{LOCATIONS}\n}}\n")
 }
 
 /// A daemon whose socket nginx's unprivileged workers can reach.
 fn daemon(redis: &RedisServer) -> Daemon {
     Daemon::start_with(&common::ops::socket_access(), Some(&redis.url()), "timeout_ms = 500")
+}
+
+/// Redis, a daemon on it and nginx with this file's limiters in front.
+fn gateway() -> (RedisServer, Daemon, Nginx) {
+    let redis = RedisServer::start();
+    let d = daemon(&redis);
+    let nginx = Nginx::start(&http_body(&d.socket));
+    (redis, d, nginx)
 }
 
 fn get(agent: &ureq::Agent, url: &str) -> Reply {
@@ -218,9 +225,7 @@ fn same_headers(a: &Reply, b: &Reply, what: &str) {
 
 #[test]
 fn object_and_table_forms_give_the_same_decisions_and_headers() {
-    let redis = RedisServer::start();
-    let d = daemon(&redis);
-    let nginx = Nginx::start(&http_body(&d.socket));
+    let (_redis, _d, nginx) = gateway();
     let a = agent();
     // Interleaved, so that both windows are as old at each step.
     let mut pairs = Vec::new();
@@ -273,9 +278,7 @@ fn object_and_table_forms_give_the_same_decisions_and_headers() {
 
 #[test]
 fn new_returns_nil_and_a_message_on_bad_options() {
-    let redis = RedisServer::start();
-    let d = daemon(&redis);
-    let nginx = Nginx::start(&http_body(&d.socket));
+    let (_redis, _d, nginx) = gateway();
     let r = get(&agent(), &nginx.url("/new-errors"));
     assert_eq!(r.status, 200, "{}", nginx.error_log());
     let lines: Vec<&str> = r.body.lines().collect();
@@ -311,9 +314,7 @@ fn new_returns_nil_and_a_message_on_bad_options() {
 
 #[test]
 fn per_call_cost_is_checked_against_the_limit() {
-    let redis = RedisServer::start();
-    let d = daemon(&redis);
-    let nginx = Nginx::start(&http_body(&d.socket));
+    let (_redis, _d, nginx) = gateway();
     let a = agent();
 
     // Bad arguments raise, at the caller's line, with a message.
@@ -361,9 +362,7 @@ fn per_call_cost_is_checked_against_the_limit() {
 
 #[test]
 fn check_gives_the_same_table_in_both_forms_and_hashes_odd_keys() {
-    let redis = RedisServer::start();
-    let d = daemon(&redis);
-    let nginx = Nginx::start(&http_body(&d.socket));
+    let (_redis, _d, nginx) = gateway();
     let a = agent();
     for i in 0..6u32 {
         let r = get(&a, &nginx.url("/check?t=same&cost=1"));
@@ -394,9 +393,7 @@ fn check_gives_the_same_table_in_both_forms_and_hashes_odd_keys() {
 
 #[test]
 fn daemon_down_object_form_applies_its_policy() {
-    let redis = RedisServer::start();
-    let mut d = daemon(&redis);
-    let nginx = Nginx::start(&http_body(&d.socket));
+    let (_redis, mut d, nginx) = gateway();
     let a = agent();
     assert_eq!(get(&a, &nginx.url("/obj/closed?t=1")).number("RateLimit-Remaining"), 99);
     assert!(d.terminate().success());

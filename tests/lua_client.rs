@@ -144,21 +144,9 @@ fn a_client_abort_after_a_redirect_releases_its_lease() {
 
 /// Policies of the shadow test: two enforced, one in shadow that refuses
 /// from the second request on.
-const SHADOW_POLICIES: &str = r#"
-[[policy]]
-name = "per_ip"
-limit = 10
-window = "60s"
-[[policy]]
-name = "per_tenant"
-limit = 5
-window = "60s"
-[[policy]]
-name = "next"
-limit = 1
-window = "60s"
-shadow = true
-"#;
+fn shadow_policies() -> String {
+    common::rate_policies(&[("per_ip", 10, "60s"), ("per_tenant", 5, "60s")]) + &common::rate_policy("next", 1, "60s", &["shadow = true"])
+}
 
 /// Not told which policy is in shadow mode: its decisions (the wire marks
 /// them, shadow_allowed or shadow_denied) must still not show.
@@ -204,7 +192,7 @@ const ENFORCED_POLICY: &str = r#""per_ip";q=10;w=60, "per_tenant";q=5;w=60"#;
 /// policies, their Redis (stopped in that order).
 fn shadow_setup(limiters: &str) -> (Nginx, Daemon, RedisServer) {
     let redis = RedisServer::start_unix();
-    let d = daemon(&redis, SHADOW_POLICIES);
+    let d = daemon(&redis, &shadow_policies());
     (nginx(&d, &format!("{limiters}{SHADOW_SITE}")), d, redis)
 }
 

@@ -95,39 +95,14 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::model::{code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
+use common::model::{short, code, window_of, Clock, Config, Item, Kind, LeaseOp, Limit, Model, PolicySpec, Scope, Store, WinKey, DAY, LEASE_MS};
+use common::backend::{until_store_answers, Backend};
+use common::rng::Rng;
 use common::redis_cluster::{key_slot, RedisCluster};
 use common::{wait_until, Daemon, RedisServer};
 use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::client::Client;
 use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, LeaseArgs, PolicyCheckArgs, PolicyLeaseArgs, Response, Source, HANDLE_LEN, OP_ACQUIRE, OP_RELEASE};
-
-/// xorshift64*: a seed gives the same case every time.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + self.below(u64::from(hi - lo + 1)) as u32
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len() as u64) as usize]
-    }
-}
 
 struct Settings {
     seed: Option<u64>,
@@ -173,7 +148,6 @@ impl Settings {
     }
 }
 
-const ALGORITHMS: [Algorithm; 5] = [Algorithm::Log, Algorithm::Ring, Algorithm::Gcra, Algorithm::SlidingCounter, Algorithm::Fixed];
 /// Keys of policy checks: plain, overridden (`k1`), unlimited (`k2`),
 /// allowlisted (`k3`); `a#<n>` is added per case: today's name of a shard
 /// of key `a` (S2).
@@ -185,7 +159,7 @@ const PROBE: &str = "probe";
 
 /// The algorithms this run may draw.
 fn algorithms(s: &Settings, day_ok: bool) -> Vec<Algorithm> {
-    ALGORITHMS.iter().copied().filter(|a| s.has(a.as_str()) && (day_ok || window_of(*a) != DAY)).collect()
+    Algorithm::ALL.iter().copied().filter(|a| s.has(a.as_str()) && (day_ok || window_of(*a) != DAY)).collect()
 }
 
 fn draw_config(rng: &mut Rng, s: &Settings, day_ok: bool) -> Config {
@@ -203,7 +177,7 @@ fn draw_config(rng: &mut Rng, s: &Settings, day_ok: bool) -> Config {
         let limit = rng.range(1, 4);
         policies.push(draw_policy(rng, s, "c0".into(), Kind::Concurrency, limit));
     }
-    let inline = INLINE_KEYS.iter().flat_map(|k| ALGORITHMS.iter().map(move |a| (k.to_string(), *a))).map(|(k, a)| (k, a, rng.range(1, 5))).collect();
+    let inline = INLINE_KEYS.iter().flat_map(|k| Algorithm::ALL.iter().map(move |a| (k.to_string(), *a))).map(|(k, a)| (k, a, rng.range(1, 5))).collect();
     let inline_leases = vec![("l0".to_string(), rng.range(1, 3))];
     Config { policies, inline, inline_leases, denial_cache: s.has("cache") && rng.chance(50) }
 }
@@ -702,46 +676,11 @@ fn apply_reload(cfg: &mut Config, what: &str) {
     }
 }
 
-/// A backend the matrix runs on.
-enum Backend {
-    Redis(RedisServer),
-    Cluster(RedisCluster),
-    Memory,
-}
-
-impl Backend {
-    fn store(&self) -> Store {
-        match self {
-            Backend::Redis(_) => Store::Redis,
-            Backend::Cluster(_) => Store::Cluster,
-            Backend::Memory => Store::Memory,
-        }
-    }
-
-    fn redis_toml(&self, cfg: &Config) -> String {
-        let cache = format!("[denial_cache]\nenabled = {}\n", cfg.denial_cache);
-        match self {
-            Backend::Redis(r) => format!("[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{cache}", r.url()),
-            Backend::Cluster(c) => {
-                let seeds: Vec<String> = c.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-                format!("[redis]\ncluster = [{}]\ntimeout_ms = 2000\n{cache}", seeds.join(", "))
-            }
-            Backend::Memory => String::new(),
-        }
-    }
-
-    fn connections(&self) -> Vec<redis::Connection> {
-        match self {
-            Backend::Redis(r) => vec![r.conn()],
-            Backend::Cluster(c) => c.primaries().iter().map(|p| redis::Client::open(format!("redis://127.0.0.1:{p}/")).and_then(|c| c.get_connection()).unwrap()).collect(),
-            Backend::Memory => Vec::new(),
-        }
-    }
-
-    fn flush(&self) {
-        for mut c in self.connections() {
-            let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
-        }
+/// The `[redis]` lines of a case on `backend`, its denial cache as drawn.
+fn redis_toml(backend: &Backend, cfg: &Config) -> String {
+    match backend {
+        Backend::Memory => String::new(),
+        _ => format!("{}timeout_ms = 2000\n[denial_cache]\nenabled = {}\n", backend.redis_table(), cfg.denial_cache),
     }
 }
 
@@ -785,17 +724,6 @@ fn on_error(f: &Fail) -> String {
         (FailPolicy::Local, l) => format!(" on_error local/{l}"),
         (p, _) => format!(" on_error {}", p.as_str()),
     }
-}
-
-fn short(r: &Response) -> String {
-    let mut s = format!("{:?} {:?} count {} remaining {} retry {} reset {} error {}", r.decision, r.source, r.count, r.remaining, r.retry_after_ms, r.reset_ms, r.error.to_wire());
-    if let Some(e) = r.extension.as_deref() {
-        let _ = write!(s, " refused {} handle {}", e.refused, e.handle.is_some());
-        for it in &e.items {
-            let _ = write!(s, " [{:?} {:?} {}/{} r{} t{} l{} w{}]", it.decision, it.source, it.count, it.remaining, it.retry_after_ms, it.reset_ms, it.limit, it.window_ms);
-        }
-    }
-    s
 }
 
 /// Per-policy request totals and shadow refusals the daemon must have
@@ -926,23 +854,6 @@ fn suspect(op: &Op, why: &str, features: &[String], store: Store) -> &'static st
     }
 }
 
-/// Runs one case; `Err` with everything needed to see what disagreed.
-/// Until the daemon's Redis link is up its breaker is open (code 33): a
-/// probe of a key of its own, each counted as a decision, not in the state.
-async fn wait_for_store(c: &mut Client, decisions: &mut u64, d: &Daemon) {
-    let probe = CheckArgs { key: PROBE.as_bytes(), limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let r = c.check(&probe).await.unwrap();
-        *decisions += 1;
-        if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the daemon's store never answered: {r:?}\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Failure> {
     let day_ok = to_midnight_ms() > 10 * 60 * 1000;
     let mut rng = Rng::new(seed);
@@ -961,7 +872,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
     let kinds_had = cfg.policies.iter().map(|p| (p.name.clone(), kind_text(&p.kind))).collect();
     let mut g = Gen { rng, keys, handles: Vec::new(), pending: Vec::new(), day_ok, local_limit, outage_case, kinds_had };
     backend.flush();
-    let rest = format!("socket_mode = \"0600\"\n{}\n{}", backend.redis_toml(&cfg), cfg.policies_toml());
+    let rest = format!("socket_mode = \"0600\"\n{}\n{}", redis_toml(backend, &cfg), cfg.policies_toml());
     let d = Daemon::start_config_with_metrics(&rest);
     let header = format!("seed {seed} on {store:?}{}\n--- configuration\n{}", if day_ok { "" } else { " (near UTC midnight: no day-aligned algorithms)" }, d.config_text());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -971,7 +882,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
     let fail = |features: Vec<String>, trace: &str, what: String| Failure { seed, features, text: format!("{header}--- operations\n{trace}--- {what}\nreplay: MATRIX_SEED={seed} cargo test --test matrix {}\n", test_name(store)) };
     let result: Result<usize, Failure> = rt.block_on(async {
         let mut c = d.client().await;
-        wait_for_store(&mut c, &mut model.decisions, &d).await;
+        model.decisions += until_store_answers(&mut c, &d).await;
         let start = Instant::now();
         for n in 0..s.ops + 1 {
             let op = if n < s.ops {
@@ -990,7 +901,7 @@ fn run_case(backend: &mut Backend, seed: u64, s: &Settings) -> Result<usize, Fai
                 } else {
                     r.restart();
                     model.recover();
-                    wait_for_store(&mut c, &mut model.decisions, &d).await;
+                    model.decisions += until_store_answers(&mut c, &d).await;
                 }
                 let _ = writeln!(trace, "{n:3} {} ({:.0?} in)", describe(&op), start.elapsed());
                 continue;
@@ -1163,7 +1074,7 @@ fn sum_samples(text: &str, prefix: &str) -> u64 {
 fn read_state(backend: &Backend, cfg: &Config, raw: &mut BTreeMap<WinKey, Vec<String>>) -> BTreeMap<WinKey, u32> {
     let now = now_ms() as f64;
     let mut out: BTreeMap<WinKey, u32> = BTreeMap::new();
-    for mut conn in backend.connections() {
+    for (_, mut conn) in backend.connections() {
         let mut keys: Vec<Vec<u8>> = Vec::new();
         let mut cursor = 0u64;
         loop {

@@ -63,25 +63,20 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::model::{code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
+use common::model::{short, code, Clock, Config, Expect, Item, Kind, Limit, Model, Num, PolicySpec, Store, Want, HOUR};
+use common::backend::{until_store_answers, Backend};
 use common::redis_cluster::RedisCluster;
-use common::rng::Rng;
+use common::rng::{env_or, seeds, Rng};
 use common::{Daemon, RedisServer};
 use common::clock::{now_ms, to_midnight_ms};
 use ratelimitd::admin_api::client::{encode, Reply};
-use ratelimitd::client::Client;
-use ratelimitd::protocol::{Algorithm, CheckArgs, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Response, Source};
+use ratelimitd::protocol::{Algorithm, Decision, FailPolicy, ItemArgs, PolicyCheckArgs, Source};
 use serde_json::json;
 
-const ALGORITHMS: [Algorithm; 5] = [Algorithm::Log, Algorithm::Ring, Algorithm::Gcra, Algorithm::SlidingCounter, Algorithm::Fixed];
 const KEYS: [&str; 4] = ["a", "b", "big", "vip"];
 const PENALTY: &str = "penalty = { after = 2, within = \"1h\", ban = \"1h\" }";
 const BAN_MS: u32 = HOUR;
 const REFRESH_MS: u64 = 100;
-
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn rate(name: &str, algorithm: Algorithm, shards: u32, limit: u32, shadow: bool, fail: Option<(FailPolicy, u32)>) -> PolicySpec {
     PolicySpec {
@@ -102,7 +97,7 @@ fn rate(name: &str, algorithm: Algorithm, shards: u32, limit: u32, shadow: bool,
 fn draw_config(rng: &mut Rng, day_ok: bool) -> Config {
     let fails = [None, Some((FailPolicy::Open, 0)), Some((FailPolicy::Closed, 0)), Some((FailPolicy::Local, 2))];
     let mut policies = Vec::new();
-    for a in ALGORITHMS.iter().filter(|a| day_ok || !matches!(a, Algorithm::Fixed | Algorithm::SlidingCounter)) {
+    for a in Algorithm::ALL.iter().filter(|a| day_ok || !matches!(a, Algorithm::Fixed | Algorithm::SlidingCounter)) {
         let shards = if *a == Algorithm::Log && rng.below(2) == 0 { 3 } else { 1 };
         let limit = if shards > 1 { 6 } else { 3 + rng.below(3) as u32 };
         policies.push(rate(&format!("r_{}", a.as_str()), *a, shards, limit, false, fails[rng.below(4) as usize]));
@@ -221,48 +216,14 @@ impl Live {
     }
 }
 
-enum Backend {
-    Redis(RedisServer),
-    Cluster(RedisCluster),
-    Memory,
-}
-
-impl Backend {
-    fn store(&self) -> Store {
-        match self {
-            Backend::Redis(_) => Store::Redis,
-            Backend::Cluster(_) => Store::Cluster,
-            Backend::Memory => Store::Memory,
-        }
-    }
-
-    fn toml(&self) -> String {
-        match self {
-            // The admin API opens a connection per request within
-            // connect_timeout (at least 1 s): a Cluster's, to every node,
-            // took longer than 1 s on a loaded machine (MATRIX_ADMIN_SEED=24134).
-            Backend::Redis(r) => format!("[redis]\nurl = \"{}\"\ntimeout_ms = 1000\nconnect_timeout = \"5s\"\nkey_prefix = \"m:\"\n", r.url()),
-            Backend::Cluster(c) => {
-                let seeds: Vec<String> = c.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-                format!("[redis]\ncluster = [{}]\ntimeout_ms = 1000\nconnect_timeout = \"5s\"\nkey_prefix = \"m:\"\n", seeds.join(", "))
-            }
-            Backend::Memory => String::new(),
-        }
-    }
-
-    /// A clean slate for the next case.
-    fn flush(&self) {
-        match self {
-            Backend::Redis(r) => {
-                let _: () = redis::cmd("FLUSHALL").query(&mut r.conn()).unwrap();
-            }
-            Backend::Cluster(c) => {
-                for p in c.primaries() {
-                    c.cli(p, &["FLUSHALL"]);
-                }
-            }
-            Backend::Memory => {}
-        }
+/// The `[redis]` lines of a case on `backend`.
+fn redis_toml(backend: &Backend) -> String {
+    match backend {
+        Backend::Memory => String::new(),
+        // The admin API opens a connection per request within
+        // connect_timeout (at least 1 s): a Cluster's, to every node,
+        // took longer than 1 s on a loaded machine (MATRIX_ADMIN_SEED=24134).
+        _ => format!("{}timeout_ms = 1000\nconnect_timeout = \"5s\"\nkey_prefix = \"m:\"\n", backend.redis_table()),
     }
 }
 
@@ -384,22 +345,18 @@ fn args(items: &[Item]) -> Vec<ItemArgs<'_>> {
     items.iter().map(|i| ItemArgs { policy: i.policy.as_bytes(), key: i.key.as_bytes(), cost: i.cost }).collect()
 }
 
-fn short(r: &Response) -> String {
-    format!("{:?} {:?} err={:?} count={} remaining={} retry={} reset={}", r.decision, r.source, r.error, r.count, r.remaining, r.retry_after_ms, r.reset_ms)
-}
-
 async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String> {
     let day_ok = to_midnight_ms() > 10 * 60 * 1000;
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::new(seed);
     let cfg = draw_config(&mut rng, day_ok);
     let store = backend.store();
     backend.flush();
     let dir = tempfile::tempdir().unwrap();
     let admin_lines = if store == Store::Memory { String::new() } else { format!("[admin]\nlisten = \"{}\"\noverrides_refresh = \"{REFRESH_MS}ms\"\n", dir.path().join("admin.sock").display()) };
     let cache = format!("[denial_cache]\nenabled = {}\n", cfg.denial_cache);
-    let d = Daemon::start_config(&format!("{}\n{cache}{admin_lines}\n{}", backend.toml(), toml(&cfg)));
+    let d = Daemon::start_config(&format!("{}\n{cache}{admin_lines}\n{}", redis_toml(backend), toml(&cfg)));
     let mut c = d.client().await;
-    wait_for_store(&mut c, &d).await;
+    until_store_answers(&mut c, &d).await;
     let mut live = Live { model: Model::new(store, cfg.clone()), file: cfg, strikes: BTreeMap::new(), banned: BTreeSet::new(), overrides: BTreeSet::new() };
     live.model.decisions += 1; // the store probe
     let mut handles: Vec<(Vec<Item>, usize, [u8; 16])> = Vec::new();
@@ -551,26 +508,9 @@ async fn run_case(backend: &Backend, seed: u64, ops: usize) -> Result<(), String
     Ok(())
 }
 
-async fn wait_for_store(c: &mut Client, d: &Daemon) {
-    let probe = CheckArgs { key: b"probe", limit: 1_000_000, window_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let r = c.check(&probe).await.unwrap();
-        if r.decision == Decision::Allowed && matches!(r.source, Source::Redis | Source::Memory) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the daemon's store never answered: {r:?}\n{}", d.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn run(backend: Backend, base: u64, cases: u64, ops: u64) {
-    let seeds: Vec<u64> = match std::env::var("MATRIX_ADMIN_SEED").ok().and_then(|s| s.parse().ok()) {
-        Some(seed) => vec![seed],
-        None => (0..env("MATRIX_ADMIN_CASES", cases)).map(|i| base + i).collect(),
-    };
-    for seed in seeds {
-        if let Err(why) = run_case(&backend, seed, env("MATRIX_ADMIN_OPS", ops) as usize).await {
+    for seed in seeds("MATRIX_ADMIN", base, cases) {
+        if let Err(why) = run_case(&backend, seed, env_or("MATRIX_ADMIN_OPS", ops) as usize).await {
             panic!("{why}");
         }
     }
@@ -599,7 +539,7 @@ async fn while_redis_is_down_a_banned_key_is_refused_from_the_ban_cache_and_othe
     let mut redis = RedisServer::start_unix();
     let d = Daemon::start_config(&format!("[redis]\nurl = \"{}\"\ntimeout_ms = 200\n[[policy]]\nname = \"pen\"\nlimit = 1\nwindow = \"1h\"\n{PENALTY}\n", redis.url()));
     let mut c = d.client().await;
-    wait_for_store(&mut c, &d).await;
+    until_store_answers(&mut c, &d).await;
     let check = |key: &'static str, on_error| PolicyCheckArgs { policy: b"pen", key: key.as_bytes(), cost: 1, on_error, local_limit: 0 };
     let got: Vec<Decision> = {
         let mut v = Vec::new();
@@ -645,7 +585,7 @@ async fn a_check_refused_by_a_window_above_a_lowered_limit_answers_count_at_most
             dir.path().join("admin.sock").display()
         ));
         let mut c = d.client().await;
-        wait_for_store(&mut c, &d).await;
+        until_store_answers(&mut c, &d).await;
         let key = if cache { "cached" } else { "uncached" };
         let check = PolicyCheckArgs { policy: b"lowered", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
         for _ in 0..4 {
@@ -708,7 +648,7 @@ async fn the_denial_cache_answers_a_fixed_window_in_debt_with_redis_s_reset() {
         dir.path().join("admin.sock").display()
     ));
     let mut c = d.client().await;
-    wait_for_store(&mut c, &d).await;
+    until_store_answers(&mut c, &d).await;
     // The fixed window ends on the hour: not in between.
     let to_the_hour = u64::from(HOUR) - now_ms() % u64::from(HOUR);
     if to_the_hour < 10_000 {

@@ -76,6 +76,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::model::{code, Config, Kind, Limit, PolicySpec};
+use common::backend::Backend;
 use common::redis_cluster::RedisCluster;
 use common::{Daemon, RedisServer};
 use common::clock::to_midnight_ms;
@@ -125,56 +126,24 @@ fn args<'a>(policy: &'a str, key: &'a str) -> PolicyCheckArgs<'a> {
     PolicyCheckArgs { policy: policy.as_bytes(), key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
 }
 
-/// Where the windows live.
-enum Backend {
-    Redis(RedisServer),
-    Cluster(RedisCluster),
+/// A clean slate for a run on `backend`, its command counts reset too.
+fn flush(backend: &Backend) {
+    backend.flush();
+    for (_, mut c) in backend.connections() {
+        let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut c).unwrap();
+    }
 }
 
-impl Backend {
-    fn name(&self) -> &'static str {
-        match self {
-            Backend::Redis(_) => "one redis",
-            Backend::Cluster(_) => "a cluster",
+/// Script calls (EVALSHA, EVAL) every server has run since `flush`.
+fn script_calls(backend: &Backend) -> u64 {
+    let mut calls = 0;
+    for (_, mut c) in backend.connections() {
+        let info: String = redis::cmd("INFO").arg("commandstats").query(&mut c).unwrap();
+        for line in info.lines().filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:")) {
+            calls += line.split(['=', ',']).nth(1).and_then(|n| n.parse::<u64>().ok()).unwrap_or_else(|| panic!("{line}"));
         }
     }
-
-    fn redis_toml(&self) -> String {
-        match self {
-            Backend::Redis(r) => format!("[redis]\nurl = \"{}\"\n", r.url()),
-            Backend::Cluster(c) => {
-                let seeds: Vec<String> = c.seeds().iter().map(|s| format!("\"{s}\"")).collect();
-                format!("[redis]\ncluster = [{}]\n", seeds.join(", "))
-            }
-        }
-    }
-
-    /// Connections to every server that holds windows, with its port (0: the Unix socket).
-    fn connections(&self) -> Vec<(u16, redis::Connection)> {
-        match self {
-            Backend::Redis(r) => vec![(0, r.conn())],
-            Backend::Cluster(c) => c.primaries().into_iter().map(|p| (p, redis::Client::open(format!("redis://127.0.0.1:{p}/")).and_then(|c| c.get_connection()).unwrap())).collect(),
-        }
-    }
-
-    fn flush(&self) {
-        for (_, mut c) in self.connections() {
-            let _: () = redis::cmd("FLUSHALL").query(&mut c).unwrap();
-            let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query(&mut c).unwrap();
-        }
-    }
-
-    /// Script calls (EVALSHA, EVAL) every server has run since `flush`.
-    fn script_calls(&self) -> u64 {
-        let mut calls = 0;
-        for (_, mut c) in self.connections() {
-            let info: String = redis::cmd("INFO").arg("commandstats").query(&mut c).unwrap();
-            for line in info.lines().filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:")) {
-                calls += line.split(['=', ',']).nth(1).and_then(|n| n.parse::<u64>().ok()).unwrap_or_else(|| panic!("{line}"));
-            }
-        }
-        calls
-    }
+    calls
 }
 
 /// One (policy, key) pair, and what the clients of every daemon saw it admit.
@@ -374,7 +343,7 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
     if to_midnight_ms() < 120_000 {
         tokio::time::sleep(Duration::from_millis(u64::from(to_midnight_ms()) + 1000)).await;
     }
-    backend.flush();
+    flush(backend);
     let started = Instant::now();
     let limit = LIMIT_PER_DAEMON * daemons as u32;
     let config = Config { policies: policies(limit), inline: vec![], inline_leases: vec![], denial_cache: true };
@@ -385,7 +354,7 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
         (true, _) => "",
         (false, _) => "quota_leases = false\n",
     };
-    let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\n{switch}{}", backend.redis_toml(), config.policies_toml());
+    let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\n{switch}{}", backend.redis_table(), config.policies_toml());
     let ds: Vec<Daemon> = (0..daemons).map(|_| Daemon::start_config(&toml)).collect();
     let r = Arc::new(Run { leases, daemons, backend: backend.name() });
     let pairs: Arc<Vec<Pair>> = Arc::new(config.policies.iter().filter(|p| p.name != "aux").enumerate().flat_map(|(i, p)| KEYS.map(|key| Pair { p: p.clone(), key, partial: key == KEYS[1 - i % 2], admitted: AtomicU32::new(0) })).collect());
@@ -481,7 +450,7 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
         backend.name(),
         pairs.len(),
         under.len(),
-        backend.script_calls(),
+        script_calls(backend),
         started.elapsed()
     );
     if let Backend::Cluster(_) = backend {
@@ -571,7 +540,7 @@ async fn two_daemons_with_quota_leases_on_a_cluster_never_admit_past_the_limit_t
 mod generated {
     use super::*;
     use common::admin::{admin, until_applied};
-    use common::rng::Rng;
+    use common::rng::{env_or, seeds, Rng};
     use ratelimitd::admin_api::client::encode;
     use ratelimitd::MAX_LEASE_UNITS;
     use serde_json::json;
@@ -783,7 +752,7 @@ mod generated {
     }
 
     async fn case(backend: &Backend, seed: u64, ops: usize) {
-        backend.flush();
+        flush(backend);
         let dir = tempfile::tempdir().unwrap();
         let mut policies = String::new();
         for (name, algorithm) in POLICIES {
@@ -797,7 +766,7 @@ mod generated {
                 let admin = format!("[admin]\nlisten = \"{}\"\noverrides_refresh = \"100ms\"\n", s.display());
                 // connect_timeout: the admin API's connection per request (a
                 // Cluster's to every node) within it, on a loaded machine too.
-                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\nquota_leases = true\n{admin}{policies}", backend.redis_toml()))
+                Daemon::start_config(&format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\nconnect_timeout = \"5s\"\nquota_leases = true\n{admin}{policies}", backend.redis_table()))
             })
             .collect();
         let mut clients = Vec::new();
@@ -848,17 +817,12 @@ mod generated {
     }
 
     pub async fn run(backend: Backend, base: u64, cases: u64, ops: u64) {
-        let env = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
         // The day windows (fixed, sliding counter) must not end mid-case.
         if to_midnight_ms() < 300_000 {
             tokio::time::sleep(Duration::from_millis(u64::from(to_midnight_ms()) + 1000)).await;
         }
-        let seeds: Vec<u64> = match std::env::var("MATRIX_LEASES_SEED").ok().and_then(|s| s.parse().ok()) {
-            Some(seed) => vec![seed],
-            None => (0..env("MATRIX_LEASES_CASES", cases)).map(|i| base + i).collect(),
-        };
-        for seed in seeds {
-            case(&backend, seed, env("MATRIX_LEASES_OPS", ops) as usize).await;
+        for seed in seeds("MATRIX_LEASES", base, cases) {
+            case(&backend, seed, env_or("MATRIX_LEASES_OPS", ops) as usize).await;
         }
     }
 }

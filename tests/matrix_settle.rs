@@ -23,7 +23,7 @@ mod common;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::model::{Clock, Config, Item, Kind, Limit, Model, PolicySpec, Reserved, Scope, Store};
+use common::model::{short, Clock, Config, Item, Kind, Limit, Model, PolicySpec, Reserved, Scope, Store};
 use common::rng::Rng;
 use common::redis_cluster::RedisCluster;
 use common::{wait_until, Daemon, RedisServer};
@@ -62,11 +62,6 @@ const KEYS: [&str; 5] = ["a", "b", "vip", "free", "ok"];
 
 fn args(items: &[Item]) -> Vec<ItemArgs<'_>> {
     items.iter().map(|i| ItemArgs { policy: i.policy.as_bytes(), key: i.key.as_bytes(), cost: i.cost }).collect()
-}
-
-fn short(r: &Response) -> String {
-    let items: Vec<String> = r.extension.as_ref().map_or(Vec::new(), |e| e.items.iter().map(|i| format!("{:?}/{:?} {}+{}", i.decision, i.source, i.count, i.remaining)).collect());
-    format!("{:?} {:?} {:?} count {} remaining {} retry {} reset {} [{}]", r.decision, r.source, r.error, r.count, r.remaining, r.retry_after_ms, r.reset_ms, items.join(", "))
 }
 
 /// A reserve the case holds: the model's record (`None`: the model

@@ -7,48 +7,37 @@ mod common;
 
 use std::collections::HashMap;
 
+use common::rng::Rng;
 use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
 
-const POLICIES: &str = r#"
-[[policy]]
-name = "ip"
-limit = 5
-window = "60s"
-
-[[policy]]
-name = "tenant"
-limit = 8
-window = "60s"
-[policy.overrides]
-"premium" = 12
-"free" = "unlimited"
-
-[[policy]]
-name = "global"
-limit = 20
-window = "60s"
-
-[[policy]]
-name = "shadow"
-limit = 3
-window = "60s"
-shadow = true
-"#;
+fn policies() -> String {
+    use common::rate_policy;
+    [
+        rate_policy("ip", 5, "60s", &[]),
+        rate_policy("tenant", 8, "60s", &["[policy.overrides]", r#""premium" = 12"#, r#""free" = "unlimited""#]),
+        rate_policy("global", 20, "60s", &[]),
+        rate_policy("shadow", 3, "60s", &["shadow = true"]),
+    ]
+    .concat()
+}
 
 const NAMES: [&str; 4] = ["ip", "tenant", "global", "shadow"];
 const KEYS: [&str; 4] = ["a", "b", "premium", "free"];
 
-/// xorshift64*: a fixed seed gives the same run every time.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+/// 1 to `most` distinct items (policy, key, cost): a policy among the
+/// first `policies` of NAMES, a key among the first `keys` of KEYS, a cost
+/// of 1 to `max_cost`.
+fn draw_items(rng: &mut Rng, most: u64, policies: u64, keys: u64, max_cost: u64) -> Vec<(usize, usize, u32)> {
+    let n = 1 + rng.below(most) as usize;
+    let mut items: Vec<(usize, usize, u32)> = Vec::new();
+    while items.len() < n {
+        let (p, k) = (rng.below(policies) as usize, rng.below(keys) as usize);
+        if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
+            items.push((p, k, 1 + rng.below(max_cost) as u32));
+        }
     }
+    items
 }
 
 /// The serial reference: admissions per (policy, key); the windows (60 s)
@@ -91,8 +80,8 @@ struct Issued {
 fn run_against_model(redis: bool, seed: u64, ops: usize) {
     let server = redis.then(RedisServer::start_unix);
     let d = match &server {
-        Some(r) => Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}", r.url())),
-        None => Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}")),
+        Some(r) => Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{}", r.url(), policies())),
+        None => Daemon::start_config(&format!("socket_mode = \"0600\"\n{}", policies())),
     };
     let store_source = if redis { Source::Redis } else { Source::Memory };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -125,14 +114,8 @@ fn run_against_model(redis: bool, seed: u64, ops: usize) {
                 continue;
             }
             // 1 to 4 distinct items.
-            let n = 1 + rng.below(4) as usize;
-            let mut items: Vec<(usize, usize, u32)> = Vec::new();
-            while items.len() < n {
-                let (p, k) = (rng.below(4) as usize, rng.below(4) as usize);
-                if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
-                    items.push((p, k, 1 + rng.below(3) as u32));
-                }
-            }
+            let items = draw_items(&mut rng, 4, 4, 4, 3);
+            let n = items.len();
             let refundable = redis && rng.below(2) == 0;
             // What the serial model decides.
             let mut expect: Vec<Expect> = items
@@ -273,7 +256,7 @@ fn first(r: &Response) -> (Decision, Source) {
 #[test]
 fn fail_policies_decide_multi_item_checks_all_or_nothing() {
     let nowhere = tempfile::tempdir().unwrap();
-    let policies = format!("{POLICIES}\n[[policy]]\nname = \"strict\"\nlimit = 5\nwindow = \"60s\"\nfail_policy = \"closed\"\n");
+    let policies = format!("{}\n[[policy]]\nname = \"strict\"\nlimit = 5\nwindow = \"60s\"\nfail_policy = \"closed\"\n", policies());
     let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"redis+unix://{}/none.sock\"\ntimeout_ms = 50\n{policies}", nowhere.path().display()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -305,7 +288,7 @@ fn fail_policies_decide_multi_item_checks_all_or_nothing() {
 
 #[test]
 fn refunds_need_the_redis_backend_and_unknown_policies_are_errors() {
-    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{POLICIES}"));
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n{}", policies()));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let mut c = d.client().await;
@@ -328,7 +311,7 @@ fn refunds_need_the_redis_backend_and_unknown_policies_are_errors() {
 #[test]
 fn concurrent_multi_and_single_checks_record_exactly_what_they_answer() {
     let server = RedisServer::start_unix();
-    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{POLICIES}", server.url()));
+    let d = Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 2000\n{}", server.url(), policies()));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let recorded: HashMap<(usize, usize), u32> = rt.block_on(async {
         let mut tasks = Vec::new();
@@ -338,15 +321,9 @@ fn concurrent_multi_and_single_checks_record_exactly_what_they_answer() {
                 let mut rng = Rng(0x5eed ^ ((t + 1) * 0x9e37_79b9));
                 let mut got: HashMap<(usize, usize), u32> = HashMap::new();
                 for _ in 0..150 {
-                    let n = 1 + rng.below(3) as usize;
-                    let mut items: Vec<(usize, usize, u32)> = Vec::new();
-                    while items.len() < n {
-                        // Keys a and b only, no shadow policy: every item is enforced.
-                        let (p, k) = (rng.below(3) as usize, rng.below(2) as usize);
-                        if !items.iter().any(|&(q, j, _)| (q, j) == (p, k)) {
-                            items.push((p, k, 1 + rng.below(2) as u32));
-                        }
-                    }
+                    // Keys a and b only, no shadow policy: every item is enforced.
+                    let items = draw_items(&mut rng, 3, 3, 2, 2);
+                    let n = items.len();
                     let args: Vec<ItemArgs<'_>> = items.iter().map(|&(p, k, cost)| ItemArgs { policy: NAMES[p].as_bytes(), key: KEYS[k].as_bytes(), cost }).collect();
                     let r = c.check_multi(FailPolicy::Closed, 0, n == 1 && rng.below(2) == 0, &args).await.unwrap();
                     assert_eq!(r.error, ErrorCode::None, "{r:?}");

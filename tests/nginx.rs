@@ -61,6 +61,15 @@ fn gateway_config(socket: &std::path::Path, order_window_ms: u32) -> String {
 }
 
 /// A daemon whose socket nginx's unprivileged workers can reach.
+/// Redis, a daemon on it and nginx in front, the `/order` window
+/// `order_window_ms` long.
+fn gateway(order_window_ms: u32) -> (RedisServer, Daemon, Nginx) {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = Nginx::start(&gateway_config(&d.socket, order_window_ms));
+    (redis, d, nginx)
+}
+
 fn daemon(redis: &RedisServer) -> Daemon {
     daemon_with_timeout(redis, 500)
 }
@@ -74,9 +83,7 @@ fn daemon_with_timeout(redis: &RedisServer, timeout_ms: u32) -> Daemon {
 
 #[test]
 fn seed_scenario_through_nginx() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
+    let (_redis, _d, nginx) = gateway(60_000);
     let a = agent();
     let replies: Vec<Reply> = (0..1005).map(|_| get_as(&a, &nginx.url("/order"), "tenant-1001")).collect();
     assert_eq!(replies.iter().filter(|r| r.status == 200).count(), 1000);
@@ -108,9 +115,7 @@ fn seed_scenario_through_nginx() {
 
 #[test]
 fn window_slides_dry_run_and_header_styles() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let (_redis, _d, nginx) = gateway(1000);
     let a = agent();
     let statuses: Vec<u16> = (0..4).map(|_| get_as(&a, &nginx.url("/slide"), "t").status).collect();
     assert_eq!(statuses, [200, 200, 200, 429]);
@@ -157,12 +162,10 @@ fn two_gateways_hold_one_global_limit() {
 /// started again: limiting resumes without an nginx reload.
 #[test]
 fn daemon_down_each_location_follows_its_policy() {
-    let redis = RedisServer::start_unix();
-    let mut d = daemon(&redis);
     // A window that outlasts the test: "counting resumed" below reads the
     // first admission back (the first request after the stop now spends up
     // to 70 ms on a possible restart, docs/NGINX.md section 8).
-    let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
+    let (_redis, mut d, nginx) = gateway(60_000);
     let a = agent();
     assert_eq!(get_as(&a, &nginx.url("/order"), "t1").number("RateLimit-Remaining"), 999);
     assert!(d.terminate().success());
@@ -238,9 +241,7 @@ fn hammer(nginx: &Nginx, paths: &[&str], threads: usize, run: Duration) -> std::
 /// so 2 workers write a few lines a second.
 #[test]
 fn stopped_daemon_does_not_flood_the_error_log() {
-    let redis = RedisServer::start_unix();
-    let mut d = daemon(&redis);
-    let nginx = Nginx::start(&gateway_config(&d.socket, 1000));
+    let (_redis, mut d, nginx) = gateway(1000);
     let a = agent();
     assert_eq!(get_as(&a, &nginx.url("/order"), "t1").status, 200);
     assert!(d.terminate().success());
@@ -369,9 +370,7 @@ fn socket_permissions_gate_unprivileged_workers() {
 /// falls to the fail policy.
 #[test]
 fn daemon_restart_between_requests_fails_no_request() {
-    let redis = RedisServer::start_unix();
-    let mut d = daemon(&redis);
-    let nginx = Nginx::start(&gateway_config(&d.socket, 60_000));
+    let (_redis, mut d, nginx) = gateway(60_000);
     let a = agent();
     // Fill both workers' pools.
     for _ in 0..20 {

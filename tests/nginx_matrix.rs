@@ -16,23 +16,13 @@ use std::io::Write as _;
 use std::time::Duration;
 
 use common::http::{agent, get, Reply};
+use common::nginx_cases;
 use common::{wait_until, Daemon, Nginx, RedisServer};
 
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
 const ALGORITHMS: [&str; 5] = ["log", "ring", "gcra", "sliding_counter", "fixed"];
-const STYLES: [&str; 3] = ["ratelimit", "draft", "x"];
-const REDIRECTS: [Redirect; 4] = [Redirect::None, Redirect::ErrorPage, Redirect::TryFiles, Redirect::Exec];
 /// Every rate limiter admits 2 per minute; GCRA (one token every 30 s)
 /// without pacing, so that the burst of 2 passes at once.
 const LIMIT: u64 = 2;
-
-#[derive(Clone, Copy, Debug)]
-enum Redirect {
-    None,
-    ErrorPage,
-    TryFiles,
-    Exec,
-}
 
 #[derive(Clone, Debug)]
 enum Kind {
@@ -45,15 +35,9 @@ enum Kind {
     ConcurrencyPolicy,
 }
 
-#[derive(Clone, Debug)]
-struct Case {
-    id: usize,
-    kind: Kind,
-    style: &'static str,
-    redirect: Redirect,
-}
+type Case = nginx_cases::Case<Kind>;
 
-impl Case {
+impl nginx_cases::Case<Kind> {
     fn concurrency(&self) -> bool {
         matches!(self.kind, Kind::ConcurrencyInline | Kind::ConcurrencyPolicy)
     }
@@ -96,13 +80,7 @@ impl Case {
     }
     fn location(&self) -> String {
         let (id, call) = (self.id, self.call());
-        let then = match self.redirect {
-            Redirect::None => "content_by_lua_block { ngx.say(\"ok\") }".to_string(),
-            // The static file is missing: 404, served by @ok.
-            Redirect::ErrorPage => "error_page 404 = @ok;".to_string(),
-            Redirect::TryFiles => "try_files $uri /ok;".to_string(),
-            Redirect::Exec => "content_by_lua_block { return ngx.exec(\"/ok\") }".to_string(),
-        };
+        let then = self.redirect.then();
         format!("    location = /c/{id} {{\n        access_by_lua_block {{ {call} }}\n        {then}\n    }}\n")
     }
     /// The Redis key of a concurrency case's leases.
@@ -119,15 +97,7 @@ fn cases() -> Vec<Case> {
     kinds.extend(ALGORITHMS.iter().map(|&a| Kind::Inline(a)));
     kinds.extend(ALGORITHMS.iter().map(|&a| Kind::Policy(a)));
     kinds.extend([Kind::Multi(None), Kind::Multi(Some(false)), Kind::Multi(Some(true)), Kind::ConcurrencyInline, Kind::ConcurrencyPolicy]);
-    let mut out = Vec::new();
-    for kind in &kinds {
-        for &style in &STYLES {
-            for &redirect in &REDIRECTS {
-                out.push(Case { id: out.len(), kind: kind.clone(), style, redirect });
-            }
-        }
-    }
-    out
+    nginx_cases::cases(&kinds)
 }
 
 fn policies() -> String {
@@ -268,7 +238,7 @@ fn every_limiter_kind_algorithm_header_style_and_redirect_through_nginx() {
     let redis = RedisServer::start_unix();
     let server = common::ops::socket_access();
     let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n{}", redis.url(), policies()));
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let snippet = common::ops::snippet(&d.socket);
     let cases = cases();
     let nginx = Nginx::start(&format!("{snippet}\n{}", site(&cases)));
     let agent = agent();
@@ -297,9 +267,8 @@ fn every_limiter_kind_algorithm_header_style_and_redirect_through_nginx() {
 #[test]
 fn a_client_abort_after_every_redirect_kind_releases_the_lease() {
     let redis = RedisServer::start_unix();
-    let server = common::ops::socket_access();
-    let d = Daemon::start_config(&format!("{server}\n[redis]\nurl = \"{}\"\ntimeout_ms = 500\n", redis.url()));
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let d = common::ops::daemon(&redis, "");
+    let snippet = common::ops::snippet(&d.socket);
     // Each redirect kind ends at the slow upstream.
     let nginx = Nginx::start(&format!(
         r#"{snippet}

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use common::admin::{admin, peek};
 use common::http::{agent, get};
-use common::rng::Rng;
+use common::rng::{env_or, seeds, Rng};
 use common::{wait_until, Daemon, Nginx, RedisServer};
 use ratelimitd::admin_api::client::encode;
 use serde_json::json;
@@ -162,7 +162,7 @@ fn case(redis: &RedisServer, seed: u64, ops: usize) {
     let mut d = daemon(redis, &socket);
     let nginx = nginx(&d);
     let mut wins = [Win { in_force: LIMIT, most: LIMIT, admitted: 0, under: 0 }; 2];
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::new(seed);
     let mut trace: Vec<String> = Vec::new();
     let (mut shared, mut other, mut kills, mut kept_units) = (0, 0, 0, 0);
     let started = Instant::now();
@@ -241,13 +241,8 @@ fn case(redis: &RedisServer, seed: u64, ops: usize) {
 
 #[test]
 fn resets_overrides_and_kill_9_while_nginx_workers_hold_shares_keep_the_limit() {
-    let env = |name: &str, default: u64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
     let redis = RedisServer::start_unix();
-    let seeds: Vec<u64> = match std::env::var("NGINX_MATRIX_SHARES_SEED").ok().and_then(|s| s.parse().ok()) {
-        Some(seed) => vec![seed],
-        None => (0..env("NGINX_MATRIX_SHARES_CASES", 3)).map(|i| 33_500 + i).collect(),
-    };
-    for seed in seeds {
-        case(&redis, seed, env("NGINX_MATRIX_SHARES_OPS", 25) as usize);
+    for seed in seeds("NGINX_MATRIX_SHARES", 33_500, 3) {
+        case(&redis, seed, env_or("NGINX_MATRIX_SHARES_OPS", 25) as usize);
     }
 }

@@ -17,13 +17,10 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use common::http::{agent, get, Reply};
+use common::nginx_cases::{self, recorded, REDIRECTS};
 use common::{wait_until, Daemon, Nginx, RedisServer};
-use ratelimitd::admin_api::client::{request, Reply as AdminReply};
-use ratelimitd::config::AdminListen;
+use ratelimitd::admin_api::client::Reply as AdminReply;
 
-const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
-const STYLES: [&str; 3] = ["ratelimit", "draft", "x"];
-const REDIRECTS: [Redirect; 4] = [Redirect::None, Redirect::ErrorPage, Redirect::TryFiles, Redirect::Exec];
 /// Every enforced policy of a case admits 2 per minute.
 const LIMIT: u64 = 2;
 
@@ -38,14 +35,6 @@ const POLICIES: &str = "\
 [[policy]]\nname = \"pen\"\nlimit = 2\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\npenalty = { after = 1, within = \"60s\", ban = \"90s\" }\n\
 [[policy]]\nname = \"described\"\nlimit = 2\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\n\
 [[policy]]\nname = \"ov\"\nlimit = 5\nwindow = \"60s\"\non_error = \"local\"\nlocal_limit = 2\n";
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Redirect {
-    None,
-    ErrorPage,
-    TryFiles,
-    Exec,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -103,40 +92,16 @@ impl Kind {
     }
 }
 
-#[derive(Clone, Debug)]
-struct Case {
-    id: usize,
-    kind: Kind,
-    style: &'static str,
-    redirect: Redirect,
-}
+type Case = nginx_cases::Case<Kind>;
 
-impl Case {
+impl nginx_cases::Case<Kind> {
     fn key(&self) -> String {
         format!("w2case{}", self.id)
     }
 }
 
 fn cases() -> Vec<Case> {
-    let mut out = Vec::new();
-    for kind in KINDS {
-        for style in STYLES {
-            for redirect in REDIRECTS {
-                out.push(Case { id: out.len(), kind, style, redirect });
-            }
-        }
-    }
-    out
-}
-
-fn then(redirect: Redirect) -> &'static str {
-    match redirect {
-        Redirect::None => "content_by_lua_block { ngx.say(\"ok\") }",
-        // The static file is missing: 404, served by @ok.
-        Redirect::ErrorPage => "error_page 404 = @ok;",
-        Redirect::TryFiles => "try_files $uri /ok;",
-        Redirect::Exec => "content_by_lua_block { return ngx.exec(\"/ok\") }",
-    }
+    nginx_cases::cases(&KINDS)
 }
 
 /// The http {} body: `limiters` (Lua statements filling `lims`) and the
@@ -165,12 +130,12 @@ fn daemon_toml(redis: &RedisServer, admin: &std::path::Path, redis_timeout_ms: u
 }
 
 fn start_nginx(d: &Daemon, body: &str) -> Nginx {
-    let snippet = SNIPPET.replacen("unix:/run/ratelimitd/ratelimitd.sock", &format!("unix:{}", d.socket.display()), 1).replacen("read_timeout = 50,", "read_timeout = 1000,", 1);
+    let snippet = common::ops::snippet(&d.socket);
     Nginx::start(&format!("{snippet}\n{body}"))
 }
 
 fn admin(dir: &std::path::Path, method: &str, path: &str, body: Option<serde_json::Value>) -> AdminReply {
-    request(&AdminListen::Unix { path: dir.join("admin.sock"), mode: 0o600 }, None, method, path, body.map(|b| b.to_string()).as_deref()).unwrap()
+    common::admin::admin(&dir.join("admin.sock"), method, path, body)
 }
 
 /// Sets a live override of 2 for (ov, key) and waits until the daemon
@@ -181,19 +146,6 @@ fn override_to_two(dir: &std::path::Path, key: &str) {
     wait_until(&format!("the override of {key} applied"), Duration::from_secs(5), || {
         admin(dir, "GET", &format!("/v1/keys?policy=ov&key={key}"), None).body["limit_from"] == serde_json::json!("api_override")
     });
-}
-
-/// The members of every sorted set of client key `key` in Redis.
-fn recorded(redis: &RedisServer, key: &str) -> u64 {
-    let mut conn = redis.conn();
-    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(format!("*{key}}}*")).query(&mut conn).unwrap();
-    let mut members = 0;
-    for k in &keys {
-        if redis::cmd("TYPE").arg(k.as_slice()).query::<String>(&mut conn).unwrap() == "zset" {
-            members += redis::cmd("ZCARD").arg(k.as_slice()).query::<u64>(&mut conn).unwrap();
-        }
-    }
-    members
 }
 
 /// The units a fixed window of `policy` holds for `key` in Redis (the
@@ -300,7 +252,7 @@ fn every_new_limiter_kind_header_style_and_redirect_through_nginx() {
     let mut locations = String::new();
     for c in &cases {
         let _ = writeln!(limiters, "    lims[{}] = assert({})", c.id, c.kind.limiter(&format!(", header_style = \"{}\"", c.style)));
-        let _ = writeln!(locations, "    location = /c/{} {{\n        access_by_lua_block {{ {} }}\n        {}\n    }}", c.id, c.kind.call(&format!("lims[{}]", c.id), &c.key()), then(c.redirect));
+        let _ = writeln!(locations, "    location = /c/{} {{\n        access_by_lua_block {{ {} }}\n        {}\n    }}", c.id, c.kind.call(&format!("lims[{}]", c.id), &c.key()), c.redirect.then());
     }
     let nginx = start_nginx(&d, &site(&limiters, &locations));
     let agent = agent();
@@ -374,7 +326,7 @@ fn each_new_kind_follows_its_fail_policy(outage: Outage) {
             locations,
             "    location = /c/{id} {{\n        access_by_lua_block {{ {} }}\n        {}\n    }}",
             kind.call(&format!("lims[{id}]"), "w2fail-$arg_k").replace("\"w2fail-$arg_k\"", "\"w2fail-\" .. ngx.var.arg_k"),
-            then(redirect)
+            redirect.then()
         );
     }
     let nginx = start_nginx(&d, &site(&limiters, &locations));

@@ -12,6 +12,7 @@ mod common;
 use std::time::Duration;
 
 use common::http::{agent, get};
+use common::nginx_cases::recorded;
 use common::{wait_until, Daemon, Nginx, RedisServer};
 
 const SNIPPET: &str = include_str!("../nginx/ratelimitd.conf");
@@ -66,19 +67,6 @@ server {{
     (d, nginx)
 }
 
-/// The members of every sorted set of client key `key` in Redis.
-fn recorded(redis: &RedisServer, key: &str) -> u64 {
-    let mut conn = redis.conn();
-    let keys: Vec<Vec<u8>> = redis::cmd("KEYS").arg(format!("*{key}}}*")).query(&mut conn).unwrap();
-    let mut members = 0;
-    for k in &keys {
-        if redis::cmd("TYPE").arg(k.as_slice()).query::<String>(&mut conn).unwrap() == "zset" {
-            members += redis::cmd("ZCARD").arg(k.as_slice()).query::<u64>(&mut conn).unwrap();
-        }
-    }
-    members
-}
-
 fn errors(nginx: &Nginx) -> Vec<String> {
     nginx.error_log().lines().filter(|l| l.contains("[error]") || l.contains("[crit]") || l.contains("[alert]")).map(str::to_string).collect()
 }
@@ -96,23 +84,31 @@ fn without_the_map_line_a_server_level_limit_counts_a_request_once() {
     counts_once(&SNIPPET.replacen(MAP_LINE, "", 1));
 }
 
-fn counts_once(snippet: &str) {
-    let redis = RedisServer::start_unix();
-    let (_d, nginx) = start_with(&redis, snippet, "access_by_lua_block { per_key:limit(ngx.var.http_x_key) }", &redirect_locations("a", ""));
+/// Sends `requests` requests to `/<path>/<kind>` for each redirect kind,
+/// one agent (its requests follow each other on one pooled connection),
+/// the key `<key>-<kind>`: the n-th passes with n counted (10 - n
+/// remaining, n admissions recorded in Redis), and nginx logs no error.
+fn each_counted_once(redis: &RedisServer, nginx: &Nginx, path: &str, key: &str, kinds: &[&str], requests: u64) {
     let agent = agent();
     let mut failures = Vec::new();
-    for kind in REDIRECTS {
-        let key = format!("once-{kind}");
-        for n in 1..=2u64 {
-            let r = get(&agent, &nginx.url(&format!("/a/{kind}")), &[("X-Key", &key)]);
-            let stored = recorded(&redis, &key);
+    for kind in kinds {
+        let key = format!("{key}-{kind}");
+        for n in 1..=requests {
+            let r = get(&agent, &nginx.url(&format!("/{path}/{kind}")), &[("X-Key", &key)]);
+            let stored = recorded(redis, &key);
             if r.status != 200 || r.num("RateLimit-Remaining") != Some(10 - n) || stored != n {
                 failures.push(format!("{kind} request {n}: status {}, RateLimit-Remaining {:?}, {stored} recorded in Redis (want 200, {}, {n})", r.status, r.num("RateLimit-Remaining"), 10 - n));
             }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+    assert!(errors(nginx).is_empty(), "{:?}", errors(nginx));
+}
+
+fn counts_once(snippet: &str) {
+    let redis = RedisServer::start_unix();
+    let (_d, nginx) = start_with(&redis, snippet, "access_by_lua_block { per_key:limit(ngx.var.http_x_key) }", &redirect_locations("a", ""));
+    each_counted_once(&redis, &nginx, "a", "once", &REDIRECTS, 2);
 }
 
 #[test]
@@ -204,19 +200,5 @@ fn each_request_of_a_keepalive_connection_that_meets_its_limit_after_a_redirect_
         \x20   location = /late/try_files { try_files $uri /late-ok; }\n\
         \x20   location = /late/exec { content_by_lua_block { return ngx.exec(\"/late-ok\") } }\n";
     let (_d, nginx) = start(&redis, "", late);
-    // One agent: its requests follow each other on one pooled connection.
-    let agent = agent();
-    let mut failures = Vec::new();
-    for kind in ["try_files", "exec"] {
-        let key = format!("late-{kind}");
-        for n in 1..=6u64 {
-            let r = get(&agent, &nginx.url(&format!("/late/{kind}")), &[("X-Key", &key)]);
-            let stored = recorded(&redis, &key);
-            if r.status != 200 || r.num("RateLimit-Remaining") != Some(10 - n) || stored != n {
-                failures.push(format!("{kind} request {n}: status {}, RateLimit-Remaining {:?}, {stored} recorded in Redis (want 200, {}, {n})", r.status, r.num("RateLimit-Remaining"), 10 - n));
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(errors(&nginx).is_empty(), "{:?}", errors(&nginx));
+    each_counted_once(&redis, &nginx, "late", "late", &["try_files", "exec"], 6);
 }

@@ -83,6 +83,19 @@ struct Setup {
     _cluster: Option<RedisCluster>,
 }
 
+/// One test per store of one async body (`body(Store::X)`), each named:
+/// `store_tests! { body: name_in_memory => Memory, name_on_redis => Redis }`.
+macro_rules! store_tests {
+    ($body:ident: $($name:ident => $store:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $body(Store::$store).await;
+            }
+        )+
+    };
+}
+
 fn setup(store: Store) -> Setup {
     match store {
         Store::Memory => Setup { daemon: Daemon::start_config_with_metrics(&format!("socket_mode = \"0600\"\n{POLICIES}")), _redis: None, _cluster: None },
@@ -170,14 +183,9 @@ async fn sharded_limit_holds_across_kinds(store: Store) {
     assert_eq!(r.error, ErrorCode::InvalidCost, "{store:?}: {r:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sharded_policy_admits_its_limit_across_single_multi_item_and_refundable_checks_in_memory() {
-    sharded_limit_holds_across_kinds(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sharded_policy_admits_its_limit_across_single_multi_item_and_refundable_checks_on_redis() {
-    sharded_limit_holds_across_kinds(Store::Redis).await;
+store_tests! { sharded_limit_holds_across_kinds:
+    a_sharded_policy_admits_its_limit_across_single_multi_item_and_refundable_checks_in_memory => Memory,
+    a_sharded_policy_admits_its_limit_across_single_multi_item_and_refundable_checks_on_redis => Redis,
 }
 
 /// S1: a multi-item check a shard refused is tried again on the item's
@@ -207,14 +215,9 @@ async fn refused_shards_are_tried_again(store: Store) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_in_memory() {
-    refused_shards_are_tried_again(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_on_redis() {
-    refused_shards_are_tried_again(Store::Redis).await;
+store_tests! { refused_shards_are_tried_again:
+    a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_in_memory => Memory,
+    a_multi_item_check_refused_by_one_shard_is_tried_on_the_next_on_redis => Redis,
 }
 
 /// The same on a Redis Cluster, where a sharded key's shards sit in
@@ -268,14 +271,9 @@ async fn shard_lookalike_keys_stay_apart(store: Store) {
     assert_eq!(got, 3, "{store:?}: key \"a\" has its whole limit: no other key was counted in its shards");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_key_never_reaches_another_keys_shard_in_memory() {
-    shard_lookalike_keys_stay_apart(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_key_never_reaches_another_keys_shard_on_redis() {
-    shard_lookalike_keys_stay_apart(Store::Redis).await;
+store_tests! { shard_lookalike_keys_stay_apart:
+    a_client_key_never_reaches_another_keys_shard_in_memory => Memory,
+    a_client_key_never_reaches_another_keys_shard_on_redis => Redis,
 }
 
 fn lease<'a>(id: &'a str, limit: u32) -> LeaseArgs<'a> {
@@ -307,14 +305,9 @@ async fn reacquire_renews(store: Store) {
     assert_eq!(c.lease(OP_ACQUIRE, &one("B")).await.unwrap().decision, Decision::Denied, "{store:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acquiring_a_lease_id_already_held_renews_it_in_memory() {
-    reacquire_renews(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acquiring_a_lease_id_already_held_renews_it_on_redis() {
-    reacquire_renews(Store::Redis).await;
+store_tests! { reacquire_renews:
+    acquiring_a_lease_id_already_held_renews_it_in_memory => Memory,
+    acquiring_a_lease_id_already_held_renews_it_on_redis => Redis,
 }
 
 /// S4 in the `local` fallback: with Redis gone, ACQUIREs of one lease id
@@ -358,14 +351,9 @@ async fn shadow_lease_refusal_counted_once(store: Store) {
     assert_eq!(total(&text, "ratelimitd_decisions_total"), 3, "{store:?}: three requests, three decisions\n{text}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_shadow_concurrency_refusal_is_counted_once_in_memory() {
-    shadow_lease_refusal_counted_once(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_shadow_concurrency_refusal_is_counted_once_on_redis() {
-    shadow_lease_refusal_counted_once(Store::Redis).await;
+store_tests! { shadow_lease_refusal_counted_once:
+    a_shadow_concurrency_refusal_is_counted_once_in_memory => Memory,
+    a_shadow_concurrency_refusal_is_counted_once_on_redis => Redis,
 }
 
 /// S7: a policy of another algorithm than log in a multi-item or
@@ -470,14 +458,9 @@ async fn metrics_equal_decisions(store: Store) {
     assert_eq!(per_policy("paced"), 1, "{store:?}\n{text}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_decisions_metric_equals_the_decisions_made_in_memory() {
-    metrics_equal_decisions(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_decisions_metric_equals_the_decisions_made_on_redis() {
-    metrics_equal_decisions(Store::Redis).await;
+store_tests! { metrics_equal_decisions:
+    the_decisions_metric_equals_the_decisions_made_in_memory => Memory,
+    the_decisions_metric_equals_the_decisions_made_on_redis => Redis,
 }
 
 /// S1, S3, S6: a sharded shadow item whose first shard had no room in a
@@ -511,14 +494,9 @@ async fn refund_frees_a_placed_shadow_unit(store: Store) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_redis() {
-    refund_frees_a_placed_shadow_unit(Store::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_a_cluster() {
-    refund_frees_a_placed_shadow_unit(Store::Cluster).await;
+store_tests! { refund_frees_a_placed_shadow_unit:
+    a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_redis => Redis,
+    a_refund_frees_the_shadow_unit_its_admission_placed_on_another_shard_on_a_cluster => Cluster,
 }
 
 /// S1, S8: a refused multi-item check reports a sharded item that has a
@@ -547,14 +525,9 @@ async fn untried_shard_is_not_a_refusal(store: Store) {
     assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 4, 0), "{store:?}: quad/b had room: {r:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_in_memory() {
-    untried_shard_is_not_a_refusal(Store::Memory).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_on_redis() {
-    untried_shard_is_not_a_refusal(Store::Redis).await;
+store_tests! { untried_shard_is_not_a_refusal:
+    a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_in_memory => Memory,
+    a_refused_multi_item_check_never_reports_a_sharded_item_with_an_untried_shard_as_refused_on_redis => Redis,
 }
 
 /// Quota leases and cold-key batching in the pipeline (issue 23): a hot

@@ -36,42 +36,17 @@ window = "60s"
 
 /// Each location names a policy; the typo locations name one the daemon
 /// does not have, with each fail policy.
-const LOCATIONS: &str = r#"
-    location /order {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new("order"))
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /shadow {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "shadowed", on_error = "closed" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /tight {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new("tight"))
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /typo-open {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "open" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /typo-closed {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "closed" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
+fn locations() -> String {
+    common::ops::tenant_locations(&[
+        ("/order", r#"("order")"#),
+        ("/shadow", r#"{ policy = "shadowed", on_error = "closed" }"#),
+        ("/tight", r#"("tight")"#),
+        ("/typo-open", r#"{ policy = "ordr", on_error = "open" }"#),
+        ("/typo-closed", r#"{ policy = "ordr", on_error = "closed" }"#),
+    ]) + INLINE
+}
+
+const INLINE: &str = r#"
     location /inline {
         access_by_lua_block {
             require("resty.ratelimitd").limit{ key = ngx.var.http_x_tenant_id, limit = 3, window_ms = 60000 }
@@ -81,7 +56,15 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    common::ops::gateway(socket, "", LOCATIONS)
+    common::ops::gateway(socket, "", &locations())
+}
+
+/// Redis, a daemon on it with POLICIES and nginx with LOCATIONS in front.
+fn started() -> (RedisServer, Daemon, Nginx) {
+    let redis = RedisServer::start_unix();
+    let d = daemon(&redis);
+    let nginx = gateway(&d.socket);
+    (redis, d, nginx)
 }
 
 fn daemon(redis: &RedisServer) -> Daemon {
@@ -103,9 +86,7 @@ fn policy_sample(text: &str, policy: &str, outcome: &str) -> u64 {
 
 #[test]
 fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = gateway(&d.socket);
+    let (redis, d, nginx) = started();
     let a = agent();
 
     // The policy's limit, with its headers; the limit comes from the daemon.
@@ -162,9 +143,7 @@ fn overrides_allowlist_shadow_and_unknown_names_through_nginx() {
 
 #[test]
 fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = gateway(&d.socket);
+    let (_redis, d, nginx) = started();
     let a = agent();
     assert_eq!(statuses(&a, &nginx.url("/tight"), "r", 3), [200, 200, 429]);
 
@@ -219,9 +198,7 @@ fn reload_under_load_changes_a_policy_limit_without_a_failed_request() {
 
 #[test]
 fn the_headers_show_the_limit_in_force_after_a_reload_lowers_it() {
-    let redis = RedisServer::start_unix();
-    let d = daemon(&redis);
-    let nginx = gateway(&d.socket);
+    let (_redis, d, nginx) = started();
     let a = agent();
     d.rewrite_config(&d.config_text().replace("name = \"tight\"\nlimit = 2", "name = \"tight\"\nlimit = 5"));
     d.signal(nix::sys::signal::Signal::SIGHUP);

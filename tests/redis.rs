@@ -5,28 +5,16 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use common::clock::now_ms;
+use common::redis_server::window;
 use common::{args, Daemon, Deadline, RedisServer};
 use common::redis_server::evalsha_calls;
-use ratelimitd::config::{RedisConfig, RedisSecrets, RedisTarget};
 use ratelimitd::protocol::{CheckArgs, Decision, ErrorCode, FailPolicy, Source};
 use ratelimitd::window::LimitSpec;
-use ratelimitd::RedisWindow;
 use redis::Commands;
 use tokio_util::sync::CancellationToken;
-
-fn wall_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
-
-async fn redis_window(r: &RedisServer, token: &CancellationToken) -> Arc<RedisWindow> {
-    let cfg = RedisConfig { target: RedisTarget::Url(r.url()), timeout: Duration::from_secs(2), ..RedisConfig::default() };
-    let w = RedisWindow::start(&cfg, &RedisSecrets::default(), token.clone()).unwrap();
-    assert!(w.wait_ready(Duration::from_secs(5)).await);
-    w
-}
 
 /// 1000 requests stamped with the same millisecond are all counted, and a
 /// second daemon instance in that same millisecond adds its own 1000.
@@ -34,8 +22,8 @@ async fn redis_window(r: &RedisServer, token: &CancellationToken) -> Arc<RedisWi
 async fn same_millisecond_requests_never_collide() {
     let r = RedisServer::start_unix();
     let token = CancellationToken::new();
-    let (a, b) = (redis_window(&r, &token).await, redis_window(&r, &token).await);
-    let now = wall_ms();
+    let (a, b) = (window(&r, &token).await, window(&r, &token).await);
+    let now = now_ms();
     let spec = LimitSpec { key: b"same-ms", limit: 5000, window_ms: 60_000, cost: 1 };
     let mut tasks = Vec::new();
     for w in [a, b] {
@@ -114,10 +102,10 @@ async fn no_window_ever_exceeds_the_limit() {
         tasks.push(tokio::spawn(async move {
             let mut spans = Vec::new();
             while Instant::now() < until {
-                let sent = wall_ms();
+                let sent = now_ms();
                 let resp = c.check(&args("sliding", LIMIT, WINDOW as u32)).await.unwrap();
                 if resp.decision == Decision::Allowed {
-                    spans.push((sent, wall_ms()));
+                    spans.push((sent, now_ms()));
                 }
             }
             spans
@@ -293,7 +281,7 @@ async fn batched_calls_decide_as_the_serial_model() {
     use ratelimitd::BatchAsk;
     let r = RedisServer::start_unix();
     let token = CancellationToken::new();
-    let w = redis_window(&r, &token).await;
+    let w = window(&r, &token).await;
     // A small deterministic generator: the same cases on every run.
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = move |n: u64| {
@@ -308,7 +296,7 @@ async fn batched_calls_decide_as_the_serial_model() {
         let key = format!("prop-{case}");
         let window = [50u64, 100, 1000][next(3) as usize];
         let mut model = SerialLog::default();
-        let mut now = wall_ms();
+        let mut now = now_ms();
         for _ in 0..30 {
             now += next(window / 2 + 1);
             let n = 1 + next(12) as usize;

@@ -51,7 +51,7 @@ fn each_part_stands_once_in_each_assembled_script() {
         }
     }
     // The log's modes all stand in it, each once.
-    for mode in ["lease_settle", "confirm_refund", "all_or_nothing", "check"] {
+    for mode in ["lease_settle", "confirm_refund", "all_or_nothing", "per_request"] {
         let body = read(&format!("src/redis/scripts/sliding_window/{mode}.lua"));
         assert!(scripts::LOG.contains(own_lines(&body).join("\n").as_str()), "sliding_window.lua lacks its mode {mode}");
     }

@@ -15,26 +15,26 @@ use common::{wait_until, Daemon, Nginx, RedisServer};
 use nix::sys::signal::Signal;
 use ratelimitd::protocol::{encode_describe_uses, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, PolicyUse, PolicyUses};
 
+/// Two tests of one body, on one Redis and in memory, named as given.
+macro_rules! on_redis_and_in_memory {
+    ($body:ident: $on_redis:ident, $in_memory:ident) => {
+        #[test]
+        fn $on_redis() {
+            $body(Some(&RedisServer::start_unix()));
+        }
+
+        #[test]
+        fn $in_memory() {
+            $body(None);
+        }
+    };
+}
+
 /// `five`: 5 a minute, the log; `quota`: 5 a calendar month (fixed, UTC);
 /// `idle`: never asked.
-const COUNTED: &str = r#"
-[[policy]]
-name = "idle"
-limit = 5
-window = "30s"
-
-[[policy]]
-name = "five"
-limit = 5
-window = "60s"
-
-[[policy]]
-name = "quota"
-limit = 5
-window = "month"
-algorithm = "fixed"
-utc_offset = "+00:00"
-"#;
+fn counted() -> String {
+    common::rate_policies(&[("idle", 5, "30s"), ("five", 5, "60s")]) + &common::rate_policy("quota", 5, "month", &[r#"algorithm = "fixed""#, r#"utc_offset = "+00:00""#])
+}
 
 /// A daemon with metrics on Redis (`Some`) or in memory, with `policies`.
 fn daemon(redis: Option<&RedisServer>, policies: &str) -> Daemon {
@@ -73,7 +73,7 @@ fn line_with<'a>(log: &'a str, what: &str) -> &'a str {
 /// the counts over (exactly one more admitted at limit 6); SIGUSR1 forces a
 /// window change, which restarts the counts as the warning says.
 fn a_reload_never_silently_restarts_counts(redis: Option<&RedisServer>) {
-    let d = daemon(redis, COUNTED);
+    let d = daemon(redis, &counted());
     assert_eq!(admit(&d, "five", "t1", 6), 5);
     assert_eq!(admit(&d, "quota", "t1", 6), 5);
     let original = d.config_text();
@@ -127,34 +127,12 @@ fn a_reload_never_silently_restarts_counts(redis: Option<&RedisServer>) {
     assert_eq!(admit(&d, "five", "t1", 6), 5, "forced: the 2m window counts from zero, as the warning said");
 }
 
-#[test]
-fn a_reload_never_silently_restarts_counts_on_redis() {
-    let redis = RedisServer::start_unix();
-    a_reload_never_silently_restarts_counts(Some(&redis));
-}
-
-#[test]
-fn a_reload_never_silently_restarts_counts_in_memory() {
-    a_reload_never_silently_restarts_counts(None);
-}
+on_redis_and_in_memory! { a_reload_never_silently_restarts_counts: a_reload_never_silently_restarts_counts_on_redis, a_reload_never_silently_restarts_counts_in_memory }
 
 /// `login` and `per_ip`, both the exact log; `plain` is checked alone.
-const USED: &str = r#"
-[[policy]]
-name = "login"
-limit = 1000
-window = "60s"
-
-[[policy]]
-name = "per_ip"
-limit = 1000
-window = "60s"
-
-[[policy]]
-name = "plain"
-limit = 1000
-window = "60s"
-"#;
+fn used() -> String {
+    common::rate_policies(&[("login", 1000, "60s"), ("per_ip", 1000, "60s"), ("plain", 1000, "60s")])
+}
 
 const LIMITERS: &str = r#"
 init_worker_by_lua_block {
@@ -184,7 +162,7 @@ fn statuses(nginx: &Nginx, path: &str, n: usize) -> Vec<u16> {
 /// to `plain`, checked alone, is applied. SIGUSR1 forces it, and the
 /// locations get what the warning said (UNSUPPORTED_COMBINATION: 500).
 fn a_reload_breaking_a_described_use_is_refused(redis: Option<&RedisServer>) {
-    let d = daemon(redis, USED);
+    let d = daemon(redis, &used());
     let nginx = common::ops::gateway(&d.socket, LIMITERS, LOCATIONS);
     wait_until("nginx described its policies", Duration::from_secs(10), || {
         let log = nginx.error_log();
@@ -238,16 +216,7 @@ fn a_reload_breaking_a_described_use_is_refused(redis: Option<&RedisServer>) {
     assert_eq!(statuses(&nginx, "/both", 2), [500, 500], "as the warning said: {}", nginx.error_log());
 }
 
-#[test]
-fn a_reload_breaking_a_use_nginx_described_is_refused_on_redis() {
-    let redis = RedisServer::start_unix();
-    a_reload_breaking_a_described_use_is_refused(Some(&redis));
-}
-
-#[test]
-fn a_reload_breaking_a_use_nginx_described_is_refused_in_memory() {
-    a_reload_breaking_a_described_use_is_refused(None);
-}
+on_redis_and_in_memory! { a_reload_breaking_a_described_use_is_refused: a_reload_breaking_a_use_nginx_described_is_refused_on_redis, a_reload_breaking_a_use_nginx_described_is_refused_in_memory }
 
 /// `check-config --against RUNNING`: without a daemon, every change a
 /// reload from RUNNING would refuse for a policy in use, one line each,
@@ -260,9 +229,9 @@ fn check_config_against_the_running_file_lists_what_a_reload_would_break() {
         std::fs::write(&path, format!("[server]\nlisten = \"/tmp/never-bound.sock\"\n{policies}")).unwrap();
         path
     };
-    let running = write("running.toml", &format!("{COUNTED}{}", USED.replace("name = \"plain\"", "name = \"gone\"")));
-    let edited = COUNTED.replacen("window = \"60s\"", "window = \"2m\"", 1).replace("utc_offset = \"+00:00\"", "utc_offset = \"+02:00\"")
-        + &USED.replacen("name = \"login\"\nlimit = 1000\nwindow = \"60s\"\n", "name = \"login\"\nlimit = 1000\nwindow = \"60s\"\npenalty = { after = 3, within = \"10s\", ban = \"3s\" }\n", 1).replace("name = \"plain\"\nlimit = 1000", "name = \"plain\"\nlimit = 5");
+    let running = write("running.toml", &format!("{}{}", counted(), used().replace("name = \"plain\"", "name = \"gone\"")));
+    let edited = counted().replacen("window = \"60s\"", "window = \"2m\"", 1).replace("utc_offset = \"+00:00\"", "utc_offset = \"+02:00\"")
+        + &used().replacen("name = \"login\"\nlimit = 1000\nwindow = \"60s\"\n", "name = \"login\"\nlimit = 1000\nwindow = \"60s\"\npenalty = { after = 3, within = \"10s\", ban = \"3s\" }\n", 1).replace("name = \"plain\"\nlimit = 1000", "name = \"plain\"\nlimit = 5");
     let new = write("new.toml", &edited);
     let run = |config: &std::path::Path, against: &std::path::Path| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_ratelimitd")).args(["check-config", "--config"]).arg(config).arg("--against").arg(against).output().unwrap();
@@ -281,7 +250,7 @@ fn check_config_against_the_running_file_lists_what_a_reload_would_break() {
         assert!(said.contains(want), "{want}: {said}");
     }
     assert!(!said.contains("policy \"per_ip\"") && !said.contains("policy \"plain\""), "unchanged, or a new limit only: {said}");
-    let limit_only = write("limit.toml", &format!("{COUNTED}{}", USED.replace("limit = 1000", "limit = 7")).replace("name = \"plain\"", "name = \"gone\""));
+    let limit_only = write("limit.toml", &format!("{}{}", counted(), used().replace("limit = 1000", "limit = 7")).replace("name = \"plain\"", "name = \"gone\""));
     let (code, said) = run(&limit_only, &running);
     assert_eq!(code, Some(0), "{said}");
     assert!(said.contains("keeps every policy's counts and uses"), "{said}");

@@ -73,9 +73,9 @@ fn run_trace(conn: &mut redis::Connection, log_sha: &str, ring_sha: &str, seed: 
 fn the_ring_decides_as_the_log_on_random_traces() {
     let r = RedisServer::start_unix();
     let mut conn = r.conn();
-    let log_sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(LOG).query(&mut conn).unwrap();
-    let ring_sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(RING).query(&mut conn).unwrap();
-    let base: u64 = std::env::var("RING_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64 * 7919);
+    let log_sha = common::scripts::load(&mut conn, LOG);
+    let ring_sha = common::scripts::load(&mut conn, RING);
+    let base = common::rng::base_seed("RING_SEED");
     let (mut decisions, mut admitted) = (0, 0);
     for t in 0..60u64 {
         let (d, a) = run_trace(&mut conn, &log_sha, &ring_sha, base + t, 400);
@@ -91,7 +91,7 @@ fn the_ring_decides_as_the_log_on_random_traces() {
 fn the_ring_holds_8_bytes_per_admission() {
     let r = RedisServer::start_unix();
     let mut conn = r.conn();
-    let ring_sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(RING).query(&mut conn).unwrap();
+    let ring_sha = common::scripts::load(&mut conn, RING);
     let now = 1_700_000_000_000u64;
     for i in 0..1000u64 {
         let v = call(&mut conn, &ring_sha, "eq:{size}", 600_000, now + i, "m", &[(1000, 1)]);

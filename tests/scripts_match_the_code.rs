@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::repo::{read, root};
 use common::RedisServer;
@@ -56,100 +56,78 @@ struct Call {
     args: Vec<String>,
 }
 
-/// Shell words of `line` from `from`, quotes kept, `$(( ... ))` and
-/// `$( ... )` one word; ends at `|`, `;`, `>` or an unbalanced `)`.
-fn shell_words(line: &str) -> Vec<String> {
+/// What a character outside quotes and brackets does to the words.
+enum Outside {
+    Split,
+    End,
+    Keep,
+}
+
+/// The words of `text`, quotes kept: a quoted run, and anything between
+/// an `open` bracket and its `close`, is part of its word; outside them
+/// `outside` says whether a character splits two words, ends the text or
+/// is part of its word. An unbalanced closing bracket ends the text.
+fn words(text: &str, open: &[char], close: &[char], outside: impl Fn(char) -> Outside) -> Vec<String> {
     let mut out = Vec::new();
     let mut word = String::new();
     let (mut quote, mut depth) = (None::<char>, 0usize);
-    for c in line.chars() {
-        match (quote, c) {
-            (Some(q), c) if c == q => {
-                quote = None;
-                word.push(c);
-            }
-            (Some(_), c) => word.push(c),
-            (None, '"' | '\'') => {
-                quote = Some(c);
-                word.push(c);
-            }
-            (None, '(') => {
-                depth += 1;
-                word.push(c);
-            }
-            (None, ')') if depth > 0 => {
-                depth -= 1;
-                word.push(c);
-            }
-            (None, c) if depth > 0 => word.push(c),
-            (None, '|' | ';' | '>' | ')') => break,
-            (None, c) if c.is_whitespace() => {
-                if !word.is_empty() {
-                    out.push(std::mem::take(&mut word));
-                }
-            }
-            (None, c) => word.push(c),
+    fn end_word(word: &mut String, out: &mut Vec<String>) {
+        let w = std::mem::take(word);
+        if !w.trim().is_empty() {
+            out.push(w.trim().to_string());
         }
     }
-    if !word.is_empty() {
-        out.push(word);
+    for c in text.chars() {
+        if let Some(q) = quote {
+            if c == q {
+                quote = None;
+            }
+        } else if c == '"' || c == '\'' {
+            quote = Some(c);
+        } else if open.contains(&c) {
+            depth += 1;
+        } else if close.contains(&c) {
+            if depth == 0 {
+                break;
+            }
+            depth -= 1;
+        } else if depth == 0 {
+            match outside(c) {
+                Outside::Split => {
+                    end_word(&mut word, &mut out);
+                    continue;
+                }
+                Outside::End => break,
+                Outside::Keep => {}
+            }
+        }
+        word.push(c);
     }
+    end_word(&mut word, &mut out);
     out
+}
+
+/// Shell words of `line`, quotes kept, `$(( ... ))` and `$( ... )` one
+/// word; ends at `|`, `;`, `>` or an unbalanced `)`.
+fn shell_words(line: &str) -> Vec<String> {
+    words(line, &['('], &[')'], |c| match c {
+        '|' | ';' | '>' => Outside::End,
+        c if c.is_whitespace() => Outside::Split,
+        _ => Outside::Keep,
+    })
 }
 
 /// The arguments of a Python call or tuple after `"EVALSHA",`, split at
 /// the commas of its own level, up to its closing parenthesis.
 fn python_args(rest: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut arg = String::new();
-    let (mut depth, mut quote) = (0i32, None::<char>);
-    for c in rest.chars() {
-        match (quote, c) {
-            (Some(q), c) if c == q => {
-                quote = None;
-                arg.push(c);
-            }
-            (Some(_), c) => arg.push(c),
-            (None, '"' | '\'') => {
-                quote = Some(c);
-                arg.push(c);
-            }
-            (None, '(' | '[') => {
-                depth += 1;
-                arg.push(c);
-            }
-            (None, ')' | ']') if depth == 0 => break,
-            (None, ')' | ']') => {
-                depth -= 1;
-                arg.push(c);
-            }
-            (None, ',') if depth == 0 => out.push(std::mem::take(&mut arg).trim().to_string()),
-            (None, c) => arg.push(c),
-        }
-    }
-    if !arg.trim().is_empty() {
-        out.push(arg.trim().to_string());
-    }
-    out
+    words(rest, &['(', '['], &[')', ']'], |c| if c == ',' { Outside::Split } else { Outside::Keep })
 }
 
 /// Every EVALSHA with one key in the shell and Python code of scripts/
 /// (comments and strings that merely name EVALSHA are not calls: a call's
 /// next word names a SHA).
 fn calls() -> Vec<Call> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                walk(&p, out);
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    let mut files = Vec::new();
-    walk(&root().join("scripts"), &mut files);
-    files.sort();
+    let files: Vec<PathBuf> = common::repo::files_under("scripts", "").iter().map(|f| root().join(f)).collect();
     let mut out = Vec::new();
     for file in files {
         let Ok(text) = std::fs::read_to_string(&file) else { continue };
@@ -218,8 +196,13 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
         }
         // The log script reads request j's fields at an offset `o` (1 in
         // its mode 'L') and a stride `s` (3 in its mode 'B'); 0 and 2 for a
-        // check, which gives the others' 2 + 2 * j and 3 + 2 * j.
-        let fields = if script == "sliding_window" { ["local limit = tonumber(ARGV[2 + o + s * j])", "local cost = tonumber(ARGV[3 + o + s * j])"] } else { ["local limit = tonumber(ARGV[2 + 2 * j])", "local cost = tonumber(ARGV[3 + 2 * j])"] };
+        // check, which gives the others' 2 + 2 * j and 3 + 2 * j, read by
+        // parts/answer.lua's `request(j)`.
+        let fields = if script == "sliding_window" {
+            ["local limit = tonumber(ARGV[2 + o + s * j])", "local cost = tonumber(ARGV[3 + o + s * j])"]
+        } else {
+            ["return tonumber(ARGV[2 + 2 * j]), tonumber(ARGV[3 + 2 * j])", "local limit, cost = request(j)"]
+        };
         if script == "sliding_window" {
             assert!(lua.contains("local lease, batch, o, s = ARGV[1] == 'L', ARGV[1] == 'B', 0, 2"), "sliding_window.lua: a check reads its fields at o = 0, s = 2");
         }

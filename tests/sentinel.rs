@@ -334,7 +334,7 @@ async fn planned_failover_with_quota_leases_admits_no_more_than_the_limit() {
 /// failover (the leader unreachable from it) learns of it at
 /// `+switch-master`, as every daemon did before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement: cargo test --test sentinel planned_failover_bounds -- --ignored --nocapture"]
+#[ignore = "a measurement: scripts/measure sentinel-failover runs it"]
 async fn planned_failover_bounds() {
     const LIMIT: u32 = 4000;
     let min_replicas: &[&str] = &["--min-replicas-to-write", "1", "--min-replicas-max-lag", "10"];

@@ -9,6 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::rng::Rng;
 use common::{Daemon, RedisServer};
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, Response, Source, HANDLE_LEN};
 
@@ -70,6 +71,20 @@ limit = 10
 lease = "10s"
 "#;
 
+/// Waits until 20 ms into the next second: a reserve and its settle sent
+/// now share one window of a second.
+async fn early_in_a_second() {
+    tokio::time::sleep(Duration::from_millis(1000 - common::clock::now_ms() % 1000 + 20)).await;
+}
+
+/// Redis, a daemon on it with POLICIES, and a client of the daemon.
+async fn started() -> (RedisServer, Daemon, ratelimitd::client::Client) {
+    let redis = RedisServer::start_unix();
+    let d = start(&redis);
+    let c = d.client().await;
+    (redis, d, c)
+}
+
 fn start(redis: &RedisServer) -> Daemon {
     Daemon::start_config(&format!("socket_mode = \"0600\"\n[redis]\nurl = \"{}\"\ntimeout_ms = 1000\n{POLICIES}", redis.url()))
 }
@@ -103,9 +118,7 @@ fn settle_records(redis: &RedisServer) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_gives_back_the_surplus_and_a_replayed_or_forged_handle_changes_nothing() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, _d, mut c) = started().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_min", "t1", 300)).await.unwrap();
     assert_eq!((r.decision, r.source, r.count, r.remaining), (Decision::Allowed, Source::Redis, 300, 700), "{r:?}");
     let h = handle(&r).expect("an admitted reserve carries a handle");
@@ -141,9 +154,7 @@ async fn a_settle_gives_back_the_surplus_and_a_replayed_or_forged_handle_changes
 /// the bucket has drained back, and admitted from then on (checked when).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shortfall_past_the_limit_is_debt_refused_until_repaid() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, _d, mut c) = started().await;
     // 1000 per 2 s: one token every 2 ms.
     let r = c.reserve(FailPolicy::Closed, 0, &item("gcra_2s", "t", 100)).await.unwrap();
     let h = handle(&r).unwrap();
@@ -173,12 +184,8 @@ async fn a_shortfall_past_the_limit_is_debt_refused_until_repaid() {
 /// at the one after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fixed_windows_debt_is_paid_out_of_the_next_windows() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
-    // Start early in a second, so that reserve and settle share one window.
-    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    tokio::time::sleep(Duration::from_millis(1000 - ms % 1000 + 20)).await;
+    let (_redis, _d, mut c) = started().await;
+    early_in_a_second().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "t", 10)).await.unwrap();
     let s = c.settle(&handle(&r).unwrap(), &item("fixed_1s", "t", 250)).await.unwrap();
     assert_eq!((s.count, s.remaining), (250, 0), "{s:?}");
@@ -197,9 +204,7 @@ async fn a_fixed_windows_debt_is_paid_out_of_the_next_windows() {
 /// settle after the daemon restarted (the record lives in Redis).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn costs_up_to_a_billion_settle_across_a_daemon_restart() {
-    let redis = RedisServer::start_unix();
-    let mut d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, mut d, mut c) = started().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("month", "t", 1_000_000_000)).await.unwrap();
     assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 1_000_000_000, 0), "{r:?}");
     assert_eq!(c.reserve(FailPolicy::Closed, 0, &item("month", "t", 1)).await.unwrap().decision, Decision::Denied);
@@ -223,17 +228,9 @@ async fn costs_up_to_a_billion_settle_across_a_daemon_restart() {
 /// the last shortfalls (never a reserve's estimate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_percent() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
-    // xorshift64: the same sequence every run.
-    let mut state = 25u64;
-    let mut next = move |lo: u64, hi: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        lo + state % (hi - lo + 1)
-    };
+    let (redis, _d, mut c) = started().await;
+    // The same sequence every run.
+    let mut rng = Rng::new(25);
     for policy in ["fixed_min", "counter"] {
         for tenant in 0..4 {
             let key = format!("tenant-{tenant}");
@@ -241,9 +238,9 @@ async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_perce
             let mut count = 0u64;
             let (mut admitted, mut refused) = (0, 0);
             for _ in 0..60 {
-                let estimate = next(10, 80) as u32;
+                let estimate = rng.in_range(10, 80) as u32;
                 // -90 % to +300 %, in tenths.
-                let actual = (u64::from(estimate) * next(1, 40)).div_ceil(10) as u32;
+                let actual = (u64::from(estimate) * rng.in_range(1, 40)).div_ceil(10) as u32;
                 let r = c.reserve(FailPolicy::Closed, 0, &item(policy, &key, estimate)).await.unwrap();
                 let fits = count + u64::from(estimate) <= limit;
                 assert_eq!(r.decision == Decision::Allowed, fits, "{policy} {key}: count {count}, estimate {estimate}: {r:?}");
@@ -275,9 +272,7 @@ async fn the_budget_holds_across_estimate_errors_from_minus_90_to_plus_300_perce
 /// the actual (debt on each), once, after a daemon restart too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_reserve_of_a_minute_and_a_month_is_all_or_nothing_and_one_settle_charges_both() {
-    let redis = RedisServer::start_unix();
-    let mut d = start(&redis);
-    let mut c = d.client().await;
+    let (redis, mut d, mut c) = started().await;
     let both = |key: &'static str, cost: u32| [item("gcra_min", key, cost), item("month", key, cost)];
     let r = c.reserve_items(FailPolicy::Closed, 0, &both("t", 600)).await.unwrap();
     assert_eq!((r.decision, r.count, r.remaining), (Decision::Allowed, 600, 400), "the tighter policy's numbers: {r:?}");
@@ -326,24 +321,16 @@ async fn one_reserve_of_a_minute_and_a_month_is_all_or_nothing_and_one_settle_ch
 /// past either limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_of_two_policies_per_reserve_holds_across_estimate_errors() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis);
-    let mut c = d.client().await;
-    let mut state = 2525u64;
-    let mut next = move |lo: u64, hi: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        lo + state % (hi - lo + 1)
-    };
+    let (redis, _d, mut c) = started().await;
+    let mut rng = Rng::new(2525);
     let mut minute = std::collections::HashMap::<String, u64>::new();
     let mut budget = std::collections::HashMap::<String, u64>::new();
     let (mut admitted, mut by_minute, mut by_budget) = (0, 0, 0);
     for _ in 0..240 {
-        let tenant = next(0, 3);
+        let tenant = rng.in_range(0, 3);
         let (key, org) = (format!("tenant-{tenant}"), format!("org-{}", tenant / 2));
-        let estimate = next(10, 80) as u32;
-        let actual = (u64::from(estimate) * next(1, 40)).div_ceil(10) as u32;
+        let estimate = rng.in_range(10, 80) as u32;
+        let actual = (u64::from(estimate) * rng.in_range(1, 40)).div_ceil(10) as u32;
         let (m, b) = (*minute.get(&key).unwrap_or(&0), *budget.get(&org).unwrap_or(&0));
         let r = c.reserve_items(FailPolicy::Closed, 0, &[item("fixed_min", &key, estimate), item("budget", &org, estimate)]).await.unwrap();
         let (fits_m, fits_b) = (m + u64::from(estimate) <= 1000, b + u64::from(estimate) <= 1500);
@@ -466,8 +453,7 @@ async fn a_gcra_settle_gives_back_no_token_time_refilled_in_memory() {
 /// end (issue 33 item 6): the `Retry-After` a client is told to wait.
 async fn a_refusal_in_debt_is_told_when_the_debt_ends(d: &Daemon) {
     let mut c = d.client().await;
-    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
-    tokio::time::sleep(Duration::from_millis(1000 - ms % 1000 + 20)).await;
+    early_in_a_second().await;
     let r = c.reserve(FailPolicy::Closed, 0, &item("fixed_1s", "d", 10)).await.unwrap();
     let s = c.settle(&handle(&r).unwrap(), &item("fixed_1s", "d", 250)).await.unwrap();
     assert_eq!((s.count, s.remaining), (250, 0), "{s:?}");

@@ -13,7 +13,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, RedisServer};
+use common::{Daemon, Deadline, RedisServer};
 use ratelimitd::protocol::{Decision, ErrorCode, FailPolicy, ItemArgs, PolicyCheckArgs, Response, HANDLE_LEN};
 
 const POLICY: &str = "[[policy]]\nname = \"tokens\"\nalgorithm = \"fixed\"\nlimit = 100000\nwindow = \"1d\"\n";
@@ -56,29 +56,36 @@ async fn pause_until_the_breaker_opens(redis: &RedisServer, c: &mut ratelimitd::
     }
 }
 
-/// it took, or a panic with what Redis holds after `limit`.
+/// Redis, a daemon on it (breaker_failures = 1), a client, and the
+/// handles of `n` reserves of 1000 for `key` the client made, each admitted.
+async fn with_reserves(key: &str, n: usize) -> (RedisServer, Daemon, ratelimitd::client::Client, Vec<[u8; HANDLE_LEN]>) {
+    let redis = RedisServer::start_unix();
+    let d = start(&redis, 1);
+    let mut c = d.client().await;
+    let mut handles = Vec::new();
+    for _ in 0..n {
+        let r = c.reserve(FailPolicy::Closed, 0, &item(key, 1000)).await.unwrap();
+        handles.push(handle(&r).expect("a reserve admitted"));
+    }
+    (redis, d, c, handles)
+}
+
+/// Waits until Redis holds the count `want` for `key` and no reserve's
+/// record: how long it took, or a panic with what Redis holds after `limit`.
 async fn settled_within(redis: &RedisServer, key: &str, want: u64, limit: Duration) -> Duration {
-    let start = Instant::now();
+    let deadline = Deadline::start(format!("{key} settled"), limit);
     loop {
         let got = count_and_records(redis, key);
         if got == (want, 0) {
-            return start.elapsed();
+            return deadline.elapsed();
         }
-        assert!(start.elapsed() < limit, "after {limit:?} Redis holds (count, records) {got:?}, want ({want}, 0)");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        deadline.retry_in(Duration::from_millis(50), || format!("Redis holds (count, records) {got:?}, want ({want}, 0)")).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settles_refused_while_the_breaker_is_open_are_applied_once_redis_answers() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis, 1);
-    let mut c = d.client().await;
-    let mut handles = Vec::new();
-    for _ in 0..5 {
-        let r = c.reserve(FailPolicy::Closed, 0, &item("t", 1000)).await.unwrap();
-        handles.push(handle(&r).expect("a reserve admitted"));
-    }
+    let (redis, _d, mut c, handles) = with_reserves("t", 5).await;
     assert_eq!(count_and_records(&redis, "t"), (5000, 5));
     pause_until_the_breaker_opens(&redis, &mut c).await;
     for h in &handles {
@@ -205,13 +212,7 @@ async fn a_settle_applied_but_unanswered_is_not_applied_again_by_its_retries() {
 /// retried on the new link once Redis answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settles_queued_before_a_reload_are_retried_on_the_new_link() {
-    let redis = RedisServer::start_unix();
-    let d = start(&redis, 1);
-    let mut c = d.client().await;
-    let mut handles = Vec::new();
-    for _ in 0..3 {
-        handles.push(handle(&c.reserve(FailPolicy::Closed, 0, &item("r", 1000)).await.unwrap()).expect("admitted"));
-    }
+    let (redis, d, mut c, handles) = with_reserves("r", 3).await;
     pause_until_the_breaker_opens(&redis, &mut c).await;
     for h in &handles {
         assert_eq!(c.settle(h, &item("r", 100)).await.unwrap().error, ErrorCode::CircuitOpen);

@@ -16,40 +16,15 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimitd");
 
-const POLICIES: &str = r#"
-[[policy]]
-name = "order"
-limit = 5
-window = "60s"
+fn policies() -> String {
+    common::rate_policies(&[("order", 5, "60s"), ("search", 1000, "60s")])
+}
 
-[[policy]]
-name = "search"
-limit = 1000
-window = "60s"
-"#;
+fn locations() -> String {
+    common::ops::tenant_locations(&[("/order", r#"("order")"#), ("/search", r#"("search")"#), ("/typo", r#"{ policy = "ordr", on_error = "open" }"#)]) + INLINE
+}
 
-const LOCATIONS: &str = r#"
-    location /order {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new("order"))
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /search {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new("search"))
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
-    location /typo {
-        access_by_lua_block {
-            local lim = assert(require("resty.ratelimitd").new{ policy = "ordr", on_error = "open" })
-            lim:limit(ngx.var.http_x_tenant_id)
-        }
-        content_by_lua_block { ngx.say("ok") }
-    }
+const INLINE: &str = r#"
     location /inline {
         access_by_lua_block {
             -- Without the Lua-side denial cache, every refusal reaches the daemon.
@@ -61,11 +36,11 @@ const LOCATIONS: &str = r#"
 "#;
 
 fn daemon(redis: &RedisServer) -> Daemon {
-    common::ops::daemon_with_metrics(redis, POLICIES)
+    common::ops::daemon_with_metrics(redis, &policies())
 }
 
 fn gateway(socket: &std::path::Path) -> Nginx {
-    common::ops::gateway(socket, "", LOCATIONS)
+    common::ops::gateway(socket, "", &locations())
 }
 
 /// `n` requests for `tenant`; the number answered 200 and 429.
@@ -251,7 +226,7 @@ fn grafana_dashboard_parses_and_names_only_exported_metrics() {
 /// during the traffic. Run with
 /// `cargo test --test top example_output -- --ignored --nocapture`.
 #[test]
-#[ignore]
+#[ignore = "the example output of docs/OPERATIONS.md: scripts/measure top-example runs it"]
 fn example_output_for_the_docs() {
     let redis = RedisServer::start_unix();
     let d = daemon(&redis);

@@ -51,24 +51,32 @@ fn doc_table(doc: &str, heading: &str) -> Table {
     out
 }
 
+/// Every wire enum: its table's name in wire.lua, its section in
+/// docs/PROTOCOL.md, and the daemon's table.
+fn vocabularies() -> [(&'static str, &'static str, Table); 5] {
+    [
+        ("POLICY", "Fail policy", daemon_table(FailPolicy::ALL, |v| v.to_wire().into(), FailPolicy::as_str)),
+        ("DECISION", "Decision", daemon_table(Decision::ALL, |v| v.to_wire().into(), Decision::as_str)),
+        ("SOURCE", "Source", daemon_table(Source::ALL, |v| v.to_wire().into(), Source::as_str)),
+        ("ALGORITHM", "Algorithm", daemon_table(Algorithm::ALL, |v| v.to_wire().into(), Algorithm::as_str)),
+        ("ERROR_NAME", "Error codes", daemon_table(ErrorCode::ALL, ErrorCode::to_wire, ErrorCode::as_str)),
+    ]
+}
+
 #[test]
 fn the_lua_client_speaks_the_daemons_vocabulary() {
     let lua = read("lua/resty/ratelimitd/wire.lua");
-    assert_eq!(lua_table(&lua, "POLICY"), daemon_table(FailPolicy::ALL, |v| v.to_wire().into(), FailPolicy::as_str), "POLICY");
-    assert_eq!(lua_table(&lua, "DECISION"), daemon_table(Decision::ALL, |v| v.to_wire().into(), Decision::as_str), "DECISION");
-    assert_eq!(lua_table(&lua, "SOURCE"), daemon_table(Source::ALL, |v| v.to_wire().into(), Source::as_str), "SOURCE");
-    assert_eq!(lua_table(&lua, "ALGORITHM"), daemon_table(Algorithm::ALL, |v| v.to_wire().into(), Algorithm::as_str), "ALGORITHM");
-    assert_eq!(lua_table(&lua, "ERROR_NAME"), daemon_table(ErrorCode::ALL, ErrorCode::to_wire, ErrorCode::as_str), "ERROR_NAME");
+    for (table, _, daemon) in vocabularies() {
+        assert_eq!(lua_table(&lua, table), daemon, "{table}");
+    }
 }
 
 #[test]
 fn the_protocol_document_lists_the_daemons_vocabulary() {
     let doc = read("docs/PROTOCOL.md");
-    assert_eq!(doc_table(&doc, "Fail policy"), daemon_table(FailPolicy::ALL, |v| v.to_wire().into(), FailPolicy::as_str), "fail policy");
-    assert_eq!(doc_table(&doc, "Decision"), daemon_table(Decision::ALL, |v| v.to_wire().into(), Decision::as_str), "decision");
-    assert_eq!(doc_table(&doc, "Source"), daemon_table(Source::ALL, |v| v.to_wire().into(), Source::as_str), "source");
-    assert_eq!(doc_table(&doc, "Algorithm"), daemon_table(Algorithm::ALL, |v| v.to_wire().into(), Algorithm::as_str), "algorithm");
-    assert_eq!(doc_table(&doc, "Error codes"), daemon_table(ErrorCode::ALL, ErrorCode::to_wire, ErrorCode::as_str), "error codes");
+    for (_, section, daemon) in vocabularies() {
+        assert_eq!(doc_table(&doc, section), daemon, "{section}");
+    }
 }
 
 #[test]

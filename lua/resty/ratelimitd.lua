@@ -35,7 +35,8 @@
 --   log          rate-limited failure lines
 --   headers      the quota headers per style, the problem body
 --   http         enforce(): the one HTTP decision of every limiter kind
---   kind         what every limiter kind shares: class, arguments, constructor
+--   kind         what every limiter kind shares: class, arguments, constructor,
+--                the decision from a worker share first
 --   limiter      inline limits (new{ limit, window_ms })
 --   form         the table forms limit{} and check{}
 --   policy       one named policy
@@ -44,10 +45,12 @@
 --   settle       settle() of a reserve: the actual cost after the response
 --   concurrency  concurrency limits: enter() and leave()
 --   request      what a request keeps across internal redirects: its
---                decisions (one count per request), its decision table
---   describe     what the daemon says of the policy names used (DESCRIBE_POLICY)
+--                decisions (one count per request), its decision table,
+--                its concurrency leases
+--   describe     what the daemon says of a policy (DESCRIBE_POLICY), a
+--                policy limiter's frame header
+--   verify       the worker-start verifier of the policy names used
 --   limiters     build{}: each limiter on its own, names verified at worker start
---   leases       the concurrency leases each request holds, across redirects
 --   share        worker shares of the daemon's quota leases (share_dict)
 --   client_key   the client's address as a key (IPv4 /32, IPv6 /64)
 
@@ -126,7 +129,7 @@ _M.decision = require("resty.ratelimitd.request").decision
 -- in a timer, about every policy name this worker's limiters use; unknown
 -- names are logged (one error line each), policy limiters take their
 -- policy's window and local quota. Returns true, or nil and why not.
-_M.verify_policies = require("resty.ratelimitd.describe").schedule
+_M.verify_policies = require("resty.ratelimitd.verify").schedule
 
 --- For log_by_lua*: releases the request's concurrency leases.
 _M.leave = concurrency.leave

@@ -107,13 +107,22 @@ describe("worker shares", function()
         stub.shared = saved
     end)
 
-    it("asks the daemon only once the key is hot on the host, with the op 10 frame", function()
+    -- A dict whose key(s) the daemon admitted 7 times, one short of hot,
+    -- and the daemon's answer to a share request: 16 units.
+    local function seven_admissions(...)
         local d = dict()
         now_us = 1e9
         answer = granted(16, 500, 200, 60000)
-        for _ = 1, 7 do
-            share.refill(lim, d, "k", admitted)
+        for _, key in ipairs({ ... }) do
+            for _ = 1, 7 do
+                share.refill(lim, d, key, admitted)
+            end
         end
+        return d
+    end
+
+    it("asks the daemon only once the key is hot on the host, with the op 10 frame", function()
+        local d = seven_admissions("k")
         assert.equals(0, #sent, "7 daemon admissions: not hot yet")
         share.refill(lim, d, "k", admitted)
         assert.equals(1, #sent)
@@ -122,12 +131,7 @@ describe("worker shares", function()
     end)
 
     it("counts a key's admissions over the last one to two seconds only", function()
-        local d = dict()
-        now_us = 1e9
-        answer = granted(16, 500, 200, 60000)
-        for _ = 1, 7 do
-            share.refill(lim, d, "slow", admitted)
-        end
+        local d = seven_admissions("slow")
         now_s = now_s + 1.5
         share.refill(lim, d, "slow", admitted)
         assert.equals(1, #sent, "8 admissions within 1.5 s (the generation before is carried on): hot")

@@ -97,7 +97,7 @@ describe("wire: frames", function()
 
     it("encodes ACQUIRE and RELEASE with CHECK's fields, then the lease (section 4d)", function()
         local before, after = wire.check_parts("log", "closed", 10, 30000, nil)
-        local frame = wire.lease(wire.OP_ACQUIRE, 3, before, after, 1, "t1", "0123abcd")
+        local frame = wire.concurrency_lease(wire.OP_ACQUIRE, 3, before, after, 1, "t1", "0123abcd")
         assert.equals(4 + 29 + 2 + 8, #frame)
         assert.equals("00000027" .. "0105" .. "00000003" .. "00000101" .. "0000000a" .. "00007530" .. "00000001" .. "00000000"
                       .. "0002" .. "08" .. tohex("t1") .. tohex("0123abcd"), tohex(frame))

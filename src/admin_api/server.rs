@@ -473,7 +473,7 @@ fn limit_now(state: &State, p: &PolicyConfig, key: &str) -> (PolicyLimit, &'stat
     }
     match p.overrides.get(key) {
         Some(&l) => (l, "file_override"),
-        None => (PolicyLimit::Limit(p.limit), "policy"),
+        None => (PolicyLimit::Limit(p.rule.limit), "policy"),
     }
 }
 
@@ -531,7 +531,7 @@ async fn peek(state: &State, view: &View, q: &HashMap<String, String>) -> Result
         "windows": windows,
     });
     // A penalty box's key: its ban too (read-only: GET, PTTL).
-    if p.penalty.is_some() {
+    if p.rule.penalty.is_some() {
         let mut conn = admin::connect(redis, &view.secrets).await.map_err(Answer::redis)?;
         let ban = bans::get(&mut conn, &redis.key_prefix, &scoped_key(name, key.as_bytes())).await.map_err(Answer::redis)?;
         answer["banned_for_ms"] = json!(ban.map(|b| b.left_ms));
@@ -656,8 +656,8 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
         other => return Err(Answer::err(StatusCode::BAD_REQUEST, format!("limit {other} is not a number or \"unlimited\""))),
     };
     if let Some(l) = limit {
-        if p.shards > 1 && l < p.shards {
-            return Err(Answer::err(StatusCode::BAD_REQUEST, format!("limit {l} is below the {} shards of policy '{}': every shard needs at least 1", p.shards, p.name)));
+        if p.rule.shards > 1 && l < p.rule.shards {
+            return Err(Answer::err(StatusCode::BAD_REQUEST, format!("limit {l} is below the {} shards of policy '{}': every shard needs at least 1", p.rule.shards, p.name)));
         }
     }
     if b.note.as_ref().is_some_and(|n| n.len() > 1024) {
@@ -696,7 +696,7 @@ async fn set(state: &State, view: &View, body: &[u8], who: &str) -> Result<Answe
     }
     let file_limit = match p.overrides.get(&b.key) {
         Some(&l) => l,
-        None => PolicyLimit::Limit(p.limit),
+        None => PolicyLimit::Limit(p.rule.limit),
     };
     let after = Stored { policy: p.name.clone(), key: b.key.clone(), limit, expires_at_ms, set_by: who.to_string(), set_at_ms: now, note: b.note };
     let written = store::put(&mut conn, &redis.key_prefix, &scoped, &after).await;
@@ -732,7 +732,7 @@ async fn delete(state: &State, view: &View, q: &HashMap<String, String>, who: &s
         return Err(Answer::err(StatusCode::NOT_FOUND, format!("no override of policy {name:?} key {key:?}")));
     }
     state.live.write(&scoped, None);
-    let after_limit = cfg.policies.iter().find(|p| p.name == *name).map(|p| p.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(p.limit)));
+    let after_limit = cfg.policies.iter().find(|p| p.name == *name).map(|p| p.overrides.get(key).copied().unwrap_or(PolicyLimit::Limit(p.rule.limit)));
     tracing::info!(who, op = "override_delete", policy = %name, key = %escape_bytes(key.as_bytes()), before = ?before.as_ref().map(Stored::policy_limit), after = ?after_limit, "admin write");
     Ok(Answer::ok(json!({ "deleted": before.as_ref().map(|s| stored_json(s, now)), "limit_now": after_limit.map(limit_json) })))
 }
@@ -740,7 +740,7 @@ async fn delete(state: &State, view: &View, q: &HashMap<String, String>, who: &s
 /// A policy with a penalty box, or why not.
 fn penalized<'a>(cfg: &'a Config, name: &str) -> Result<(&'a PolicyConfig, crate::config::Penalty), Answer> {
     let p = policy(cfg, name)?;
-    let penalty = p.penalty.ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, format!("policy {name:?} has no penalty box (penalty = {{ after, within, ban }})")))?;
+    let penalty = p.rule.penalty.ok_or_else(|| Answer::err(StatusCode::BAD_REQUEST, format!("policy {name:?} has no penalty box (penalty = {{ after, within, ban }})")))?;
     Ok((p, penalty))
 }
 

@@ -346,7 +346,7 @@ pub(super) fn check_routes(envoy: &EnvoyConfig, policies: &[PolicyConfig], p: &m
         per_domain.entry(domain).or_default().insert(policy);
         match by_name.get(policy) {
             None => p.add("envoy.route", format!("domain '{domain}': policy '{policy}' is not a [[policy]] of this file")),
-            Some(c) if c.lease_ms.is_some() => p.add("envoy.route", format!("domain '{domain}': policy '{policy}' is a concurrency policy; Envoy's rate limit service asks for rate limits only")),
+            Some(c) if c.rule.lease_ms.is_some() => p.add("envoy.route", format!("domain '{domain}': policy '{policy}' is a concurrency policy; Envoy's rate limit service asks for rate limits only")),
             Some(_) => {}
         }
     }
@@ -355,7 +355,7 @@ pub(super) fn check_routes(envoy: &EnvoyConfig, policies: &[PolicyConfig], p: &m
     }
     for (domain, ps) in per_domain.into_iter().filter(|(_, ps)| ps.len() > 1) {
         for name in ps {
-            if let Some(why) = by_name.get(name).and_then(|c| multi_refusal(c.algorithm, c.penalty.is_some())) {
+            if let Some(why) = by_name.get(name).and_then(|c| multi_refusal(c.rule.algorithm, c.rule.penalty.is_some())) {
                 p.add("envoy.descriptors", format!("domain '{domain}': policy '{name}' cannot be decided with the domain's other limits all or nothing ({why}): set its algorithm to log, or [envoy] descriptors = \"each\""));
             }
         }

@@ -26,7 +26,7 @@ mod show;
 mod validate;
 
 pub use model::{
-    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, DescriptorMode, EnvoyConfig, EnvoyHeaderStyle, EnvoyWritten, FieldError, HostPort, ParseError, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, RedisConfig, RedisTarget, SecretSource,
+    redacted_url, AdminConfig, AdminListen, AdminTls, ClockSource, ClusterConfig, Config, ConfigError, DenialCacheConfig, DescriptorMode, EnvoyConfig, EnvoyHeaderStyle, EnvoyWritten, FieldError, HostPort, ParseError, LimitsConfig, LogConfig, LogFormat, MetricsConfig, Overrides, Penalty, PolicyConfig, PolicyLimit, PolicyRule, RedisConfig, RedisTarget, SecretSource,
     SentinelConfig, ServerConfig, TlsFiles, ADMIN_MAX_CONNECTIONS_DEFAULT, ADMIN_MAX_CONNECTIONS_MAX, DEFAULT_REDIS_URL, MAX_PENALTY_AFTER, MAX_SHARDS,
 };
 pub use descriptors::{EnvoyRoutes, EnvoyUnit, Found, Target, MAX_ENVOY_DEPTH};

@@ -19,10 +19,10 @@ pub enum ConfigError {
     Read { path: PathBuf, err: std::io::Error },
     /// The file does not fit its schema: every error found, in file order
     /// (a syntax error alone: what follows it cannot be read).
-    #[error("{}", ParseErrors { path, errors })]
+    #[error("{}", FileErrors { path, errors })]
     Parse { path: PathBuf, errors: Vec<ParseError> },
     /// Every field that parsed but cannot work, in file order.
-    #[error("{}", FieldErrors { path, errors })]
+    #[error("{}", FileErrors { path, errors })]
     Invalid { path: PathBuf, errors: Vec<FieldError> },
 }
 
@@ -33,20 +33,9 @@ pub struct FieldError {
     pub message: String,
 }
 
-struct FieldErrors<'a> {
-    path: &'a Path,
-    errors: &'a [FieldError],
-}
-
-impl fmt::Display for FieldErrors<'_> {
+impl fmt::Display for FieldError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, e) in self.errors.iter().enumerate() {
-            if i > 0 {
-                f.write_str("\n")?;
-            }
-            write!(f, "{}: {}: {}", self.path.display(), e.field, e.message)?;
-        }
-        Ok(())
+        write!(f, "{}: {}", self.field, self.message)
     }
 }
 
@@ -58,18 +47,25 @@ pub struct ParseError {
     pub message: String,
 }
 
-struct ParseErrors<'a> {
-    path: &'a Path,
-    errors: &'a [ParseError],
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.message)
+    }
 }
 
-impl fmt::Display for ParseErrors<'_> {
+/// A file's errors, a line each, each led by the file's path.
+struct FileErrors<'a, E> {
+    path: &'a Path,
+    errors: &'a [E],
+}
+
+impl<E: fmt::Display> fmt::Display for FileErrors<'_, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (i, e) in self.errors.iter().enumerate() {
             if i > 0 {
                 f.write_str("\n")?;
             }
-            write!(f, "{}: line {}: {}", self.path.display(), e.line, e.message)?;
+            write!(f, "{}: {e}", self.path.display())?;
         }
         Ok(())
     }
@@ -124,17 +120,30 @@ pub struct Config {
     pub written_durations: BTreeMap<String, String>,
 }
 
-/// One `[[policy]]` (docs/POLICIES.md).
+/// One `[[policy]]` (docs/POLICIES.md): its name, the rule it decides
+/// with, its keys' overrides.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyConfig {
     /// `[A-Za-z0-9_.-]`, 1..=31 bytes, unique in the file.
     pub name: String,
+    pub rule: PolicyRule,
+    /// Exact keys with another limit, or none; the allowlist's keys are
+    /// here as `Unlimited`.
+    pub overrides: BTreeMap<String, PolicyLimit>,
+}
+
+/// What a policy decides with: typed once, from its table
+/// (config/validate.rs, every bad field reported), and carried as it is
+/// to the decision: `policies::Policy` holds this record, the request path
+/// reads it there. No layer below declares these fields again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyRule {
     pub limit: u32,
-    /// Whole milliseconds, 1..=`limits.max_window_ms` (31 days for `window = "month"`).
-    pub window: Duration,
-    /// A `fixed` policy's calendar window (`window = "month"` or a
-    /// `utc_offset`): its `window_ms`, `crate::window::CALENDAR` or above.
-    pub calendar_window_ms: Option<u32>,
+    /// The window in whole milliseconds, 1..=`limits.max_window_ms`; a
+    /// `fixed` policy's calendar window (`window = "month"` or a
+    /// `utc_offset`) as its code, `crate::window::CALENDAR` or above; a
+    /// concurrency policy's lease.
+    pub window_ms: u32,
     /// Replaces the location's fail policy for this policy's checks.
     pub fail_policy: Option<FailPolicy>,
     /// The local quota of `fail_policy = "local"` (required with it).
@@ -157,9 +166,21 @@ pub struct PolicyConfig {
     /// within `within_ms` is banned for `ban_ms`. Log, unsharded, rate
     /// policies only.
     pub penalty: Option<Penalty>,
-    /// Exact keys with another limit, or none; the allowlist's keys are
-    /// here as `Unlimited`.
-    pub overrides: BTreeMap<String, PolicyLimit>,
+}
+
+impl PolicyRule {
+    /// A rate policy of the log, unsharded, with no fail policy of its own,
+    /// no shadow and no penalty: the tests' starting point.
+    #[cfg(test)]
+    pub(crate) fn rate(limit: u32, window_ms: u32) -> Self {
+        Self { limit, window_ms, fail_policy: None, local_limit: None, shadow: false, algorithm: Algorithm::Log, lease_ms: None, shards: 1, penalty: None }
+    }
+
+    /// The calendar window's code (`window = "month"` or a `utc_offset`),
+    /// if the window is one.
+    pub fn calendar_window_ms(&self) -> Option<u32> {
+        (self.lease_ms.is_none() && self.window_ms >= crate::window::CALENDAR).then_some(self.window_ms)
+    }
 }
 
 /// A policy's penalty box: `after` refusals of one key within `within_ms`

@@ -44,12 +44,9 @@ pub fn nginx_settle_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxR
 pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
     let b = text.as_bytes();
     let mut out: Vec<(String, usize)> = Vec::new();
-    let mut i = 0;
-    while let Some(at) = text[i..].find("settle").map(|k| k + i) {
-        i = at + 6;
-        let word = (at == 0 || !is_ident(b[at - 1])) && !b.get(i).copied().is_some_and(is_ident);
-        let j = skip_space(b, i);
-        if commented(text, at) || !word || b.get(j) != Some(&b'=') || !text[skip_space(b, j + 1)..].starts_with("true") {
+    for at in words(text, "settle") {
+        let j = skip_space(b, at + "settle".len());
+        if b.get(j) != Some(&b'=') || !text[skip_space(b, j + 1)..].starts_with("true") {
             continue;
         }
         // The table around it: the last unmatched `{` before, its `}` after.
@@ -96,19 +93,8 @@ pub fn nginx_multi_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxRe
 pub fn multi_names_in(text: &str) -> Vec<(String, usize)> {
     let b = text.as_bytes();
     let mut out: Vec<(String, usize)> = Vec::new();
-    let mut i = 0;
-    while let Some(at) = text[i..].find("new").map(|k| k + i) {
-        i = at + 3;
-        if commented(text, at) || (at > 0 && is_ident(b[at - 1])) || b.get(i).copied().is_some_and(is_ident) {
-            continue;
-        }
-        let mut open = skip_space(b, i);
-        if b.get(open) == Some(&b'(') {
-            open = skip_space(b, open + 1);
-        }
-        if b.get(open) != Some(&b'{') {
-            continue;
-        }
+    for at in words(text, "new") {
+        let Some(open) = table_after(b, at + "new".len()) else { continue };
         let table = &text[open..table_end(b, open)];
         let names = names_in(table);
         let several = names.len() >= 2 && !is_true(table, "settle");
@@ -171,20 +157,9 @@ pub fn limiter_tables_in(text: &str) -> Vec<(String, usize)> {
     let b = text.as_bytes();
     let mut out = Vec::new();
     for constructor in ["new", "concurrency"] {
-        let mut i = 0;
-        while let Some(at) = text[i..].find(constructor).map(|k| k + i) {
-            i = at + constructor.len();
-            // A method or field of a module (`ratelimitd.new`, `rl.new`).
-            if at == 0 || !matches!(b[at - 1], b'.' | b':') || b.get(i).copied().is_some_and(is_ident) || commented(text, at) {
-                continue;
-            }
-            let mut j = skip_space(b, i);
-            if b.get(j) == Some(&b'(') {
-                j = skip_space(b, j + 1);
-            }
-            if b.get(j) != Some(&b'{') {
-                continue;
-            }
+        // A method or field of a module (`ratelimitd.new`, `rl.new`).
+        for at in words(text, constructor).filter(|&at| at > 0 && matches!(b[at - 1], b'.' | b':')) {
+            let Some(j) = table_after(b, at + constructor.len()) else { continue };
             let end = table_end(b, j);
             out.push((format!("{constructor}\t{}", &text[j..end]), line_of(b, j)));
         }
@@ -292,6 +267,32 @@ fn read_all(conf: &Path, names: fn(&str) -> Vec<(String, usize)>) -> Result<Vec<
 fn commented(text: &str, at: usize) -> bool {
     let line_start = text.as_bytes()[..at].iter().rposition(|&c| c == b'\n').map_or(0, |p| p + 1);
     text[line_start..at].contains("--") || text[line_start..at].contains('#')
+}
+
+/// Where `word` stands in `text` as a word of its own (no identifier
+/// character either side), outside comments.
+fn words<'t>(text: &'t str, word: &'t str) -> impl Iterator<Item = usize> + 't {
+    let b = text.as_bytes();
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        while let Some(at) = text[i..].find(word).map(|k| k + i) {
+            i = at + word.len();
+            if !commented(text, at) && !(at > 0 && is_ident(b[at - 1])) && !b.get(i).copied().is_some_and(is_ident) {
+                return Some(at);
+            }
+        }
+        None
+    })
+}
+
+/// The `{` of a table that a constructor's name ending at `i` is called
+/// with (`{ ... }` or `({ ... })`), if it is.
+fn table_after(b: &[u8], i: usize) -> Option<usize> {
+    let mut open = skip_space(b, i);
+    if b.get(open) == Some(&b'(') {
+        open = skip_space(b, open + 1);
+    }
+    (b.get(open) == Some(&b'{')).then_some(open)
 }
 
 /// The end (exclusive) of the brace-balanced table that opens at `open`;

@@ -10,7 +10,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use super::model::{AdminListen, Config, DescriptorMode, EnvoyHeaderStyle, PolicyLimit, RedisTarget, SecretSource};
+use super::model::{AdminListen, Config, DescriptorMode, EnvoyHeaderStyle, PolicyConfig, PolicyLimit, RedisTarget, SecretSource};
 use super::validate::{duration_text_of, parse_duration};
 use crate::window::CALENDAR;
 
@@ -73,35 +73,67 @@ impl Config {
     }
 }
 
+/// The text being written: `[table]`s in the file's order.
+struct Dump<'a> {
+    c: &'a Config,
+    out: String,
+}
+
 fn to_toml(c: &Config) -> String {
-    let mut out = String::new();
-    let mut section = |name: &str, t: &Table| {
-        let _ = write!(out, "{}[{name}]\n{}", if out.is_empty() { "" } else { "\n" }, t.0);
-    };
+    let mut d = Dump { c, out: String::new() };
+    d.server();
+    d.redis();
+    d.limits_and_log();
+    d.denial_cache_and_admin();
+    d.envoy();
+    d.policies();
+    d.out
+}
 
-    let s = &c.server;
-    let mut t = Table::default();
-    t.path("listen", Some(&s.listen)).put("socket_mode", mode(s.socket_mode)).some("socket_group", s.socket_group.as_deref());
-    t.put("max_connections", int(s.max_connections)).put("max_in_flight_per_connection", int(s.max_in_flight_per_connection));
-    let w = |path: &str| c.written_durations.get(path);
-    t.duration("shutdown_grace", s.shutdown_grace, w("server.shutdown_grace")).duration("idle_timeout", s.idle_timeout, w("server.idle_timeout"));
-    t.duration("frame_timeout", s.frame_timeout, w("server.frame_timeout")).duration("write_timeout", s.write_timeout, w("server.write_timeout"));
-    t.put("worker_threads", int(s.worker_threads));
-    section("server", &t);
+impl Dump<'_> {
+    /// `[name]` and its lines, a blank line before every table but the first.
+    fn section(&mut self, name: &str, t: &Table) {
+        let _ = write!(self.out, "{}[{name}]\n{}", if self.out.is_empty() { "" } else { "\n" }, t.0);
+    }
 
-    let mut sentinel = None;
-    if let Some(r) = &c.redis {
+    /// `[[name]]` and its lines.
+    fn array_entry(&mut self, name: &str, t: &Table) {
+        let _ = write!(self.out, "\n[[{name}]]\n{}", t.0);
+    }
+
+    /// The file's text of the duration at `path` (`server.idle_timeout`).
+    fn written(&self, path: &str) -> Option<&String> {
+        self.c.written_durations.get(path)
+    }
+
+    fn server(&mut self) {
+        let s = &self.c.server;
+        let w = |path: &str| self.written(path);
         let mut t = Table::default();
+        t.path("listen", Some(&s.listen)).put("socket_mode", mode(s.socket_mode)).some("socket_group", s.socket_group.as_deref());
+        t.put("max_connections", int(s.max_connections)).put("max_in_flight_per_connection", int(s.max_in_flight_per_connection));
+        t.duration("shutdown_grace", s.shutdown_grace, w("server.shutdown_grace")).duration("idle_timeout", s.idle_timeout, w("server.idle_timeout"));
+        t.duration("frame_timeout", s.frame_timeout, w("server.frame_timeout")).duration("write_timeout", s.write_timeout, w("server.write_timeout"));
+        t.put("worker_threads", int(s.worker_threads));
+        self.section("server", &t);
+    }
+
+    /// `[redis]`, and `[redis.sentinel]` after it for a Sentinel.
+    fn redis(&mut self) {
+        let Some(r) = &self.c.redis else { return };
+        let w = |path: &str| self.written(path);
+        let mut t = Table::default();
+        let mut sentinel = None;
         match &r.target {
             RedisTarget::Url(url) => {
                 t.put("url", super::model::redacted_url(url));
             }
             RedisTarget::Cluster(cl) => {
-                t.put("cluster", cl.seeds.iter().map(|h| toml::Value::String(h.to_string())).collect::<Vec<_>>()).put("cluster_tls", cl.tls);
+                t.put("cluster", strings(cl.seeds.iter().map(ToString::to_string))).put("cluster_tls", cl.tls);
             }
             RedisTarget::Sentinel(se) => {
                 let mut st = Table::default();
-                st.put("master_name", se.master_name.as_str()).put("addresses", se.addresses.iter().map(|h| toml::Value::String(h.to_string())).collect::<Vec<_>>());
+                st.put("master_name", se.master_name.as_str()).put("addresses", strings(se.addresses.iter().map(ToString::to_string)));
                 st.some("username", se.username.as_deref());
                 secret(&mut st, se.password.as_ref());
                 sentinel = Some(st);
@@ -117,57 +149,65 @@ fn to_toml(c: &Config) -> String {
         t.put("breaker_failures", int(r.breaker_failures)).put("min_in_flight", int(r.min_in_flight)).put("max_in_flight", int(r.max_in_flight));
         t.put("key_prefix", r.key_prefix.as_str()).put("clock", format!("{:?}", r.clock).to_lowercase());
         t.put("quota_leases", r.quota_leases).put("batch_cold_keys", r.batch_cold_keys);
-        section("redis", &t);
+        self.section("redis", &t);
+        if let Some(st) = &sentinel {
+            self.section("redis.sentinel", st);
+        }
     }
-    if let Some(st) = &sentinel {
-        section("redis.sentinel", st);
-    }
 
-    let b = &c.limits.bounds;
-    let mut t = Table::default();
-    t.put("max_key_len", int(b.max_key_len)).put("max_limit", int(b.max_limit)).put("max_window_ms", int(b.max_window_ms)).put("max_cost", int(b.max_cost));
-    t.put("max_local_keys", int(c.limits.max_local_keys));
-    section("limits", &t);
-
-    let mut t = Table::default();
-    t.put("level", c.log.level.as_str()).put("format", format!("{:?}", c.log.format).to_lowercase());
-    section("log", &t);
-
-    if let Some(m) = &c.metrics {
+    /// `[limits]`, `[log]` and `[metrics]`: no duration among them.
+    fn limits_and_log(&mut self) {
+        let c = self.c;
+        let b = &c.limits.bounds;
         let mut t = Table::default();
-        t.put("listen", m.listen.to_string());
-        section("metrics", &t);
-    }
+        t.put("max_key_len", int(b.max_key_len)).put("max_limit", int(b.max_limit)).put("max_window_ms", int(b.max_window_ms)).put("max_cost", int(b.max_cost));
+        t.put("max_local_keys", int(c.limits.max_local_keys));
+        self.section("limits", &t);
 
-    let d = &c.denial_cache;
-    let mut t = Table::default();
-    t.put("enabled", d.enabled).put("slots", int(d.slots)).duration("max_age", d.max_age, w("denial_cache.max_age"));
-    section("denial_cache", &t);
+        let mut t = Table::default();
+        t.put("level", c.log.level.as_str()).put("format", format!("{:?}", c.log.format).to_lowercase());
+        self.section("log", &t);
 
-    let a = &c.admin;
-    let mut t = Table::default();
-    match &a.listen {
-        Some(AdminListen::Unix { path, mode: m }) => {
-            t.path("listen", Some(path)).put("socket_mode", mode(*m));
+        if let Some(m) = &c.metrics {
+            let mut t = Table::default();
+            t.put("listen", m.listen.to_string());
+            self.section("metrics", &t);
         }
-        Some(AdminListen::Tcp(addr)) => {
-            t.put("listen", addr.to_string());
-        }
-        None => {}
     }
-    t.path("token_file", a.token_file.as_deref()).path("read_token_file", a.read_token_file.as_deref());
-    t.duration("overrides_refresh", a.overrides_refresh, w("admin.overrides_refresh"));
-    if let Some(tls) = &a.tls {
-        t.path("tls_cert_file", Some(&tls.cert_file)).path("tls_key_file", Some(&tls.key_file)).path("tls_ca_file", tls.ca_file.as_deref());
-    }
-    t.put("max_connections", int(a.max_connections)).duration("read_timeout", a.read_timeout, w("admin.read_timeout"));
-    section("admin", &t);
 
-    if let Some(e) = &c.envoy {
+    fn denial_cache_and_admin(&mut self) {
+        let w = |path: &str| self.written(path);
+        let d = &self.c.denial_cache;
+        let mut dt = Table::default();
+        dt.put("enabled", d.enabled).put("slots", int(d.slots)).duration("max_age", d.max_age, w("denial_cache.max_age"));
+
+        let a = &self.c.admin;
+        let mut t = Table::default();
+        match &a.listen {
+            Some(AdminListen::Unix { path, mode: m }) => {
+                t.path("listen", Some(path)).put("socket_mode", mode(*m));
+            }
+            Some(AdminListen::Tcp(addr)) => {
+                t.put("listen", addr.to_string());
+            }
+            None => {}
+        }
+        t.path("token_file", a.token_file.as_deref()).path("read_token_file", a.read_token_file.as_deref());
+        t.duration("overrides_refresh", a.overrides_refresh, w("admin.overrides_refresh"));
+        if let Some(tls) = &a.tls {
+            t.path("tls_cert_file", Some(&tls.cert_file)).path("tls_key_file", Some(&tls.key_file)).path("tls_ca_file", tls.ca_file.as_deref());
+        }
+        t.put("max_connections", int(a.max_connections)).duration("read_timeout", a.read_timeout, w("admin.read_timeout"));
+        self.section("denial_cache", &dt);
+        self.section("admin", &t);
+    }
+
+    /// `[envoy]` and its `[[envoy.route]]`s, as the file wrote them.
+    fn envoy(&mut self) {
+        let Some(e) = &self.c.envoy else { return };
         let mut t = Table::default();
         t.some("listen", e.listen.map(|a| a.to_string())).path("socket", e.socket.as_deref()).put("socket_mode", mode(e.socket_mode));
-        let files: Vec<toml::Value> = e.written.config.iter().map(|p| toml::Value::String(p.display().to_string())).collect();
-        t.put("config", toml::Value::Array(files)).some("algorithm", e.written.algorithm.as_deref()).some("on_error", e.written.on_error.as_deref());
+        t.put("config", strings(e.written.config.iter().map(|p| p.display().to_string()))).some("algorithm", e.written.algorithm.as_deref()).some("on_error", e.written.on_error.as_deref());
         t.put("descriptors", match e.descriptors {
             DescriptorMode::AllOrNothing => "all_or_nothing",
             DescriptorMode::Each => "each",
@@ -179,66 +219,81 @@ fn to_toml(c: &Config) -> String {
             EnvoyHeaderStyle::Draft => "draft",
         });
         t.put("max_connections", int(e.max_connections));
-        section("envoy", &t);
+        self.section("envoy", &t);
         for (domain, descriptor, policy) in &e.written.routes {
             let mut r = Table::default();
-            let entries: Vec<toml::Value> = descriptor.iter().map(|d| toml::Value::String(d.clone())).collect();
-            r.put("domain", domain.as_str()).put("descriptor", toml::Value::Array(entries)).put("policy", policy.as_str());
-            let _ = write!(out, "\n[[envoy.route]]\n{}", r.0);
+            r.put("domain", domain.as_str()).put("descriptor", strings(descriptor.iter().cloned())).put("policy", policy.as_str());
+            self.array_entry("envoy.route", &r);
         }
     }
 
-    // The YAML files' limits are shown as the files above, not as tables.
-    for p in c.policies.iter().filter(|p| !c.envoy.as_ref().is_some_and(|e| e.written.yaml_policies.contains(&p.name))) {
-        let mut t = Table::default();
-        t.put("name", p.name.as_str()).put("limit", int(p.limit));
-        match (p.lease_ms, p.calendar_window_ms) {
-            (Some(lease), _) => {
-                t.put("algorithm", "concurrency").duration("lease", Duration::from_millis(u64::from(lease)), w(&format!("policy.{}.lease", p.name)));
+    /// Every `[[policy]]` the file wrote as a table (the YAML files' limits
+    /// are shown as the files `[envoy]` names, not as tables).
+    fn policies(&mut self) {
+        let c = self.c;
+        for p in c.policies.iter().filter(|p| !c.envoy.as_ref().is_some_and(|e| e.written.yaml_policies.contains(&p.name))) {
+            let t = self.policy(p);
+            self.array_entry("policy", &t);
+            if !p.overrides.is_empty() {
+                let mut o = Table::default();
+                for (key, limit) in &p.overrides {
+                    // Client keys: always quoted (and escaped).
+                    let quoted = toml::Value::String(key.clone()).to_string();
+                    match limit {
+                        PolicyLimit::Limit(n) => o.put(&quoted, int(*n)),
+                        PolicyLimit::Unlimited => o.put(&quoted, "unlimited"),
+                    };
+                }
+                let _ = write!(self.out, "\n[policy.overrides]\n{}", o.0);
             }
-            (None, Some(cal)) if cal >= CALENDAR => {
+        }
+    }
+
+    fn policy(&self, p: &PolicyConfig) -> Table {
+        let w = |field: &str| self.written(&format!("policy.{}.{field}", p.name));
+        let r = &p.rule;
+        let mut t = Table::default();
+        t.put("name", p.name.as_str()).put("limit", int(r.limit));
+        let ms = |ms: u32| Duration::from_millis(u64::from(ms));
+        match (r.lease_ms, r.calendar_window_ms()) {
+            (Some(lease), _) => {
+                t.put("algorithm", "concurrency").duration("lease", ms(lease), w("lease"));
+            }
+            (None, Some(cal)) => {
                 let code = cal - CALENDAR;
                 let (minutes, offset) = (code >> 12, (code & 0xFFF) as i32 - 2048);
                 t.put("window", if minutes == 0 { "month".to_string() } else { duration_text_of(u64::from(minutes) * 60_000) });
                 if offset != 0 {
                     t.put("utc_offset", format!("{}{:02}:{:02}", if offset < 0 { '-' } else { '+' }, offset.abs() / 60, offset.abs() % 60));
                 }
-                t.put("algorithm", p.algorithm.as_str());
+                t.put("algorithm", r.algorithm.as_str());
             }
-            (None, _) => {
-                t.duration("window", p.window, w(&format!("policy.{}.window", p.name))).put("algorithm", p.algorithm.as_str());
+            (None, None) => {
+                t.duration("window", ms(r.window_ms), w("window")).put("algorithm", r.algorithm.as_str());
             }
         }
-        t.some("on_error", p.fail_policy.map(|f| f.as_str())).some("local_limit", p.local_limit.map(int));
+        t.some("on_error", r.fail_policy.map(|f| f.as_str())).some("local_limit", r.local_limit.map(int));
         // Written when not the default: a concurrency policy takes neither.
-        if p.shadow {
+        if r.shadow {
             t.put("shadow", true);
         }
-        if p.shards > 1 {
-            t.put("shards", int(p.shards));
+        if r.shards > 1 {
+            t.put("shards", int(r.shards));
         }
-        if let Some(pen) = &p.penalty {
+        if let Some(pen) = &r.penalty {
             let mut inline = Table::default();
-            inline.duration("within", Duration::from_millis(u64::from(pen.within_ms)), w(&format!("policy.{}.penalty.within", p.name)));
-            inline.duration("ban", Duration::from_millis(u64::from(pen.ban_ms)), w(&format!("policy.{}.penalty.ban", p.name)));
+            inline.duration("within", ms(pen.within_ms), w("penalty.within"));
+            inline.duration("ban", ms(pen.ban_ms), w("penalty.ban"));
             let [within, ban] = [0, 1].map(|i| inline.0.lines().nth(i).unwrap_or_default().to_string());
             let _ = writeln!(t.0, "penalty = {{ after = {}, {within}, {ban} }}", pen.after);
         }
-        let _ = write!(out, "\n[[policy]]\n{}", t.0);
-        if !p.overrides.is_empty() {
-            let mut o = Table::default();
-            for (key, limit) in &p.overrides {
-                // Client keys: always quoted (and escaped).
-                let quoted = toml::Value::String(key.clone()).to_string();
-                match limit {
-                    PolicyLimit::Limit(n) => o.put(&quoted, int(*n)),
-                    PolicyLimit::Unlimited => o.put(&quoted, "unlimited"),
-                };
-            }
-            let _ = write!(out, "\n[policy.overrides]\n{}", o.0);
-        }
+        t
     }
-    out
+}
+
+/// A TOML array of strings.
+fn strings(items: impl Iterator<Item = String>) -> toml::Value {
+    toml::Value::Array(items.map(toml::Value::String).collect())
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ impl Limiter {
     /// Decides one item with a limit: its window, or its shards. Never
     /// fails: store errors become the fail policy's response.
     pub(super) async fn check_item(&self, id: u32, op: u8, item: &Item<'_>, limit: u32) -> Response {
-        if let Some(penalty) = item.policy.and_then(|p| p.penalty) {
+        if let Some(penalty) = item.policy.and_then(|p| p.rule.penalty) {
             return self.check_penalized(id, op, item, limit, penalty).await;
         }
         if item.shards > 1 {

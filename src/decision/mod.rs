@@ -39,7 +39,7 @@ mod settle;
 use std::sync::Arc;
 
 use crate::protocol::{
-    unknown_policy_response, DescribeRequest, PolicyDescription, PolicyKind, Decision, ErrorCode, FailPolicy, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK,
+    unknown_policy_response, DescribeRequest, PolicyDescription, PolicyKind, Decision, ErrorCode, FailPolicy, Header, LeaseRequest, MultiCheckRequest, PolicyCheckRequest, PolicyItem, PolicyLeaseRequest, RefundRequest, Request, Response, Source, OP_ACQUIRE, OP_ACQUIRE_POLICY, OP_CHECK,
     OP_CHECK_POLICY, OP_LEASE_SHARE, OP_REFUND,
 };
 use crate::metrics::METRICS;
@@ -69,7 +69,7 @@ impl Limiter {
     /// counted here, once.
     pub async fn decide(self: Arc<Self>, req: Request) -> Response {
         let (response, charge) = match &req {
-            Request::Check(r) => (self.check_item(r.id, OP_CHECK, &Item::inline(r), r.limit).await, Charge::one(None, Some(&r.key[..]))),
+            Request::Check(r) => (self.check_item(r.header.id, OP_CHECK, &Item::inline(r), r.limit).await, Charge::one(None, Some(&r.key[..]))),
             Request::PolicyCheck(r) => self.policy_check(r).await,
             // Boxed: their futures are larger, and the single checks' future
             // (one per request in flight) stays the size it was.
@@ -80,9 +80,9 @@ impl Limiter {
             Request::Reserve(r) => Box::pin(self.reserve(r)).await,
             Request::Settle(r) => Box::pin(self.settle(r)).await,
             Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
-            Request::InlineShare(r) => (Box::pin(self.share_item(r.id, OP_CHECK, &Item::inline(r), r.cost)).await, Charge::Nobody),
+            Request::InlineShare(r) => (Box::pin(self.share_item(r.header.id, OP_CHECK, &Item::inline(r), r.cost)).await, Charge::Nobody),
             Request::GiveBack(r) => (self.give_back(r), Charge::Nobody),
-            Request::InlineGiveBack(r) => (self.give_back_item(r.id, OP_CHECK, &Item::inline(r), r.cost), Charge::Nobody),
+            Request::InlineGiveBack(r) => (self.give_back_item(r.header.id, OP_CHECK, &Item::inline(r), r.cost), Charge::Nobody),
             Request::Describe(r) => (self.describe(r), Charge::Described),
         };
         account(&response, &charge);
@@ -97,13 +97,13 @@ impl Limiter {
         // nginx names this policy: a reload may not drop it unforced.
         p.counters.described(r.uses);
         PolicyDescription {
-            kind: if p.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
-            algorithm: p.algorithm,
-            limit: p.limit,
-            window_ms: p.lease_ms.unwrap_or(p.window_ms),
-            on_error: p.fail_policy,
-            local_limit: p.local_limit.unwrap_or(0),
-            shadow: p.shadow,
+            kind: if p.rule.lease_ms.is_some() { PolicyKind::Concurrency } else { PolicyKind::Rate },
+            algorithm: p.rule.algorithm,
+            limit: p.rule.limit,
+            window_ms: p.rule.lease_ms.unwrap_or(p.rule.window_ms),
+            on_error: p.rule.fail_policy,
+            local_limit: p.rule.local_limit.unwrap_or(0),
+            shadow: p.rule.shadow,
         }
         .to_response(r.id)
     }
@@ -112,24 +112,24 @@ impl Limiter {
     /// of its limit, window and cost would be (same stores, denial cache and
     /// coalescing), under the key scoped to the policy, or its shards.
     async fn policy_check<'a>(&'a self, r: &'a PolicyCheckRequest) -> Decided<'a> {
-        let named = Named { id: r.id, op: OP_CHECK_POLICY, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: r.cost, on_error: r.on_error, local_limit: r.local_limit };
-        let item = match self.resolve(&named, Kind::Check) {
+        let item = match self.resolve(&named(OP_CHECK_POLICY, &r.header, &r.item), Kind::Check) {
             Ok(item) => item,
             Err(rejected) => return rejected.into(),
         };
-        let charge = Charge::one(item.policy, Some(&r.scoped_key[..]));
-        let Some(limit) = item.limit else { return (respond::shadowed(respond::exempt(r.id, OP_CHECK_POLICY), &item), charge) };
-        (respond::shadowed(self.check_item(r.id, OP_CHECK_POLICY, &item, limit).await, &item), charge)
+        let (id, charge) = (r.header.id, Charge::one(item.policy, Some(&r.item.scoped_key[..])));
+        let Some(limit) = item.limit else { return (respond::shadowed(respond::exempt(id, OP_CHECK_POLICY), &item), charge) };
+        (respond::shadowed(self.check_item(id, OP_CHECK_POLICY, &item, limit).await, &item), charge)
     }
 
     /// CHECK_POLICY of several items, or of one refundable: all or nothing.
     async fn multi_check<'a>(&'a self, r: &'a MultiCheckRequest) -> Decided<'a> {
         let op = OP_CHECK_POLICY;
-        let items = match self.resolve_all(r.id, op, &r.items, r.on_error, r.local_limit, Kind::Multi) {
+        let id = r.header.id;
+        let items = match self.resolve_all(op, r.header, &r.items, Kind::Multi) {
             Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
-        let done = match self.check_items(r.id, op, &items, r.refundable).await {
+        let done = match self.check_items(id, op, &items, r.refundable).await {
             Ok(done) => done,
             Err(response) => return (response, Charge::Nobody),
         };
@@ -138,14 +138,14 @@ impl Limiter {
                 tracing::warn!(error = %e, suppressed, "redis failed; a multi-item check's fail policies decide");
             }
         }
-        let response = respond::aggregate(r.id, op, &items, done);
+        let response = respond::aggregate(id, op, &items, done);
         let policies = items.iter().filter_map(|i| i.policy).collect();
         (response, Charge::Items { policies, items: &r.items })
     }
 
     /// REFUND: the admission's members removed from its items' windows.
     async fn refund<'a>(&'a self, r: &'a RefundRequest) -> Decided<'a> {
-        let items = match self.resolve_all(r.id, OP_REFUND, &r.items, FailPolicy::Closed, 0, Kind::Refund) {
+        let items = match self.resolve_all(OP_REFUND, Header { id: r.id, on_error: FailPolicy::Closed, local_limit: 0 }, &r.items, Kind::Refund) {
             Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
@@ -161,7 +161,7 @@ impl Limiter {
     /// ACQUIRE or RELEASE (ops 5, 6) of an inline concurrency limit.
     async fn inline_lease<'a>(&'a self, r: &'a LeaseRequest) -> Decided<'a> {
         let item = Item::inline_lease(r);
-        (self.lease(r.id, r.op, r.op == OP_ACQUIRE, &item, r.limit, &r.lease).await, Charge::one(None, None))
+        (self.lease(r.header.id, r.op, r.op == OP_ACQUIRE, &item, r.limit, &r.lease).await, Charge::one(None, None))
     }
 
     /// ACQUIRE_POLICY (op 7) or its release: resolved (limit, override,
@@ -171,15 +171,15 @@ impl Limiter {
     /// release, whatever the policy.
     async fn policy_lease<'a>(&'a self, r: &'a PolicyLeaseRequest) -> Decided<'a> {
         let op = OP_ACQUIRE_POLICY;
-        let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: r.cost, on_error: r.on_error, local_limit: r.local_limit };
-        let item = match self.resolve(&named, Kind::Lease { release: r.release }) {
+        let id = r.header.id;
+        let item = match self.resolve(&named(op, &r.header, &r.item), Kind::Lease { release: r.release }) {
             Ok(item) => item,
             Err(rejected) => return rejected.into(),
         };
         let charge = Charge::one(item.policy, None);
         // Exempt: nothing acquired, so nothing to release.
-        let Some(limit) = item.limit else { return (if r.release { respond::exempt(r.id, op) } else { respond::shadowed(respond::exempt(r.id, op), &item) }, charge) };
-        let response = self.lease(r.id, op, !r.release, &item, limit, &r.lease).await;
+        let Some(limit) = item.limit else { return (if r.release { respond::exempt(id, op) } else { respond::shadowed(respond::exempt(id, op), &item) }, charge) };
+        let response = self.lease(id, op, !r.release, &item, limit, &r.lease).await;
         (if r.release { response } else { respond::shadowed(response, &item) }, charge)
     }
 
@@ -192,9 +192,10 @@ impl Limiter {
     /// send. A Redis call only when the hot key has no lease in hand.
     async fn lease_share(&self, r: &PolicyCheckRequest) -> Response {
         let op = OP_LEASE_SHARE;
-        let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: 1, on_error: r.on_error, local_limit: r.local_limit };
+        // Resolved as a check of cost 1: the units wanted are not a cost.
+        let named = Named { cost: 1, ..named(op, &r.header, &r.item) };
         match self.resolve(&named, Kind::Check) {
-            Ok(item) => self.share_item(r.id, op, &item, r.cost).await,
+            Ok(item) => self.share_item(r.header.id, op, &item, r.item.cost).await,
             Err(rejected) => rejected.response,
         }
     }
@@ -203,9 +204,9 @@ impl Limiter {
     /// policy's key that no worker used, back into this daemon's lease.
     fn give_back(&self, r: &PolicyCheckRequest) -> Response {
         let op = OP_LEASE_SHARE;
-        let named = Named { id: r.id, op, name: &r.name, key: &r.key, scoped_key: &r.scoped_key, cost: 1, on_error: r.on_error, local_limit: r.local_limit };
+        let named = Named { cost: 1, ..named(op, &r.header, &r.item) };
         match self.resolve(&named, Kind::Check) {
-            Ok(item) => self.give_back_item(r.id, op, &item, r.cost),
+            Ok(item) => self.give_back_item(r.header.id, op, &item, r.item.cost),
             Err(rejected) => rejected.response,
         }
     }
@@ -243,7 +244,7 @@ impl Limiter {
         let share = match (item.limit, &self.leases) {
             // A penalty policy's refusals must reach Redis (each one is a strike), so
             // its keys are never leased, to the daemon or to a worker.
-            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.penalty.is_none()) => {
+            (Some(limit), Some(leases)) if !item.shadow && item.shards == 1 && item.algorithm == Algorithm::Log && item.policy.map_or(true, |p| p.rule.penalty.is_none()) => {
                 // A Redis error leaves the worker deciding per request.
                 leases.share(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, units).await.ok()
             }
@@ -268,12 +269,14 @@ impl Limiter {
 
     /// Resolves every item of a multi-item check or a refund; the first
     /// refused one answers for the whole request.
-    fn resolve_all<'a>(&'a self, id: u32, op: u8, items: &'a [PolicyItem], on_error: FailPolicy, local_limit: u32, kind: Kind) -> Result<Vec<Item<'a>>, Rejected<'a>> {
-        items
-            .iter()
-            .map(|i| self.resolve(&Named { id, op, name: &i.name, key: &i.key, scoped_key: &i.scoped_key, cost: i.cost, on_error, local_limit }, kind))
-            .collect()
+    fn resolve_all<'a>(&'a self, op: u8, header: Header, items: &'a [PolicyItem], kind: Kind) -> Result<Vec<Item<'a>>, Rejected<'a>> {
+        items.iter().map(|i| self.resolve(&named(op, &header, i), kind)).collect()
     }
+}
+
+/// A policy item of request `header`, to resolve.
+fn named<'a>(op: u8, header: &Header, i: &'a PolicyItem) -> Named<'a> {
+    Named { id: header.id, op, name: i.name(), key: i.key(), scoped_key: &i.scoped_key, cost: i.cost, on_error: header.on_error, local_limit: header.local_limit }
 }
 
 #[cfg(test)]
@@ -294,7 +297,7 @@ mod tests {
     use bytes::Bytes;
 
     fn req(key: &'static str, limit: u32, on_error: FailPolicy) -> CheckRequest {
-        CheckRequest { id: 1, on_error, limit, window_ms: 1000, cost: 1, local_limit: 2, key: Bytes::from_static(key.as_bytes()), algorithm: crate::protocol::Algorithm::Log }
+        CheckRequest { header: Header { id: 1, on_error, local_limit: 2 }, limit, window_ms: 1000, cost: 1, key: Bytes::from_static(key.as_bytes()), algorithm: crate::protocol::Algorithm::Log }
     }
 
     fn policy_req(name: &'static str, key: &'static str) -> PolicyCheckRequest {
@@ -303,30 +306,16 @@ mod tests {
         scoped.extend_from_slice(key.as_bytes());
         let scoped = Bytes::from(scoped);
         PolicyCheckRequest {
-            id: 3,
-            on_error: FailPolicy::Closed,
-            local_limit: 0,
-            cost: 1,
-            name: scoped.slice(1..1 + name.len()),
-            key: scoped.slice(1 + name.len()..),
-            scoped_key: scoped,
+            header: Header { id: 3, on_error: FailPolicy::Closed, local_limit: 0 },
+            item: PolicyItem { cost: 1, scoped_key: scoped },
         }
     }
 
     fn policies(shadow: bool) -> Arc<Policies> {
-        use crate::config::PolicyConfig;
+        use crate::config::{PolicyConfig, PolicyRule};
         let order = PolicyConfig {
             name: "order".into(),
-            limit: 2,
-            window: Duration::from_secs(60),
-            calendar_window_ms: None,
-            fail_policy: None,
-            local_limit: None,
-            shadow,
-            algorithm: crate::protocol::Algorithm::Log,
-            lease_ms: None,
-            shards: 1,
-            penalty: None,
+            rule: PolicyRule { shadow, ..PolicyRule::rate(2, 60_000) },
             overrides: [("big".to_string(), PolicyLimit::Limit(3)), ("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect(),
         };
         Arc::new(Policies::build(&[order], None))
@@ -365,8 +354,8 @@ mod tests {
     /// is INVALID_COST.
     #[tokio::test]
     async fn sharded_policy_admits_exactly_its_limit() {
-        use crate::config::PolicyConfig;
-        let hot = PolicyConfig { algorithm: Algorithm::Log, name: "hot".into(), limit: 10, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, lease_ms: None, shards: 3, penalty: None, overrides: Default::default() };
+        use crate::config::{PolicyConfig, PolicyRule};
+        let hot = PolicyConfig { name: "hot".into(), rule: PolicyRule { shards: 3, ..PolicyRule::rate(10, 60_000) }, overrides: Default::default() };
         let l = Arc::new(Limiter::memory(Arc::new(LocalStore::new(1000))).with_policies(Arc::new(Policies::build(&[hot], None))));
         let mut admitted = 0;
         for n in 0..25 {
@@ -385,11 +374,12 @@ mod tests {
         assert_eq!(admitted, 10);
         // The shards' own windows hold 4, 3 and 3.
         for (i, part) in [(0, 4), (1, 3), (2, 3)] {
-            let key = crate::redis::shard_key(&policy_req("hot", "t1").scoped_key, i, 3);
+            let key = crate::redis::shard_key(&policy_req("hot", "t1").item.scoped_key, i, 3);
             let v = l.local.check(&LimitSpec { key: &key, limit: part, window_ms: 60_000, cost: 1 }, Algorithm::Log).unwrap();
             assert_eq!((v.allowed, v.count), (false, part), "shard {i}");
         }
-        let big = PolicyCheckRequest { cost: 5, ..policy_req("hot", "t2") };
+        let mut big = policy_req("hot", "t2");
+        big.item.cost = 5;
         let r = l.clone().decide(Request::PolicyCheck(big)).await;
         assert_eq!(r.error, ErrorCode::InvalidCost, "{r:?}");
         assert!(r.message.contains("largest shard"), "{}", r.message);

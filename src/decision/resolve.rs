@@ -50,8 +50,8 @@ impl<'a> Item<'a> {
             algorithm: r.algorithm,
             shadow: false,
             shards: 1,
-            on_error: r.on_error,
-            local_limit: r.local_limit,
+            on_error: r.header.on_error,
+            local_limit: r.header.local_limit,
         }
     }
 
@@ -66,8 +66,8 @@ impl<'a> Item<'a> {
             algorithm: Algorithm::Log,
             shadow: false,
             shards: 1,
-            on_error: r.on_error,
-            local_limit: r.local_limit,
+            on_error: r.header.on_error,
+            local_limit: r.header.local_limit,
         }
     }
 
@@ -103,7 +103,8 @@ pub enum Kind {
 /// the code and message `resolve` answers; None: it takes them. A reload
 /// asks it of the uses nginx described (src/policies.rs, `uses_lost`).
 pub fn kind_refusal(policy: &Policy, kind: Kind) -> Option<(ErrorCode, String)> {
-    let concurrency = policy.lease_ms.is_some();
+    let rule = &policy.rule;
+    let concurrency = rule.lease_ms.is_some();
     if concurrency != matches!(kind, Kind::Lease { .. }) {
         let msg = if concurrency {
             format!("policy '{}' is a concurrency policy: acquire and release it with op 7 (ratelimitd.concurrency{{policy=...}}), not with a check", policy.name)
@@ -120,16 +121,16 @@ pub fn kind_refusal(policy: &Policy, kind: Kind) -> Option<(ErrorCode, String)> 
     // and refunds, have no place for it. The rule check-config --nginx
     // applies too (multi_refusal).
     if matches!(kind, Kind::Multi | Kind::Refund) {
-        if let Some(why) = multi_refusal(policy.algorithm, policy.penalty.is_some()) {
-            let msg = format!("policy '{}' (algorithm {}): {why}", policy.name, policy.algorithm.as_str());
+        if let Some(why) = multi_refusal(rule.algorithm, rule.penalty.is_some()) {
+            let msg = format!("policy '{}' (algorithm {}): {why}", policy.name, rule.algorithm.as_str());
             return Some((ErrorCode::UnsupportedCombination, msg));
         }
     }
     // Settle moves one counter by the difference: only the O(1)
     // algorithms have one (the rule check-config applies too).
     if matches!(kind, Kind::Reserve | Kind::Settle) {
-        if let Some(why) = reserve_refusal(policy.algorithm, policy.shards) {
-            let msg = format!("policy '{}' (algorithm {}, {} shards): {why}", policy.name, policy.algorithm.as_str(), policy.shards);
+        if let Some(why) = reserve_refusal(rule.algorithm, rule.shards) {
+            let msg = format!("policy '{}' (algorithm {}, {} shards): {why}", policy.name, rule.algorithm.as_str(), rule.shards);
             return Some((ErrorCode::UnsupportedCombination, msg));
         }
     }
@@ -173,26 +174,27 @@ impl Limiter {
         let Some(policy) = self.policies.get(n.name) else {
             return Err(self.unknown_policy(n));
         };
+        let rule = &policy.rule;
         let reject = |code, msg: String| Err(Rejected { response: Response::error(n.id, n.op, code, Cow::Owned(msg)), charge: Charge::one(Some(policy), None) });
-        let concurrency = policy.lease_ms.is_some();
+        let concurrency = rule.lease_ms.is_some();
         if let Some((code, msg)) = kind_refusal(policy, kind) {
             return reject(code, msg);
         }
         let limit = self.limit_in_force(policy, n.key, n.scoped_key);
-        let (on_error, local_limit) = match policy.fail_policy {
-            Some(f) => (f, policy.local_limit.unwrap_or(0)),
+        let (on_error, local_limit) = match rule.fail_policy {
+            Some(f) => (f, rule.local_limit.unwrap_or(0)),
             None => (n.on_error, n.local_limit),
         };
         let item = Item {
             policy: Some(policy),
             key: n.scoped_key,
             limit,
-            window_ms: policy.lease_ms.unwrap_or(policy.window_ms),
+            window_ms: rule.lease_ms.unwrap_or(rule.window_ms),
             cost: n.cost,
-            algorithm: policy.algorithm,
-            shadow: policy.shadow,
+            algorithm: rule.algorithm,
+            shadow: rule.shadow,
             // Leases are one set per key: never sharded.
-            shards: if concurrency { 1 } else { policy.shards.max(1) },
+            shards: if concurrency { 1 } else { rule.shards.max(1) },
             on_error,
             local_limit,
         };

@@ -21,7 +21,7 @@ use std::borrow::Cow;
 
 use futures_util::future::join_all;
 
-use crate::protocol::{Decision, ErrorCode, ItemResult, ReserveRequest, Response, SettleRequest, Source, FailPolicy, OP_CHECK_POLICY, OP_SETTLE};
+use crate::protocol::{Decision, ErrorCode, Header, ItemResult, ReserveRequest, Response, SettleRequest, Source, FailPolicy, OP_CHECK_POLICY, OP_SETTLE};
 use crate::window::{LimitSpec, StoreError, Verdict};
 use crate::window_store::{ReserveAsk, Reserved};
 
@@ -49,7 +49,8 @@ impl Limiter {
     /// background (`take_back_later`).
     pub(super) async fn reserve<'a>(&'a self, r: &'a ReserveRequest) -> (Response, Charge<'a>) {
         let op = OP_CHECK_POLICY;
-        let items = match self.resolve_all(r.id, op, &r.items, r.on_error, r.local_limit, Kind::Reserve) {
+        let id = r.header.id;
+        let items = match self.resolve_all(op, r.header, &r.items, Kind::Reserve) {
             Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
@@ -78,7 +79,7 @@ impl Limiter {
                     let recorded = committed && verdicts.iter().any(|v| matches!(v, Some(v) if v.allowed));
                     Executed { results, handle: recorded.then_some(handle), failure: None }
                 }
-                Err(full) => return (self.capacity_error(r.id, op, Source::Memory, full), Charge::Nobody),
+                Err(full) => return (self.capacity_error(id, op, Source::Memory, full), Charge::Nobody),
             }
         };
         if let Some(e) = &done.failure {
@@ -86,7 +87,7 @@ impl Limiter {
                 tracing::warn!(error = %e, suppressed, "redis failed; a reserve's fail policies decide");
             }
         }
-        (respond::aggregate(r.id, op, &items, done), charge)
+        (respond::aggregate(id, op, &items, done), charge)
     }
 
     /// Redis failed: the items' fail policies decide (no handle).
@@ -105,7 +106,7 @@ impl Limiter {
     /// least room left (none enforced: the shadow one with the least).
     pub(super) async fn settle<'a>(&'a self, r: &'a SettleRequest) -> (Response, Charge<'a>) {
         let op = OP_SETTLE;
-        let items = match self.resolve_all(r.id, op, &r.items, FailPolicy::Closed, 0, Kind::Settle) {
+        let items = match self.resolve_all(op, Header { id: r.id, on_error: FailPolicy::Closed, local_limit: 0 }, &r.items, Kind::Settle) {
             Ok(items) => items,
             Err(rejected) => return rejected.into(),
         };
@@ -145,19 +146,18 @@ mod tests {
     //! settled once.
 
     use std::sync::Arc;
-    use std::time::Duration;
 
     use bytes::Bytes;
 
     use super::*;
-    use crate::config::{PolicyConfig, PolicyLimit};
+    use crate::config::{PolicyConfig, PolicyLimit, PolicyRule};
     use crate::local_store::LocalStore;
     use crate::policies::Policies;
     use crate::protocol::{Algorithm, FailPolicy, PolicyItem, Request};
 
     fn policy(name: &str, algorithm: Algorithm, shards: u32, limit: u32) -> PolicyConfig {
         let overrides = [("free".to_string(), PolicyLimit::Unlimited)].into_iter().collect();
-        PolicyConfig { name: name.into(), limit, window: Duration::from_secs(60), calendar_window_ms: None, fail_policy: None, local_limit: None, shadow: false, algorithm, lease_ms: None, shards, penalty: None, overrides }
+        PolicyConfig { name: name.into(), rule: PolicyRule { algorithm, shards, ..PolicyRule::rate(limit, 60_000) }, overrides }
     }
 
     fn item(name: &str, key: &str, cost: u32) -> PolicyItem {
@@ -165,11 +165,11 @@ mod tests {
         scoped.extend_from_slice(name.as_bytes());
         scoped.extend_from_slice(key.as_bytes());
         let scoped = Bytes::from(scoped);
-        PolicyItem { cost, name: scoped.slice(1..1 + name.len()), key: scoped.slice(1 + name.len()..), scoped_key: scoped }
+        PolicyItem { cost, scoped_key: scoped }
     }
 
     fn reserve(names: &[&str], key: &str, cost: u32) -> Request {
-        Request::Reserve(ReserveRequest { id: 1, on_error: FailPolicy::Closed, local_limit: 0, items: names.iter().map(|n| item(n, key, cost)).collect() })
+        Request::Reserve(ReserveRequest { header: Header { id: 1, on_error: FailPolicy::Closed, local_limit: 0 }, items: names.iter().map(|n| item(n, key, cost)).collect() })
     }
 
     fn settle(handle: [u8; 16], names: &[&str], key: &str, actual: u32) -> Request {

@@ -88,7 +88,7 @@ fn one_outcome(limiter: &Limiter, item: &super::plan::Item, answer: &Response) -
             scoped.push(item.policy.len() as u8);
             scoped.extend_from_slice(item.policy.as_bytes());
             scoped.extend_from_slice(&item.key);
-            (limiter.limit_in_force(p, &item.key, &scoped), p.window_ms)
+            (limiter.limit_in_force(p, &item.key, &scoped), p.rule.window_ms)
         }
         None => (None, 0),
     };

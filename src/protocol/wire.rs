@@ -121,8 +121,15 @@ pub const RESPONSE_FIXED_LEN: usize = 28;
 pub const MAX_MESSAGE_LEN: usize = 512;
 
 /// The big-endian u32 at `at`; callers check the length first.
+#[inline(always)]
 pub(super) fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The big-endian u16 at `at`; callers check the length first.
+#[inline(always)]
+pub(super) fn be16(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
 }
 
 /// Defines a wire enum from rows of `Variant = value => "name"`.

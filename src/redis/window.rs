@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redis::{RedisWrite, Script, ToRedisArgs};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use super::coalesce::{Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
+use super::coalesce::{Answer, Batch, ColdLanes, ColdWaiter, InFlight, Join, Lane, Waiter, MAX_BATCH};
 use super::connector::{Connector, ConnectorError};
 use super::keys::{verdict, WindowKey};
 use super::link::{LinkSettings, RedisLink};
@@ -237,17 +238,20 @@ impl RedisWindow {
                 let _lead = Lead { window: self, fp };
                 self.check_cold(spec, algorithm).await
             }
-            Join::Wait(rx) => {
-                let limit = self.link.timeout();
-                match tokio::time::timeout(limit, rx).await {
-                    Ok(Ok(answer)) => answer,
-                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
-                    // Its queue place is skipped if the batch has not
-                    // started yet; else it may still be counted, as any
-                    // call cut at its deadline.
-                    Err(_) => Err(StoreError::Timeout(limit)),
-                }
-            }
+            Join::Wait(rx) => self.batched_answer(rx).await,
+        }
+    }
+
+    /// The answer a batched call sends back to a request queued on it,
+    /// within the deadline. At the deadline its queue place is skipped if
+    /// the batch has not started yet; else it may still be counted, as any
+    /// call cut at its deadline.
+    async fn batched_answer(&self, rx: oneshot::Receiver<Answer>) -> Result<Verdict, StoreError> {
+        let limit = self.link.timeout();
+        match tokio::time::timeout(limit, rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
+            Err(_) => Err(StoreError::Timeout(limit)),
         }
     }
 
@@ -264,14 +268,7 @@ impl RedisWindow {
                 let _lane = ColdLane { window: self };
                 self.check_at_with(spec, algorithm, self.now_arg()).await
             }
-            Lane::Queued(rx) => {
-                let limit = self.link.timeout();
-                match tokio::time::timeout(limit, rx).await {
-                    Ok(Ok(answer)) => answer,
-                    Ok(Err(_)) => Err(StoreError::Unavailable("the batched call was abandoned (shutting down)".into())),
-                    Err(_) => Err(StoreError::Timeout(limit)),
-                }
-            }
+            Lane::Queued(rx) => self.batched_answer(rx).await,
         }
     }
 
@@ -282,18 +279,8 @@ impl RedisWindow {
             waiters.retain(|w| !w.tx.is_closed());
             if !waiters.is_empty() {
                 METRICS.coalesced(waiters.len() as u64);
-                match self.check_keys_at(&waiters, self.now_arg()).await {
-                    Ok(verdicts) => {
-                        for (w, v) in waiters.into_iter().zip(verdicts) {
-                            let _ = w.tx.send(Ok(v));
-                        }
-                    }
-                    Err(e) => {
-                        for w in waiters {
-                            let _ = w.tx.send(Err(e.clone()));
-                        }
-                    }
-                }
+                let verdicts = self.check_keys_at(&waiters, self.now_arg()).await;
+                answer_each(waiters.into_iter().map(|w| w.tx), verdicts);
             }
             match self.cold.as_ref().and_then(ColdLanes::leave) {
                 Some(next) => waiters = next,
@@ -349,18 +336,8 @@ impl RedisWindow {
         }
         METRICS.coalesced(waiters.len() as u64);
         let asks: Vec<BatchAsk> = waiters.iter().map(|w| BatchAsk { limit: w.limit, cost: w.cost }).collect();
-        match self.check_batch_at_with(key, window_ms, algorithm, &asks, self.now_arg()).await {
-            Ok(verdicts) => {
-                for (w, v) in waiters.into_iter().zip(verdicts) {
-                    let _ = w.tx.send(Ok(v));
-                }
-            }
-            Err(e) => {
-                for w in waiters {
-                    let _ = w.tx.send(Err(e.clone()));
-                }
-            }
-        }
+        let verdicts = self.check_batch_at_with(key, window_ms, algorithm, &asks, self.now_arg()).await;
+        answer_each(waiters.into_iter().map(|w| w.tx), verdicts);
     }
 
     /// Decides one request at `now_ms` (0 = Redis `TIME`), in a call of its
@@ -721,6 +698,24 @@ fn instance_id() -> Result<u64, StartError> {
 /// Milliseconds since the Unix epoch on this host's clock.
 fn wall_clock_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+
+/// Each waiter of a call across requests its own verdict, in order, or the
+/// call's error. A waiter gone by now (its deadline passed) is skipped.
+fn answer_each(waiters: impl Iterator<Item = oneshot::Sender<Answer>>, verdicts: Result<Vec<Verdict>, StoreError>) {
+    match verdicts {
+        Ok(verdicts) => {
+            for (tx, v) in waiters.zip(verdicts) {
+                let _ = tx.send(Ok(v));
+            }
+        }
+        Err(e) => {
+            for tx in waiters {
+                let _ = tx.send(Err(e.clone()));
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -8,12 +8,14 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod admin;
+pub mod backend;
 pub mod clock;
 pub mod daemon;
 pub mod http;
 pub mod keys;
 pub mod model;
 pub mod nginx;
+pub mod nginx_cases;
 pub mod ops;
 pub mod ports;
 pub mod process;
@@ -67,12 +69,43 @@ impl Setup {
         }
     }
 
+    /// A connection to the Redis of `Setup::redis()`.
+    pub fn redis_conn(&self) -> redis::Connection {
+        match self {
+            Self::Redis(r, _) => r.conn(),
+            Self::Memory(_) => panic!("a Setup::memory() has no Redis"),
+        }
+    }
+
     pub fn source(&self) -> Source {
         match self {
             Self::Redis(..) => Source::Redis,
             Self::Memory(_) => Source::Memory,
         }
     }
+}
+
+/// `[[policy]]` tables of rate policies, one per (name, limit, window),
+/// in order: what most tests' configurations start with.
+pub fn rate_policies(list: &[(&str, u32, &str)]) -> String {
+    list.iter().map(|&(name, limit, window)| rate_policy(name, limit, window, &[])).collect()
+}
+
+/// One `[[policy]]` table of a rate policy: its name, limit and window,
+/// then the lines `more` (`on_error = "local"`, `shadow = true`, ...).
+pub fn rate_policy(name: &str, limit: u32, window: &str, more: &[&str]) -> String {
+    let mut table = format!("[[policy]]\nname = \"{name}\"\nlimit = {limit}\nwindow = \"{window}\"\n");
+    for line in more {
+        table += line;
+        table.push('\n');
+    }
+    table
+}
+
+/// One `[[policy]]` table of a concurrency policy: at most `limit` leases
+/// held at once, each for at most `lease`.
+pub fn concurrency_policy(name: &str, limit: u32, lease: &str) -> String {
+    format!("[[policy]]\nname = \"{name}\"\nalgorithm = \"concurrency\"\nlimit = {limit}\nlease = \"{lease}\"\n")
 }
 
 /// True when the tests run as root, so nginx workers can run as `nobody`.

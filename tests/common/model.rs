@@ -336,11 +336,16 @@ impl Want {
         if r.window_ms != self.window_ms {
             bad.push(format!("window_ms {} (want {})", r.window_ms, self.window_ms));
         }
-        if bad.is_empty() {
-            Ok(())
-        } else {
-            Err(bad.join(", "))
-        }
+        none_or_all(bad, ", ")
+    }
+}
+
+/// Ok when nothing is `bad`, else every mismatch joined by `sep`.
+fn none_or_all(bad: Vec<String>, sep: &str) -> Result<(), String> {
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(bad.join(sep))
     }
 }
 
@@ -439,11 +444,7 @@ impl WantMulti {
                 _ => {}
             }
         }
-        if bad.is_empty() {
-            Ok(())
-        } else {
-            Err(bad.join("; "))
-        }
+        none_or_all(bad, "; ")
     }
 }
 
@@ -748,6 +749,35 @@ impl Model {
         Ok(out)
     }
 
+    /// The items of a multi-item check or a reserve before it is
+    /// committed: each item's want (exempt without a limit, else what
+    /// `decide(policy, count now, limit, cost)` says), each counted item's
+    /// window and whether it fits, and the 1-based numbers of the enforced
+    /// items that do not fit (the request is refused unless none).
+    #[allow(clippy::type_complexity)]
+    fn item_verdicts(&self, items: &[Item], resolved: &[(PolicySpec, Option<u32>)], decide: impl Fn(&PolicySpec, u32, u32, u32) -> (bool, Want)) -> (Vec<Want>, Vec<Option<(WinKey, bool)>>, Vec<u8>) {
+        let mut wants = Vec::new();
+        let mut fits_all = Vec::new();
+        for (it, (p, limit)) in items.iter().zip(resolved) {
+            let (fits, mut want) = match *limit {
+                None => (None, Want { shadow: p.shadow, ..Want::exempt(p.window_ms()) }),
+                Some(limit) => {
+                    let wk = (policy_scope(p), it.key.clone());
+                    let n = self.windows.get(&wk).copied().unwrap_or(0);
+                    let (fits, want) = decide(p, n, limit, it.cost);
+                    (Some((wk, fits)), Want { shadow: p.shadow, ..want })
+                }
+            };
+            if p.shadow {
+                shadow_marked(&mut want);
+            }
+            wants.push(want);
+            fits_all.push(fits);
+        }
+        let refusing = resolved.iter().zip(&fits_all).enumerate().filter(|(_, ((p, _), f))| !p.shadow && matches!(f, Some((_, false)))).map(|(i, _)| (i + 1) as u8).collect();
+        (wants, fits_all, refusing)
+    }
+
     /// CHECK_POLICY of several items, or of one with the refundable flag.
     pub fn check_multi(&mut self, items: &[Item], refundable: bool, fail: (FailPolicy, u32), clock: Clock) -> Expect {
         self.decisions += 1;
@@ -758,29 +788,7 @@ impl Model {
         if self.outage {
             return self.multi_outage(items, &resolved, fail, clock);
         }
-        let mut wants = Vec::new();
-        let mut fits_all = Vec::new();
-        for (it, (p, limit)) in items.iter().zip(&resolved) {
-            let Some(limit) = *limit else {
-                let mut want = Want { shadow: p.shadow, ..Want::exempt(p.window_ms()) };
-                if p.shadow {
-                    shadow_marked(&mut want);
-                }
-                wants.push(want);
-                fits_all.push(None);
-                continue;
-            };
-            let wk = (policy_scope(p), it.key.clone());
-            let n = self.windows.get(&wk).copied().unwrap_or(0);
-            let (fits, mut want) = self.verdict(Algorithm::Log, n, limit, it.cost, p.shards() > 1, clock);
-            want.shadow = p.shadow;
-            if p.shadow {
-                shadow_marked(&mut want);
-            }
-            wants.push(want);
-            fits_all.push(Some((wk, fits)));
-        }
-        let refusing: Vec<u8> = resolved.iter().zip(&fits_all).enumerate().filter(|(_, ((p, _), f))| !p.shadow && matches!(f, Some((_, false)))).map(|(i, _)| (i + 1) as u8).collect();
+        let (mut wants, fits_all, refusing) = self.item_verdicts(items, &resolved, |p, n, limit, cost| self.verdict(Algorithm::Log, n, limit, cost, p.shards() > 1, clock));
         let committed = refusing.is_empty();
         let mut recorded = Vec::new();
         for ((it, f), w) in items.iter().zip(&fits_all).zip(wants.iter_mut()) {
@@ -1109,31 +1117,12 @@ impl Model {
         if self.outage {
             return (self.reserve_outage(items, &resolved, fail, clock), None);
         }
-        let mut wants = Vec::new();
-        let mut fits_all = Vec::new();
-        for (it, (p, limit)) in items.iter().zip(&resolved) {
-            let Some(limit) = *limit else {
-                let mut want = Want { shadow: p.shadow, ..Want::exempt(p.window_ms()) };
-                if p.shadow {
-                    shadow_marked(&mut want);
-                }
-                wants.push(want);
-                fits_all.push(None);
-                continue;
-            };
-            let wk = (policy_scope(p), it.key.clone());
-            let n = self.windows.get(&wk).copied().unwrap_or(0);
-            let (fits, mut want) = self.verdict(p.algorithm().expect("a rate policy"), n, limit, it.cost, false, clock);
+        let (mut wants, fits_all, refusing) = self.item_verdicts(items, &resolved, |p, n, limit, cost| {
+            let (fits, mut want) = self.verdict(p.algorithm().expect("a rate policy"), n, limit, cost, false, clock);
             // No denial cache for reserves: the store answers.
             want.sources = vec![self.store_source()];
-            want.shadow = p.shadow;
-            if p.shadow {
-                shadow_marked(&mut want);
-            }
-            wants.push(want);
-            fits_all.push(Some((wk, fits)));
-        }
-        let refusing: Vec<u8> = resolved.iter().zip(&fits_all).enumerate().filter(|(_, ((p, _), f))| !p.shadow && matches!(f, Some((_, false)))).map(|(i, _)| (i + 1) as u8).collect();
+            (fits, want)
+        });
         let committed = refusing.is_empty();
         let mut recorded = Vec::new();
         for (i, ((it, f), w)) in items.iter().zip(&fits_all).zip(wants.iter_mut()).enumerate() {
@@ -1221,4 +1210,17 @@ impl Model {
         let (count, remaining) = main.map_or((0, 0), |(_, n, l)| (n, l));
         Expect::One(Want { decision: Decision::Allowed, sources: vec![self.store_source()], count: Num::Is(count), remaining: Num::Is(remaining), retry: (0, 20 * DAY), reset: (0, 2 * DAY), ..Want::error(code::OK) })
     }
+}
+
+/// A daemon's answer in one line, its items included, for a failure
+/// message of the matrices.
+pub fn short(r: &Response) -> String {
+    let mut s = format!("{:?} {:?} count {} remaining {} retry {} reset {} error {:?}", r.decision, r.source, r.count, r.remaining, r.retry_after_ms, r.reset_ms, r.error);
+    if let Some(e) = r.extension.as_deref() {
+        let _ = write!(s, " refused {} handle {}", e.refused, e.handle.is_some());
+        for it in &e.items {
+            let _ = write!(s, " [{:?} {:?} {}/{} r{} t{} l{} w{}]", it.decision, it.source, it.count, it.remaining, it.retry_after_ms, it.reset_ms, it.limit, it.window_ms);
+        }
+    }
+    s
 }

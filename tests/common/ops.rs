@@ -27,6 +27,20 @@ pub fn gateway(socket: &Path, http: &str, locations: &str) -> Nginx {
     Nginx::start(&format!("{}\n{http}\nserver {{\n listen 127.0.0.1:{{PORT}};\n{locations}\n}}\n", snippet(socket)))
 }
 
+/// Locations, one per (path, arguments of `new`): each limits the
+/// request's `X-Tenant-Id` with the limiter `require("resty.ratelimitd").new`
+/// makes of its arguments (`("order")`, `{ policy = "login", on_error =
+/// "closed" }`) and answers "ok".
+pub fn tenant_locations(list: &[(&str, &str)]) -> String {
+    list.iter()
+        .map(|(path, new)| {
+            format!(
+                "    location {path} {{\n        access_by_lua_block {{\n            local lim = assert(require(\"resty.ratelimitd\").new{new})\n            lim:limit(ngx.var.http_x_tenant_id)\n        }}\n        content_by_lua_block {{ ngx.say(\"ok\") }}\n    }}\n"
+            )
+        })
+        .collect()
+}
+
 /// `[server]` lines for a socket nginx's workers may connect to (their
 /// group's when the tests run as root).
 pub fn socket_access() -> String {

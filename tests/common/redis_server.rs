@@ -262,3 +262,13 @@ pub fn evalsha_calls(r: &RedisServer) -> u64 {
     let info: String = redis::cmd("INFO").arg("commandstats").query(&mut r.conn()).unwrap();
     info.lines().find_map(|l| l.strip_prefix("cmdstat_evalsha:calls=")).map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
 }
+
+/// The daemon's Redis window store on `r` (2 s timeout), ready to decide,
+/// for the tests that call it directly rather than through a daemon.
+pub async fn window(r: &RedisServer, token: &tokio_util::sync::CancellationToken) -> std::sync::Arc<ratelimitd::RedisWindow> {
+    use ratelimitd::config::{RedisConfig, RedisSecrets, RedisTarget};
+    let cfg = RedisConfig { target: RedisTarget::Url(r.url()), timeout: Duration::from_secs(2), ..RedisConfig::default() };
+    let w = ratelimitd::RedisWindow::start(&cfg, &RedisSecrets::default(), token.clone()).unwrap();
+    assert!(w.wait_ready(Duration::from_secs(5)).await);
+    w
+}

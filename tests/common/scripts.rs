@@ -39,3 +39,9 @@ pub const ALL: [(&str, &str); 11] = [
 pub fn named(stem: &str) -> &'static str {
     ALL.iter().find(|(s, _)| *s == stem).unwrap_or_else(|| panic!("no script named {stem}")).1
 }
+
+/// Loads `script` into the Redis of `conn` (`SCRIPT LOAD`): its SHA, for
+/// the tests that call the scripts themselves.
+pub fn load(conn: &mut redis::Connection, script: &str) -> String {
+    redis::cmd("SCRIPT").arg("LOAD").arg(script).query(conn).unwrap()
+}

@@ -16,12 +16,12 @@
 -- lease_ms after it was taken.
 --
 -- A request keeps its leases across internal redirects (error_page,
--- try_files, ngx.exec, named locations), which clear ngx.ctx (leases.lua):
+-- try_files, ngx.exec, named locations), which clear ngx.ctx (request.lua):
 -- enter() after a redirect finds the lease the request already holds
 -- instead of taking a second slot, and leave() in whichever location the
 -- request ends in releases it.
 
-local leases = require "resty.ratelimitd.leases"
+local request = require "resty.ratelimitd.request"
 local kind = require "resty.ratelimitd.kind"
 local http = require "resty.ratelimitd.http"
 local wire = require "resty.ratelimitd.wire"
@@ -40,20 +40,20 @@ local _M = {}
 -- released.
 local Concurrency, mt, checked = kind.class("enter() is a method of a limiter from ratelimitd.concurrency{}: conns:enter(key)")
 
--- One ACQUIRE (or RELEASE, `op`) of `lease` for `key`.
-local function exchange(self, key, cost, lease, op)
+-- One ACQUIRE (or RELEASE, `op`) of the concurrency lease `lease_id` for `key`.
+local function exchange(self, key, cost, lease_id, op)
     local id = next_id()
     local frame
     if self._policy then
-        frame = wire.acquire_policy(id, op == OP_RELEASE and self._release_header or self._acquire_header, cost, self._name_part, key, lease)
+        frame = wire.acquire_policy(id, op == OP_RELEASE and self._release_header or self._acquire_header, cost, self._name_part, key, lease_id)
     else
-        frame = wire.lease(op, id, self._before_cost, self._after_cost, cost, key, lease)
+        frame = wire.concurrency_lease(op, id, self._before_cost, self._after_cost, cost, key, lease_id)
     end
     return ask(self, frame, id)
 end
 
-function Concurrency._decide(self, key, cost, lease)
-    return exchange(self, key, cost, lease, OP_ACQUIRE)
+function Concurrency._decide(self, key, cost, lease_id)
+    return exchange(self, key, cost, lease_id, OP_ACQUIRE)
 end
 
 -- Sources under which the daemon holds a lease to give back.
@@ -65,7 +65,7 @@ local LEASED = { redis = true, memory = true, ["local"] = true }
 -- returns the first decision: a request holds one slot.
 function Concurrency.enter(self, key, cost)
     local wkey, c = checked(self, key, cost)
-    local id, held = leases.of_request()
+    local id, held = request.leases()
     if held then
         for _, h in ipairs(held) do
             if h[1] == self and h[2] == wkey then
@@ -75,14 +75,14 @@ function Concurrency.enter(self, key, cost)
     end
     local res = http.enforce(self, self, wkey, c, id)
     if res and res.allowed and LEASED[res.source] then
-        leases.remember(id, { self, wkey, c, res }, self._lease_s)
+        request.hold(id, { self, wkey, c, res }, self._lease_s)
     end
     return res
 end
 
-local function release_all(_premature, held, lease)
+local function release_all(_premature, held, lease_id)
     for _, h in ipairs(held) do
-        local res, err = exchange(h[1], h[2], h[3], lease, OP_RELEASE)
+        local res, err = exchange(h[1], h[2], h[3], lease_id, OP_RELEASE)
         if not res then
             log_failure("release", h[2], tostring(err) .. " (the lease expires after lease_ms)")
         elseif res.decision == "error" then
@@ -94,7 +94,7 @@ end
 --- For log_by_lua*: releases every lease enter() took for this request,
 -- in whichever location it ended.
 function _M.leave()
-    local id, held = leases.take()
+    local id, held = request.take_leases()
     if not held then
         return
     end

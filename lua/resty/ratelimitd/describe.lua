@@ -1,23 +1,19 @@
--- resty.ratelimitd.describe: asks the daemon what its configuration says
--- of the policy names this worker's limiters use (DESCRIBE_POLICY, op 8,
--- docs/PROTOCOL.md section 4g), so that
---   * a name the daemon lacks (a typo, a rename) is said loudly in
---     error.log when the worker starts, not found by the first 503;
+-- resty.ratelimitd.describe: what the daemon's configuration says of a
+-- policy name (DESCRIBE_POLICY, op 8, docs/PROTOCOL.md section 4g), and
+-- how a limiter takes it:
 --   * a policy limiter takes its window and local quota from the policy,
 --     a multi-policy limiter each policy's own: window_ms and local_limit
 --     need not be repeated in nginx (given, they win, for every policy of
---     the limiter, and a window that differs from a policy's is logged).
+--     the limiter, and a window that differs from a policy's is logged);
+--   * header(): the frame header a policy limiter builds once, on the
+--     request path; a limiter that must know its local quota before it can
+--     send its first request (on_error = "local" without local_limit)
+--     describes its policy itself if the worker-start verifier (verify.lua)
+--     has not yet (one round trip, once).
 -- Each description says how this worker's limiters use the policy (a
 -- single check, an item of several, refundable, reserve and settle, worker
 -- shares, a concurrency acquire): the daemon refuses a reload that would
 -- make one of them impossible (docs/OPERATIONS.md).
--- Every limiter that names policies registers here when it is made;
--- schedule() (called by limiters.build, or by verify_policies() from
--- init_worker_by_lua) describes them in a timer right after the worker
--- starts, and again with a back-off while the daemon cannot be reached.
--- A policy limiter that must know its local quota before it can send its
--- first request (on_error = "local" without local_limit) describes its
--- policy itself if the timer has not yet (one round trip, once).
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
@@ -27,23 +23,11 @@ local bit = require "bit"
 
 local ngx = ngx
 local ngx_log, ERR, INFO = ngx.log, ngx.ERR, ngx.INFO
-local min = math.min
 local bor = bit.bor
 local USE = wire.USE
-local pairs, ipairs, setmetatable, tostring, type = pairs, ipairs, setmetatable, tostring, type
+local ipairs, tostring = ipairs, tostring
 
 local _M = {}
-
--- Every limiter naming policies in this worker, with the name it was built
--- under (weak keys: a limiter dropped is not verified).
-local registered = setmetatable({}, { __mode = "k" })
-
-local RETRY_MIN, RETRY_MAX = 1, 30 -- s between two attempts while the daemon is unreachable
-
---- Registers `lim` (fields _policy, or _names for several) for verification.
-function _M.register(lim)
-    registered[lim] = true
-end
 
 -- One line per host, not one per worker (log.lua).
 local loud = log.loud
@@ -245,103 +229,6 @@ function _M.header(lim, build)
         return nil, err or ("UNKNOWN_POLICY: " .. which .. " is not in the daemon's configuration")
     end
     return nil, err or (which .. " has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
-end
-
-local running = false
-
--- Describes every registered limiter not yet described; true when none is
--- left (or nil and the error that stopped it: the daemon is unreachable).
-local function verify_all()
-    -- Every use of each name by the limiters left, in one description.
-    local uses = {}
-    for lim in pairs(registered) do
-        if not lim._described then
-            local u = _M.uses(lim)
-            for _, name in ipairs(lim._names or { lim._policy }) do
-                uses[name] = bor(uses[name] or 0, u)
-            end
-        end
-    end
-    local seen = {}
-    for lim in pairs(registered) do
-        if not lim._described then
-            local names = lim._names or { lim._policy }
-            local all_known = true
-            local ds = {}
-            for _, name in ipairs(names) do
-                local d = seen[name]
-                if d == nil then
-                    local err
-                    d, err = _M.describe(name, uses[name])
-                    if d == nil then
-                        return nil, err
-                    end
-                    seen[name] = d
-                    if d == false and loud() then
-                        -- One line per unknown name.
-                        ngx_log(ERR, "ratelimitd: policy \"", name, "\" is not in the daemon's configuration (",
-                            tostring(err), "): every request of its limiter gets the location's on_error until the daemon has it",
-                            " (ratelimitd check-config --nginx says which names nginx uses)")
-                    end
-                end
-                if d == false then
-                    all_known = false
-                elseif not lim._names then
-                    _M.apply(lim, d)
-                else
-                    ds[#ds + 1] = d
-                end
-            end
-            if lim._names and all_known then
-                _M.apply_many(lim, ds)
-            end
-            lim._described = true
-            if not all_known then
-                lim._unknown = true
-            end
-        end
-    end
-    return true
-end
-
-local function timer(premature, delay)
-    if premature then
-        running = false
-        return
-    end
-    local ok, err = verify_all()
-    if ok then
-        running = false
-        return
-    end
-    if loud() and delay == RETRY_MIN then
-        ngx_log(ERR, "ratelimitd: cannot verify the policy names of this worker's limiters yet (", tostring(err),
-            "): retrying every ", RETRY_MIN, " to ", RETRY_MAX, " s")
-    end
-    local next_delay = min(delay * 2, RETRY_MAX)
-    local ok2, terr = ngx.timer.at(delay, timer, next_delay)
-    if not ok2 then
-        running = false
-        ngx_log(ERR, "ratelimitd: cannot schedule the policy verification: ", tostring(terr))
-    end
-end
-
---- Describes the registered limiters in a timer (from init_worker_by_lua,
--- or later): true, or nil and why not (in init_by_lua there are no timers:
--- the workers' init_worker must call it).
-function _M.schedule()
-    if running then
-        return true
-    end
-    if type(ngx.get_phase) == "function" and ngx.get_phase() == "init" then
-        return nil, "no timers in init_by_lua: call require(\"resty.ratelimitd\").verify_policies() from init_worker_by_lua"
-    end
-    local ok, err = ngx.timer.at(0, timer, RETRY_MIN)
-    if not ok then
-        return nil, err
-    end
-    running = true
-    return true
 end
 
 _M.label = label

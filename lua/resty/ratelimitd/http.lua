@@ -5,7 +5,7 @@
 -- request (ngx.exit); the limiters below it return nil, err.
 --
 -- A limiter kind gives enforce():
---   lim:_decide(key, cost, lease)   the decision table, or nil and an error
+--   lim:_decide(key, cost, lease_id) the decision table, or nil and an error
 --   lim:_fallback(key, cost, reason) the location's policy's decision
 --   lim:_label(key)                 the key(s) as logged
 -- and the fields _policy, _limit, _window_ms, _shadow (a set of names),
@@ -94,8 +94,8 @@ end
 -- The decision of `lim` for `key` of `cost`: the daemon's, else the
 -- location's fail policy's. A decision "error" left in it is the daemon
 -- refusing the request as invalid (codes 1-29).
-local function decide(lim, key, cost, lease)
-    local res, err = lim:_decide(key, cost, lease)
+local function decide(lim, key, cost, lease_id)
+    local res, err = lim:_decide(key, cost, lease_id)
     if not res then
         return lim:_fallback(key, cost, err)
     elseif res.error_code == UNKNOWN_POLICY then
@@ -122,16 +122,16 @@ end
 -- The same limiter deciding the same key and cost again in the same request
 -- (a server-level access_by_lua* run again after an internal redirect)
 -- reuses the first decision (request.lua): one count per request. Not for
--- leases (`lease`), which concurrency.lua keeps itself.
-function _M.enforce(lim, beh, key, cost, lease)
+-- concurrency leases (`lease_id`), which concurrency.lua keeps itself.
+function _M.enforce(lim, beh, key, cost, lease_id)
     local res, memo, call, again
-    if lease == nil then
+    if lease_id == nil then
         res, memo, call = request.decided(lim, key, cost)
     end
     if res then
         again = true
     else
-        res = decide(lim, key, cost, lease)
+        res = decide(lim, key, cost, lease_id)
         if memo then
             request.remember(memo, lim, call, res)
         end

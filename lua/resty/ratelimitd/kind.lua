@@ -1,14 +1,18 @@
 -- resty.ratelimitd.kind: what every limiter kind shares: its class and
--- metatable, the check of its per-request arguments, and the check() and
--- limit() methods over the kind's own _decide. A kind gives _decide (and
--- may replace _fallback and _label, see http.lua).
+-- metatable, the check of its per-request arguments, the check() and
+-- limit() methods over the kind's own _decide, and (share_first) the
+-- decision from a worker share before the kind's own way to the daemon.
+-- A kind gives _decide (and may replace _fallback and _label, see
+-- http.lua).
 
 local http = require "resty.ratelimitd.http"
 local fallback = require "resty.ratelimitd.fallback"
 local options = require "resty.ratelimitd.options"
-local describe = require "resty.ratelimitd.describe"
+local verify = require "resty.ratelimitd.verify"
 local log = require "resty.ratelimitd.log"
 local key_args = require("resty.ratelimitd.key").args
+local share = require "resty.ratelimitd.share"
+local settings = require("resty.ratelimitd.config").settings
 
 local error, getmetatable, setmetatable = error, getmetatable, setmetatable
 
@@ -62,6 +66,26 @@ function _M.rate_methods(class, checked)
     end
 end
 
+--- One decision of a rate limiter kind that takes worker shares (share.lua):
+-- from the host's worker share of the daemon's quota lease on `key`, with no round trip,
+-- else `ask(lim, key, cost)` (the kind's own way to the daemon), whose
+-- admission from Redis tops the share up. `ask` is a function of the
+-- kind's module: no closure per request.
+function _M.share_first(lim, key, cost, ask)
+    local dict = share.dict(lim, settings)
+    if dict then
+        local res = share.admit(lim, dict, key, cost)
+        if res then
+            return res
+        end
+    end
+    local res, err = ask(lim, key, cost)
+    if dict and res and res.decision == "allowed" and res.source == "redis" then
+        share.refill(lim, dict, key, res)
+    end
+    return res, err
+end
+
 --- The constructor of a kind: validates `opts` against the option specs of
 -- `spec` (options.lua) once, then builds the limiter from them with
 -- build(opts, on_error) (the kind's own fields: the constant parts of its
@@ -83,7 +107,7 @@ function _M.constructor(mt, spec, prefix, build)
         lim._shadow = options.name_set(opts.shadow)
         lim = options.copy_behaviour(setmetatable(lim, mt), opts)
         if lim._policy then
-            describe.register(lim)
+            verify.register(lim)
         end
         -- A policy limiter says it once its policy is described: the
         -- policy's own on_error may be the choice.

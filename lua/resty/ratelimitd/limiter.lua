@@ -9,13 +9,13 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local cache = require "resty.ratelimitd.cache"
 local kind = require "resty.ratelimitd.kind"
-local share = require "resty.ratelimitd.share"
 local settings = require("resty.ratelimitd.config").settings
 
 local ngx = ngx
 local ngx_shared = ngx.shared
 local setmetatable = setmetatable
 local next_id, ask_daemon, encode_check = conn.next_id, conn.ask, wire.check
+local share_first = kind.share_first
 
 local _M = {}
 
@@ -42,7 +42,7 @@ local function build(limit, window_ms, on_error, local_limit, algorithm)
         -- windows of its own). A wire key holds no control byte, so no
         -- local fallback key (which starts with the wire key) can be one.
         _deny_prefix = "\1" .. (algorithm == "log" and "" or algorithm .. "|") .. limit .. "|" .. window_ms .. "|",
-        -- Worker shares (share.lua) of the log's leases only, the daemon's
+        -- Worker shares (share.lua) of the log's quota leases only, the daemon's
         -- rule: false for the other algorithms. Entries "\2|<limit>|<window_ms>|<key>":
         -- '|' is above every policy name's length byte, so no inline entry
         -- is a policy limiter's.
@@ -65,21 +65,10 @@ function Limiter._share_frame(self, id, units, key, back)
     return wire.share(id, self._share_before, self._share_after, units, key, back)
 end
 
--- One decision: from the host's share of the daemon's lease, else the
+-- One decision: from the host's worker share of the daemon's quota lease, else the
 -- denial cache, else the daemon. `key` is the wire key, `cost` already checked.
 function Limiter._decide(self, key, cost)
-    local shares = share.dict(self, settings)
-    if shares then
-        local res = share.admit(self, shares, key, cost)
-        if res then
-            return res
-        end
-    end
-    local res, err = decide_cached(self, key, cost)
-    if shares and res and res.decision == "allowed" and res.source == "redis" then
-        share.refill(self, shares, key, res)
-    end
-    return res, err
+    return share_first(self, key, cost, decide_cached)
 end
 
 -- From the denial cache, else from the daemon.

@@ -24,7 +24,7 @@
 
 local ratelimitd = require "resty.ratelimitd"
 local log = require "resty.ratelimitd.log"
-local describe = require "resty.ratelimitd.describe"
+local verify = require "resty.ratelimitd.verify"
 
 local ngx = ngx
 local ngx_log, CRIT, ngx_exit = ngx.log, ngx.CRIT, ngx.exit
@@ -70,9 +70,9 @@ function _M.build(specs)
         end
     end
     -- The policy names they use, checked against the daemon right after
-    -- the worker starts (describe.lua): one error line per unknown name.
+    -- the worker starts (verify.lua): one error line per unknown name.
     -- In init_by_lua (no timers) the workers' init_worker must ask for it.
-    local scheduled, why = describe.schedule()
+    local scheduled, why = verify.schedule()
     if not scheduled and ngx.get_phase() ~= "init" then
         ngx_log(CRIT, "ratelimitd: the policy names of the limiters cannot be verified: ", why)
     end

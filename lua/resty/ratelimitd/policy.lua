@@ -14,14 +14,13 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
-local share = require "resty.ratelimitd.share"
 local describe = require "resty.ratelimitd.describe"
-local settings = require("resty.ratelimitd.config").settings
 
 local char = string.char
 local ngx = ngx
 local next_id, ask = conn.next_id, conn.ask
 local check_policy, policy_item = wire.check_policy, wire.policy_item
+local share_first = kind.share_first
 
 local _M = {}
 
@@ -39,28 +38,21 @@ local function header(self)
     return self._header
 end
 
-function Policy._decide(self, key, cost)
-    -- A hot key is admitted from the host's share of the daemon's lease,
-    -- with no round trip (share.lua).
-    local dict = share.dict(self, settings)
-    if dict then
-        local res = share.admit(self, dict, key, cost)
-        if res then
-            return res
-        end
-    end
-    -- Built once; described first if it must be (describe.header).
+-- CHECK_POLICY of one item, its header built once (described first if it
+-- must be: describe.header).
+local function ask_policy(self, key, cost)
     local h, err = describe.header(self, header)
     if not h then
         return nil, err
     end
     local id = next_id()
-    local res
-    res, err = ask(self, check_policy(id, h, policy_item(cost, self._name_part, key)), id)
-    if dict and res and res.decision == "allowed" and res.source == "redis" then
-        share.refill(self, dict, key, res)
-    end
-    return res, err
+    return ask(self, check_policy(id, h, policy_item(cost, self._name_part, key)), id)
+end
+
+-- A hot key is admitted from the host's worker share of the daemon's quota lease, with
+-- no round trip (share.lua), else asked.
+function Policy._decide(self, key, cost)
+    return share_first(self, key, cost, ask_policy)
 end
 
 -- The LEASE_SHARE frame (op 10) of `units` for `key`, or nil while the

@@ -3,8 +3,9 @@
 -- and run the access phase again in the new location: the decisions its
 -- limit() calls made, so that the same limiter deciding the same request
 -- again reuses its first answer (no second count), and its decision table
--- for a later refund() or settle() (decision()). leases.lua keeps a
--- request's concurrency leases under its identity (id()).
+-- for a later refund() or settle() (decision()), and the concurrency
+-- leases it holds until leave() (leases(), hold(), take_leases()): the
+-- client's one per-request store.
 --
 -- A request is found by the address of its nginx request object, which a
 -- redirect keeps, and told from an earlier request that nginx placed at the
@@ -37,6 +38,8 @@
 -- twice, as before this module).
 
 local ngx = ngx
+local ngx_now = ngx.now
+local pairs = pairs
 local concat = table.concat
 local type, tonumber = type, tonumber
 local format, sub = string.format, string.sub
@@ -192,6 +195,73 @@ function _M.decision()
     end
     local e = entry(false)
     return e and e.ctx
+end
+
+-- The concurrency leases held by requests of this worker: request id ->
+-- list of { limiter, wire key, cost, decision }, with `expires` (s): after
+-- it the daemon has dropped every lease of the list, so an entry whose
+-- request never reached leave() (no log_by_lua where it ended) is swept.
+-- Kept by the request's identity (id()), not in its entry above: a lease
+-- must outlive any number of requests decided while its request runs (a
+-- long upload), which the entries' two generations do not promise.
+local held_by_request, holders, sweep_at = {}, 0, 1024
+
+local function sweep()
+    local now = ngx_now()
+    holders = 0
+    for id, held in pairs(held_by_request) do
+        if held.expires < now then
+            held_by_request[id] = nil
+        else
+            holders = holders + 1
+        end
+    end
+    sweep_at = holders * 2 > 1024 and holders * 2 or 1024
+end
+
+--- The request's identity (the lease id) and the list of leases it holds
+-- (nil for none).
+function _M.leases()
+    local id = _M.id()
+    return id, held_by_request[id]
+end
+
+--- Records `lease` ({ limiter, wire key, cost, decision }) as held by the
+-- request `id` (from leases()) for at most `lease_s` seconds.
+function _M.hold(id, lease, lease_s)
+    local expires = ngx_now() + lease_s
+    local held = held_by_request[id]
+    if not held then
+        -- The sweep first: it must not see this request's list before
+        -- its expiry is set.
+        if holders >= sweep_at then
+            sweep()
+        end
+        held = { expires = expires }
+        held_by_request[id] = held
+        holders = holders + 1
+    end
+    if expires > held.expires then
+        held.expires = expires
+    end
+    held[#held + 1] = lease
+end
+
+--- The request's leases, forgotten by the worker (nil when it holds
+-- none), and its identity: the lease id to release them under.
+function _M.take_leases()
+    local id, held = _M.leases()
+    if not held then
+        return id, nil
+    end
+    held_by_request[id] = nil
+    holders = holders - 1
+    return id, held
+end
+
+--- How many requests of this worker hold leases now (for tests).
+function _M.lease_holders()
+    return holders
 end
 
 return _M

@@ -17,46 +17,14 @@ local log_failure = require("resty.ratelimitd.log").failure
 
 local ngx = ngx
 local type, error = type, error
-local char, sub, byte = string.char, string.sub, string.byte
-local concat = table.concat
 local floor = math.floor
 
 local _M = {}
 
--- Op 9, and the largest actual the daemon takes (wire.rs MAX_O1_COST).
-local OP_SETTLE = 9
+-- The largest actual the daemon takes (wire.rs MAX_O1_COST).
 _M.MAX_COST = 1000000000
 
-local function u32(n)
-    return char(floor(n / 16777216) % 256, floor(n / 65536) % 256, floor(n / 256) % 256, n % 256)
-end
-
--- handle: the item count, 16 bytes, then the items (cost u32, key length
--- u16, name length u8, name, key) as the reserve sent them; nil when they
--- do not add up (not a reserve's handle).
-local function frame(id, handle, actual)
-    local cost = u32(actual)
-    local parts = { char(wire.VERSION or 1, OP_SETTLE), u32(id), char(0, 0, 0), sub(handle, 1, 17) }
-    local at = 18
-    for _ = 1, byte(handle, 1) do
-        local k1, k2, name_len = byte(handle, at + 4, at + 6)
-        if not name_len then
-            return nil
-        end
-        local stop = at + 7 + name_len + k1 * 256 + k2
-        if stop - 1 > #handle then
-            return nil
-        end
-        parts[#parts + 1] = cost
-        parts[#parts + 1] = sub(handle, at + 4, stop - 1)
-        at = stop
-    end
-    if at ~= #handle + 1 then
-        return nil
-    end
-    local body = concat(parts)
-    return u32(#body) .. body
-end
+local frame = wire.settle
 
 -- For the unit tests (lua/spec/settle_spec.lua: the daemon's golden hex).
 _M._frame = frame

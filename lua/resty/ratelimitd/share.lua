@@ -60,8 +60,7 @@ local mono_us = require("resty.ratelimitd.cache").mono_us
 local ngx = ngx
 local ngx_now, get_phase = ngx.now, ngx.get_phase
 local floor, min = math.floor, math.min
-local byte = string.byte
-local transact, next_id, error_code = conn.transact, conn.next_id, wire.error_code
+local transact, next_id, share_grant = conn.transact, conn.next_id, wire.share_grant
 
 local _M = {}
 
@@ -123,11 +122,6 @@ end
 -- in a header filter, say) admits, but does not top up.
 local MAY_CONNECT = { rewrite = true, access = true, content = true, timer = true, ssl_cert = true, ssl_session_fetch = true }
 
-local function be32(s, i)
-    local a, b, c, d = byte(s, i, i + 3)
-    return ((a * 256 + b) * 256 + c) * 256 + d
-end
-
 --- The shared-dict entries of `lim`'s share for wire key `key`: the units
 -- and the info entry, under the limiter kind's prefix (a policy's name, or
 -- an inline limit and window). The limiter keeps the names of its last key,
@@ -181,8 +175,10 @@ local function give_back(lim, key, units)
     local frame = lim:_share_frame(id, units, key, true)
     if frame then
         local h = transact(frame, id)
-        if h and error_code(h) == 0 then
-            return be32(h, 13), be32(h, 17)
+        if h then
+            -- count: the units taken back; remaining: the room outside.
+            local taken, room = share_grant(h)
+            return taken, room
         end
     end
     return 0, 0
@@ -227,8 +223,8 @@ local function ask(lim, dict, skey, key, limit)
     -- or as soon as the daemon said (no units, retry_after_ms > 0: its
     -- lease call is in flight), never later than NOTHING_S.
     local units, outside, valid_ms, window = 0, 0, 0, 0
-    if head and error_code(head) == 0 then
-        units, outside, valid_ms, window = be32(head, 13), be32(head, 17), be32(head, 21), be32(head, 25)
+    if head then
+        units, outside, valid_ms, window = share_grant(head)
     end
     if units == 0 or units > MAX_UNITS or valid_ms == 0 then
         local again = NOTHING_S

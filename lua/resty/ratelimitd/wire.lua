@@ -7,6 +7,7 @@ local bit = require "bit"
 local band, rshift = bit.band, bit.rshift
 local byte, char, sub = string.byte, string.char, string.sub
 local floor = math.floor
+local concat = table.concat
 local tostring, ipairs, pairs = tostring, ipairs, pairs
 
 local _M = {}
@@ -143,11 +144,12 @@ function _M.share(id, before, after, units, key, back)
     return head(28 + n, 1, id) .. before .. u32(units) .. after .. key_len(n) .. key
 end
 
--- ACQUIRE / RELEASE (section 4d): CHECK's fields (the lease length as
--- window_ms), then the lease id's length, the key and the lease id.
-function _M.lease(op, id, before, after, cost, key, lease)
+-- ACQUIRE / RELEASE (section 4d) of a concurrency lease: CHECK's fields
+-- (the lease length as window_ms), then the lease id's length, the key and
+-- the lease id.
+function _M.concurrency_lease(op, id, before, after, cost, key, lease_id)
     local n = #key
-    return head(29 + n + #lease, op, id) .. before .. u32(cost) .. after .. key_len(n) .. char(#lease) .. key .. lease
+    return head(29 + n + #lease_id, op, id) .. before .. u32(cost) .. after .. key_len(n) .. char(#lease_id) .. key .. lease_id
 end
 
 -- The constant header of a CHECK_POLICY (section 4b) after the id: flags,
@@ -191,6 +193,36 @@ end
 -- the handle (item count, the 16 bytes of the daemon's handle, the items).
 function _M.refund(id, handle)
     local body = char(VERSION, 3) .. u32(id) .. char(0, 0, 0) .. handle
+    return u32(#body) .. body
+end
+
+-- SETTLE (op 9, section 4f): version, op, id, flags (0), a reserved byte,
+-- the reserve's handle (item count, the daemon's 16 bytes), then each item
+-- of the reserve (cost u32, key length u16, name length u8, name, key) as
+-- the handle holds it with its cost replaced by `actual`; nil when the
+-- handle's items do not add up (not a reserve's handle).
+_M.OP_SETTLE = 9
+function _M.settle(id, handle, actual)
+    local cost = u32(actual)
+    local parts = { char(VERSION, 9), u32(id), char(0, 0, 0), sub(handle, 1, 17) }
+    local at = 18
+    for _ = 1, byte(handle, 1) do
+        local k1, k2, name_len = byte(handle, at + 4, at + 6)
+        if not name_len then
+            return nil
+        end
+        local stop = at + 7 + name_len + k1 * 256 + k2
+        if stop - 1 > #handle then
+            return nil
+        end
+        parts[#parts + 1] = cost
+        parts[#parts + 1] = sub(handle, at + 4, stop - 1)
+        at = stop
+    end
+    if at ~= #handle + 1 then
+        return nil
+    end
+    local body = concat(parts)
     return u32(#body) .. body
 end
 
@@ -255,6 +287,18 @@ function _M.check_head(h, id)
         return nil, "malformed response"
     end
     return len
+end
+
+-- The units of a share granted in the answer to a LEASE_SHARE or a CHECK
+-- with the share flag (section 4h; `h` as check_head accepted it): units,
+-- the key's count outside the lease, the share's validity (ms) and the
+-- window (flags for the response's numbers), in the fields count,
+-- remaining, retry_after_ms and reset_ms. Zeros for an error answer.
+function _M.share_grant(h)
+    if be16(h, 29) ~= 0 then
+        return 0, 0, 0, 0
+    end
+    return be32(h, 13), be32(h, 17), be32(h, 21), be32(h, 25)
 end
 
 function _M.message_len(h)

@@ -146,8 +146,7 @@ end
 local changed = false
 local out = {}
 for j = 1, n do
-  local limit = tonumber(ARGV[2 + 2 * j])
-  local cost = tonumber(ARGV[3 + 2 * j])
+  local limit, cost = request(j)
   if count + cost <= limit then
     count = count + cost
     changed = true

@@ -100,8 +100,7 @@ local changed = false
 local out = {}
 
 for j = 1, n do
-  local limit = tonumber(ARGV[2 + 2 * j])
-  local cost = tonumber(ARGV[3 + 2 * j])
+  local limit, cost = request(j)
   local t = window / limit
   local new_tat = tat + cost * t
   if new_tat - now <= window + EPS then

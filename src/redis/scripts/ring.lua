@@ -109,8 +109,7 @@ if size > 0 then
 end
 
 for j = 1, n do
-  local limit = tonumber(ARGV[2 + 2 * j])
-  local cost = tonumber(ARGV[3 + 2 * j])
+  local limit, cost = request(j)
   if limit < size and slot(size - limit) <= cutoff then
     -- Every slot beyond the newest `limit` has left the window.
     resize(limit)

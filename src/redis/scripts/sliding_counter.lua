@@ -93,8 +93,7 @@ end
 local changed = false
 local out = {}
 for j = 1, n do
-  local limit = tonumber(ARGV[2 + 2 * j])
-  local cost = tonumber(ARGV[3 + 2 * j])
+  local limit, cost = request(j)
   local weighted = prev * (window - elapsed) / window
   if weighted + cur + cost <= limit + EPS then
     cur = cur + cost

@@ -30,7 +30,7 @@
 --   'c', 'r'   confirm or refund a reserve sliding_window/confirm_refund.lua
 --   'm'        several keys, all or nothing sliding_window/all_or_nothing.lua
 --   'B', 'L'   cold keys in one call; a quota lease; and the single check
---              above (ARGV[1] the window)   sliding_window/check.lua
+--              above (ARGV[1] the window)   sliding_window/per_request.lua
 -- The single check pays one string comparison per mode; no closure is made
 -- but the shared parts' two.
 local mode = ARGV[1]
@@ -48,4 +48,4 @@ local now = tonumber(ARGV[mode == 'L' and 3 or 2])
 if mode == 'm' then
 --@include sliding_window/all_or_nothing.lua
 end
---@include sliding_window/check.lua
+--@include sliding_window/per_request.lua

@@ -54,7 +54,7 @@ for i = 1, n do
     else
       units({ 'ZADD', key }, score, member .. ':', 1, cost)
     end
-    -- See "Expiry" in sliding_window/check.lua: counts[i] is 0 only for a
+    -- See "Expiry" in sliding_window/per_request.lua: counts[i] is 0 only for a
     -- key this call made.
     if counts[i] == 0 then
       redis.call('PEXPIRE', key, window)
