@@ -799,15 +799,20 @@ impl QuotaLeases {
             slot.refilling = false;
             let grant = match answer {
                 Ok(g) => g,
-                Err(e) => return Err(e),
+                Err(e) => {
+                    leases.settle_due(&mut slot, &key, window_ms);
+                    return Err(e);
+                }
             };
             // The lease kept for its shares' give-backs has its units left
             // reserved in Redis until its settle: room outside this one,
             // as in `retire`.
             let retired_left = slot.retired.iter().filter(|r| r.limit == limit).map(QuotaLease::reserved_unused).sum::<u32>();
-            // Units given back to them during the call: removed now.
+            // Units given back to them during the call: removed now; and
+            // the settles held back during it.
+            leases.settle_due(&mut slot, &key, window_ms);
             for at in 0..slot.retired.len() {
-                if slot.retired[at].reserved_unused() > 0 && slot.retired[at].shared_out() > 0 {
+                if slot.retired[at].reserved_unused() > 0 {
                     leases.trim_in(&mut slot, at, &key, window_ms);
                 }
             }
@@ -940,9 +945,17 @@ impl QuotaLeases {
 
     /// `settle` of a log lease of the key of `slot` (locked by the
     /// caller), counted in the slot's settles in flight until it is done.
+    /// While a lease call for the key is in flight it is kept with the
+    /// retired ones instead, and settled once the call is answered
+    /// (`settle_due`): the room that call reads counts its units either
+    /// way, and the new lease is told them.
     fn settle_in(self: &Arc<Self>, slot: &mut Slot, lease: QuotaLease, key: &[u8], window_ms: u32) {
         if lease.reserve.is_some() {
             return self.settle(lease, key.into(), window_ms);
+        }
+        if slot.refilling {
+            slot.retired.push(lease);
+            return;
         }
         let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
         METRICS.lease_returned(lease.granted() - lease.used());
@@ -955,6 +968,17 @@ impl QuotaLeases {
             leases.lease_done.notify_waiters();
             leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
+    }
+
+    /// Settles the retired leases of `slot` that wait for nothing more:
+    /// life over or no share out (kept while a lease call was in flight,
+    /// `settle_in`), or all of them at shutdown.
+    fn settle_due(self: &Arc<Self>, slot: &mut Slot, key: &[u8], window_ms: u32) {
+        let (now, closing) = (self.now_us(), self.closing.is_cancelled());
+        while let Some(at) = slot.retired.iter().position(|r| closing || r.ends_us() <= now || r.shared_out() == 0) {
+            let done = slot.retired.remove(at);
+            self.settle_in(slot, done, key, window_ms);
+        }
     }
 
     /// Removes from Redis the unused units of the retired lease `at` of

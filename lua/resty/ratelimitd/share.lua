@@ -312,8 +312,10 @@ function _M.admit(lim, dict, key, cost)
     local deadline = (v - units) / SPAN
     local now_us = mono_us()
     if now_us >= deadline * 1000 then
-            -- Past the deadline (or given back): not admitted; the unit taken
-        -- is not given back (see above).
+        -- Past the deadline (or given back): not admitted; the units go
+        -- back to the entry, for a give-back that has not run yet (its
+        -- timer late).
+        dict:incr(skey, cost)
         return nil
     end
     local info, window = dict:get(ikey)
