@@ -62,6 +62,10 @@ const MIN_RATE_VALID_MS: u32 = 20;
 /// this long after its use (`scripts/fleet --ci`: 250 ms let the shared
 /// key's window dip to 358 of 2,000).
 const MAX_RATE_VALID_MS: u32 = 100;
+/// A share lasts at most this part of its window (10 ms for 1 s): its
+/// units are scored at its deadline, so a key at its limit loses at most
+/// about 1 % of it to shares (`tests/fleet_under_admission.rs`).
+const SHARE_WINDOW_PARTS: u32 = 100;
 /// What a worker is told to wait before asking again while this daemon's
 /// lease call for the key is in flight: about one Redis round trip, after
 /// which the new lease can be shared.
@@ -391,12 +395,13 @@ impl Slot {
     /// How many of `want` units to hand a worker at `now_us`, and for how
     /// long: valid `SHARE_USE_FACTOR` times the time this host takes to use
     /// `want` units at its rate (the faster of the last period's and the
-    /// current one's), within `MIN_RATE_VALID_MS..=MAX_RATE_VALID_MS`; and
+    /// current one's), within `MIN_RATE_VALID_MS..=MAX_RATE_VALID_MS` and
+    /// at most a `SHARE_WINDOW_PARTS`th of the window; and
     /// fewer units when the host would not use them within that at its
     /// rate (at least 2). A share's units are scored at its deadline and an
     /// unused one counts for a window: the shorter and the closer to the
     /// host's use, the less room a key at its limit loses to them.
-    fn share_size(&self, now_us: u64, life_ms: u32, want: u32) -> (u32, u32) {
+    fn share_size(&self, now_us: u64, life_ms: u32, want: u32, window_ms: u32) -> (u32, u32) {
         let since_ms = (now_us.saturating_sub(self.period_start_us) / 1000).max(u64::from(life_ms / 4)).max(1);
         let mut use_ms = u64::MAX;
         if self.last_hits > 0 {
@@ -406,7 +411,10 @@ impl Slot {
             use_ms = use_ms.min(u64::from(want) * since_ms / u64::from(self.hits));
         }
         let use_ms = use_ms.max(1).saturating_mul(SHARE_USE_FACTOR);
-        let valid = use_ms.clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_RATE_VALID_MS));
+        // At most a 1/SHARE_WINDOW_PARTS of the window: a key at its limit
+        // then loses at most that much of it to the shares' scores.
+        let most = u64::from(window_ms / SHARE_WINDOW_PARTS).clamp(u64::from(MIN_SHARE_MS), u64::from(MAX_RATE_VALID_MS));
+        let valid = use_ms.clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_RATE_VALID_MS)).min(most);
         let units = (u64::from(want) * valid).div_ceil(use_ms).max(2).min(u64::from(want));
         (units as u32, valid as u32)
     }
@@ -606,7 +614,7 @@ impl QuotaLeases {
                 return Ok(ShareAnswer::NONE);
             }
             // From the lease, or the one taken ahead of it, or a fresh lease.
-            let (units, valid) = slot.share_size(now, life, want);
+            let (units, valid) = slot.share_size(now, life, want, spec.window_ms);
             while let Some(lease) = slot.lease.as_mut() {
                 // What it has, if fewer: the worker tops up from the lease
                 // taken ahead, which this share's use asks for.
@@ -667,7 +675,7 @@ impl QuotaLeases {
         self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
-        let (units, valid) = slot.share_size(now, life, want);
+        let (units, valid) = slot.share_size(now, life, want, spec.window_ms);
         let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, units, 1, valid)) else { return Ok(ShareAnswer::NONE) };
         slot.count(now, life, share.units);
         Ok(ShareAnswer::Units(share))
@@ -1129,17 +1137,17 @@ mod tests {
         // 8 in the first 62.5 ms (a quarter of the life at least): 64 units
         // take 496 ms at that rate, three times that beyond the most (100):
         // as many as the host uses in 100 ms at a third of its rate, 5.
-        assert_eq!(slot.share_size(10_000, life, 64), (5, MAX_RATE_VALID_MS));
+        assert_eq!(slot.share_size(10_000, life, 64, 60_000), (5, MAX_RATE_VALID_MS));
         slot.count(100_000, life, 1000);
         // 1008 in 100 ms: 64 units take 6 ms; three times that, 18: the floor.
-        assert_eq!(slot.share_size(100_000, life, 64), (64, MIN_RATE_VALID_MS));
-        assert_eq!(slot.share_size(100_000, life, 1), (1, MIN_RATE_VALID_MS), "never more than asked");
+        assert_eq!(slot.share_size(100_000, life, 64, 60_000), (64, MIN_RATE_VALID_MS));
+        assert_eq!(slot.share_size(100_000, life, 1, 60_000), (1, MIN_RATE_VALID_MS), "never more than asked");
         // The next period: the last one's rate (1008 in 250 ms) until this one's is faster.
         slot.count(300_000, life, 1);
-        assert_eq!(slot.share_size(300_000, life, 64), (64, 45), "64 x 250 / 1008 = 15 ms, x 3");
+        assert_eq!(slot.share_size(300_000, life, 64, 60_000), (64, 45), "64 x 250 / 1008 = 15 ms, x 3");
         // Quiet for two periods: its rate is forgotten; 2 units at least.
         slot.count(900_000, life, 1);
-        assert_eq!(slot.share_size(900_000, life, 64), (2, MAX_RATE_VALID_MS));
+        assert_eq!(slot.share_size(900_000, life, 64, 60_000), (2, MAX_RATE_VALID_MS));
     }
 
     #[test]

@@ -89,7 +89,8 @@ local REFILL_GUARD_S, NOTHING_S = 0.05, 0.1
 -- A take that finds the deadline this close renews the share (gives the
 -- units left back, asks for fresh ones); the timer gives them back BACK_MS
 -- before it. Shares are valid 20 ms at least (the daemon's
--- MIN_RATE_VALID_MS).
+-- MIN_RATE_VALID_MS), but a hundredth of the window if that is less (10 ms
+-- for 1 s): RENEW_MS is then a quarter of that (admit).
 local RENEW_MS, BACK_MS = 8, 2
 -- Keys counted per generation at most: a flood of distinct keys starts a
 -- new generation early, so the counts take at most 2 x HOT_KEYS entries.
@@ -324,7 +325,10 @@ function _M.admit(lim, dict, key, cost)
     end
     local outside = info % MAX_LIMIT
     local limit = (info - outside) / MAX_LIMIT
-    local renew = now_us >= (deadline - RENEW_MS) * 1000
+    -- A quarter of the longest share of the window (a hundredth of it)
+    -- if that is less: a 10 ms share of a 1 s window is renewed 2.5 ms
+    -- before its deadline.
+    local renew = now_us >= (deadline - min(RENEW_MS, (window or 0) / 400)) * 1000
     if renew or units < LOW and units + cost >= LOW then
         local may_connect = MAY_CONNECT[get_phase()]
         if renew and may_connect then
