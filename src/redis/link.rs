@@ -894,6 +894,14 @@ async fn replace_stalled(link: &RedisLink, connector: &Connector, conn_cfg: &Asy
 /// pause ends before `deadline`; then the `TRYAGAIN` stands (an answer:
 /// the fail policy decides, and the breaker counts Redis alive). On the
 /// request path only after an error: no cost to a call that succeeds.
+///
+/// A redirect still standing after `follow_redirect`'s hops is paused for
+/// and sent again the same way: during a hand-over the nodes learn the
+/// slot's new owner one `SETSLOT NODE` at a time, and until the importing
+/// node has it the two send a call back and forth (`MOVED` both ways;
+/// seen in `ask_redirects_are_followed_during_a_manual_slot_move` beside a
+/// parallel build). A redirect means the script did not run, so sending it
+/// again counts nothing twice.
 async fn routed<T: FromRedisValue>(cmd: &Cmd, conn: &mut LinkConnection, deadline: Instant) -> Result<T, RedisError> {
     let mut pause = TRYAGAIN_FIRST_PAUSE;
     loop {
@@ -902,7 +910,7 @@ async fn routed<T: FromRedisValue>(cmd: &Cmd, conn: &mut LinkConnection, deadlin
             other => other,
         };
         match reply {
-            Err(e) if is_tryagain(&e) && conn.is_cluster() && Instant::now() + pause < deadline => {
+            Err(e) if (is_tryagain(&e) || is_redirect(&e)) && conn.is_cluster() && Instant::now() + pause < deadline => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(TRYAGAIN_MAX_PAUSE);
             }
