@@ -249,10 +249,19 @@ local function ask(lim, dict, skey, key, limit)
             -- Borrowed: burnt (see above).
             return
         end
-        local target = deadline * SPAN + units
         local replaced = not (left > 0 and mono_us() < live * 1000 and left + units <= MAX_PACKED)
+        -- A replaced entry's units left are taken out in the step that
+        -- ends it, as the give-back timer takes them (reclaim): whichever
+        -- runs first has them, the other none, so none is given back twice
+        -- (a take since the read was charged to them, or fails).
+        local back = 0
+        if replaced and live > 0 and left > 0 then
+            back = reclaim(dict, skey, live)
+            v = dict:get(skey) or v
+        end
         -- Past whichever deadline it keeps.
         dict:expire(skey, ttl)
+        local target = deadline * SPAN + units
         if not replaced then
             target = min(live, deadline) * SPAN + left + units
         end
@@ -267,12 +276,9 @@ local function ask(lim, dict, skey, key, limit)
             -- finds the deadline changed and gives nothing).
             schedule(lim, dict, skey, key, deadline)
         end
-        -- The units the replaced entry held at the read (a take since
-        -- then was charged to the new units): none was had, and a
-        -- deadline of 0 means they were given back already. The room the
-        -- daemon then tells is the room outside the new units.
-        if replaced and live > 0 then
-            local taken, room = give_back(lim, key, left)
+        -- The room the daemon then tells is the room outside the new units.
+        if back > 0 then
+            local taken, room = give_back(lim, key, back)
             if taken > 0 then
                 dict:safe_set(skey .. "\3", limit * MAX_LIMIT + min(room, limit), ttl, window)
             end
@@ -313,10 +319,11 @@ function _M.admit(lim, dict, key, cost)
     local deadline = (v - units) / SPAN
     local now_us = mono_us()
     if now_us >= deadline * 1000 then
-        -- Past the deadline (or given back): not admitted; the units go
-        -- back to the entry, for a give-back that has not run yet (its
-        -- timer late).
-        dict:incr(skey, cost)
+        -- Past the deadline (or given back): not admitted. The units
+        -- taken are not put back: a refill may have replaced the entry
+        -- since (they would be admitted from the new one, after their own
+        -- deadline); lost, under-admission only (the give-back timer runs
+        -- before the deadline unless the worker is late).
         return nil
     end
     local info, window = dict:get(ikey)
