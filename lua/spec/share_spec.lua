@@ -107,6 +107,27 @@ describe("worker shares", function()
         stub.shared = saved
     end)
 
+    it("takes no share for an inline limiter of another algorithm than the log, with shares on", function()
+        -- The daemon leases the log's windows only; a GCRA limiter asked
+        -- for a share with no share frame to send (a Lua error, a 500).
+        -- limiter.lua's requires reach request.lua, which reads nginx's
+        -- request object through resty.core.base: not loaded here.
+        local base = package.loaded["resty.core.base"]
+        package.loaded["resty.core.base"] = base or { get_request = function() end }
+        local limiter = require "resty.ratelimitd.limiter"
+        package.loaded["resty.core.base"] = base
+        local saved = stub.shared
+        stub.shared = { ratelimitd = dict() }
+        local settings = { shares = true, shared_dict = "ratelimitd" }
+        for _, algorithm in ipairs({ "gcra", "ring", "fixed", "sliding_counter" }) do
+            local inline = limiter.build(100, 1000, "open", nil, algorithm)
+            assert.is_false(inline._share_dict, algorithm)
+            assert.is_nil(share.dict(inline, settings), algorithm)
+        end
+        assert.equals(stub.shared.ratelimitd, share.dict(limiter.build(100, 1000, "open", nil, "log"), settings))
+        stub.shared = saved
+    end)
+
     -- A dict whose key(s) the daemon admitted 7 times, one short of hot,
     -- and the daemon's answer to a share request: 16 units.
     local function seven_admissions(...)

@@ -23,6 +23,15 @@ local decide_cached
 
 local Limiter, mt, checked = kind.class("call it as lim:limit(key, cost) / lim:check(key, cost), with a colon, on an object from new()")
 
+-- false (no shares) for every algorithm but the log's; nil: configure()'s
+-- shared dict decides (share.dict).
+local function share_dict_of(algorithm)
+    if algorithm ~= "log" then
+        return false
+    end
+    return nil
+end
+
 -- A limiter from values already validated (by new() or by the table form),
 -- without the behaviour options (all nil: configure()'s values).
 local function build(limit, window_ms, on_error, local_limit, algorithm)
@@ -46,7 +55,9 @@ local function build(limit, window_ms, on_error, local_limit, algorithm)
         -- rule: false for the other algorithms. Entries "\2|<limit>|<window_ms>|<key>":
         -- '|' is above every policy name's length byte, so no inline entry
         -- is a policy limiter's.
-        _share_dict = algorithm ~= "log" and false or nil,
+        -- (Not `algorithm ~= "log" and false or nil`: that is nil for
+        -- every algorithm, since `x and false` is never true.)
+        _share_dict = share_dict_of(algorithm),
         _share_prefix = "\2|" .. limit .. "|" .. window_ms .. "|",
         _share_before = algorithm == "log" and wire.share_parts(on_error, limit, window_ms) or nil,
         _share_after = after,
