@@ -159,13 +159,20 @@ fn an_admin_reset_while_workers_hold_shares_lets_no_more_than_the_limit_through(
     // Hot, and held in shares: 150 of 400 admitted, most from shares.
     let (a1, s1) = load(&nginx, "tight", "k3", 150, 2);
     assert!(s1 > 0, "worker shares were used before the reset: {a1} admitted, {s1} from shares");
+    // Past every share's deadline (100 ms at most) and its give-back; the
+    // daemon's lease lives 1 s.
+    std::thread::sleep(Duration::from_millis(200));
     let reset = request(&AdminListen::Unix { path: admin, mode: 0o600 }, None, "DELETE", "/v1/keys?policy=tight&key=k3", None).unwrap();
     assert_eq!(reset.status, 200, "{reset:?}");
-    // A fresh window's worth: the reset forgot the 150, not the units the
-    // workers and the daemon hold.
+    // A fresh window's worth: the reset forgot the 150, and the daemon's
+    // leases the admissions before it (their units are the window's again).
     let (a2, s2) = load(&nginx, "tight", "k3", 800, 2);
     eprintln!("limit 400: {a1} admitted before the reset ({s1} from shares), {a2} after it ({s2} from shares); reset: {}", reset.body);
     assert!(a2 <= 400, "over-admission after the reset: {a2} at a limit of 400");
+    // 400 in 10 of 10 runs here; a lease whose settle was in flight across
+    // the reset puts its admissions before it back (64 units at most:
+    // docs/ADMIN.md "Reset"). Before the leases forgot them: 258-269.
+    assert!(a2 >= 400 - 64, "the reset left {} of the limit counted", 400 - a2);
     std::thread::sleep(Duration::from_millis(2500));
     let recorded = zcard(&redis, "tight", "k3");
     assert!(recorded <= 400 && recorded >= a2, "Redis's record {recorded}: at least the {a2} admitted after the reset, at most the limit");

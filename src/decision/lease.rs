@@ -101,6 +101,19 @@ impl ShareAnswer {
     pub const NONE: Self = Self::NoUnits { ask_again_ms: 0 };
 }
 
+/// A worker share handed out of a lease and not given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Share {
+    /// Its deadline, ms after the lease's `t0_ms`: its units' score.
+    offset: u32,
+    units: u32,
+    /// An admin reset after its deadline forgot it (`forget_before`): its
+    /// units are in neither `offsets` nor Redis, but a worker's give-back
+    /// of them, sent before the deadline, may still be on its way, and must
+    /// not be taken from a share still in use.
+    forgotten: bool,
+}
+
 /// One lease as the daemon holds it: pure state, times passed in (µs on
 /// the daemon's monotonic clock), so that a test can run it on virtual time.
 #[derive(Debug)]
@@ -117,10 +130,11 @@ pub struct QuotaLease {
     outside: u32,
     /// The ms offset from `t0_ms` of each used unit, in unit order.
     offsets: Vec<u32>,
-    /// The worker shares handed out of it and not given back: (offset,
-    /// units), each share's units being `units` of `offsets` equal to
-    /// `offset` (its deadline). No allocation until the first share.
-    shared: Vec<(u32, u32)>,
+    /// The worker shares handed out of it and not given back, each share's
+    /// units being `units` of `offsets` equal to `offset` (its deadline),
+    /// unless an admin reset forgot them. No allocation until the first
+    /// share.
+    shared: Vec<Share>,
     /// Its units still reserved in Redis: `granted`, until units given
     /// back after it retired are removed early (`QuotaLeases::trim_in`).
     reserved: u32,
@@ -204,7 +218,7 @@ impl QuotaLease {
         for _ in 0..units {
             self.offsets.push(offset);
         }
-        self.shared.push((offset, units));
+        self.shared.push(Share { offset, units, forgotten: false });
         Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
     }
 
@@ -215,7 +229,7 @@ impl QuotaLease {
     pub fn take_back(&mut self, units: u32) -> u32 {
         let mut taken = 0;
         while taken < units {
-            let back = self.take_back_earliest(units - taken);
+            let (back, _) = self.take_back_earliest(units - taken);
             if back == 0 {
                 break;
             }
@@ -226,14 +240,25 @@ impl QuotaLease {
 
     /// The Redis score of its earliest worker share not given back.
     fn earliest_share(&self) -> Option<u64> {
-        self.shared.iter().map(|&(offset, _)| self.t0_ms + u64::from(offset)).min()
+        self.shared.iter().map(|s| self.t0_ms + u64::from(s.offset)).min()
     }
 
     /// Takes back up to `units` units of its earliest-scored worker share
-    /// (see `QuotaLeases::take_back` for why that one); how many.
-    fn take_back_earliest(&mut self, units: u32) -> u32 {
-        let Some(i) = (0..self.shared.len()).min_by_key(|&i| self.shared[i].0) else { return 0 };
-        let (offset, n) = self.shared[i];
+    /// (see `QuotaLeases::take_back` for why that one): how many, and how
+    /// many of those are the lease's again (none of a share a reset forgot:
+    /// they are no longer counted anywhere).
+    fn take_back_earliest(&mut self, units: u32) -> (u32, u32) {
+        let Some(i) = (0..self.shared.len()).min_by_key(|&i| self.shared[i].offset) else { return (0, 0) };
+        let Share { offset, units: n, forgotten } = self.shared[i];
+        if forgotten {
+            let taken = n.min(units);
+            if taken == n {
+                self.shared.swap_remove(i);
+            } else {
+                self.shared[i].units = n - taken;
+            }
+            return (taken, 0);
+        }
         let mut taken = 0;
         while taken < n.min(units) {
             // Unit order means nothing in Redis (members are named by
@@ -247,9 +272,45 @@ impl QuotaLease {
         if taken == n {
             self.shared.swap_remove(i);
         } else {
-            self.shared[i].1 = n - taken;
+            self.shared[i].units = n - taken;
         }
-        taken
+        (taken, taken)
+    }
+
+    /// Forgets what an admin reset that ran at `at_ms` on Redis's clock
+    /// (the script's `now`, the clock `t0_ms` is read on) removed: the
+    /// admissions provably before it, and the worker shares whose deadline
+    /// was before it. A unit used at offset `o` was admitted before
+    /// `(t0 + o + 1)` ms (t0 is whole ms, up to 1 ms behind the script's
+    /// start; `o` rounds the elapsed time up with the clocks' margin), so
+    /// `t0 + o < at_ms` means before the reset; every admission after it
+    /// has `t0 + o >= at_ms` and is kept. Applied late (the change log's
+    /// refresh) or twice, it forgets nothing after the reset: exact either
+    /// way. The units forgotten are the lease's again (their members are
+    /// still in Redis, scored `t0 + life`, after the reset's now, which
+    /// kept them); with `t0 + life <= at_ms` the reset removed every member,
+    /// and the lease holds nothing more. Leases of the O(1) algorithms
+    /// carry no Redis time: they forget nothing (their admissions count
+    /// until the window ends: under-admission only). Units forgotten.
+    pub fn forget_before(&mut self, at_ms: u64) -> u32 {
+        if self.reserve.is_some() {
+            return 0;
+        }
+        let before = self.used();
+        if self.t0_ms + u64::from(self.life_ms) <= at_ms {
+            for s in &mut self.shared {
+                s.forgotten = true;
+            }
+            self.offsets.clear();
+            (self.granted, self.reserved) = (0, 0);
+            return before;
+        }
+        let cut = at_ms.saturating_sub(self.t0_ms);
+        for s in self.shared.iter_mut().filter(|s| u64::from(s.offset) < cut) {
+            s.forgotten = true;
+        }
+        self.offsets.retain(|&o| u64::from(o) >= cut);
+        before - self.used()
     }
 
     /// Its units reserved in Redis that nothing used (its settle, or a
@@ -258,9 +319,10 @@ impl QuotaLease {
         self.reserved - self.used()
     }
 
-    /// Units of its worker shares not given back.
+    /// Units of its worker shares not given back (those a reset forgot
+    /// too: their give-back may still come, and must find them).
     pub fn shared_out(&self) -> u32 {
-        self.shared.iter().map(|&(_, n)| n).sum()
+        self.shared.iter().map(|s| s.units).sum()
     }
 
     /// The key's room outside the lease plus its units left.
@@ -732,12 +794,13 @@ impl QuotaLeases {
                 Some(0) if s.lease.is_some() => s.lease.as_mut().expect("checked"),
                 Some(_) => s.next.as_mut().expect("counted above"),
             };
-            let back = lease.take_back_earliest(units - taken);
+            let (back, regained) = lease.take_back_earliest(units - taken);
             if back == 0 {
                 break;
             }
             taken += back;
             if i < retired {
+                let back = regained;
                 // It admits no more: the units it took back are removed
                 // from Redis now, not at its settle (they would be refused
                 // until then); with all its shares back, it is settled.
@@ -758,6 +821,35 @@ impl QuotaLeases {
             }
         }
         (taken, s.lease.as_ref().map_or(0, QuotaLease::remaining))
+    }
+
+    /// An admin reset of (`key`, `window_ms`) ran at `at_ms` on Redis's
+    /// clock: every lease of the key forgets the admissions and worker
+    /// shares before it (`QuotaLease::forget_before`), so that their settles
+    /// do not put the admissions the reset removed back into the window. The
+    /// units forgotten are the lease in hand's again; those of the leases
+    /// that admit no more are removed from Redis now (a trim, or their
+    /// settle once no share is out), after the key's lease call in flight
+    /// if there is one (`lease_call` trims then). A settle already in
+    /// flight is not reached: its admissions stay counted (under-admission,
+    /// one lease at most). Log leases only: see `forget_before`.
+    pub fn forget_before(self: &Arc<Self>, key: &[u8], window_ms: u32, at_ms: u64) {
+        let fp = self.fingerprint(&LimitSpec { key, limit: 0, window_ms, cost: 0 }, Algorithm::Log);
+        let mut slot = self.slot(fp);
+        if slot.fp != fp {
+            return;
+        }
+        let s = &mut *slot;
+        let forgotten: u32 = s.retired.iter_mut().chain(s.lease.as_mut()).chain(s.next.as_mut()).map(|l| l.forget_before(at_ms)).sum();
+        if forgotten == 0 || s.refilling {
+            return;
+        }
+        self.settle_due(s, key, window_ms);
+        for at in 0..s.retired.len() {
+            if s.retired[at].reserved_unused() > 0 {
+                self.trim_in(s, at, key, window_ms);
+            }
+        }
     }
 
     /// The request that was to ask for a lease was answered otherwise.
@@ -1113,6 +1205,52 @@ mod tests {
         assert_eq!(l.admit(8_000, 100, 19).map(|v| v.remaining), Some(40));
         assert!(l.share(8_000, 100, 1, 1, 30).is_none(), "spent");
         assert_eq!(l.take_back(1), 0);
+    }
+
+    #[test]
+    fn a_reset_forgets_the_admissions_and_shares_before_it_and_no_later_one() {
+        // t0 = 1,000,000 ms, sent at 5 ms local, life 250 ms, 20 units.
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
+        // Own admissions at 1, 3 and 10 ms after the send (offsets 1, 3, 11
+        // with the margin), a share valid 20 ms from 2 ms after the send
+        // (deadline offset 23), a share valid 100 ms (offset 103).
+        for now in [6_000, 8_000] {
+            assert!(l.admit(now, 100, 1).is_some());
+        }
+        assert_eq!(l.share(7_000, 100, 4, 1, 20).map(|s| s.units), Some(4));
+        assert!(l.admit(15_000, 100, 1).is_some());
+        assert_eq!(l.share(7_000, 100, 5, 1, 100).map(|s| s.units), Some(5));
+        assert_eq!(l.used(), 12);
+        // A reset at t0 + 11: offsets 1 and 3 were before it; 11 may not
+        // have been (t0 is up to 1 ms behind the script's start); the share
+        // whose deadline is offset 23 neither.
+        assert_eq!(l.forget_before(1_000_011), 2);
+        assert_eq!((l.used(), l.shared_out(), l.remaining()), (10, 9, 40 + 10));
+        // Again later, or twice: nothing after the reset is forgotten.
+        assert_eq!(l.forget_before(1_000_011), 0);
+        assert!(l.admit(30_000, 100, 1).is_some(), "offset 26, after the reset");
+        // A reset at t0 + 24: the own admission at 11 and the 4 units of the
+        // share that ended at 23 (forgotten: a give-back of them finds no
+        // unit to free); the one at 26 and the share ending at 103 stay.
+        assert_eq!(l.forget_before(1_000_024), 5);
+        assert_eq!((l.used(), l.shared_out()), (6, 9), "the forgotten share waits for its give-back");
+        assert_eq!(l.take_back(3), 3, "taken from the forgotten share, the earliest");
+        assert_eq!((l.used(), l.shared_out()), (6, 6), "no unit of a live share freed");
+        assert_eq!(l.take_back(3), 3);
+        assert_eq!((l.used(), l.shared_out()), (4, 3), "the forgotten share's last unit, then two of the live share's");
+        let scores: Vec<u64> = l.used_scores().collect();
+        assert_eq!(scores.iter().filter(|&&s| s == 1_000_103).count(), 3, "{scores:?}");
+        assert!(scores.contains(&1_000_026));
+        // A reset at or after t0 + life removed every member of the lease:
+        // it admits, shares and settles nothing more.
+        assert_eq!(l.forget_before(1_000_250), 4);
+        assert!(l.admit(30_000, 100, 1).is_none());
+        assert!(l.share(30_000, 100, 1, 1, 100).is_none());
+        assert_eq!((l.used(), l.granted(), l.used_scores().count()), (0, 0, 0));
+        // A reserved lease carries no Redis time: nothing forgotten.
+        let mut r = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 398, 20, 40);
+        assert!(r.admit(6_000, 100, 1).is_some());
+        assert_eq!(r.forget_before(u64::MAX), 0);
     }
 
     #[test]
