@@ -225,6 +225,9 @@ impl Limiter {
         };
         if taken > 0 {
             METRICS.share_units_given_back(taken);
+            if let Some(p) = item.policy {
+                p.counters.share_given_back(taken);
+            }
         }
         Response {
             decision: Decision::Allowed,
@@ -256,6 +259,9 @@ impl Limiter {
             ShareAnswer::NoUnits { ask_again_ms } => (WorkerShare { units: 0, valid_ms: 0, remaining: 0 }, ask_again_ms),
         };
         METRICS.lease_share(share.units);
+        if let (Some(p), true) = (item.policy, share.units > 0) {
+            p.counters.shared(share.units);
+        }
         Response {
             decision: Decision::Allowed,
             source: Source::Redis,
