@@ -367,6 +367,10 @@ pub struct ResetWindow {
     /// Units of quota leases, worker shares or reservations outstanding,
     /// kept counting (a log window only).
     pub kept_outstanding: u64,
+    /// When it ran, on the clock of the Redis holding the window (ms): the
+    /// quota leases forget the admissions before it (a log window; 0 for
+    /// the others, whose leases carry no Redis time).
+    pub at_ms: u64,
 }
 
 /// Resets every window of `target` (every shard's of a sharded policy, a
@@ -382,13 +386,16 @@ pub async fn reset(cfg: &RedisConfig, secrets: &RedisSecrets, policies: &[Policy
     let mut conn = connect(cfg, secrets).await?;
     let mut out = Vec::new();
     for Found { key, redis_key, window_ms, counter, .. } in found(&mut conn, cfg, policies, target).await? {
-        let (removed, kept_outstanding) = match counter {
+        let (removed, kept_outstanding, at_ms) = match counter {
             Counter::Window(Algorithm::Log) => redis::cmd("EVAL").arg(scripts::RESET_LOG).arg(1).arg(&redis_key).query_async(&mut conn).await?,
-            Counter::Window(a @ (Algorithm::Fixed | Algorithm::SlidingCounter)) => reset_counter(&mut conn, &redis_key, window_ms, a).await?,
-            _ => (redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?, 0),
+            Counter::Window(a @ (Algorithm::Fixed | Algorithm::SlidingCounter)) => {
+                let (removed, kept) = reset_counter(&mut conn, &redis_key, window_ms, a).await?;
+                (removed, kept, 0)
+            }
+            _ => (redis::cmd("DEL").arg(&redis_key).query_async(&mut conn).await?, 0, 0),
         };
         if removed > 0 || kept_outstanding > 0 {
-            out.push(ResetWindow { key, redis_key, window_ms, removed: removed > 0, kept_outstanding });
+            out.push(ResetWindow { key, redis_key, window_ms, removed: removed > 0, kept_outstanding, at_ms });
         }
     }
     Ok(out)

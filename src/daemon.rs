@@ -469,10 +469,13 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     // The admin API's overrides: one table for the process's life, kept
     // equal to Redis's by a background task (never on the request path).
     let live = Arc::new(LiveOverrides::default());
-    if let Some(r) = &cfg.redis {
-        tokio::spawn(admin_api::store::refresh(r.clone(), resolved.redis.clone(), live.clone(), cfg.admin.overrides_refresh, background.clone()));
-    }
     let (reloadable_tx, reloadable_rx) = watch::channel(reloadable(&cfg, &active, &local, &live, None));
+    if let Some(r) = &cfg.redis {
+        // Resets reach the limiter in force when they are read.
+        let current = reloadable_rx.clone();
+        let on_reset = move |w: &admin_api::changes::WindowReset| current.borrow().limiter.window_reset(&w.key, w.window_ms, w.at_ms);
+        tokio::spawn(admin_api::store::refresh(r.clone(), resolved.redis.clone(), live.clone(), on_reset, cfg.admin.overrides_refresh, background.clone()));
+    }
     let (view_tx, view_rx) = watch::channel(Arc::new(View { config: cfg.clone(), secrets: resolved.redis.clone() }));
     // Every check that can fail before any socket file is touched: a second
     // daemon started with a running one's configuration exits here, leaving

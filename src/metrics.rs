@@ -121,6 +121,7 @@ pub struct Metrics {
     lease_share_requests: AtomicU64,
     lease_shares: AtomicU64,
     lease_share_units: AtomicU64,
+    lease_share_units_given_back: AtomicU64,
     lease_units_granted: AtomicU64,
     lease_units_returned: AtomicU64,
 }
@@ -168,6 +169,7 @@ impl Metrics {
             lease_share_requests: ZERO,
             lease_shares: ZERO,
             lease_share_units: ZERO,
+            lease_share_units_given_back: ZERO,
             lease_units_granted: ZERO,
             lease_units_returned: ZERO,
         }
@@ -181,6 +183,12 @@ impl Metrics {
             self.lease_shares.fetch_add(1, Ordering::Relaxed);
             self.lease_share_units.fetch_add(u64::from(units), Ordering::Relaxed);
         }
+    }
+
+    /// `units` of worker shares given back unused and taken back into
+    /// their lease.
+    pub fn share_units_given_back(&self, units: u32) {
+        self.lease_share_units_given_back.fetch_add(u64::from(units), Ordering::Relaxed);
     }
 
     /// A quota lease of `units` reserved in Redis.
@@ -350,7 +358,7 @@ impl Metrics {
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_bucket{{le=\"+Inf\"}} {cumulative}");
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_sum {}", get(&self.redis_latency_sum_us) as f64 / 1e6);
         let _ = writeln!(out, "ratelimitd_redis_call_seconds_count {cumulative}");
-        let counters: [(&str, &str, &AtomicU64); 20] = [
+        let counters: [(&str, &str, &AtomicU64); 21] = [
             ("ratelimitd_noscript_reloads_total", "Calls that met NOSCRIPT and waited for a reload.", &self.noscript_reloads),
             ("ratelimitd_coalesced_requests_total", "Requests decided in a batched Redis call with others of their key, rather than a call of their own.", &self.coalesced),
             ("ratelimitd_script_loads_total", "Successful SCRIPT LOADs (start-up, reconnects, NOSCRIPT).", &self.script_loads),
@@ -368,9 +376,10 @@ impl Metrics {
             ("ratelimitd_settle_retries_dropped_total", "Settles not retried: the retry queue full, or their record's life (24 h) over; their reserves stay charged their estimates.", &self.settle_retries_dropped),
             ("ratelimitd_lease_share_requests_total", "LEASE_SHAREs (op 10) answered, with units or without (errors excluded).", &self.lease_share_requests),
             ("ratelimitd_lease_shares_total", "LEASE_SHAREs (op 10) that handed units of a quota lease to an nginx worker's shared dict.", &self.lease_shares),
-            ("ratelimitd_lease_share_units_total", "Units of quota leases handed to nginx workers (each counted in Redis as used at the latest time a worker may use it).", &self.lease_share_units),
+            ("ratelimitd_lease_share_units_total", "Units of quota leases handed to nginx workers (each counted in Redis as used at the latest time a worker may use it, unless given back).", &self.lease_share_units),
+            ("ratelimitd_lease_share_units_given_back_total", "Units of worker shares that no worker used, given back by nginx before their deadline and taken back into their lease.", &self.lease_share_units_given_back),
             ("ratelimitd_lease_units_granted_total", "Units of a key's quota reserved in Redis by quota leases.", &self.lease_units_granted),
-            ("ratelimitd_lease_units_returned_total", "Units of quota leases given back unused at their settle (granted - returned - shared: admitted by the daemon).", &self.lease_units_returned),
+            ("ratelimitd_lease_units_returned_total", "Units of quota leases given back unused at their settle (granted - returned - (shared - given back): admitted by the daemon).", &self.lease_units_returned),
         ];
         for (name, help, n) in counters {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(n));

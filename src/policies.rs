@@ -92,6 +92,11 @@ pub fn unknown_requests() -> u64 {
 #[derive(Debug, Default)]
 pub struct PolicyCounters {
     outcomes: [AtomicU64; Outcome::ALL.len()],
+    /// Units of worker shares handed to nginx and given back unused: the
+    /// requests nginx admitted from shares (never sent to the daemon) are
+    /// the difference.
+    share_units: AtomicU64,
+    share_units_given_back: AtomicU64,
     last_used: AtomicU64,
     /// The use clock when nginx last described this policy (DESCRIBE_POLICY
     /// at worker start): nginx names it, so a reload must not drop it even
@@ -143,6 +148,21 @@ impl PolicyCounters {
 
     pub fn get(&self, o: Outcome) -> u64 {
         self.outcomes[o as usize].load(Ordering::Relaxed)
+    }
+
+    /// `units` of the policy's key handed to a worker's share (op 10).
+    pub fn shared(&self, units: u32) {
+        self.share_units.fetch_add(u64::from(units), Ordering::Relaxed);
+    }
+
+    /// `units` of a worker share given back unused.
+    pub fn share_given_back(&self, units: u32) {
+        self.share_units_given_back.fetch_add(u64::from(units), Ordering::Relaxed);
+    }
+
+    /// (units handed to worker shares, units given back), since start.
+    pub fn share_units(&self) -> (u64, u64) {
+        (self.share_units.load(Ordering::Relaxed), self.share_units_given_back.load(Ordering::Relaxed))
     }
 }
 
@@ -312,6 +332,15 @@ impl Policies {
             for o in Outcome::ALL {
                 let _ = writeln!(out, "ratelimitd_policy_requests_total{{policy=\"{}\",outcome=\"{}\"}} {}", p.name, o.as_str(), p.counters.get(o));
             }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP ratelimitd_policy_share_units_total Units of worker shares of the policy's keys handed to nginx, and given back unused; handed less given back is the requests nginx admitted from shares, which never reach the daemon.\n# TYPE ratelimitd_policy_share_units_total counter"
+        );
+        for p in &self.list {
+            let (handed, given_back) = p.counters.share_units();
+            let _ = writeln!(out, "ratelimitd_policy_share_units_total{{policy=\"{}\",outcome=\"handed\"}} {handed}", p.name);
+            let _ = writeln!(out, "ratelimitd_policy_share_units_total{{policy=\"{}\",outcome=\"given_back\"}} {given_back}", p.name);
         }
         let penalized = || self.list.iter().filter(|p| p.rule.penalty.is_some());
         if penalized().next().is_some() {

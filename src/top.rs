@@ -133,6 +133,10 @@ fn quantile(bounds_us: &[u64], delta: &[u64], q: f64) -> Option<f64> {
     bounds_us.last().map(|&b| b as f64)
 }
 
+/// The outcome `top` adds to a policy's: requests nginx admitted from
+/// worker shares (never sent to the daemon), in the "admit" column.
+pub const FROM_SHARES: &str = "admitted_from_shares";
+
 impl View {
     /// The rates between `old` and `new`; if the daemon restarted in
     /// between, since its start.
@@ -154,8 +158,15 @@ impl View {
             .iter()
             .map(|p| {
                 let before = old.policies.iter().find(|o| o.name == p.name);
-                let per_s = p.outcomes.iter().map(|(o, &n)| (o.clone(), rate(before.and_then(|b| b.outcomes.get(o)).copied().unwrap_or(0), n))).collect();
-                PolicyRates { name: p.name.clone(), limit: p.limit, window_ms: p.window_ms, shadow: p.shadow, per_s, total: p.outcomes.clone() }
+                let mut per_s: BTreeMap<String, f64> = p.outcomes.iter().map(|(o, &n)| (o.clone(), rate(before.and_then(|b| b.outcomes.get(o)).copied().unwrap_or(0), n))).collect();
+                let mut total = p.outcomes.clone();
+                // nginx's admissions from worker shares: units handed less
+                // units given back (two counters, each rising).
+                let handed = rate(before.map_or(0, |b| b.share_units), p.share_units);
+                let given_back = rate(before.map_or(0, |b| b.share_units_given_back), p.share_units_given_back);
+                per_s.insert(FROM_SHARES.into(), (handed - given_back).max(0.0));
+                total.insert(FROM_SHARES.into(), p.share_units.saturating_sub(p.share_units_given_back));
+                PolicyRates { name: p.name.clone(), limit: p.limit, window_ms: p.window_ms, shadow: p.shadow, per_s, total }
             })
             .collect();
         View {
@@ -216,7 +227,7 @@ impl View {
         line(String::new());
         // The outcomes, per second; local = the fallback quota's decisions.
         const COLS: [(&str, &[&str]); 9] = [
-            ("admit", &["admitted"]),
+            ("admit", &["admitted", FROM_SHARES]),
             ("refuse", &["refused"]),
             ("cached", &["refused_from_cache"]),
             ("shadow", &["shadow_refused"]),
@@ -353,7 +364,7 @@ mod tests {
             redis_in_flight_limit: 64,
             decisions: vec![DecisionCount { decision: "allowed".into(), source: "redis".into(), count: allowed }],
             redis_latency: Histogram { bounds_us: vec![100, 250], counts: calls.to_vec(), sum_us: 0 },
-            policies: vec![PolicyCounts { name: "order".into(), limit: 5, window_ms: 1000, shadow: false, outcomes: BTreeMap::from([("admitted".into(), admitted)]) }],
+            policies: vec![PolicyCounts { name: "order".into(), limit: 5, window_ms: 1000, shadow: false, outcomes: BTreeMap::from([("admitted".into(), admitted)]), share_units: 0, share_units_given_back: 0 }],
             unknown_policy_requests: 0,
             top_refused: TopRefusedDoc { window_ms: 0, recorded: 0, skipped: 0, k: 64, keys: vec![] },
             bans: vec![],

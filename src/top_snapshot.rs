@@ -102,6 +102,13 @@ pub struct PolicyCounts {
     pub shadow: bool,
     /// Requests by outcome (`policies::Outcome` names), cumulative.
     pub outcomes: BTreeMap<String, u64>,
+    /// Units of worker shares handed to nginx, and given back unused,
+    /// cumulative: nginx admitted the difference (absent from a daemon
+    /// that predates shares).
+    #[serde(default)]
+    pub share_units: u64,
+    #[serde(default)]
+    pub share_units_given_back: u64,
 }
 
 /// The most refused keys of the window (space-saving summaries: see
@@ -218,6 +225,8 @@ pub fn build(breaker_open: Option<bool>, policies: &Policies, live: &LiveOverrid
                 window_ms: crate::window::nominal_window_ms(p.rule.window_ms),
                 shadow: p.rule.shadow,
                 outcomes: Outcome::ALL.iter().map(|o| (o.as_str().to_string(), p.counters.get(*o))).collect(),
+                share_units: p.counters.share_units().0,
+                share_units_given_back: p.counters.share_units().1,
             })
             .collect(),
         unknown_policy_requests: policies::unknown_requests(),

@@ -12,7 +12,7 @@
 //! cache) are layers of the pipeline (`decision::layers`); the store tells
 //! them of every removal it makes (refunds, settles, leases given back:
 //! `RedisWindow::set_denial_cache`), and the admin API of the resets it
-//! makes (`Limiter::window_changed`).
+//! makes (`Limiter::window_reset`).
 
 use std::sync::Arc;
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use common::{Daemon, RedisServer};
 use ratelimitd::client::Client;
-use ratelimitd::protocol::{encode_lease_share, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, Source, MAX_SHARE_UNITS};
+use ratelimitd::protocol::{encode_give_back, encode_lease_share, Decision, ErrorCode, FailPolicy, PolicyCheckArgs, Source, MAX_SHARE_UNITS};
 use ratelimitd::MAX_SHARE_MS;
 
 const POLICIES: &str = "[[policy]]\nname = \"order\"\nlimit = 3000\nwindow = \"1m\"\n[policy.overrides]\n\"vip\" = \"unlimited\"\n\
@@ -100,7 +100,7 @@ async fn lease_share_frames_have_the_documented_bytes_and_hostile_ones_get_their
         (control, ErrorCode::InvalidKey),
         (short, ErrorCode::Malformed),
         (with(4 + 6, &[0, 4]), ErrorCode::UnsupportedFlags),
-        (with(4 + 6, &[0, 1]), ErrorCode::UnsupportedFlags),
+        (with(4 + 6, &[0, 3]), ErrorCode::UnsupportedFlags),
         (with(4 + 8, &[3]), ErrorCode::InvalidPolicy),
         (with(4 + 9, &[2]), ErrorCode::UnsupportedLimitCount),
         (with(4 + 9, &[0]), ErrorCode::UnsupportedLimitCount),
@@ -133,10 +133,97 @@ async fn lease_share_frames_have_the_documented_bytes_and_hostile_ones_get_their
     }
 }
 
+/// Units of a share no worker used, given back (LEASE_SHARE with flag
+/// `0x0001`, or an inline limit's CHECK with `0x3000`; docs/PROTOCOL.md
+/// 4h): the documented frames, hostile ones get their code, the daemon
+/// takes back no more than its shares of the key hold, and once the lease
+/// settled Redis's record holds the units used only: the rest of the limit
+/// is admitted, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn units_given_back_are_free_again_and_redis_records_only_the_units_used() {
+    use ratelimitd::protocol::{encode_inline_give_back, CheckArgs, MAX_GIVE_BACK_UNITS};
+    let redis = RedisServer::start();
+    let d = Daemon::start_config(&config(&redis));
+    let mut c = d.client().await;
+    // Id 7, fail policy open, 16 units of policy `order`, key `t1`, given
+    // back; and an inline limit's: fail policy closed, limit 1000, window
+    // 1000 ms, 16 units, key `t1`.
+    let policy = hex("0000001c010a000000070001000100000000000000100002056f726465727431");
+    let inline = hex("0000001e01010000000730000101000003e8000003e8000000100000000000027431");
+    let mut encoded = BytesMut::new();
+    encode_give_back(7, &PolicyCheckArgs { on_error: FailPolicy::Open, ..args("order", "t1", 16) }, &mut encoded);
+    assert_eq!(&encoded[..], &policy[..], "the encoder writes the documented bytes");
+    let inline_args = |key: &'static str, window_ms: u32, cost: u32| CheckArgs { key: key.as_bytes(), limit: 1000, window_ms, cost, on_error: FailPolicy::Closed, local_limit: 0 };
+    encoded.clear();
+    encode_inline_give_back(7, &inline_args("t1", 1000, 16), &mut encoded);
+    assert_eq!(&encoded[..], &inline[..], "the encoder writes the documented bytes");
+    // Nothing shared: nothing taken back, nothing recorded.
+    for (frame, op) in [(&policy, 10), (&inline, 1)] {
+        c.send_raw(frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.op, r.decision, r.error, r.count), (7, op, Decision::Allowed, ErrorCode::None, 0), "{}", r.message);
+    }
+    assert_eq!(zcard(&redis, "*t1*"), 0, "a give-back records nothing");
+    let with = |bytes: &[u8], at: usize, b: &[u8]| {
+        let mut v = bytes.to_vec();
+        v[at..at + b.len()].copy_from_slice(b);
+        v
+    };
+    let cases = [
+        (with(&policy, 4 + 14, &0u32.to_be_bytes()), ErrorCode::InvalidCost),
+        (with(&policy, 4 + 14, &(MAX_GIVE_BACK_UNITS + 1).to_be_bytes()), ErrorCode::InvalidCost),
+        (with(&policy, 4 + 6, &[0, 3]), ErrorCode::UnsupportedFlags),
+        (with(&inline, 4 + 18, &0u32.to_be_bytes()), ErrorCode::InvalidCost),
+        (with(&inline, 4 + 18, &(MAX_GIVE_BACK_UNITS + 1).to_be_bytes()), ErrorCode::InvalidCost),
+        // The give-back bit without the share bit.
+        (with(&inline, 4 + 6, &[0x20]), ErrorCode::UnsupportedFlags),
+    ];
+    for (frame, code) in cases {
+        c.send_raw(&frame).await.unwrap();
+        let r = c.read_response().await.unwrap();
+        assert_eq!((r.id, r.decision, r.error, r.count), (7, Decision::Error, code, 0), "{frame:02x?}: {}", r.message);
+        let after = c.check_policy(&args("order", "after-error", 1)).await.unwrap();
+        assert_eq!(after.decision, Decision::Allowed, "the stream stays in sync");
+    }
+
+    // A policy's key: 12 admissions, a share, half of it used.
+    make_hot(&mut c, "order", "gb").await;
+    let s = c.lease_share(&args("order", "gb", 64)).await.unwrap();
+    assert!(s.count >= 2, "a share: {} units, {}", s.count, s.message);
+    let used = s.count / 2;
+    let r = give_back(&mut c, "order", "gb", s.count - used).await;
+    assert_eq!(r.count, s.count - used, "the units given back are taken back");
+    let r = give_back(&mut c, "order", "gb", s.count).await;
+    assert_eq!(r.count, used, "no more than the shares out: the daemon's own admissions stay");
+    // An inline limit's key (a 4 s window: its lease lives 1 s): the same.
+    for _ in 0..12 {
+        assert_eq!(c.check(&inline_args("t3", 4000, 1)).await.unwrap().decision, Decision::Allowed);
+    }
+    let s3 = c.inline_share(&inline_args("t3", 4000, 64)).await.unwrap();
+    assert!(s3.count >= 1, "a share: {}", s3.message);
+    let mut frame = BytesMut::new();
+    encode_inline_give_back(8, &inline_args("t3", 4000, s3.count), &mut frame);
+    c.send_raw(&frame).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.op, r.error, r.count), (8, 1, ErrorCode::None, s3.count), "{}", r.message);
+    // The leases settle within their life (1 s): the units given back are
+    // not in Redis's record, and a give-back after the settle takes nothing.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(zcard(&redis, "*order*gb*"), 12, "the 12 admissions; the share's units all came back");
+    assert_eq!(zcard(&redis, "*{t3}:4000ms"), 12);
+    assert_eq!(give_back(&mut c, "order", "gb", 1).await.count, 0, "settled: nothing to take back");
+    let mut more = 0;
+    while c.check_policy(&args("order", "gb", 1)).await.unwrap().decision == Decision::Allowed {
+        more += 1;
+    }
+    assert_eq!(more, 3000 - 12, "the rest of the limit, exactly");
+}
+
 /// One simulated nginx worker: it admits from its share while the share
 /// has units and time (the shared-dict rule of lua/resty/ratelimitd/share.lua,
-/// timed on the same monotonic clock), else asks the daemon per request,
-/// and asks for a share after an admission.
+/// timed on the same monotonic clock), gives the units left back when the
+/// deadline is within `RENEW` (share.lua's RENEW_MS), else asks the daemon
+/// per request, and asks for a share after an admission.
 struct Tally {
     attempts: AtomicU64,
     admitted: AtomicU64,
@@ -145,20 +232,49 @@ struct Tally {
     refused: AtomicU64,
     share_units: AtomicU64,
     wasted: AtomicU64,
+    given_back: AtomicU64,
+}
+
+const RENEW: Duration = Duration::from_millis(8);
+
+/// Gives `units` of a share of `policy`'s `key` back: the daemon's answer.
+async fn give_back(c: &mut Client, policy: &str, key: &str, units: u32) -> ratelimitd::protocol::Response {
+    let mut frame = BytesMut::new();
+    encode_give_back(9, &args(policy, key, units), &mut frame);
+    c.send_raw(&frame).await.unwrap();
+    let r = c.read_response().await.unwrap();
+    assert_eq!((r.id, r.op, r.error), (9, 10, ErrorCode::None), "{}", r.message);
+    r
+}
+
+/// A worker's share ended with `units` left: given back, and what the
+/// daemon did not take back counted unused.
+async fn end_share(c: &mut Client, key: &str, units: u32, t: &Tally) {
+    if units > 0 {
+        t.round_trips.fetch_add(1, Ordering::Relaxed);
+        let taken = give_back(c, "order", key, units).await.count;
+        t.given_back.fetch_add(u64::from(taken), Ordering::Relaxed);
+        t.wasted.fetch_add(u64::from(units - taken), Ordering::Relaxed);
+    }
 }
 
 async fn worker(mut c: Client, key: &'static str, until_attempts: u64, t: Arc<Tally>) {
     let mut share: Option<(u32, Instant)> = None;
     while t.attempts.fetch_add(1, Ordering::Relaxed) < until_attempts {
-        if let Some((units, deadline)) = share.as_mut() {
-            if *units > 0 && Instant::now() < *deadline {
-                *units -= 1;
+        if let Some((units, deadline)) = share {
+            let now = Instant::now();
+            if units > 0 && now + RENEW < deadline {
+                share = Some((units - 1, deadline));
                 t.admitted.fetch_add(1, Ordering::Relaxed);
                 t.from_shares.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            t.wasted.fetch_add(u64::from(*units), Ordering::Relaxed);
             share = None;
+            if now < deadline {
+                end_share(&mut c, key, units, &t).await;
+            } else {
+                t.wasted.fetch_add(u64::from(units), Ordering::Relaxed);
+            }
         }
         t.round_trips.fetch_add(1, Ordering::Relaxed);
         let r = c.check_policy(&args("order", key, 1)).await.unwrap();
@@ -176,8 +292,12 @@ async fn worker(mut c: Client, key: &'static str, until_attempts: u64, t: Arc<Ta
             share = Some((s.count, sent + Duration::from_millis(u64::from(s.retry_after_ms))));
         }
     }
-    if let Some((units, _)) = share {
-        t.wasted.fetch_add(u64::from(units), Ordering::Relaxed);
+    if let Some((units, deadline)) = share {
+        if Instant::now() < deadline {
+            end_share(&mut c, key, units, &t).await;
+        } else {
+            t.wasted.fetch_add(u64::from(units), Ordering::Relaxed);
+        }
     }
 }
 
@@ -185,7 +305,7 @@ async fn worker(mut c: Client, key: &'static str, until_attempts: u64, t: Arc<Ta
 async fn workers_admit_a_hot_key_from_shares_and_redis_never_records_more_than_the_limit() {
     let redis = RedisServer::start();
     let (a, b) = (Daemon::start_config(&config(&redis)), Daemon::start_config(&config(&redis)));
-    let t = Arc::new(Tally { attempts: 0.into(), admitted: 0.into(), from_shares: 0.into(), round_trips: 0.into(), refused: 0.into(), share_units: 0.into(), wasted: 0.into() });
+    let t = Arc::new(Tally { attempts: 0.into(), admitted: 0.into(), from_shares: 0.into(), round_trips: 0.into(), refused: 0.into(), share_units: 0.into(), wasted: 0.into(), given_back: 0.into() });
     let mut tasks = Vec::new();
     for i in 0..6 {
         let c = if i % 2 == 0 { a.client().await } else { b.client().await };
@@ -195,9 +315,10 @@ async fn workers_admit_a_hot_key_from_shares_and_redis_never_records_more_than_t
         task.await.unwrap();
     }
     let (admitted, from_shares, trips, units, wasted) = (t.admitted.load(Ordering::Relaxed), t.from_shares.load(Ordering::Relaxed), t.round_trips.load(Ordering::Relaxed), t.share_units.load(Ordering::Relaxed), t.wasted.load(Ordering::Relaxed));
+    let given_back = t.given_back.load(Ordering::Relaxed);
     let refused = t.refused.load(Ordering::Relaxed);
     let per_admission = (trips - refused) as f64 / admitted as f64;
-    eprintln!("6000 attempts, limit 3000: admitted {admitted} ({from_shares} from shares of {units} units, {wasted} unused), {trips} daemon round trips ({refused} refused, {per_admission:.3} per admission)");
+    eprintln!("6000 attempts, limit 3000: admitted {admitted} ({from_shares} from shares of {units} units, {given_back} given back, {wasted} unused and not given back), {trips} daemon round trips ({refused} refused, {per_admission:.3} per admission)");
     // Nothing is leased within the last quarter of the limit: those 750
     // admissions cost a check and a share request that gets nothing each
     // (this worker asks after every admission; the Lua client waits 100 ms),
@@ -205,13 +326,13 @@ async fn workers_admit_a_hot_key_from_shares_and_redis_never_records_more_than_t
     assert!(from_shares * 2 > admitted, "most admissions from shares: {from_shares} of {admitted}");
     assert!(per_admission < 0.7, "{per_admission} daemon round trips per admission with shares");
     assert!(admitted <= 3000, "over-admission: {admitted} admitted at a limit of 3000");
-    assert_eq!(units, from_shares + wasted, "every share unit is used or counted unused");
+    assert_eq!(units, from_shares + given_back + wasted, "every share unit is used, given back or counted unused");
     assert!(from_shares > 0, "the workers admitted from shares");
     // Every lease settles within its life (1 s for a 1 min window).
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let recorded = zcard(&redis, "*order*hot-key*");
     assert!(recorded <= 3000, "Redis's record holds {recorded} at a limit of 3000");
-    assert_eq!(recorded, admitted + wasted, "Redis's record is every admission plus the share units no worker used (counted as used)");
+    assert_eq!(recorded, admitted + wasted, "Redis's record is every admission plus the share units no worker used and none gave back (counted as used)");
     // Near the limit leases and shares shrink to nothing: the rest of the
     // limit is admitted exactly, request by request.
     let mut c = a.client().await;

@@ -347,13 +347,9 @@ async fn run(backend: &Backend, daemons: usize, leases: bool) {
     let started = Instant::now();
     let limit = LIMIT_PER_DAEMON * daemons as u32;
     let config = Config { policies: policies(limit), inline: vec![], inline_leases: vec![], denial_cache: true };
-    // Leases on is the default (nothing said); off is the switch.
-    // (On a Cluster leases are off unless said.)
-    let switch = match (leases, backend) {
-        (true, Backend::Cluster(_)) => "quota_leases = true\n",
-        (true, _) => "",
-        (false, _) => "quota_leases = false\n",
-    };
+    // Leases on is the default (nothing said, on a Cluster too); off is
+    // the switch.
+    let switch = if leases { "" } else { "quota_leases = false\n" };
     let toml = format!("socket_mode = \"0600\"\n{}timeout_ms = 2000\n{switch}{}", backend.redis_table(), config.policies_toml());
     let ds: Vec<Daemon> = (0..daemons).map(|_| Daemon::start_config(&toml)).collect();
     let r = Arc::new(Run { leases, daemons, backend: backend.name() });

@@ -15,6 +15,9 @@ stub.now = function() return now_s end
 local phase = "access"
 stub.get_phase = function() return phase end
 local sent = {}
+-- ngx.timer.at's timers, run by hand: { delay, handler, args }.
+local timers = {}
+stub.timer = { at = function(delay, fn, ...) timers[#timers + 1] = { delay, fn, { ... } } return true end }
 local answer -- the 32 bytes of prefix and fixed fields the "daemon" answers
 package.loaded["resty.ratelimitd.cache"] = { mono_us = function() return now_us end }
 package.loaded["resty.ratelimitd.conn"] = {
@@ -67,8 +70,8 @@ end
 
 -- A policy limiter's fields share.lua reads, and its frame (policy.lua's).
 local lim = { _name_part = "\3hot", _policy = "hot", _header = wire.policy_header(0, "closed", 1, 0), _share_prefix = "\2\3hot" }
-function lim._share_frame(self, id, units, key)
-    return wire.lease_share(id, self._header, units, self._name_part, key)
+function lim._share_frame(self, id, units, key, back)
+    return wire.lease_share(id, self._header, units, self._name_part, key, back)
 end
 local admitted = { decision = "allowed", source = "redis", count = 10, remaining = 990 }
 
@@ -83,7 +86,7 @@ end
 
 describe("worker shares", function()
     before_each(function()
-        sent = {}
+        sent, timers = {}, {}
         -- Each test's keys start cold: the worker's counts are two
         -- generations of at most 1 s each.
         now_s = now_s + 10
@@ -204,10 +207,14 @@ describe("worker shares", function()
     it("admits only before the deadline: the send plus the validity, whole ms", function()
         local d = dict()
         refilled(d, "k", 1e9 + 999, 100, 200) -- sent at 1,000,000.999 ms: counted from 1,000,000 ms
+        -- Where no cosocket may be opened: the take within 8 ms of the
+        -- deadline gives nothing back, asks for nothing.
+        phase = "header_filter"
         now_us = 1e9 + 199999
         assert.is_not_nil(share.admit(lim, d, "k", 1))
         now_us = 1e9 + 200000
         assert.is_nil(share.admit(lim, d, "k", 1), "at the deadline")
+        phase = "access"
     end)
 
     it("adds to a live share under its earlier deadline, replaces a spent or late one, and waits after a refill that got nothing", function()
@@ -228,12 +235,15 @@ describe("worker shares", function()
         now_us = 1e9 + 5000
         share.refill(lim, d, "k", admitted)
         assert.equals(1000205 * 65536 + 80, d.values["\2\3hotk"])
-        -- Past its deadline with units left: replaced, the old ones burnt.
+        assert.near(0.198, timers[#timers][1], 1e-9, "the give-back timer of the new share, not the spent one's")
+        -- Past its deadline with units left: replaced, the old ones given
+        -- back (no take had them: takes after the deadline admit nothing).
         d:delete("\2\3hotk\4")
         now_us = 1e9 + 300000
         d.values["\2\3hotk"] = 1000205 * 65536 + 10
         share.refill(lim, d, "k", admitted)
         assert.equals(1000500 * 65536 + 80, d.values["\2\3hotk"])
+        assert.equals(wire.lease_share(7, lim._header, 10, "\3hot", "k", true), sent[#sent])
         local d2 = dict()
         refilled(d2, "k", 1e9, 0, 0)
         local asked = #sent
@@ -303,6 +313,69 @@ describe("worker shares", function()
         end
         share.refill(lim, d, "k", admitted)
         assert.equals(1000200 * 65536 + 100, d.values["\2\3hotk"], "exactly the 100 granted")
+    end)
+
+    it("gives the units no take had back before the deadline: by its timer, or by the take that renews the share", function()
+        local d = dict()
+        refilled(d, "k", 1e9, 20, 200)
+        assert.equals(1, #timers)
+        assert.near(0.198, timers[1][1], 1e-9, "2 ms before the deadline")
+        assert.is_not_nil(share.admit(lim, d, "k", 5))
+        local asked = #sent
+        timers[1][2](false, unpack(timers[1][3]))
+        assert.equals(asked + 1, #sent)
+        assert.equals(wire.lease_share(7, lim._header, 15, "\3hot", "k", true), sent[#sent], "the 15 left, flag 0x0001")
+        assert.equals(15, d.values["\2\3hotk"], "deadline 0: ...")
+        assert.is_nil(share.admit(lim, d, "k", 1), "... no take admits after the give-back")
+        -- A take within 8 ms of the deadline is admitted, gives the units
+        -- left back and asks for fresh ones; the timer then finds the
+        -- entry renewed and gives nothing.
+        local d2 = dict()
+        timers = {}
+        refilled(d2, "k", 1e9, 40, 200)
+        now_us = 1e9 + 193000
+        answer = granted(64, 500, 200, 60000)
+        asked = #sent
+        assert.is_not_nil(share.admit(lim, d2, "k", 1))
+        assert.equals(asked + 2, #sent)
+        assert.equals(wire.lease_share(7, lim._header, 39, "\3hot", "k", true), sent[asked + 1])
+        assert.equals(wire.lease_share(7, lim._header, 64, "\3hot", "k"), sent[asked + 2])
+        assert.equals(1000393 * 65536 + 64, d2.values["\2\3hotk"], "the fresh share under its own deadline")
+        assert.equals(2, #timers)
+        timers[1][2](false, unpack(timers[1][3]))
+        assert.equals(asked + 2, #sent, "renewed: nothing for the old share's timer")
+        assert.equals(1000393 * 65536 + 64, d2.values["\2\3hotk"])
+    end)
+
+    it("adds a share that ends first to the live one under its own deadline, with a timer for it", function()
+        local d = dict()
+        refilled(d, "k", 1e9, 20, 200)
+        d:delete("\2\3hotk\4")
+        now_us = 1e9 + 10000
+        answer = granted(50, 500, 100, 60000)
+        share.refill(lim, d, "k", admitted)
+        assert.equals(1000110 * 65536 + 70, d.values["\2\3hotk"], "the 20 and the 50 until the earlier deadline")
+        assert.equals(2, #timers)
+        assert.near(0.098, timers[2][1], 1e-9, "2 ms before the new deadline")
+        local asked = #sent
+        timers[1][2](false, unpack(timers[1][3]))
+        assert.equals(asked, #sent, "the old deadline's timer gives nothing")
+        timers[2][2](false, unpack(timers[2][3]))
+        assert.equals(wire.lease_share(7, lim._header, 70, "\3hot", "k", true), sent[#sent])
+    end)
+
+    it("gives nothing back while a take borrows, nor twice", function()
+        local d = dict()
+        refilled(d, "k", 1e9, 3, 200)
+        d:incr("\2\3hotk", -5) -- a take of 5 borrows and has not given back yet
+        local asked = #sent
+        timers[1][2](false, unpack(timers[1][3]))
+        assert.equals(asked, #sent, "a borrowed entry: nothing given back")
+        d:incr("\2\3hotk", 5)
+        assert.equals(1000200 * 65536 + 3, d.values["\2\3hotk"], "the entry as it was")
+        timers[1][2](false, unpack(timers[1][3]))
+        timers[1][2](false, unpack(timers[1][3]))
+        assert.equals(asked + 1, #sent, "given back once")
     end)
 
     it("waits after an error answer too (a daemon older than op 10)", function()

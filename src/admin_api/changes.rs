@@ -42,6 +42,9 @@ pub enum Kind {
     Override,
     /// A ban was lifted: the reader drops it from its ban cache.
     Lift,
+    /// A window was reset (`WindowReset`): the reader's caches and quota
+    /// leases forget what the reset removed.
+    Reset,
 }
 
 impl Kind {
@@ -49,6 +52,7 @@ impl Kind {
         match self {
             Self::Override => b'o',
             Self::Lift => b'l',
+            Self::Reset => b'r',
         }
     }
 }
@@ -260,9 +264,49 @@ fn change(entry: &[u8]) -> Option<Change> {
     let kind = match kind {
         b'o' => Kind::Override,
         b'l' => Kind::Lift,
+        b'r' => Kind::Reset,
         _ => return None,
     };
     Some(Change { kind, scoped: rest.get(NONCE_LEN..)?.to_vec() })
+}
+
+/// An admin reset of one window, as a `Kind::Reset` entry carries it:
+/// `<window_ms>:<at_ms>:<key>` (decimal; the key last, any bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowReset {
+    /// The key the daemon decides (`admin::ResetWindow::key`).
+    pub key: Vec<u8>,
+    pub window_ms: u32,
+    /// When it ran on the window's Redis clock; 0: unknown.
+    pub at_ms: u64,
+}
+
+impl WindowReset {
+    fn entry(&self) -> Vec<u8> {
+        let mut e = format!("{}:{}:", self.window_ms, self.at_ms).into_bytes();
+        e.extend_from_slice(&self.key);
+        e
+    }
+
+    /// The reset a `Kind::Reset` change's `scoped` carries; None for an
+    /// entry this daemon cannot read (ignored, as an unknown kind is).
+    pub fn parse(scoped: &[u8]) -> Option<Self> {
+        let mut parts = scoped.splitn(3, |&b| b == b':');
+        let mut number = || std::str::from_utf8(parts.next()?).ok()?.parse::<u64>().ok();
+        let (window_ms, at_ms) = (u32::try_from(number()?).ok()?, number()?);
+        Some(Self { key: parts.next()?.to_vec(), window_ms, at_ms })
+    }
+}
+
+/// Tells every daemon of the resets in `windows` (one entry each), so that
+/// they drop the admissions the reset removed from their caches and quota
+/// leases (the daemon that made it was told at once).
+pub async fn announce_resets(conn: &mut LinkConnection, key_prefix: &str, windows: &[crate::admin::ResetWindow]) -> Result<(), redis::RedisError> {
+    for w in windows {
+        let reset = WindowReset { key: w.key.clone(), window_ms: w.window_ms, at_ms: w.at_ms };
+        append(conn, key_prefix, Kind::Reset, &reset.entry()).await?;
+    }
+    Ok(())
 }
 
 /// The changes after `from` (`None`: a reader that knows nothing yet).
@@ -294,5 +338,19 @@ mod tests {
         assert_eq!(change(&e), Some(Change { kind: Kind::Lift, scoped: b"\x05loginu1".to_vec() }));
         assert_eq!(change(b"e0123456789abcdef"), None, "the epoch marker is no change");
         assert_ne!(nonce(), nonce());
+    }
+
+    #[test]
+    fn a_reset_entry_reads_back_whatever_its_key_holds() {
+        let r = WindowReset { key: b"\x05login:a:b\x00\xff".to_vec(), window_ms: 60_000, at_ms: 1_765_000_000_123 };
+        let mut e = vec![b'r'];
+        e.extend_from_slice(&nonce());
+        e.extend_from_slice(&r.entry());
+        let c = change(&e).expect("a reset");
+        assert_eq!(c.kind, Kind::Reset);
+        assert_eq!(WindowReset::parse(&c.scoped), Some(r));
+        for bad in [&b"60000:12"[..], b"x:1:k", b"4294967296:1:k", b""] {
+            assert_eq!(WindowReset::parse(bad), None, "{bad:?}");
+        }
     }
 }

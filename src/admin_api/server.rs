@@ -593,7 +593,17 @@ async fn reset(state: &State, view: &View, q: &HashMap<String, String>, who: &st
     let windows = admin::reset(redis, &view.secrets, &cfg.policies, target).await.map_err(admin_error)?;
     let limiter = state.reloadable.borrow().limiter.clone();
     for w in &windows {
-        limiter.window_changed(&w.key, w.window_ms);
+        limiter.window_reset(&w.key, w.window_ms, w.at_ms);
+    }
+    // The other daemons hear of it from the change log. The reset is done
+    // either way: a failure here is said, not a 503 (their leases then
+    // keep counting the admissions it removed until they settle).
+    let announced = match admin::connect(redis, &view.secrets).await {
+        Ok(mut conn) => changes::announce_resets(&mut conn, &redis.key_prefix, &windows).await.map_err(AdminError::from),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = &announced {
+        tracing::warn!(error = %e, "a reset was made but not written to the change log: other daemons' quota leases count the admissions it removed until they settle");
     }
     let kept: u64 = windows.iter().map(|w| w.kept_outstanding).sum();
     let deleted: Vec<String> = windows.iter().filter(|w| w.kept_outstanding == 0).map(|w| String::from_utf8_lossy(&w.redis_key).into_owned()).collect();
@@ -603,6 +613,7 @@ async fn reset(state: &State, view: &View, q: &HashMap<String, String>, who: &st
         "reset": windows.iter().map(|w| String::from_utf8_lossy(&w.redis_key).into_owned()).collect::<Vec<_>>(),
         "before_in_window": before_count,
         "kept_outstanding": kept,
+        "announced": announced.is_ok(),
     })))
 }
 

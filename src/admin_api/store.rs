@@ -21,7 +21,7 @@ use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use super::changes::{self, Change, Kind, Position, Read, Written};
+use super::changes::{self, Change, Kind, Position, Read, WindowReset, Written};
 use crate::admin::{connect, AdminError};
 use crate::config::{PolicyLimit, RedisConfig, RedisSecrets, RedisTarget};
 use crate::live_overrides::{split_scoped, LiveOverride, LiveOverrides, Table};
@@ -178,11 +178,12 @@ fn apply_step(mut table: Table, step: Step, now_ms: u64) -> Table {
 }
 
 /// Keeps `live` equal to the overrides in Redis, and the ban cache free of
-/// lifted bans, until `token` is cancelled: reads the change log every
+/// lifted bans, and tells `on_reset` of every window reset, until `token`
+/// is cancelled: reads the change log every
 /// `every`, and at the next expiry when it is sooner (`changes`). When
 /// Redis cannot be read, the table in force is kept, less the entries whose
 /// expiry has passed by this host's clock since the last read.
-pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOverrides>, every: Duration, token: CancellationToken) {
+pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOverrides>, on_reset: impl Fn(&WindowReset) + Send + 'static, every: Duration, token: CancellationToken) {
     let failure_log = RateLimitedLog::new(Duration::from_secs(10));
     let mut conn: Option<LinkConnection> = None;
     // Redis's time at the last read, and this host's then.
@@ -234,6 +235,14 @@ pub async fn refresh(cfg: RedisConfig, secrets: RedisSecrets, live: Arc<LiveOver
                             }
                             Kind::Override if !overridden.contains(&&scoped[..]) => overridden.push(scoped),
                             Kind::Override => {}
+                            // A log lost (above) may have held resets too:
+                            // their leases' admissions then count until
+                            // their settle (under-admission only).
+                            Kind::Reset => {
+                                if let Some(r) = WindowReset::parse(scoped) {
+                                    on_reset(&r);
+                                }
+                            }
                         }
                     }
                     let values = read_fields(c, &cfg.key_prefix, &overridden).await?;

@@ -142,12 +142,19 @@ fn inspect_by_admin(config: &Path, target: &TargetOpts, json: bool) -> anyhow::R
 
 fn reset_by_admin(config: &Path, target: &TargetOpts) -> anyhow::Result<()> {
     let reply = super::admin::call(config, "DELETE", &format!("/v1/keys?{}", target.query()), None)?;
-    let deleted = reply["deleted"].as_array().cloned().unwrap_or_default();
-    if deleted.is_empty() {
+    let reset = reply["reset"].as_array().cloned().unwrap_or_default();
+    if reset.is_empty() {
         println!("{}: no such key", target.describe());
     }
-    for k in deleted {
+    let deleted = reply["deleted"].as_array().cloned().unwrap_or_default();
+    for k in reset.iter().filter(|k| deleted.contains(k)) {
         println!("{}: deleted", escape(k.as_str().unwrap_or("")));
+    }
+    for k in reset.iter().filter(|k| !deleted.contains(k)) {
+        println!("{}: admissions deleted; units of quota leases, worker shares or reservations outstanding stay reserved for their holders", escape(k.as_str().unwrap_or("")));
+    }
+    if reply["announced"] == false {
+        eprintln!("warning: the reset is not in the change log: other daemons' quota leases count the admissions it removed until they settle (see the daemon's log)");
     }
     Ok(())
 }
@@ -191,16 +198,26 @@ fn print_window(i: &Inspection) {
 fn reset_in_redis(config: &Path, target: &TargetOpts) -> anyhow::Result<()> {
     let (cfg, resolved) = load_for_redis(config)?;
     let redis = redis_of(&cfg, config)?;
-    let windows = super::common::runtime()?.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &cfg.policies, target.target()))?;
+    let runtime = super::common::runtime()?;
+    let windows = runtime.block_on(ratelimitd::admin::reset(redis, &resolved.redis, &cfg.policies, target.target()))?;
     if windows.is_empty() {
         println!("{}: no such key", target.describe());
     }
-    for w in windows {
+    for w in &windows {
         let key = escape_bytes(&w.redis_key);
         match w.kept_outstanding {
             0 => println!("{key}: deleted"),
-            kept => println!("{key}: reset; {kept} units of quota leases, worker shares or reservations outstanding still count until settled"),
+            kept => println!("{key}: admissions deleted; {kept} units of quota leases, worker shares or reservations outstanding stay reserved for their holders"),
         }
+    }
+    // The daemons hear of it from the change log, and their quota leases
+    // forget the admissions it removed.
+    let announced = runtime.block_on(async {
+        let mut conn = ratelimitd::admin::connect(redis, &resolved.redis).await?;
+        ratelimitd::admin_api::changes::announce_resets(&mut conn, &redis.key_prefix, &windows).await.map_err(ratelimitd::admin::AdminError::from)
+    });
+    if let Err(e) = announced {
+        eprintln!("warning: the reset is not in the change log ({e}): the daemons' quota leases count the admissions it removed until they settle");
     }
     Ok(())
 }

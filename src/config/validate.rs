@@ -337,7 +337,10 @@ fn redis_config(mut r: file::RedisSection, p: &mut Problems, deprecated: &mut Ve
         // leave the cluster connection few calls to answer, and a dead
         // primary's timeouts then count as evidence against every node and
         // open the breaker for all (tests/cluster.rs).
-        quota_leases: r.quota_leases.unwrap_or(one_node),
+        // On everywhere: a Cluster's breakers are per slot, so a dead
+        // primary's silence is not counted against the keys its leases
+        // keep from calling the live ones (src/redis/link/breaker.rs).
+        quota_leases: r.quota_leases.unwrap_or(true),
         batch_cold_keys,
     };
     (p.0.len() == before).then_some(cfg)
@@ -843,15 +846,15 @@ mod tests {
         let sentinel = redis_of(parse("[redis.sentinel]\nmaster_name = \"m\"\naddresses = [\"h:1\"]\n").unwrap());
         assert!(sentinel.quota_leases && sentinel.batch_cold_keys, "Sentinel: both on");
         let cluster = redis_of(parse("[redis]\ncluster = [\"h:1\"]\n").unwrap());
-        assert!(!cluster.quota_leases && !cluster.batch_cold_keys, "a Cluster: both off (breaker evidence; a call's keys would span slots)");
-        assert!(redis_of(parse("[redis]\ncluster = [\"h:1\"]\nquota_leases = true\n").unwrap()).quota_leases, "said: on");
+        assert!(cluster.quota_leases && !cluster.batch_cold_keys, "a Cluster: leases on (a breaker per slot), batches off (a call's keys would span slots)");
+        assert!(!redis_of(parse("[redis]\ncluster = [\"h:1\"]\nquota_leases = false\n").unwrap()).quota_leases, "said: off");
         let off = redis_of(parse("[redis]\nquota_leases = false\nbatch_cold_keys = false\n").unwrap());
         assert!(!off.quota_leases && !off.batch_cold_keys, "each switch turns it off");
         let cluster_off = redis_of(parse("[redis]\ncluster = [\"h:1\"]\nbatch_cold_keys = false\n").unwrap());
         assert!(!cluster_off.batch_cold_keys, "saying off on a Cluster is fine");
         // The dump (config show, GET /config) says what is in force.
         let shown = parse("[redis]\ncluster = [\"h:1\"]\n").unwrap().dump();
-        assert!(shown.contains("batch_cold_keys = false\n") && shown.contains("quota_leases = false\n"), "{shown}");
+        assert!(shown.contains("batch_cold_keys = false\n") && shown.contains("quota_leases = true\n"), "{shown}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! it is exact for), then the store, whose refusal the denial cache
 //! records. Each layer hears of what the store removes from the store
 //! itself (`RedisWindow::set_denial_cache`) and of admin resets from the
-//! admin API (`Limiter::window_changed`), so none keeps answering from
+//! admin API (`Limiter::window_reset`), so none keeps answering from
 //! state the store no longer has. For several items all or nothing
 //! (`many_verdicts`): the denial cache, then the store (never leased). No
 //! fail policy here.

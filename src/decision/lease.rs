@@ -62,10 +62,18 @@ const MIN_RATE_VALID_MS: u32 = 20;
 /// this long after its use (`scripts/fleet --ci`: 250 ms let the shared
 /// key's window dip to 358 of 2,000).
 const MAX_RATE_VALID_MS: u32 = 100;
+/// A share lasts at most this part of its window (10 ms for 1 s): its
+/// units are scored at its deadline, so a key at its limit loses at most
+/// about 1 % of it to shares (`tests/fleet_under_admission.rs`).
+const SHARE_WINDOW_PARTS: u32 = 100;
 /// What a worker is told to wait before asking again while this daemon's
 /// lease call for the key is in flight: about one Redis round trip, after
 /// which the new lease can be shared.
 const LEASE_IN_FLIGHT_RETRY_MS: u32 = 1;
+/// Leases with worker shares out kept per key after they admit no more
+/// (`Slot::retired`): a lease lives at most 1 s and holds at most 64 units,
+/// so 8 cover a host using 500 units a second of one key in shares.
+const MAX_RETIRED: usize = 8;
 
 /// Units of a lease handed to an nginx worker's shared dict (op 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +101,19 @@ impl ShareAnswer {
     pub const NONE: Self = Self::NoUnits { ask_again_ms: 0 };
 }
 
+/// A worker share handed out of a lease and not given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Share {
+    /// Its deadline, ms after the lease's `t0_ms`: its units' score.
+    offset: u32,
+    units: u32,
+    /// An admin reset after its deadline forgot it (`forget_before`): its
+    /// units are in neither `offsets` nor Redis, but a worker's give-back
+    /// of them, sent before the deadline, may still be on its way, and must
+    /// not be taken from a share still in use.
+    forgotten: bool,
+}
+
 /// One lease as the daemon holds it: pure state, times passed in (µs on
 /// the daemon's monotonic clock), so that a test can run it on virtual time.
 #[derive(Debug)]
@@ -109,6 +130,14 @@ pub struct QuotaLease {
     outside: u32,
     /// The ms offset from `t0_ms` of each used unit, in unit order.
     offsets: Vec<u32>,
+    /// The worker shares handed out of it and not given back, each share's
+    /// units being `units` of `offsets` equal to `offset` (its deadline),
+    /// unless an admin reset forgot them. No allocation until the first
+    /// share.
+    shared: Vec<Share>,
+    /// Its units still reserved in Redis: `granted`, until units given
+    /// back after it retired are removed early (`QuotaLeases::trim_in`).
+    reserved: u32,
     /// A lease of an O(1) algorithm: its units are a reserve (settle record
     /// `handle`), given back with one settle of the units used.
     reserve: Option<(Algorithm, [u8; 16])>,
@@ -119,7 +148,7 @@ impl QuotaLease {
     /// the call sent at `sent_us` that ran at `t0_ms`, for `limit`.
     pub fn new(seq: u64, limit: u32, t0_ms: u64, sent_us: u64, life_ms: u32, granted: u32, outside: u32) -> Self {
         let granted = granted.min(MAX_LEASE_UNITS);
-        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize), reserve: None }
+        Self { seq, limit, t0_ms, sent_us, life_ms, granted, outside, offsets: Vec::with_capacity(granted as usize), shared: Vec::new(), reserved: granted, reserve: None }
     }
 
     /// A lease of an O(1) algorithm (fixed or calendar window, sliding
@@ -189,7 +218,116 @@ impl QuotaLease {
         for _ in 0..units {
             self.offsets.push(offset);
         }
+        self.shared.push(Share { offset, units, forgotten: false });
         Some(WorkerShare { units, valid_ms, remaining: self.outside + (self.granted - used - units) })
+    }
+
+    /// Takes back up to `units` units of its worker shares that no worker
+    /// used (a give-back), the earliest-scored share's first; how many.
+    /// They are unused units of the lease again: the daemon admits from
+    /// them, shares them again, or its settle removes them from Redis.
+    pub fn take_back(&mut self, units: u32) -> u32 {
+        let mut taken = 0;
+        while taken < units {
+            let (back, _) = self.take_back_earliest(units - taken);
+            if back == 0 {
+                break;
+            }
+            taken += back;
+        }
+        taken
+    }
+
+    /// The Redis score of its earliest worker share not given back.
+    fn earliest_share(&self) -> Option<u64> {
+        self.shared.iter().map(|s| self.t0_ms + u64::from(s.offset)).min()
+    }
+
+    /// Takes back up to `units` units of its earliest-scored worker share
+    /// (see `QuotaLeases::take_back` for why that one): how many, and how
+    /// many of those are the lease's again (none of a share a reset forgot:
+    /// they are no longer counted anywhere).
+    fn take_back_earliest(&mut self, units: u32) -> (u32, u32) {
+        let Some(i) = (0..self.shared.len()).min_by_key(|&i| self.shared[i].offset) else { return (0, 0) };
+        let Share { offset, units: n, forgotten } = self.shared[i];
+        if forgotten {
+            let taken = n.min(units);
+            if taken == n {
+                self.shared.swap_remove(i);
+            } else {
+                self.shared[i].units = n - taken;
+            }
+            return (taken, 0);
+        }
+        let mut taken = 0;
+        while taken < n.min(units) {
+            // Unit order means nothing in Redis (members are named by
+            // position, every one scored at the settle): any unit of this
+            // offset will do. It leaves from the end (the last unit takes
+            // its place), as `QuotaLeases::trim_in` needs.
+            let Some(at) = self.offsets.iter().rposition(|&o| o == offset) else { break };
+            self.offsets.swap_remove(at);
+            taken += 1;
+        }
+        if taken == n {
+            self.shared.swap_remove(i);
+        } else {
+            self.shared[i].units = n - taken;
+        }
+        (taken, taken)
+    }
+
+    /// Forgets what an admin reset that ran at `at_ms` on Redis's clock
+    /// (the script's `now`, the clock `t0_ms` is read on) removed: the
+    /// admissions provably before it, and the worker shares whose deadline
+    /// was before it. A unit used at offset `o` was admitted before
+    /// `(t0 + o + 1)` ms (t0 is whole ms, up to 1 ms behind the script's
+    /// start; `o` rounds the elapsed time up with the clocks' margin), so
+    /// `t0 + o < at_ms` means before the reset; every admission after it
+    /// has `t0 + o >= at_ms` and is kept. Applied late (the change log's
+    /// refresh) or twice, it forgets nothing after the reset: exact either
+    /// way. The units forgotten are the lease's again (their members are
+    /// still in Redis, scored `t0 + life`, after the reset's now, which
+    /// kept them); with `t0 + life <= at_ms` the reset removed every member,
+    /// and the lease holds nothing more. Leases of the O(1) algorithms
+    /// carry no Redis time: they forget nothing (their admissions count
+    /// until the window ends: under-admission only). Units forgotten.
+    pub fn forget_before(&mut self, at_ms: u64) -> u32 {
+        if self.reserve.is_some() {
+            return 0;
+        }
+        let before = self.used();
+        if self.t0_ms + u64::from(self.life_ms) <= at_ms {
+            for s in &mut self.shared {
+                s.forgotten = true;
+            }
+            self.offsets.clear();
+            (self.granted, self.reserved) = (0, 0);
+            return before;
+        }
+        let cut = at_ms.saturating_sub(self.t0_ms);
+        for s in self.shared.iter_mut().filter(|s| u64::from(s.offset) < cut) {
+            s.forgotten = true;
+        }
+        self.offsets.retain(|&o| u64::from(o) >= cut);
+        before - self.used()
+    }
+
+    /// Its units reserved in Redis that nothing used (its settle, or a
+    /// trim, removes them).
+    fn reserved_unused(&self) -> u32 {
+        self.reserved - self.used()
+    }
+
+    /// Units of its worker shares not given back (those a reset forgot
+    /// too: their give-back may still come, and must find them).
+    pub fn shared_out(&self) -> u32 {
+        self.shared.iter().map(|s| s.units).sum()
+    }
+
+    /// The key's room outside the lease plus its units left.
+    pub fn remaining(&self) -> u32 {
+        self.outside + (self.granted - self.used())
     }
 
     /// The scores of the used units, in unit order, for the settle call;
@@ -209,6 +347,13 @@ impl QuotaLease {
 
     pub fn used(&self) -> u32 {
         self.offsets.len() as u32
+    }
+
+    /// Whether it may still admit a request of `limit` at `now_us` (units
+    /// left, life not over, the limit it was granted for).
+    fn can_admit(&self, now_us: u64, limit: u32) -> bool {
+        let elapsed = now_us.saturating_sub(self.sent_us);
+        limit == self.limit && self.used() < self.granted && (elapsed + elapsed / 1000).div_ceil(1000) <= u64::from(self.life_ms)
     }
 
     /// µs after which it admits nothing more (local clock).
@@ -284,6 +429,15 @@ struct Slot {
     /// key near its limit (no units granted) costs one call, not one per
     /// admission.
     renewed_for: u64,
+    /// Leases that admit no more but have worker shares out, oldest first,
+    /// at most `MAX_RETIRED`: kept until their settle (at their end,
+    /// `settle_at`), so that the workers' give-backs of their units reach
+    /// them. Empty (no allocation) for a key no worker takes shares of.
+    retired: Vec<QuotaLease>,
+    /// Settles of its log leases in flight: a lease call waits for them,
+    /// so that the room Redis tells it never counts units being given
+    /// back (its `remaining` would be that much lower than the truth).
+    settling: u16,
 }
 
 impl Slot {
@@ -303,12 +457,13 @@ impl Slot {
     /// How many of `want` units to hand a worker at `now_us`, and for how
     /// long: valid `SHARE_USE_FACTOR` times the time this host takes to use
     /// `want` units at its rate (the faster of the last period's and the
-    /// current one's), within `MIN_RATE_VALID_MS..=MAX_RATE_VALID_MS`; and
+    /// current one's), within `MIN_RATE_VALID_MS..=MAX_RATE_VALID_MS` and
+    /// at most a `SHARE_WINDOW_PARTS`th of the window; and
     /// fewer units when the host would not use them within that at its
     /// rate (at least 2). A share's units are scored at its deadline and an
     /// unused one counts for a window: the shorter and the closer to the
     /// host's use, the less room a key at its limit loses to them.
-    fn share_size(&self, now_us: u64, life_ms: u32, want: u32) -> (u32, u32) {
+    fn share_size(&self, now_us: u64, life_ms: u32, want: u32, window_ms: u32) -> (u32, u32) {
         let since_ms = (now_us.saturating_sub(self.period_start_us) / 1000).max(u64::from(life_ms / 4)).max(1);
         let mut use_ms = u64::MAX;
         if self.last_hits > 0 {
@@ -318,18 +473,22 @@ impl Slot {
             use_ms = use_ms.min(u64::from(want) * since_ms / u64::from(self.hits));
         }
         let use_ms = use_ms.max(1).saturating_mul(SHARE_USE_FACTOR);
-        let valid = use_ms.clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_RATE_VALID_MS));
+        // At most a 1/SHARE_WINDOW_PARTS of the window: a key at its limit
+        // then loses at most that much of it to the shares' scores.
+        let most = u64::from(window_ms / SHARE_WINDOW_PARTS).clamp(u64::from(MIN_SHARE_MS), u64::from(MAX_RATE_VALID_MS));
+        let valid = use_ms.clamp(u64::from(MIN_RATE_VALID_MS), u64::from(MAX_RATE_VALID_MS)).min(most);
         let units = (u64::from(want) * valid).div_ceil(use_ms).max(2).min(u64::from(want));
         (units as u32, valid as u32)
     }
 
     /// The units of the key's next lease if it is due to be taken ahead:
-    /// the lease in hand is 3/4 used, and no next lease is held, in flight
-    /// or already asked for this lease. Marks it asked.
-    fn renewal_due(&mut self) -> Option<u32> {
+    /// the lease in hand is 3/4 used (or, `for_shares`, has too few units
+    /// left for a worker's share), and no next lease is held, in flight or
+    /// already asked for this lease. Marks it asked.
+    fn renewal_due(&mut self, for_shares: bool) -> Option<u32> {
         let lease = self.lease.as_ref()?;
         let seq = lease.seq();
-        if lease.used() * 4 < lease.granted() * 3 || self.next.is_some() || self.refilling || self.renewed_for == seq {
+        if (!for_shares && lease.used() * 4 < lease.granted() * 3) || self.next.is_some() || self.refilling || self.renewed_for == seq {
             return None;
         }
         self.refilling = true;
@@ -338,10 +497,16 @@ impl Slot {
     }
 
     /// Takes the lease out (for its settle) and puts the one taken ahead in
-    /// its place.
+    /// its place. The one taken ahead was granted while every unit of the
+    /// ended one was reserved in Redis: the ended one's units left (its
+    /// settle removes them) are room outside it, which its answers then
+    /// tell (a key's `remaining` goes down one by one across leases).
     fn retire(&mut self) -> Option<QuotaLease> {
         let ended = self.lease.take();
         self.lease = self.next.take();
+        if let (Some(e), Some(l)) = (&ended, &mut self.lease) {
+            l.outside += e.reserved_unused();
+        }
         ended
     }
 }
@@ -431,7 +596,7 @@ impl QuotaLeases {
         let now = self.now_us();
         let mut slot = self.slot(fp);
         if slot.fp != fp {
-            if slot.lease.is_some() || slot.next.is_some() || slot.refilling {
+            if slot.lease.is_some() || slot.next.is_some() || !slot.retired.is_empty() || slot.refilling || slot.settling > 0 {
                 // Another key holds the slot until its lease ends.
                 return Take::Pass;
             }
@@ -443,14 +608,14 @@ impl QuotaLeases {
         while let Some(lease) = slot.lease.as_mut() {
             if let Some(mut v) = lease.admit(now, spec.limit, spec.cost) {
                 v.reset_ms = spec.window_ms;
-                if let Some(want) = (algorithm == Algorithm::Log).then(|| slot.renewal_due()).flatten() {
+                if let Some(want) = (algorithm == Algorithm::Log).then(|| slot.renewal_due(false)).flatten() {
                     drop(slot);
                     self.renew_ahead(fp, spec, want);
                 }
                 return Take::Admitted(v);
             }
             let ended = slot.retire().expect("checked above");
-            self.settle(ended, spec.key.into(), spec.window_ms);
+            self.end(&mut slot, ended, spec.key, spec.window_ms);
         }
         if slot.refilling && spec.cost <= spec.limit / 4 {
             return Take::Wait;
@@ -510,23 +675,54 @@ impl QuotaLeases {
             if slot.fp != fp {
                 return Ok(ShareAnswer::NONE);
             }
-            // Half of what was asked at least, from the lease or the one
-            // taken ahead of it, or a fresh lease.
-            let (units, valid) = slot.share_size(now, life, want);
+            // From the lease, or the one taken ahead of it, or a fresh lease.
+            let (units, valid) = slot.share_size(now, life, want, spec.window_ms);
             while let Some(lease) = slot.lease.as_mut() {
-                if let Some(share) = lease.share(now, spec.limit, units, units.div_ceil(2), valid) {
+                // What it has, if fewer: the worker tops up from the lease
+                // taken ahead, which this share's use asks for.
+                if let Some(share) = lease.share(now, spec.limit, units, 1, valid) {
                     // A key admitted from shares rarely reaches the daemon's
                     // own admissions: its next lease is taken ahead here too,
                     // so the worker's next ask finds units without a call.
                     slot.count(now, life, share.units);
-                    if let Some(ahead) = slot.renewal_due() {
+                    if let Some(ahead) = slot.renewal_due(false) {
                         drop(slot);
                         self.renew_ahead(fp, spec, ahead);
                     }
                     return Ok(ShareAnswer::Units(share));
                 }
+                if lease.can_admit(now, spec.limit) {
+                    // Within the last quarter, or at the end of its life:
+                    // the daemon admits from its units itself (retired now,
+                    // they would stay reserved in Redis until its settle).
+                    let (left, near_limit) = (lease.granted - lease.used(), u64::from(lease.remaining()) * 4 < u64::from(spec.limit));
+                    let ends_ms = (lease.ends_us().saturating_sub(now) / 1000) as u32 + 1;
+                    // The lease taken ahead shares instead; its room
+                    // outside counts these units once it is in hand
+                    // (`retire`): told now.
+                    if let Some(mut share) = slot.next.as_mut().and_then(|n| n.share(now, spec.limit, units, 1, valid)) {
+                        share.remaining += left;
+                        slot.count(now, life, share.units);
+                        return Ok(ShareAnswer::Units(share));
+                    }
+                    if near_limit {
+                        return Ok(ShareAnswer::NONE);
+                    }
+                    // Else one is on its way, or taken ahead now, or the
+                    // lease ends within a few ms: the worker asks again
+                    // then, not after its 100 ms back-off.
+                    if slot.refilling {
+                        return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
+                    }
+                    if let Some(ahead) = slot.renewal_due(true) {
+                        drop(slot);
+                        self.renew_ahead(fp, spec, ahead);
+                        return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
+                    }
+                    return Ok(ShareAnswer::NoUnits { ask_again_ms: ends_ms.min(MIN_SHARE_MS + 1) });
+                }
                 let ended = slot.retire().expect("checked above");
-                self.settle(ended, spec.key.into(), spec.window_ms);
+                self.end(&mut slot, ended, spec.key, spec.window_ms);
             }
             if slot.refilling {
                 return Ok(ShareAnswer::NoUnits { ask_again_ms: LEASE_IN_FLIGHT_RETRY_MS });
@@ -541,10 +737,119 @@ impl QuotaLeases {
         self.lease(fp, &LimitSpec { cost: 0, ..*spec }, Algorithm::Log, lease_want).await?;
         let now = self.now_us();
         let mut slot = self.slot(fp);
-        let (units, valid) = slot.share_size(now, life, want);
+        let (units, valid) = slot.share_size(now, life, want, spec.window_ms);
         let Some(share) = slot.lease.as_mut().and_then(|l| l.share(now, spec.limit, units, 1, valid)) else { return Ok(ShareAnswer::NONE) };
         slot.count(now, life, share.units);
         Ok(ShareAnswer::Units(share))
+    }
+
+    /// A lease that admits no more: settled now, or, with worker shares
+    /// out and its life not over, kept in the slot until its settle at its
+    /// end (`settle_at`) so that their give-backs reach it (past
+    /// `MAX_RETIRED` kept, the oldest is settled now: its shares' units
+    /// left stay counted, under-admission only).
+    fn end(self: &Arc<Self>, slot: &mut Slot, ended: QuotaLease, key: &[u8], window_ms: u32) {
+        if ended.shared_out() > 0 && self.now_us() < ended.ends_us() {
+            if slot.retired.len() == MAX_RETIRED {
+                let oldest = slot.retired.remove(0);
+                self.settle_in(slot, oldest, key, window_ms);
+            }
+            slot.retired.push(ended);
+            return;
+        }
+        self.settle_in(slot, ended, key, window_ms);
+    }
+
+    /// Takes back `units` of the host's worker shares of the key that no
+    /// worker used (a give-back, op 10 with flag 0x0001), from the
+    /// earliest-scored shares of the leases in the slot (the one kept for
+    /// its settle, the one in hand, the one taken ahead). The units taken
+    /// back, and the key's room as the lease in hand tells it (0 without
+    /// one). No Redis call: the lease's settle removes the units its daemon
+    /// does not admit from.
+    ///
+    /// Exact whichever worker gives them back: each admission from a share
+    /// is earlier than its worker's deadline, which is no later than the
+    /// Redis score of every share whose units its dict entry holds (a
+    /// top-up keeps the earlier deadline). The units a give-back returns
+    /// were taken by no worker, so with them removed from the shares they
+    /// came from every admission still has a score at or after its time;
+    /// removing the earliest scores instead leaves scores that are each as
+    /// late or later, so that still holds (two dicts of one daemon, say,
+    /// each giving back units of its own entry).
+    pub(super) fn take_back(self: &Arc<Self>, spec: &LimitSpec<'_>, units: u32) -> (u32, u32) {
+        let fp = self.fingerprint(spec, Algorithm::Log);
+        let mut slot = self.slot(fp);
+        if slot.fp != fp {
+            return (0, 0);
+        }
+        let s = &mut *slot;
+        let mut taken = 0;
+        while taken < units {
+            let retired = s.retired.len();
+            let earliest = s.retired.iter().chain(s.lease.as_ref()).chain(s.next.as_ref()).enumerate().filter(|(_, l)| l.limit == spec.limit).filter_map(|(i, l)| l.earliest_share().map(|score| (score, i))).min();
+            let Some((_, i)) = earliest else { break };
+            let lease = match i.checked_sub(retired) {
+                None => &mut s.retired[i],
+                Some(0) if s.lease.is_some() => s.lease.as_mut().expect("checked"),
+                Some(_) => s.next.as_mut().expect("counted above"),
+            };
+            let (back, regained) = lease.take_back_earliest(units - taken);
+            if back == 0 {
+                break;
+            }
+            taken += back;
+            if i < retired {
+                let back = regained;
+                // It admits no more: the units it took back are removed
+                // from Redis now, not at its settle (they would be refused
+                // until then); with all its shares back, it is settled.
+                if s.retired[i].shared_out() == 0 {
+                    let done = s.retired.remove(i);
+                    self.settle_in(s, done, spec.key, spec.window_ms);
+                } else if !s.refilling {
+                    // (With a lease call in flight, after it: the room it
+                    // reads counts them, and the new lease is told so.)
+                    self.trim_in(s, i, spec.key, spec.window_ms);
+                }
+                // Room outside the lease in hand and the one taken ahead,
+                // each granted while they were reserved (see `retire` and
+                // the grant in `refill`).
+                for l in [s.lease.as_mut(), s.next.as_mut()].into_iter().flatten() {
+                    l.outside += back;
+                }
+            }
+        }
+        (taken, s.lease.as_ref().map_or(0, QuotaLease::remaining))
+    }
+
+    /// An admin reset of (`key`, `window_ms`) ran at `at_ms` on Redis's
+    /// clock: every lease of the key forgets the admissions and worker
+    /// shares before it (`QuotaLease::forget_before`), so that their settles
+    /// do not put the admissions the reset removed back into the window. The
+    /// units forgotten are the lease in hand's again; those of the leases
+    /// that admit no more are removed from Redis now (a trim, or their
+    /// settle once no share is out), after the key's lease call in flight
+    /// if there is one (`lease_call` trims then). A settle already in
+    /// flight is not reached: its admissions stay counted (under-admission,
+    /// one lease at most). Log leases only: see `forget_before`.
+    pub fn forget_before(self: &Arc<Self>, key: &[u8], window_ms: u32, at_ms: u64) {
+        let fp = self.fingerprint(&LimitSpec { key, limit: 0, window_ms, cost: 0 }, Algorithm::Log);
+        let mut slot = self.slot(fp);
+        if slot.fp != fp {
+            return;
+        }
+        let s = &mut *slot;
+        let forgotten: u32 = s.retired.iter_mut().chain(s.lease.as_mut()).chain(s.next.as_mut()).map(|l| l.forget_before(at_ms)).sum();
+        if forgotten == 0 || s.refilling {
+            return;
+        }
+        self.settle_due(s, key, window_ms);
+        for at in 0..s.retired.len() {
+            if s.retired[at].reserved_unused() > 0 {
+                self.trim_in(s, at, key, window_ms);
+            }
+        }
     }
 
     /// The request that was to ask for a lease was answered otherwise.
@@ -580,17 +885,41 @@ impl QuotaLeases {
             if algorithm != Algorithm::Log {
                 return leases.lease_reserved(fp, spec, algorithm, want, life).await;
             }
+            // After the key's settles in flight (one Redis round trip each).
+            loop {
+                let settled = leases.lease_done.notified();
+                if leases.slot(fp).settling == 0 {
+                    break;
+                }
+                settled.await;
+            }
             let sent = leases.now_us();
             let answer = leases.redis.lease_now(spec, want, life).await;
             let mut slot = leases.slot(fp);
             slot.refilling = false;
             let grant = match answer {
                 Ok(g) => g,
-                Err(e) => return Err(e),
+                Err(e) => {
+                    leases.settle_due(&mut slot, &key, window_ms);
+                    return Err(e);
+                }
             };
+            // The lease kept for its shares' give-backs has its units left
+            // reserved in Redis until its settle: room outside this one,
+            // as in `retire`.
+            let retired_left = slot.retired.iter().filter(|r| r.limit == limit).map(QuotaLease::reserved_unused).sum::<u32>();
+            // Units given back to them during the call: removed now; and
+            // the settles held back during it.
+            leases.settle_due(&mut slot, &key, window_ms);
+            for at in 0..slot.retired.len() {
+                if slot.retired[at].reserved_unused() > 0 {
+                    leases.trim_in(&mut slot, at, &key, window_ms);
+                }
+            }
             if grant.granted > 0 {
                 METRICS.lease_granted(grant.granted);
-                let lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
+                let mut lease = QuotaLease::new(grant.seq, limit, grant.now_ms, sent, life, grant.granted, grant.verdict.remaining);
+                lease.outside += retired_left;
                 let ends = lease.ends_us();
                 // The slot is ours while refilling: no other key took it.
                 // Taken ahead: admitted from once the lease in hand is done.
@@ -608,7 +937,8 @@ impl QuotaLeases {
             // one daemon's answers go down one by one, as without leases.
             let mut v = grant.verdict;
             v.count = v.count.saturating_sub(grant.granted);
-            v.remaining = v.remaining.saturating_add(grant.granted);
+            v.remaining = v.remaining.saturating_add(grant.granted).saturating_add(retired_left);
+            v.count = v.count.saturating_sub(retired_left);
             Ok(v)
         }
     }
@@ -668,17 +998,17 @@ impl QuotaLeases {
                 _ = tokio::time::sleep(Duration::from_micros(wait)) => {}
                 _ = leases.closing.cancelled() => {}
             }
-            let ended = {
-                let mut slot = leases.slot(fp);
-                match (&slot.lease, &slot.next) {
-                    (Some(l), _) if l.seq() == seq => slot.retire(),
-                    (_, Some(n)) if n.seq() == seq => slot.next.take(),
-                    _ => None,
-                }
+            let mut slot = leases.slot(fp);
+            let ended = match (&slot.lease, &slot.next, slot.retired.iter().position(|r| r.seq() == seq)) {
+                (Some(l), _, _) if l.seq() == seq => slot.retire(),
+                (_, Some(n), _) if n.seq() == seq => slot.next.take(),
+                (_, _, Some(at)) => Some(slot.retired.remove(at)),
+                _ => None,
             };
             if let Some(l) = ended {
-                leases.settle(l, key, window_ms);
+                leases.settle_in(&mut slot, l, &key, window_ms);
             }
+            drop(slot);
             leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
     }
@@ -709,6 +1039,69 @@ impl QuotaLeases {
         self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             leases.settle_now(lease, &key, window_ms).await;
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// `settle` of a log lease of the key of `slot` (locked by the
+    /// caller), counted in the slot's settles in flight until it is done.
+    /// While a lease call for the key is in flight it is kept with the
+    /// retired ones instead, and settled once the call is answered
+    /// (`settle_due`): the room that call reads counts its units either
+    /// way, and the new lease is told them.
+    fn settle_in(self: &Arc<Self>, slot: &mut Slot, lease: QuotaLease, key: &[u8], window_ms: u32) {
+        if lease.reserve.is_some() {
+            return self.settle(lease, key.into(), window_ms);
+        }
+        if slot.refilling {
+            slot.retired.push(lease);
+            return;
+        }
+        let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
+        METRICS.lease_returned(lease.granted() - lease.used());
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        slot.settling += 1;
+        tokio::spawn(async move {
+            leases.settle_now(lease, &key, window_ms).await;
+            // The slot is the key's until this is done (`take`).
+            leases.slot(fp).settling -= 1;
+            leases.lease_done.notify_waiters();
+            leases.pending.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// Settles the retired leases of `slot` that wait for nothing more:
+    /// life over or no share out (kept while a lease call was in flight,
+    /// `settle_in`), or all of them at shutdown.
+    fn settle_due(self: &Arc<Self>, slot: &mut Slot, key: &[u8], window_ms: u32) {
+        let (now, closing) = (self.now_us(), self.closing.is_cancelled());
+        while let Some(at) = slot.retired.iter().position(|r| closing || r.ends_us() <= now || r.shared_out() == 0) {
+            let done = slot.retired.remove(at);
+            self.settle_in(slot, done, key, window_ms);
+        }
+    }
+
+    /// Removes from Redis the unused units of the retired lease `at` of
+    /// `slot` (locked by the caller), leaving every used unit's score as
+    /// reserved (its settle re-scores them): the settle call with no unit
+    /// re-scored. Any number of these and the settle may run in any order:
+    /// each removes the units past the used ones it saw, and a give-back
+    /// only lowers that count (its units leave from the end, `take_back`).
+    fn trim_in(self: &Arc<Self>, slot: &mut Slot, at: usize, key: &[u8], window_ms: u32) {
+        let lease = &mut slot.retired[at];
+        let (seq, granted, used) = (lease.seq(), lease.granted(), lease.used());
+        lease.reserved = used;
+        let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        slot.settling += 1;
+        tokio::spawn(async move {
+            if let Err(e) = leases.redis.settle_lease(&key, window_ms, seq, granted, &vec![0; used as usize]).await {
+                if let Some(suppressed) = leases.settle_log.permit() {
+                    tracing::warn!(error = %e, suppressed, "giving back a worker share's units failed: they count until the lease's settle");
+                }
+            }
+            leases.slot(fp).settling -= 1;
+            leases.lease_done.notify_waiters();
             leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
     }
@@ -797,6 +1190,84 @@ mod tests {
     }
 
     #[test]
+    fn units_a_worker_gives_back_are_the_lease_s_again_and_only_its_shares_units() {
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
+        // A share of 8 (scored at its deadline, 32 ms after t0), then the
+        // daemon's own admission 2 ms after the send (3 ms after t0).
+        assert_eq!(l.share(6_000, 100, 8, 1, 30).map(|s| s.units), Some(8));
+        assert_eq!(l.admit(7_000, 100, 1).map(|v| v.remaining), Some(40 + 20 - 9));
+        assert_eq!((l.used(), l.shared_out()), (9, 8));
+        assert_eq!(l.take_back(5), 5);
+        assert_eq!((l.used(), l.shared_out(), l.remaining()), (4, 3, 40 + 16), "the units given back are the lease's again");
+        assert_eq!(l.take_back(10), 3, "no more than its shares hold: the daemon's own admission stays");
+        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_003]);
+        // The daemon admits from them, and a later share may hand them out again.
+        assert_eq!(l.admit(8_000, 100, 19).map(|v| v.remaining), Some(40));
+        assert!(l.share(8_000, 100, 1, 1, 30).is_none(), "spent");
+        assert_eq!(l.take_back(1), 0);
+    }
+
+    #[test]
+    fn a_reset_forgets_the_admissions_and_shares_before_it_and_no_later_one() {
+        // t0 = 1,000,000 ms, sent at 5 ms local, life 250 ms, 20 units.
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 20, 40);
+        // Own admissions at 1, 3 and 10 ms after the send (offsets 1, 3, 11
+        // with the margin), a share valid 20 ms from 2 ms after the send
+        // (deadline offset 23), a share valid 100 ms (offset 103).
+        for now in [6_000, 8_000] {
+            assert!(l.admit(now, 100, 1).is_some());
+        }
+        assert_eq!(l.share(7_000, 100, 4, 1, 20).map(|s| s.units), Some(4));
+        assert!(l.admit(15_000, 100, 1).is_some());
+        assert_eq!(l.share(7_000, 100, 5, 1, 100).map(|s| s.units), Some(5));
+        assert_eq!(l.used(), 12);
+        // A reset at t0 + 11: offsets 1 and 3 were before it; 11 may not
+        // have been (t0 is up to 1 ms behind the script's start); the share
+        // whose deadline is offset 23 neither.
+        assert_eq!(l.forget_before(1_000_011), 2);
+        assert_eq!((l.used(), l.shared_out(), l.remaining()), (10, 9, 40 + 10));
+        // Again later, or twice: nothing after the reset is forgotten.
+        assert_eq!(l.forget_before(1_000_011), 0);
+        assert!(l.admit(30_000, 100, 1).is_some(), "offset 26, after the reset");
+        // A reset at t0 + 24: the own admission at 11 and the 4 units of the
+        // share that ended at 23 (forgotten: a give-back of them finds no
+        // unit to free); the one at 26 and the share ending at 103 stay.
+        assert_eq!(l.forget_before(1_000_024), 5);
+        assert_eq!((l.used(), l.shared_out()), (6, 9), "the forgotten share waits for its give-back");
+        assert_eq!(l.take_back(3), 3, "taken from the forgotten share, the earliest");
+        assert_eq!((l.used(), l.shared_out()), (6, 6), "no unit of a live share freed");
+        assert_eq!(l.take_back(3), 3);
+        assert_eq!((l.used(), l.shared_out()), (4, 3), "the forgotten share's last unit, then two of the live share's");
+        let scores: Vec<u64> = l.used_scores().collect();
+        assert_eq!(scores.iter().filter(|&&s| s == 1_000_103).count(), 3, "{scores:?}");
+        assert!(scores.contains(&1_000_026));
+        // A reset at or after t0 + life removed every member of the lease:
+        // it admits, shares and settles nothing more.
+        assert_eq!(l.forget_before(1_000_250), 4);
+        assert!(l.admit(30_000, 100, 1).is_none());
+        assert!(l.share(30_000, 100, 1, 1, 100).is_none());
+        assert_eq!((l.used(), l.granted(), l.used_scores().count()), (0, 0, 0));
+        // A reserved lease carries no Redis time: nothing forgotten.
+        let mut r = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 398, 20, 40);
+        assert!(r.admit(6_000, 100, 1).is_some());
+        assert_eq!(r.forget_before(u64::MAX), 0);
+    }
+
+    #[test]
+    fn a_give_back_takes_the_earliest_scored_share_s_units_first() {
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 40, 40);
+        // A share valid 30 ms (scored 32 ms after t0), then one valid 10 ms
+        // handed out later but scored earlier (13 ms after t0).
+        assert_eq!(l.share(6_000, 100, 8, 1, 30).map(|s| s.units), Some(8));
+        assert_eq!(l.share(7_000, 100, 4, 1, 10).map(|s| s.units), Some(4));
+        assert_eq!(l.take_back(6), 6);
+        // The 4 scored at 13 ms and 2 of the 8 scored at 32 ms went back:
+        // what stays scored is as late as any choice could leave it.
+        assert_eq!(l.used_scores().collect::<Vec<_>>(), [1_000_032; 6]);
+        assert_eq!((l.shared_out(), l.remaining()), (6, 40 + 34));
+    }
+
+    #[test]
     fn a_share_is_sized_and_timed_to_the_host_s_rate() {
         let life = 250;
         let mut slot = Slot::default();
@@ -804,17 +1275,17 @@ mod tests {
         // 8 in the first 62.5 ms (a quarter of the life at least): 64 units
         // take 496 ms at that rate, three times that beyond the most (100):
         // as many as the host uses in 100 ms at a third of its rate, 5.
-        assert_eq!(slot.share_size(10_000, life, 64), (5, MAX_RATE_VALID_MS));
+        assert_eq!(slot.share_size(10_000, life, 64, 60_000), (5, MAX_RATE_VALID_MS));
         slot.count(100_000, life, 1000);
         // 1008 in 100 ms: 64 units take 6 ms; three times that, 18: the floor.
-        assert_eq!(slot.share_size(100_000, life, 64), (64, MIN_RATE_VALID_MS));
-        assert_eq!(slot.share_size(100_000, life, 1), (1, MIN_RATE_VALID_MS), "never more than asked");
+        assert_eq!(slot.share_size(100_000, life, 64, 60_000), (64, MIN_RATE_VALID_MS));
+        assert_eq!(slot.share_size(100_000, life, 1, 60_000), (1, MIN_RATE_VALID_MS), "never more than asked");
         // The next period: the last one's rate (1008 in 250 ms) until this one's is faster.
         slot.count(300_000, life, 1);
-        assert_eq!(slot.share_size(300_000, life, 64), (64, 45), "64 x 250 / 1008 = 15 ms, x 3");
+        assert_eq!(slot.share_size(300_000, life, 64, 60_000), (64, 45), "64 x 250 / 1008 = 15 ms, x 3");
         // Quiet for two periods: its rate is forgotten; 2 units at least.
         slot.count(900_000, life, 1);
-        assert_eq!(slot.share_size(900_000, life, 64), (2, MAX_RATE_VALID_MS));
+        assert_eq!(slot.share_size(900_000, life, 64, 60_000), (2, MAX_RATE_VALID_MS));
     }
 
     #[test]

@@ -91,14 +91,20 @@ impl Limiter {
         &self.store
     }
 
-    /// `key`'s window of `window_ms` changed outside the request path (an
-    /// admin reset removed admissions): every cache layer in front of the
-    /// store forgets what it remembered of it, so none keeps answering from
-    /// state the store no longer has. Quota leases need no word: a reset
-    /// keeps their units in the store (`admin::reset`).
-    pub fn window_changed(&self, key: &[u8], window_ms: u32) {
+    /// `key`'s window of `window_ms` was reset (an admin reset removed its
+    /// admissions; `at_ms`: when, on Redis's clock, 0 if unknown): every
+    /// cache layer in front of the store forgets what it remembered of it,
+    /// so none keeps answering from state the store no longer has, and the
+    /// quota leases forget the admissions before it (the reset kept their
+    /// units in the store, `admin::reset`; their settles would otherwise put
+    /// those admissions back). Told by the admin API that made the reset
+    /// before it answers, and by the change log on every daemon.
+    pub fn window_reset(&self, key: &[u8], window_ms: u32, at_ms: u64) {
         if let Some(d) = &self.denials {
             d.forget_window(key, window_ms);
+        }
+        if let (Some(l), true) = (&self.leases, at_ms > 0) {
+            l.forget_before(key, window_ms, at_ms);
         }
     }
 

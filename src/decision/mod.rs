@@ -81,6 +81,8 @@ impl Limiter {
             Request::Settle(r) => Box::pin(self.settle(r)).await,
             Request::LeaseShare(r) => (Box::pin(self.lease_share(r)).await, Charge::Nobody),
             Request::InlineShare(r) => (Box::pin(self.share_item(r.header.id, OP_CHECK, &Item::inline(r), r.cost)).await, Charge::Nobody),
+            Request::GiveBack(r) => (self.give_back(r), Charge::Nobody),
+            Request::InlineGiveBack(r) => (self.give_back_item(r.header.id, OP_CHECK, &Item::inline(r), r.cost), Charge::Nobody),
             Request::Describe(r) => (self.describe(r), Charge::Described),
         };
         account(&response, &charge);
@@ -198,6 +200,45 @@ impl Limiter {
         }
     }
 
+    /// LEASE_SHARE with the give-back flag: units of a worker share of the
+    /// policy's key that no worker used, back into this daemon's lease.
+    fn give_back(&self, r: &PolicyCheckRequest) -> Response {
+        let op = OP_LEASE_SHARE;
+        let named = Named { cost: 1, ..named(op, &r.header, &r.item) };
+        match self.resolve(&named, Kind::Check) {
+            Ok(item) => self.give_back_item(r.header.id, op, &item, r.item.cost),
+            Err(rejected) => rejected.response,
+        }
+    }
+
+    /// `units` of a worker share of a resolved item's window given back,
+    /// unused: taken back into the lease they were shared from, if this
+    /// daemon still holds it (its settle then removes them from Redis, or
+    /// the daemon admits from them); else nothing (they stay counted until
+    /// they leave the window: under-admission only). No Redis call. The
+    /// answer's `count` is the units taken back, `remaining` the key's
+    /// room outside the lease plus its units left.
+    fn give_back_item(&self, id: u32, op: u8, item: &Item<'_>, units: u32) -> Response {
+        let (taken, remaining) = match (item.limit, &self.leases) {
+            (Some(limit), Some(leases)) if item.algorithm == Algorithm::Log => leases.take_back(&LimitSpec { key: item.key, limit, window_ms: item.window_ms, cost: 1 }, units),
+            _ => (0, 0),
+        };
+        if taken > 0 {
+            METRICS.share_units_given_back(taken);
+            if let Some(p) = item.policy {
+                p.counters.share_given_back(taken);
+            }
+        }
+        Response {
+            decision: Decision::Allowed,
+            source: Source::Redis,
+            count: taken,
+            remaining,
+            reset_ms: item.window_ms,
+            ..Response::error(id, op, ErrorCode::None, "".into())
+        }
+    }
+
     /// `units` of this daemon's quota lease on a resolved item's window
     /// for a worker (op 10, or an inline limit's CHECK with the share flag),
     /// when the item is a plain log window (not exempt, shadow, sharded or
@@ -218,6 +259,9 @@ impl Limiter {
             ShareAnswer::NoUnits { ask_again_ms } => (WorkerShare { units: 0, valid_ms: 0, remaining: 0 }, ask_again_ms),
         };
         METRICS.lease_share(share.units);
+        if let (Some(p), true) = (item.policy, share.units > 0) {
+            p.counters.shared(share.units);
+        }
         Response {
             decision: Decision::Allowed,
             source: Source::Redis,

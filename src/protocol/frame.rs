@@ -235,6 +235,8 @@ mod tests {
                             Some(Inbound::Request(Request::Settle(c))) => prop_assert!((1..=MAX_POLICY_ITEMS).contains(&c.items.len()) && c.items.iter().all(|i| !i.key().is_empty() && !i.name().is_empty() && i.cost <= MAX_O1_COST)),
                             Some(Inbound::Request(Request::LeaseShare(c))) => prop_assert!(!c.item.key().is_empty() && !c.item.name().is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.item.cost)),
                             Some(Inbound::Request(Request::InlineShare(c))) => prop_assert!(!c.key.is_empty() && (1..=MAX_SHARE_UNITS).contains(&c.cost)),
+                            Some(Inbound::Request(Request::GiveBack(c))) => prop_assert!(!c.item.key().is_empty() && !c.item.name().is_empty() && (1..=MAX_GIVE_BACK_UNITS).contains(&c.item.cost)),
+                            Some(Inbound::Request(Request::InlineGiveBack(c))) => prop_assert!(!c.key.is_empty() && (1..=MAX_GIVE_BACK_UNITS).contains(&c.cost)),
                             // Hostile bytes never reach the lookup as a name a policy could not have.
                             Some(Inbound::Request(Request::Describe(d))) => prop_assert!((1..=MAX_POLICY_NAME_LEN).contains(&d.name.len()) && d.name.iter().all(|&b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))),
                             None => break,
@@ -260,7 +262,7 @@ mod tests {
                     Inbound::Request(Request::Check(c)) => {
                         prop_assert_eq!((c.header.id, c.limit, c.window_ms, c.cost, &c.key[..]), (id, limit, window_ms, cost, &key[..]));
                     }
-                    Inbound::Request(Request::InlineShare(_)) => prop_assert!(false, "a CHECK without the share flag decoded as a share"),
+                    Inbound::Request(Request::InlineShare(_) | Request::InlineGiveBack(_)) => prop_assert!(false, "a CHECK without the share flag decoded as a share"),
                     Inbound::Invalid { id: got, code, .. } => {
                         prop_assert_eq!(got, id);
                         let expected_bad = match code {
@@ -278,7 +280,7 @@ mod tests {
                     Inbound::Request(Request::Lease(_)) => prop_assert!(false, "a CHECK decoded as a lease"),
                     Inbound::Request(Request::PolicyLease(_)) => prop_assert!(false, "a CHECK decoded as a policy lease"),
                     Inbound::Request(Request::Reserve(_)) | Inbound::Request(Request::Settle(_)) => prop_assert!(false, "a CHECK decoded as a reserve or settle"),
-                    Inbound::Request(Request::LeaseShare(_)) => prop_assert!(false, "a CHECK decoded as a lease share"),
+                    Inbound::Request(Request::LeaseShare(_) | Request::GiveBack(_)) => prop_assert!(false, "a CHECK decoded as a lease share"),
                     Inbound::Request(Request::Describe(_)) => prop_assert!(false, "a CHECK decoded as a describe"),
                 }
             }

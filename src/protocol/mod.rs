@@ -34,11 +34,11 @@ mod wire;
 pub use frame::{next_frame, too_large, truncated, Frame, RequestCodec};
 pub use header::{Bounds, Header, Refused};
 pub use item::{ItemArgs, PolicyItem};
-pub use op::check::{encode_inline_share, encode_request, encode_request_with, CheckArgs, CheckRequest};
+pub use op::check::{encode_inline_give_back, encode_inline_share, encode_request, encode_request_with, CheckArgs, CheckRequest};
 pub use op::check_policy::{encode_multi_request, encode_policy_request, MultiCheckRequest, PolicyCheckArgs, PolicyCheckRequest};
 pub use op::describe::{encode_describe, encode_describe_uses, unknown_policy_response, DescribeRequest, PolicyDescription, PolicyUse, PolicyUses, FLAG_DESCRIBE_USES};
 pub use op::lease::{encode_lease_request, LeaseArgs, LeaseRequest};
-pub use op::lease_share::encode_lease_share;
+pub use op::lease_share::{encode_give_back, encode_lease_share};
 pub use op::policy_lease::{encode_policy_lease_request, PolicyLeaseArgs, PolicyLeaseRequest};
 pub use op::refund::{encode_refund, RefundRequest};
 pub use op::settle::{encode_reserve, encode_settle, ReserveRequest, SettleRequest};
@@ -48,4 +48,5 @@ pub use wire::{
     Algorithm, Decision, ErrorCode, FailPolicy, PolicyKind, Source, OP_DESCRIBE_POLICY, FLAG_REFUNDABLE, FLAG_SETTLE, MAX_O1_COST, OP_SETTLE, HANDLE_LEN, ITEM_RESULT_LEN, LEN_PREFIX, LIMIT_ENTRY_LEN, MAX_EXTENSION_LEN, MAX_FRAME_LEN, MAX_MESSAGE_LEN, MAX_POLICY_ITEMS,
     MAX_POLICY_NAME_LEN, OP_ACQUIRE, OP_CHECK, OP_CHECK_POLICY, OP_REFUND, OP_RELEASE, POLICY_HEADER_LEN, POLICY_ITEM_LEN, REFUND_HEADER_LEN, REQUEST_HEADER_LEN, RESPONSE_FIXED_LEN, VERSION,
     FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_LEASE_HEADER_LEN, MAX_SHARE_UNITS, OP_LEASE_SHARE, FLAG_SHARE,
+    FLAG_GIVE_BACK, FLAG_SHARE_GIVE_BACK, MAX_GIVE_BACK_UNITS,
 };

@@ -14,7 +14,7 @@ use super::op::check::{self, Check, CheckRequest};
 use super::op::check_policy::{self, MultiCheckRequest, PolicyCheck, PolicyCheckRequest};
 use super::op::describe::{self, DescribeRequest};
 use super::op::lease::{self, LeaseRequest};
-use super::op::lease_share;
+use super::op::lease_share::{self, LeaseShare};
 use super::op::policy_lease::{self, PolicyLeaseRequest};
 use super::op::refund::{self, RefundRequest};
 use super::op::settle::{self, ReserveRequest, SettleRequest};
@@ -46,6 +46,12 @@ pub enum Request {
     /// CHECK (op 1) with `FLAG_SHARE`: the same for an inline limit;
     /// `cost` is the units wanted (1..=`MAX_SHARE_UNITS`).
     InlineShare(CheckRequest),
+    /// LEASE_SHARE with `FLAG_GIVE_BACK`: `cost` units of the host's share
+    /// of the policy's key given back, unused (1..=`MAX_GIVE_BACK_UNITS`).
+    GiveBack(PolicyCheckRequest),
+    /// CHECK with `FLAG_SHARE | FLAG_SHARE_GIVE_BACK`: the same for an
+    /// inline limit.
+    InlineGiveBack(CheckRequest),
     /// DESCRIBE_POLICY (op 8): what the configuration says of a name; not a decision.
     Describe(DescribeRequest),
 }
@@ -80,6 +86,7 @@ pub fn parse_request(body: Bytes, bounds: &Bounds) -> Inbound {
         OP_CHECK => inbound(head, check::parse(head, body, bounds), |c| match c {
             Check::Check(r) => Request::Check(r),
             Check::Share(r) => Request::InlineShare(r),
+            Check::GiveBack(r) => Request::InlineGiveBack(r),
         }),
         OP_CHECK_POLICY => inbound(head, check_policy::parse(head, body, bounds), |c| match c {
             PolicyCheck::One(r) => Request::PolicyCheck(r),
@@ -91,7 +98,10 @@ pub fn parse_request(body: Bytes, bounds: &Bounds) -> Inbound {
         OP_ACQUIRE_POLICY => inbound(head, policy_lease::parse(head, body, bounds), Request::PolicyLease),
         OP_DESCRIBE_POLICY => inbound(head, describe::parse(head, body), Request::Describe),
         OP_SETTLE => inbound(head, settle::parse(head, body, bounds), Request::Settle),
-        OP_LEASE_SHARE => inbound(head, lease_share::parse(head, body, bounds), Request::LeaseShare),
+        OP_LEASE_SHARE => inbound(head, lease_share::parse(head, body, bounds), |s| match s {
+            LeaseShare::Share(r) => Request::LeaseShare(r),
+            LeaseShare::GiveBack(r) => Request::GiveBack(r),
+        }),
         op => Inbound::refused(head.id, op, refused(ErrorCode::UnknownOp, format!("unknown op {op}"))),
     }
 }
@@ -233,6 +243,36 @@ mod tests {
             encode_inline_share(7, &CheckArgs { cost: units, ..args(b"t1") }, &mut bad);
             assert_eq!(code_of(decode_one(&bad)), ErrorCode::InvalidCost, "{units} units");
         }
+    }
+
+    #[test]
+    fn a_give_back_returns_units_of_a_share_and_has_the_documented_bytes() {
+        use crate::protocol::op::check::encode_inline_give_back;
+        use crate::protocol::op::lease_share::encode_give_back;
+        let mut inline = BytesMut::new();
+        encode_inline_give_back(7, &CheckArgs { cost: 16, ..args(b"t1") }, &mut inline);
+        // docs/PROTOCOL.md section 4h.
+        assert_eq!(hex(&inline), "0000001e01010000000730000101000003e8000003e8000000100000000000027431");
+        match decode_one(&inline) {
+            Inbound::Request(Request::InlineGiveBack(c)) => assert_eq!((c.cost, &c.key[..]), (16, &b"t1"[..])),
+            other => panic!("{other:?}"),
+        }
+        let mut policy = BytesMut::new();
+        encode_give_back(7, &PolicyCheckArgs { policy: b"order", key: b"t1", cost: 16, on_error: FailPolicy::Open, local_limit: 0 }, &mut policy);
+        assert_eq!(hex(&policy), "0000001c010a000000070001000100000000000000100002056f726465727431");
+        match decode_one(&policy) {
+            Inbound::Request(Request::GiveBack(c)) => assert_eq!((c.item.cost, c.item.name(), c.item.key()), (16, &b"order"[..], &b"t1"[..])),
+            other => panic!("{other:?}"),
+        }
+        // Units given back go up to what a worker's entry holds, not a share's most.
+        for (units, ok) in [(MAX_SHARE_UNITS + 1, true), (MAX_GIVE_BACK_UNITS, true), (0, false), (MAX_GIVE_BACK_UNITS + 1, false)] {
+            let mut b = BytesMut::new();
+            encode_inline_give_back(7, &CheckArgs { cost: units, ..args(b"t1") }, &mut b);
+            assert_eq!(matches!(decode_one(&b), Inbound::Request(Request::InlineGiveBack(_))), ok, "{units} units");
+        }
+        // The give-back bit without the share bit.
+        inline[10] = 0x20;
+        assert_eq!(code_of(decode_one(&inline)), ErrorCode::UnsupportedFlags);
     }
 
     #[test]

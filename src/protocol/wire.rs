@@ -36,6 +36,16 @@ pub const OP_LEASE_SHARE: u8 = 10;
 /// limit's quota lease (docs/PROTOCOL.md section 4h): `cost` is the units
 /// wanted (1..=`MAX_SHARE_UNITS`), answered as a LEASE_SHARE is.
 pub const FLAG_SHARE: u16 = 0x1000;
+/// CHECK request flag, with `FLAG_SHARE`: units of an inline limit's
+/// worker share given back (`cost`, 1..=`MAX_GIVE_BACK_UNITS`), unused:
+/// the daemon takes them back into its lease (docs/PROTOCOL.md section 4h).
+pub const FLAG_SHARE_GIVE_BACK: u16 = 0x2000;
+/// LEASE_SHARE flag: the item's `cost` is units of the host's share given
+/// back, unused (1..=`MAX_GIVE_BACK_UNITS`), not units wanted.
+pub const FLAG_GIVE_BACK: u16 = 0x0001;
+/// Most units one give-back returns: the most a worker's shared-dict entry
+/// holds (lua/resty/ratelimitd/share.lua, MAX_PACKED).
+pub const MAX_GIVE_BACK_UNITS: u32 = 4095;
 /// Most units one LEASE_SHARE asks for (and is granted): the worker's
 /// shared-dict counter packs them under its deadline (lua/resty/ratelimitd/share.lua).
 pub const MAX_SHARE_UNITS: u32 = 255;

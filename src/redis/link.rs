@@ -19,8 +19,11 @@
 //! gets the call again as `EVAL` of the script's text (which caches it on
 //! that node; a `SCRIPT LOAD` goes to every node and fails if any is down),
 //! and a lost node connection fails only the request that met it (the
-//! client reconnects and refreshes the slot map itself). The breaker is one
-//! per cluster: it opens when the whole cluster is silent.
+//! client reconnects and refreshes the slot map itself). A call's failures
+//! count toward the breaker of its key's hash slot (`SlotBreakers`), on
+//! the slot's own evidence: a dead primary opens its own slots' breakers,
+//! never the other primaries' keys'. The link's breaker opens on a
+//! cluster only when the connection itself is lost (the supervisor).
 //!
 //! Two guards stand between a request and Redis, and they answer different
 //! questions:
@@ -67,7 +70,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use self::admission::{InFlightLimit, Permit};
-use self::breaker::Breaker;
+use self::breaker::{Breaker, SlotBreakers};
 use super::connector::{Connector, LinkConnection};
 use super::sentinel::SentinelConnector;
 use crate::config::RedisConfig;
@@ -105,6 +108,9 @@ impl From<&RedisConfig> for LinkSettings {
 pub struct RedisLink {
     conn: ArcSwapOption<LinkConnection>,
     breaker: Breaker,
+    /// On a Cluster: a breaker per hash slot, which a call's failures
+    /// count toward instead of `breaker` (see the module doc).
+    slot_breakers: Option<SlotBreakers>,
     /// Admission: the adaptive limit on calls in flight.
     in_flight: InFlightLimit,
     /// When the last timeout the breaker counted fired, same clock: one
@@ -200,6 +206,7 @@ impl RedisLink {
         let link = Arc::new(Self {
             conn: ArcSwapOption::empty(),
             breaker: Breaker::new(settings.breaker_failures),
+            slot_breakers: matches!(connector, Connector::Cluster { .. }).then(|| SlotBreakers::new(settings.breaker_failures)),
             in_flight: InFlightLimit::new(settings.min_in_flight, settings.max_in_flight, settings.timeout),
             last_counted_us: AtomicU64::new(0),
             generation: AtomicU64::new(0),
@@ -284,6 +291,12 @@ impl RedisLink {
         let started = Instant::now();
         let mut conn = self.connection()?;
         let conn_is_cluster = conn.is_cluster();
+        let slot = self.slot_breakers.as_ref().filter(|_| conn_is_cluster).zip(first_key_slot(cmd));
+        if let Some((slots, slot)) = slot {
+            if !slots.admit(slot, self.in_flight.micros(started), self.reprobe_us()) {
+                return Err(StoreError::CircuitOpen);
+            }
+        }
         let Some(permit) = self.in_flight.admit(started) else {
             return Err(StoreError::Overloaded(self.in_flight.limit()));
         };
@@ -332,12 +345,53 @@ impl RedisLink {
             Ok(Ok(v)) => {
                 self.replied(&permit, now, took);
                 self.breaker.record_success();
+                if let Some((slots, slot)) = slot {
+                    self.slot_answered(slots, slot, now);
+                }
                 Ok(v)
             }
-            Ok(Err(e)) => Err(self.record_failure(&e, conn_is_cluster, &permit, now, took)),
+            Ok(Err(e)) => Err(self.record_failure(&e, conn_is_cluster, slot, &permit, now, took)),
             Err(_) => {
-                self.record_timeout(&permit, now, took);
+                self.record_timeout(slot, &permit, now, took);
                 Err(StoreError::Timeout(self.settings.timeout))
+            }
+        }
+    }
+
+    /// How long a slot's open breaker refuses before it lets a probe
+    /// through: a deadline, so one request per deadline waits on a dead
+    /// primary, and its keys are back within about one after its replica
+    /// is promoted.
+    fn reprobe_us(&self) -> u64 {
+        self.settings.timeout.max(MIN_BACKOFF).as_micros() as u64
+    }
+
+    /// A call on a Cluster slot was answered (an error reply is an answer too).
+    #[inline]
+    fn slot_answered(&self, slots: &SlotBreakers, slot: u16, now: Instant) {
+        if slots.answered(slot, self.in_flight.micros(now)) {
+            if let Some(suppressed) = self.up_log.permit() {
+                tracing::info!(slot, closed_before = suppressed, "a redis cluster slot answers again; its breaker closed");
+            }
+        }
+    }
+
+    /// A call on a Cluster slot got no answer, and no other call on the
+    /// slot was answered while it waited: counts toward the slot's breaker.
+    fn slot_silent(&self, slots: &SlotBreakers, slot: u16, permit: &Permit<'_>, now: Instant) {
+        if !slots.silent_since(slot, permit.admitted_us) {
+            return;
+        }
+        if slots.failed(slot, permit.admitted_us, self.in_flight.micros(now), self.reprobe_us()) {
+            METRICS.breaker_opened();
+            if let Some(suppressed) = self.trip_log.permit() {
+                tracing::warn!(
+                    slot,
+                    failures = self.settings.breaker_failures,
+                    breaker_opened_before = suppressed,
+                    "a redis cluster slot's primary is silent or unreachable; its slot's breaker is open (its keys follow their fail policy until a probe succeeds), the other slots are not affected"
+                );
+                self.down_said.store(true, Ordering::Relaxed);
             }
         }
     }
@@ -392,15 +446,19 @@ impl RedisLink {
     /// node restarting): redis-rs reconnects to it and refreshes the slot
     /// map itself, and the other nodes' keys are still decided in Redis, so
     /// it does not open the breaker at once nor replace the connection; the
-    /// request follows its fail policy. It counts toward the breaker, as a
-    /// silent timeout does, only if no node answered any call of ours while
-    /// it waited: the breaker, one per cluster, opens when the whole cluster
-    /// is unreachable or silent for `breaker_failures` deadlines.
-    fn record_failure(&self, e: &RedisError, cluster: bool, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
+    /// request follows its fail policy. It counts toward the breaker of the
+    /// key's slot, as a silent timeout does, only if no call on the slot was
+    /// answered while it waited: a slot's breaker opens when its primary is
+    /// unreachable or silent for `breaker_failures` deadlines. (A call with
+    /// no key, none on the request path, counts toward the link's breaker
+    /// if no node answered any call of ours meanwhile.)
+    fn record_failure(&self, e: &RedisError, cluster: bool, slot: Option<(&SlotBreakers, u16)>, permit: &Permit<'_>, now: Instant, took: Duration) -> StoreError {
         match classify(e) {
             Failure::Link if cluster => {
-                if self.in_flight.last_answer_us() <= permit.admitted_us {
-                    self.count_toward_breaker(permit, now);
+                match slot {
+                    Some((slots, slot)) => self.slot_silent(slots, slot, permit, now),
+                    None if self.in_flight.last_answer_us() <= permit.admitted_us => self.count_toward_breaker(permit, now),
+                    None => {}
                 }
                 StoreError::Unavailable(e.to_string())
             }
@@ -409,23 +467,32 @@ impl RedisLink {
                 StoreError::Unavailable(e.to_string())
             }
             Failure::Slow => {
-                self.record_timeout(permit, now, took);
+                self.record_timeout(slot, permit, now, took);
                 StoreError::Timeout(self.settings.timeout)
             }
             Failure::Call => {
                 // An error reply is still a reply: Redis is alive.
                 self.replied(permit, now, took);
+                if let Some((slots, slot)) = slot {
+                    self.slot_answered(slots, slot, now);
+                }
                 StoreError::Redis(e.to_string())
             }
         }
     }
 
     /// Why a call that `permit` admitted waited out its deadline (see the
-    /// module doc): only `RedisSilent` is evidence against Redis.
-    fn timeout_cause(&self, permit: &Permit<'_>, took: Duration) -> TimeoutCause {
+    /// module doc): only `RedisSilent` is evidence against Redis (on a
+    /// Cluster, against the primary of the call's slot: no call on the slot
+    /// was answered meanwhile).
+    fn timeout_cause(&self, slot: Option<(&SlotBreakers, u16)>, permit: &Permit<'_>, took: Duration) -> TimeoutCause {
+        let silent = match slot {
+            Some((slots, slot)) => slots.silent_since(slot, permit.admitted_us),
+            None => self.in_flight.last_answer_us() <= permit.admitted_us,
+        };
         if took > self.settings.timeout + self.settings.timeout / LATE_TIMER_DIVISOR {
             TimeoutCause::DaemonLate
-        } else if self.in_flight.last_answer_us() <= permit.admitted_us {
+        } else if silent {
             TimeoutCause::RedisSilent
         } else if permit.ahead >= self.in_flight.min() {
             TimeoutCause::Queued
@@ -465,12 +532,15 @@ impl RedisLink {
     /// answering, few ahead) or a timer that fired late (the daemon was not
     /// running) goes to neither: it says nothing about a dead Redis or a
     /// long queue.
-    fn record_timeout(&self, permit: &Permit<'_>, now: Instant, took: Duration) {
-        let cause = self.timeout_cause(permit, took);
+    fn record_timeout(&self, slot: Option<(&SlotBreakers, u16)>, permit: &Permit<'_>, now: Instant, took: Duration) {
+        let cause = self.timeout_cause(slot, permit, took);
         METRICS.redis_timeout(cause);
         self.in_flight.timed_out(now, permit.ahead, cause == TimeoutCause::Queued);
         if cause == TimeoutCause::RedisSilent {
-            self.count_toward_breaker(permit, now);
+            match slot {
+                Some((slots, slot)) => self.slot_silent(slots, slot, permit, now),
+                None => self.count_toward_breaker(permit, now),
+            }
         }
     }
 
@@ -900,6 +970,23 @@ async fn follow_redirect<T: FromRedisValue>(cmd: &Cmd, first: RedisError, conn: 
     Err(err)
 }
 
+/// The hash slot of an EVALSHA's (or EVAL's) first key, which is the slot
+/// the call goes to; None for a call with no key.
+fn first_key_slot(cmd: &Cmd) -> Option<u16> {
+    fn simple<'a>(a: Option<redis::Arg<&'a [u8]>>) -> Option<&'a [u8]> {
+        match a {
+            Some(redis::Arg::Simple(b)) => Some(b),
+            _ => None,
+        }
+    }
+    let mut args = cmd.args_iter().skip(2);
+    let numkeys = simple(args.next())?;
+    if numkeys == b"0" {
+        return None;
+    }
+    simple(args.next()).map(super::keys::key_slot)
+}
+
 fn is_noscript(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
@@ -965,6 +1052,17 @@ fn log_probe_failure(link: &RedisLink, target: &str, failures: u32, reason: &str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_s_slot_is_its_first_key_s() {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg("0123").arg(2).arg("ratelimitd:{t1}:1000ms").arg("other");
+        assert_eq!(first_key_slot(&cmd), Some(super::super::keys::key_slot(b"t1")));
+        let mut none = redis::cmd("EVALSHA");
+        none.arg("0123").arg(0).arg("x");
+        assert_eq!(first_key_slot(&none), None);
+        assert_eq!(first_key_slot(&redis::cmd("PING")), None);
+    }
 
     #[test]
     fn errors_are_classified_by_what_they_mean_for_the_link() {

@@ -30,7 +30,7 @@ local settings = {
                               -- until it could pass (docs/NGINX.md section 4)
     denial_cache_max_ms = 1000, -- longest an entry refuses without asking the
                               -- daemon: how late a reset is seen
-    shares = false,           -- a hot key of a policy or inline (log) limiter is
+    shares = true,            -- a hot key of a policy or inline (log) limiter is
                               -- admitted from worker shares of the daemon's
                               -- quota leases in shared_dict, no round trip
                               -- (share.lua; a limiter's share_dict overrides)

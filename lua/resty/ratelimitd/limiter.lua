@@ -70,9 +70,10 @@ local function ask(self, key, cost)
     return ask_daemon(self, encode_check(id, self._before_cost, self._after_cost, self._cost_one, cost, key), id)
 end
 
--- The CHECK with the share flag of `units` for `key` (share.lua).
-function Limiter._share_frame(self, id, units, key)
-    return wire.share(id, self._share_before, self._share_after, units, key)
+-- The CHECK with the share flag of `units` for `key` (share.lua); with
+-- `back`, the give-back of `units` unused.
+function Limiter._share_frame(self, id, units, key, back)
+    return wire.share(id, self._share_before, self._share_after, units, key, back)
 end
 
 -- One decision: from the host's worker share of the daemon's quota lease, else the

@@ -57,9 +57,9 @@ end
 
 -- The LEASE_SHARE frame (op 10) of `units` for `key`, or nil while the
 -- header is not built (at the first request; a description clears it).
-function Policy._share_frame(self, id, units, key)
+function Policy._share_frame(self, id, units, key, back)
     local h = self._header
-    return h and wire.lease_share(id, h, units, self._name_part, key)
+    return h and wire.lease_share(id, h, units, self._name_part, key, back)
 end
 
 -- A description changed on_error or the local quota: the header is built

@@ -26,8 +26,26 @@
 -- LOW asks the daemon for more while the others go on taking, and the new
 -- units are added (incr) to the live entry under its deadline, the earlier
 -- one (a later share's lease is the same or newer): each unit is still
--- taken before its own deadline. Units the entry holds at its deadline are
--- burnt: under-admission only. A second entry (the entry's
+-- taken before its own deadline.
+--
+-- Units no worker used go back to the daemon before the deadline (a
+-- give-back: op 10 with flag 0x0001, or CHECK with 0x3000), which takes
+-- them back into its lease: it admits from them itself, or its settle
+-- removes them from Redis. Taken back from the entry in one incr that sets
+-- its deadline to 0: every take after it fails, so the low part it leaves
+-- is exactly the units no take had, and they are given back (a low part in
+-- a borrow at that instant: none, under-admission only). By the request
+-- that finds the deadline within RENEW_MS (it is admitted first, then
+-- gives back and asks for a fresh share, in its own request: a steady
+-- stream never leaves units at a deadline, and the daemon has them back
+-- before any request that follows asks it), else by a timer of the worker
+-- that installed the share, BACK_MS before the deadline (a stream that
+-- stopped). Neither needs the refill guard (it also holds the refill
+-- back-off): a refill that changed the entry between the read and the
+-- incr shows in the incr's result, which is then undone. A replaced
+-- entry's units left are given back too. Units a
+-- give-back cannot return (the daemon answered nothing, or settled the
+-- lease already) stay counted: under-admission only. A second entry (the entry's
 -- name + "\3") holds the limit and the room outside the share (value) and
 -- the window (flags) for the response's numbers; "\4", the refill guard.
 -- The key's recent admissions by the daemon are counted in the worker
@@ -68,6 +86,12 @@ local MAX_LIMIT = 2 ^ 26
 -- key is not leased, or near its limit).
 local HOT_HITS, HOT_S = 8, 1
 local REFILL_GUARD_S, NOTHING_S = 0.05, 0.1
+-- A take that finds the deadline this close renews the share (gives the
+-- units left back, asks for fresh ones); the timer gives them back BACK_MS
+-- before it. Shares are valid 20 ms at least (the daemon's
+-- MIN_RATE_VALID_MS), but a hundredth of the window if that is less (10 ms
+-- for 1 s): RENEW_MS is then a quarter of that (admit).
+local RENEW_MS, BACK_MS = 8, 2
 -- Keys counted per generation at most: a flood of distinct keys starts a
 -- new generation early, so the counts take at most 2 x HOT_KEYS entries.
 local HOT_KEYS = 4096
@@ -114,15 +138,76 @@ local function entries(lim, key)
     return skey, info
 end
 
+-- Takes the units left out of entry `skey` if its deadline is still
+-- `deadline` (ms): how many, for a give-back; its deadline is then 0, so
+-- no take after this one admits.
+local function reclaim(dict, skey, deadline)
+    local v = dict:get(skey)
+    if not v then
+        return 0
+    end
+    local left = v % SPAN
+    if left == 0 or left > MAX_PACKED or (v - left) / SPAN ~= deadline then
+        return 0
+    end
+    local now = dict:incr(skey, -deadline * SPAN)
+    if not now then
+        return 0
+    end
+    if now < 0 or now > MAX_PACKED then
+        -- A take's borrow at that instant (its units would be given back
+        -- twice), or a refill replaced the entry since the read: undone,
+        -- the entry is as it was (under-admission at most).
+        dict:incr(skey, deadline * SPAN)
+        return 0
+    end
+    return now
+end
+
+-- Gives `units` of `lim`'s share of `key` back to the daemon, unused:
+-- the units it took back (0: none) and the key's room outside the shares
+-- it then tells. Errors are ignored: the units stay counted,
+-- under-admission only.
+local function give_back(lim, key, units)
+    if units <= 0 then
+        return 0, 0
+    end
+    local id = next_id()
+    local frame = lim:_share_frame(id, units, key, true)
+    if frame then
+        local h = transact(frame, id)
+        if h then
+            -- count: the units taken back; remaining: the room outside.
+            local taken, room = share_grant(h)
+            return taken, room
+        end
+    end
+    return 0, 0
+end
+
+-- The timer BACK_MS before a share's deadline: the units no take had go
+-- back to the daemon (none if a request renewed the share first).
+local function expire(_, lim, dict, skey, key, deadline)
+    give_back(lim, key, reclaim(dict, skey, deadline))
+end
+
+-- Runs `expire` BACK_MS before `deadline` (at once if that is past).
+local function schedule(lim, dict, skey, key, deadline)
+    local wait = (deadline - BACK_MS) / 1000 - mono_us() / 1e6
+    ngx.timer.at(wait > 0 and wait or 0, expire, lim, dict, skey, key, deadline)
+end
+
 -- Asks the daemon for units of `lim`'s lease on `key` (entry `skey`, the
 -- key's limit `limit`) and stores them; the caller holds the refill guard.
 -- Stored by one incr of the difference, never a set: a take or a give-back
 -- of another worker between the read and the write keeps its effect, so
--- no unit is granted twice. Added to a live entry when its deadline is no
--- later than the new units' (they then share it), else the entry is
--- replaced (its units left are burnt: under-admission only). Not while
--- the entry is borrowed (a take is about to give back): the units are
--- burnt instead. Errors are ignored: the next request asks the daemon.
+-- no unit is granted twice. Added to a live entry (one with units and
+-- time left), under the earlier of the two deadlines (a later share may
+-- end first: its lease has less life left); else the entry is replaced
+-- and its units left are given back. Not while the entry is borrowed (a
+-- take is about to give back): the units are burnt instead
+-- (under-admission only). Errors are ignored: the next request asks the
+-- daemon.
 local function ask(lim, dict, skey, key, limit)
     -- The kind's frame (nil: not now, e.g. a policy limiter whose header
     -- a description just cleared: no refill this time).
@@ -156,6 +241,7 @@ local function ask(lim, dict, skey, key, limit)
     local v = dict:get(skey)
     if not v then
         dict:safe_add(skey, deadline * SPAN + units, ttl)
+        schedule(lim, dict, skey, key, deadline)
     else
         local left = v % SPAN
         local live = (v - left) / SPAN
@@ -163,15 +249,39 @@ local function ask(lim, dict, skey, key, limit)
             -- Borrowed: burnt (see above).
             return
         end
+        local replaced = not (left > 0 and mono_us() < live * 1000 and left + units <= MAX_PACKED)
+        -- A replaced entry's units left are taken out in the step that
+        -- ends it, as the give-back timer takes them (reclaim): whichever
+        -- runs first has them, the other none, so none is given back twice
+        -- (a take since the read was charged to them, or fails).
+        local back = 0
+        if replaced and live > 0 and left > 0 then
+            back = reclaim(dict, skey, live)
+            v = dict:get(skey) or v
+        end
+        -- Past whichever deadline it keeps.
+        dict:expire(skey, ttl)
         local target = deadline * SPAN + units
-        if left > 0 and live <= deadline and mono_us() < live * 1000 and left + units <= MAX_PACKED then
-            target = v + units
-        else
-            dict:expire(skey, ttl)
+        if not replaced then
+            target = min(live, deadline) * SPAN + left + units
         end
         if not dict:incr(skey, target - v) then
             -- Expired between the read and the write.
             dict:safe_add(skey, target, ttl)
+        end
+        if replaced then
+            schedule(lim, dict, skey, key, deadline)
+        elseif deadline < live then
+            -- An earlier deadline: its own give-back timer (the one before
+            -- finds the deadline changed and gives nothing).
+            schedule(lim, dict, skey, key, deadline)
+        end
+        -- The room the daemon then tells is the room outside the new units.
+        if back > 0 then
+            local taken, room = give_back(lim, key, back)
+            if taken > 0 then
+                dict:safe_set(skey .. "\3", limit * MAX_LIMIT + min(room, limit), ttl, window)
+            end
         end
     end
     -- The next refill may start as soon as these units run low.
@@ -206,8 +316,14 @@ function _M.admit(lim, dict, key, cost)
         dict:incr(skey, cost)
         return nil
     end
-    if mono_us() >= (v - units) / SPAN * 1000 then
-        -- Past the deadline: the unit is burnt (counted as used: under-admission only).
+    local deadline = (v - units) / SPAN
+    local now_us = mono_us()
+    if now_us >= deadline * 1000 then
+        -- Past the deadline (or given back): not admitted. The units
+        -- taken are not put back: a refill may have replaced the entry
+        -- since (they would be admitted from the new one, after their own
+        -- deadline); lost, under-admission only (the give-back timer runs
+        -- before the deadline unless the worker is late).
         return nil
     end
     local info, window = dict:get(ikey)
@@ -216,8 +332,20 @@ function _M.admit(lim, dict, key, cost)
     end
     local outside = info % MAX_LIMIT
     local limit = (info - outside) / MAX_LIMIT
-    if units < LOW and units + cost >= LOW and MAY_CONNECT[get_phase()] and dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
-        ask(lim, dict, skey, key, limit)
+    -- A quarter of the longest share of the window (a hundredth of it)
+    -- if that is less: a 10 ms share of a 1 s window is renewed 2.5 ms
+    -- before its deadline.
+    local renew = now_us >= (deadline - min(RENEW_MS, (window or 0) / 400)) * 1000
+    if renew or units < LOW and units + cost >= LOW then
+        local may_connect = MAY_CONNECT[get_phase()]
+        if renew and may_connect then
+            -- This admission stands (before the deadline); the units left
+            -- go back, then fresh ones are asked for.
+            give_back(lim, key, reclaim(dict, skey, deadline))
+        end
+        if may_connect and dict:safe_add(skey .. "\4", true, REFILL_GUARD_S) then
+            ask(lim, dict, skey, key, limit)
+        end
     end
     local remaining = outside + units
     return {

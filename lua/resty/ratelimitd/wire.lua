@@ -134,9 +134,13 @@ function _M.share_parts(on_error, limit, window_ms)
 end
 
 --- CHECK with the share flag (section 4h): `units` of the daemon's lease
--- on an inline limit's key for this host's workers.
-function _M.share(id, before, after, units, key)
+-- on an inline limit's key for this host's workers; with `back`, the
+-- give-back flag too (0x3000): `units` unused, given back.
+function _M.share(id, before, after, units, key, back)
     local n = #key
+    if back then
+        before = char(0x30) .. sub(before, 2)
+    end
     return head(28 + n, 1, id) .. before .. u32(units) .. after .. key_len(n) .. key
 end
 
@@ -176,8 +180,12 @@ end
 -- LEASE_SHARE (op 10, section 4h): CHECK_POLICY's header and one item
 -- whose cost is the units wanted (share.lua).
 _M.OP_LEASE_SHARE = 10
-function _M.lease_share(id, header, units, name_part, key)
+function _M.lease_share(id, header, units, name_part, key, back)
     local item = _M.policy_item(units, name_part, key)
+    if back then
+        -- Flag 0x0001: `units` unused, given back.
+        header = char(0, 1) .. sub(header, 3)
+    end
     return head(14 + #item, 10, id) .. header .. item
 end
 

@@ -1,12 +1,13 @@
 //! CHECK (op 1, docs/PROTOCOL.md section 4): an inline limit, its window
 //! and algorithm, a cost and a key; with `FLAG_SHARE`, units of the
-//! inline limit's quota lease for a worker (section 4h). The hot path:
+//! inline limit's quota lease for a worker (section 4h), and with
+//! `FLAG_SHARE_GIVE_BACK` too, units of such a share given back. The hot path:
 //! decoded without an allocation, the key left where it lies in the frame.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::protocol::header::{check_cost, check_key, check_limit, check_local_limit, fail_policy, fixed_len, flags, refused, Bounds, Head, Header, LimitEntry, Refused};
-use crate::protocol::wire::{be16, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_SHARE, MAX_SHARE_UNITS, OP_CHECK, VERSION};
+use crate::protocol::wire::{be16, Algorithm, ErrorCode, FailPolicy, ALGORITHM_FLAGS, FLAG_SHARE, FLAG_SHARE_GIVE_BACK, MAX_GIVE_BACK_UNITS, MAX_SHARE_UNITS, OP_CHECK, VERSION};
 
 /// One validated rate-limit check.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,6 +39,9 @@ pub(crate) enum Check {
     Check(CheckRequest),
     /// With `FLAG_SHARE`: units of the inline limit's lease.
     Share(CheckRequest),
+    /// With `FLAG_SHARE | FLAG_SHARE_GIVE_BACK`: units of such a share
+    /// that no worker used.
+    GiveBack(CheckRequest),
 }
 
 /// Where the key starts: after the header and the one limit entry.
@@ -49,10 +53,11 @@ const KEY_AT: usize = LimitEntry::END;
 pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Check, Refused> {
     fixed_len(&body, KEY_AT, "check")?;
     let flags = flags(&body);
-    if flags & !(ALGORITHM_FLAGS | FLAG_SHARE) != 0 {
+    if flags & !(ALGORITHM_FLAGS | FLAG_SHARE | FLAG_SHARE_GIVE_BACK) != 0 || flags & (FLAG_SHARE | FLAG_SHARE_GIVE_BACK) == FLAG_SHARE_GIVE_BACK {
         return Err(refused(ErrorCode::UnsupportedFlags, format!("flags 0x{flags:04x} are not supported in version {VERSION}")));
     }
     let share = flags & FLAG_SHARE != 0;
+    let give_back = flags & FLAG_SHARE_GIVE_BACK != 0;
     let algorithm = Algorithm::from_flags(flags).map_err(|bits| refused(ErrorCode::UnknownAlgorithm, format!("algorithm {bits} (flags 0x{flags:04x}) is not one this daemon has")))?;
     let on_error = fail_policy(&body)?;
     let n_limits = body[9];
@@ -68,7 +73,10 @@ pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Chec
     if window_ms == 0 || window_ms > bounds.max_window_ms {
         return Err(refused(ErrorCode::InvalidWindow, format!("window {window_ms} ms is outside 1..={} ms", bounds.max_window_ms)));
     }
-    if share && (cost == 0 || cost > MAX_SHARE_UNITS) {
+    if give_back && (cost == 0 || cost > MAX_GIVE_BACK_UNITS) {
+        return Err(refused(ErrorCode::InvalidCost, format!("{cost} units given back; a give-back is 1..={MAX_GIVE_BACK_UNITS}")));
+    }
+    if share && !give_back && (cost == 0 || cost > MAX_SHARE_UNITS) {
         return Err(refused(ErrorCode::InvalidCost, format!("{cost} units wanted; a share is 1..={MAX_SHARE_UNITS}")));
     }
     if !share {
@@ -77,7 +85,11 @@ pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Chec
     check_local_limit(on_error, local_limit, bounds)?;
     body.advance(KEY_AT);
     let r = CheckRequest { header: Header { id: head.id, on_error, local_limit }, limit, window_ms, cost, key: body, algorithm };
-    Ok(if share { Check::Share(r) } else { Check::Check(r) })
+    Ok(match (share, give_back) {
+        (_, true) => Check::GiveBack(r),
+        (true, false) => Check::Share(r),
+        (false, false) => Check::Check(r),
+    })
 }
 
 /// The key of a CHECK body, for logs; `None` when the body does not hold
@@ -100,6 +112,13 @@ pub fn encode_request_with(id: u32, a: &CheckArgs<'_>, algorithm: Algorithm, dst
 /// `FLAG_SHARE`) to `dst`: `a.cost` is the units wanted.
 pub fn encode_inline_share(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
     put(id, a, Algorithm::Log.to_flags() | FLAG_SHARE, dst);
+}
+
+/// Appends one give-back frame of an inline limit's share (CHECK with
+/// `FLAG_SHARE | FLAG_SHARE_GIVE_BACK`) to `dst`: `a.cost` is the units
+/// given back.
+pub fn encode_inline_give_back(id: u32, a: &CheckArgs<'_>, dst: &mut BytesMut) {
+    put(id, a, Algorithm::Log.to_flags() | FLAG_SHARE | FLAG_SHARE_GIVE_BACK, dst);
 }
 
 fn put(id: u32, a: &CheckArgs<'_>, flags: u16, dst: &mut BytesMut) {

@@ -6,9 +6,11 @@
 -- settled: deleting them would let their holders admit past the limit
 -- (they admit with no Redis call) and make their settle a no-op (`ZADD
 -- XX`), so Redis's record would not even show it. They leave as they
--- would have: settled, or at their score plus the window. Returns
--- {members removed, members kept}.
+-- would have: settled, or at their score plus the window. Their holders
+-- forget the admissions before `now` (src/decision/lease.rs
+-- `forget_before`), told of it by the change log. Returns {members
+-- removed, members kept, now}.
 local now = 0
 --@include parts/now.lua
 local removed = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-return { removed, redis.call('ZCARD', KEYS[1]) }
+return { removed, redis.call('ZCARD', KEYS[1]), now }
