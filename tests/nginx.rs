@@ -137,6 +137,12 @@ fn window_slides_dry_run_and_header_styles() {
 }
 
 /// Two gateways, each with its own daemon, on one Redis: one global limit.
+/// Never more than the limit; during the burst a gateway may refuse while
+/// the other holds units of a quota lease or a worker share (both on by
+/// default) that its own requests then do not use, so the burst may admit
+/// a few less (docs/CONFIG.md, "Fast by default": under-admission, the
+/// cost of the defaults); once those are settled or given back, the key
+/// admits exactly up to the limit and no further: no unit is lost for good.
 #[test]
 fn two_gateways_hold_one_global_limit() {
     let redis = RedisServer::start_unix();
@@ -153,7 +159,24 @@ fn two_gateways_hold_one_global_limit() {
         })
         .collect();
     let allowed: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
-    assert_eq!(allowed, 1000, "1280 requests through two gateways");
+    assert!(allowed <= 1000, "{allowed} of 1280 requests through two gateways admitted where the limit is 1000");
+    eprintln!("{allowed} of 1280 admitted in the burst");
+    // Leases live 1 s for this window, shares 100 ms at most, and a refusal
+    // cached by a daemon or a Lua client 1 s each.
+    std::thread::sleep(Duration::from_millis(2500));
+    let a = agent();
+    let mut tail = 0;
+    for i in 0..=(1000 - allowed) {
+        let status = get_as(&a, &urls[i % 2], "global").status;
+        if status != 200 {
+            assert_eq!((status, allowed + tail), (429, 1000), "refused before the limit: {allowed} in the burst, {tail} after it");
+            break;
+        }
+        tail += 1;
+        assert!(allowed + tail <= 1000, "{allowed} in the burst, {tail} after it: over the limit");
+    }
+    assert_eq!(allowed + tail, 1000, "exactly the limit once the units held were settled ({allowed} in the burst)");
+    assert_eq!(get_as(&a, &urls[0], "global").status, 429, "and no more");
     n1.assert_no_errors();
     n2.assert_no_errors();
 }

@@ -319,11 +319,18 @@ function _M.admit(lim, dict, key, cost)
     local deadline = (v - units) / SPAN
     local now_us = mono_us()
     if now_us >= deadline * 1000 then
-        -- Past the deadline (or given back): not admitted. The units
-        -- taken are not put back: a refill may have replaced the entry
-        -- since (they would be admitted from the new one, after their own
-        -- deadline); lost, under-admission only (the give-back timer runs
-        -- before the deadline unless the worker is late).
+        -- Past the deadline (or given back: deadline 0): not admitted. The
+        -- units taken are not put back into the entry (a refill may have
+        -- replaced it since: they would be admitted from the new one,
+        -- after their own deadline) but given back to the daemon, with
+        -- the units left if the entry is still this share: its give-back
+        -- timer runs before the deadline unless the worker is late, as on
+        -- a loaded host. Those of a share already given back were given
+        -- back with it; where no cosocket may open, they are lost
+        -- (under-admission only).
+        if deadline > 0 and MAY_CONNECT[get_phase()] then
+            give_back(lim, key, cost + reclaim(dict, skey, deadline))
+        end
         return nil
     end
     local info, window = dict:get(ikey)
