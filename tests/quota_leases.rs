@@ -256,9 +256,12 @@ fn leases_never_let_a_window_hold_more_than_the_limit_on_random_traces() {
     }
     eprintln!("base seed {base}: {decisions} decisions, {admitted} units admitted, {local} of them from daemons' leases, {shared} from workers' shares");
     // Since leases stop within the last quarter of the limit and hold at
-    // most 64 units, runs saw 9.9-15 % of units from leases: at least 5 %.
-    assert!(local > admitted / 20, "the traces must exercise leases: {local} of {admitted}");
-    assert!(shared > admitted / 20, "the traces must exercise worker shares: {shared} of {admitted}");
+    // most 64 units, 100 base seeds saw 10.0-14.3 % of units from leases
+    // and 5.6-10.8 % from shares. A bound at 1/50 fails when either stops
+    // admitting, not on an unlucky seed (1/20 was 0.6 points from the
+    // shares' lowest).
+    assert!(local > admitted / 50, "the traces must exercise leases: {local} of {admitted}");
+    assert!(shared > admitted / 50, "the traces must exercise worker shares: {shared} of {admitted}");
 }
 
 /// The log's members and scores for client key `key`, window `window_ms`.
@@ -561,7 +564,10 @@ fn reserve_then_give_back_leases_never_let_a_fixed_window_hold_more_than_the_lim
             local += l;
         }
         eprintln!("{algorithm:?}, base seed {base}: {decisions} decisions, {admitted} units admitted, {local} of them from daemons' leases");
-        assert!(local > admitted / 20, "the traces must exercise leases: {local} of {admitted}");
+        // The share admitted from leases was 4.8-10.6 % over 100 base seeds
+        // (40 traces each); a bound at 1/50 fails only when leases stop
+        // admitting, not on an unlucky seed.
+        assert!(local > admitted / 50, "the traces must exercise leases: {local} of {admitted}");
     }
 }
 
