@@ -301,10 +301,14 @@ impl WindowReset {
 /// Tells every daemon of the resets in `windows` (one entry each), so that
 /// they drop the admissions the reset removed from their caches and quota
 /// leases (the daemon that made it was told at once).
-pub async fn announce_resets(conn: &mut LinkConnection, key_prefix: &str, windows: &[crate::admin::ResetWindow]) -> Result<(), redis::RedisError> {
+pub async fn announce_resets(cfg: &RedisConfig, secrets: &RedisSecrets, windows: &[crate::admin::ResetWindow]) -> Result<(), crate::admin::AdminError> {
+    if windows.is_empty() {
+        return Ok(());
+    }
+    let mut conn = crate::admin::connect(cfg, secrets).await?;
     for w in windows {
         let reset = WindowReset { key: w.key.clone(), window_ms: w.window_ms, at_ms: w.at_ms };
-        append(conn, key_prefix, Kind::Reset, &reset.entry()).await?;
+        append(&mut conn, &cfg.key_prefix, Kind::Reset, &reset.entry()).await?;
     }
     Ok(())
 }

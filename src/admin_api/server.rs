@@ -598,10 +598,7 @@ async fn reset(state: &State, view: &View, q: &HashMap<String, String>, who: &st
     // The other daemons hear of it from the change log. The reset is done
     // either way: a failure here is said, not a 503 (their leases then
     // keep counting the admissions it removed until they settle).
-    let announced = match admin::connect(redis, &view.secrets).await {
-        Ok(mut conn) => changes::announce_resets(&mut conn, &redis.key_prefix, &windows).await.map_err(AdminError::from),
-        Err(e) => Err(e),
-    };
+    let announced = changes::announce_resets(redis, &view.secrets, &windows).await;
     if let Err(e) = &announced {
         tracing::warn!(error = %e, "a reset was made but not written to the change log: other daemons' quota leases count the admissions it removed until they settle");
     }

@@ -212,11 +212,7 @@ fn reset_in_redis(config: &Path, target: &TargetOpts) -> anyhow::Result<()> {
     }
     // The daemons hear of it from the change log, and their quota leases
     // forget the admissions it removed.
-    let announced = runtime.block_on(async {
-        let mut conn = ratelimitd::admin::connect(redis, &resolved.redis).await?;
-        ratelimitd::admin_api::changes::announce_resets(&mut conn, &redis.key_prefix, &windows).await.map_err(ratelimitd::admin::AdminError::from)
-    });
-    if let Err(e) = announced {
+    if let Err(e) = runtime.block_on(ratelimitd::admin_api::changes::announce_resets(redis, &resolved.redis, &windows)) {
         eprintln!("warning: the reset is not in the change log ({e}): the daemons' quota leases count the admissions it removed until they settle");
     }
     Ok(())
