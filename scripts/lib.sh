@@ -88,12 +88,14 @@ start_redis() {
 
 # start_daemon BIN: serves on $WORK/ratelimitd.sock against $REDIS_URL; sets
 # SOCK. As root, the socket's group is www-data, as Debian's nginx workers need.
+# DAEMON_SERVER_EXTRA, if set, is added to its [server] table (keys);
 # DAEMON_CONF_EXTRA, if set, is appended to the config (more tables).
 start_daemon() {
   SOCK="$WORK/ratelimitd.sock"
   local conf="$WORK/ratelimitd.toml"
   printf '[server]\nlisten = "%s"\nsocket_mode = "0660"\n' "$SOCK" >"$conf"
   [ "$(id -u)" -eq 0 ] && getent group www-data >/dev/null && echo 'socket_group = "www-data"' >>"$conf"
+  [ -n "${DAEMON_SERVER_EXTRA:-}" ] && printf '%s\n' "$DAEMON_SERVER_EXTRA" >>"$conf"
   [ -n "${DAEMON_CONF_EXTRA:-}" ] && printf '%s\n' "$DAEMON_CONF_EXTRA" >>"$conf"
   chmod a+rx "$WORK"
   "$1" serve --config "$conf" --redis "$REDIS_URL" 2>"$WORK/ratelimitd.log" &

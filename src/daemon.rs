@@ -454,6 +454,7 @@ pub async fn serve(cfg: Config, resolved: Resolved, reload: Reload) -> Result<()
     let local = Arc::new(LocalStore::new(cfg.limits.max_local_keys));
     let background = CancellationToken::new();
     tokio::spawn(local.clone().sweep_every_second(background.clone()));
+    tokio::spawn(crate::spin::run(cfg.server.spin, background.clone()));
     log_deprecated(&cfg);
     // The penalty box's ended bans and stale strikes (memory backend; with
     // Redis the admin refresher sweeps too), every 10 s while the clock runs.

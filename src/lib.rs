@@ -58,6 +58,7 @@ mod redis;
 mod server;
 mod settle_retry;
 mod socket;
+mod spin;
 mod window_store;
 pub mod terminal;
 pub mod top;

@@ -396,6 +396,7 @@ impl Handler {
                     }
                 }
                 if took {
+                    crate::spin::frames_read();
                     // What is left, if anything, came with the last read.
                     c.partial_since = None;
                 }

@@ -94,6 +94,17 @@ async fn an_idle_daemon_with_in_memory_windows_is_never_woken() {
     assert_eq!(idle.ticks, 0, "the idle daemon used {} CPU ticks in {IDLE:?} (its connection open, no request)", idle.ticks);
 }
 
+/// `server.spin_us` keeps the worker polling after each frame (src/spin.rs):
+/// the 1,000 requests of the load are served by a spinning worker, and once
+/// they stop the spinner parks like every other task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_daemon_that_spins_after_frames_is_never_woken() {
+    let d = Daemon::start_with("socket_mode = \"0600\"\nspin_us = 300", None, "");
+    let idle = idle_after_load(&d, async {}).await;
+    assert!(idle.woken.is_empty(), "threads of the idle daemon were switched in (thread id, switches) in {IDLE:?}: {:?}", idle.woken);
+    assert_eq!(idle.ticks, 0, "the idle daemon used {} CPU ticks in {IDLE:?} (its connection open, no request)", idle.ticks);
+}
+
 /// `INFO commandstats` as command -> calls.
 fn command_calls(redis: &RedisServer) -> HashMap<String, u64> {
     let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();

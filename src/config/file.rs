@@ -10,27 +10,18 @@ use super::model::{ClockSource, ConfigError, LogFormat, ParseError};
 use crate::protocol::Bounds;
 
 #[derive(Debug, Clone, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub(super) struct File {
-    #[serde(default)]
     pub server: ServerSection,
-    #[serde(default)]
     pub redis: Option<RedisSection>,
-    #[serde(default)]
     pub limits: LimitsSection,
-    #[serde(default)]
     pub log: LogSection,
-    #[serde(default)]
     pub metrics: Option<MetricsSection>,
-    #[serde(default)]
     pub denial_cache: DenialCacheSection,
-    #[serde(default)]
     pub admin: AdminSection,
     /// `[[policy]]` tables, in file order.
-    #[serde(default)]
     pub policy: Vec<PolicySection>,
     /// The Envoy rate limit service front (docs/ENVOY.md).
-    #[serde(default)]
     pub envoy: Option<EnvoySection>,
 }
 
@@ -203,7 +194,13 @@ pub(super) struct ServerSection {
     pub frame_timeout_ms: Option<u64>,
     pub write_timeout_ms: Option<u64>,
     pub worker_threads: usize,
+    /// µs the runtime's worker keeps polling after a frame before it
+    /// parks (src/spin.rs); 0: never spins.
+    pub spin_us: u64,
 }
+
+/// `server.spin_us` unset: no spin (src/spin.rs, docs/CONFIG.md).
+pub(super) const DEFAULT_SPIN_US: u64 = 0;
 
 impl Default for ServerSection {
     fn default() -> Self {
@@ -222,6 +219,7 @@ impl Default for ServerSection {
             frame_timeout_ms: None,
             write_timeout_ms: None,
             worker_threads: 1,
+            spin_us: DEFAULT_SPIN_US,
         }
     }
 }
@@ -651,44 +649,46 @@ fn key_ending(b: &[u8], end: usize) -> Option<(String, usize)> {
 
 /// `[envoy]` as serde reads it.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub(super) struct EnvoySection {
     /// gRPC (HTTP/2 without TLS) on TCP, "host:port"; loopback or a private
     /// address, as Envoy's rate limit cluster names it.
     pub listen: Option<String>,
     /// gRPC on a Unix socket (Envoy: `pipe: { path: ... }`).
     pub socket: Option<PathBuf>,
-    #[serde(default = "default_socket_mode")]
+    /// The socket file's mode, octal ("0660").
     pub socket_mode: String,
     /// envoyproxy/ratelimit YAML files, or directories whose `*.yaml` and
     /// `*.yml` files are read (as its `RUNTIME_ROOT/.../config`).
-    #[serde(default)]
     pub config: Vec<PathBuf>,
     /// The algorithm of the limits read from those files.
-    #[serde(default)]
     pub algorithm: Option<String>,
     /// "all_or_nothing" (default) or "each".
-    #[serde(default)]
     pub descriptors: Option<String>,
     /// The fail policy of the limits read from those files.
-    #[serde(default)]
     pub on_error: Option<String>,
     /// "none" (default), "ratelimit", "x" or "draft".
-    #[serde(default)]
     pub header_style: Option<String>,
     /// Connections served at once on each listener.
-    #[serde(default = "default_max_connections")]
     pub max_connections: u64,
-    #[serde(default)]
     pub route: Vec<RouteSection>,
 }
 
-fn default_max_connections() -> u64 {
-    1024
-}
-
-fn default_socket_mode() -> String {
-    "0660".into()
+impl Default for EnvoySection {
+    fn default() -> Self {
+        Self {
+            listen: None,
+            socket: None,
+            socket_mode: "0660".into(),
+            config: Vec::new(),
+            algorithm: None,
+            descriptors: None,
+            on_error: None,
+            header_style: None,
+            max_connections: 1024,
+            route: Vec::new(),
+        }
+    }
 }
 
 /// One `[[envoy.route]]`.

@@ -251,6 +251,9 @@ pub struct ServerConfig {
     pub write_timeout: Duration,
     /// Threads of the daemon's runtime (restart to change).
     pub worker_threads: usize,
+    /// How long the runtime's worker keeps polling after the last frame
+    /// before it parks (restart to change; zero: never).
+    pub spin: Duration,
 }
 
 /// Which clock timestamps admissions.

@@ -114,7 +114,7 @@ impl Dump<'_> {
         t.put("max_connections", int(s.max_connections)).put("max_in_flight_per_connection", int(s.max_in_flight_per_connection));
         t.duration("shutdown_grace", s.shutdown_grace, w("server.shutdown_grace")).duration("idle_timeout", s.idle_timeout, w("server.idle_timeout"));
         t.duration("frame_timeout", s.frame_timeout, w("server.frame_timeout")).duration("write_timeout", s.write_timeout, w("server.write_timeout"));
-        t.put("worker_threads", int(s.worker_threads));
+        t.put("worker_threads", int(s.worker_threads)).put("spin_us", int(s.spin.as_micros()));
         self.section("server", &t);
     }
 

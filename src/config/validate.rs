@@ -182,8 +182,18 @@ fn server_config(s: file::ServerSection, p: &mut Problems, deprecated: &mut Vec<
         frame_timeout: Duration::from_millis(at_least_one(p, frame_field, frame_timeout_ms)),
         write_timeout: Duration::from_millis(at_least_one(p, write_field, write_timeout_ms)),
         worker_threads: in_range(p, "server.worker_threads", s.worker_threads as u64, MAX_WORKER_THREADS) as usize,
+        spin: Duration::from_micros(if s.spin_us > MAX_SPIN_US {
+            p.add("server.spin_us", format!("{} is outside 0..={MAX_SPIN_US}", s.spin_us));
+            0
+        } else {
+            s.spin_us
+        }),
     }
 }
+
+/// Upper bound of `server.spin_us`: past a few wake-ups' worth the spin
+/// only burns a core.
+const MAX_SPIN_US: u64 = 10_000;
 
 /// Upper bound of `server.worker_threads`.
 const MAX_WORKER_THREADS: u64 = 256;
@@ -1009,6 +1019,14 @@ mod tests {
         assert!(e.contains("redis.max_in_flight: 200000 is outside 1..=100000"), "{e}");
         let e = parse("[redis]\nmin_in_flight = 64\nmax_in_flight = 8\n").unwrap_err().to_string();
         assert_eq!(e, "test.toml: redis.max_in_flight: 8 is below redis.min_in_flight (64)");
+    }
+
+    #[test]
+    fn the_spin_before_parking_is_off_unless_set_and_bounded() {
+        assert_eq!(parse("").unwrap().server.spin, Duration::ZERO);
+        assert_eq!(parse("[server]\nspin_us = 300\n").unwrap().server.spin, Duration::from_micros(300));
+        let e = parse("[server]\nspin_us = 10001\n").unwrap_err().to_string();
+        assert_eq!(e, "test.toml: server.spin_us: 10001 is outside 0..=10000");
     }
 
     #[test]
