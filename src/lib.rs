@@ -9,6 +9,7 @@
 //! | utilities | `log_limit` | bounded logging: one line per interval, with the count held back; the libraries' `log` lines under the same rule |
 //! | utilities | `terminal` | client-chosen text escaped for a terminal: controls and bidi overrides shown, never obeyed |
 //! | utilities | `park` | a background task that parks when it has nothing to do and is woken by the work: an idle daemon has no timer firing |
+//! | utilities | `spin` | `server.spin_us`: the worker polls its sockets instead of sleeping for a while after frames, at low load only (off by default) |
 //! | clocks | `use_clock` | the policies' coarse "last used" clock, read as an atomic; it stops while nobody reads it |
 //! | vocabulary | `window` | what a store is asked and answers: `LimitSpec`, `Verdict`, `StoreError` |
 //! | vocabulary | `protocol` | the wire: `wire` (enums and constants, written once), `header` (the fields and rules every op shares), `item` (a policy item), one file per op under `op`: `check`, `check_policy`, `refund`, `settle`, `lease`, `policy_lease`, `lease_share`, `describe`; `request` (the model, dispatch by op), `frame` (the one framer), `response` |
