@@ -39,44 +39,10 @@ pub fn nginx_settle_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxR
     read_all(conf, settle_names_in)
 }
 
-/// The names in the Lua tables (`new{ ... }`) of one file that hold
-/// `settle = true`, with their line numbers.
+/// The names in the constructor tables (`new{ ... }`, `new({ ... })`) of
+/// one file that hold `settle = true`, with their line numbers.
 pub fn settle_names_in(text: &str) -> Vec<(String, usize)> {
-    let b = text.as_bytes();
-    let mut out: Vec<(String, usize)> = Vec::new();
-    for at in words(text, "settle") {
-        let j = skip_space(b, at + "settle".len());
-        if b.get(j) != Some(&b'=') || !text[skip_space(b, j + 1)..].starts_with("true") {
-            continue;
-        }
-        // The table around it: the last unmatched `{` before, its `}` after.
-        let mut depth = 0i32;
-        let Some(open) = (0..at).rev().find(|&k| {
-            match b[k] {
-                b'}' => depth += 1,
-                b'{' if depth == 0 => return true,
-                b'{' => depth -= 1,
-                _ => {}
-            }
-            false
-        }) else {
-            continue;
-        };
-        // Only a constructor's table: `new{ ... }` or `new({ ... })` (not
-        // a block, nor a variable named settle).
-        let before = text[..open].trim_end();
-        if !(before.ends_with("new") || before.trim_end_matches('(').trim_end().ends_with("new")) {
-            continue;
-        }
-        let table = &text[open..table_end(b, open)];
-        let offset = line_of(b, open) - 1;
-        for (name, line) in names_in(table) {
-            if !out.iter().any(|(n, l)| *n == name && *l == line + offset) {
-                out.push((name, line + offset));
-            }
-        }
-    }
-    out
+    names_in_constructors(text, |table, _| is_true(table, "settle"))
 }
 
 /// The literal policy names of the limiters that check several policies in
@@ -91,20 +57,23 @@ pub fn nginx_multi_policy_names(conf: &Path) -> Result<Vec<NamedPolicy>, NginxRe
 /// The names in the constructor tables (`new{ ... }`, `new({ ... })`) of
 /// one file that make multi-item or refundable checks, with their lines.
 pub fn multi_names_in(text: &str) -> Vec<(String, usize)> {
+    names_in_constructors(text, |table, names| (names >= 2 && !is_true(table, "settle")) || is_true(table, "refundable"))
+}
+
+/// The names in the constructor tables of one file that `wanted` accepts
+/// (given the table's text and how many names it holds), with their lines.
+fn names_in_constructors(text: &str, wanted: impl Fn(&str, usize) -> bool) -> Vec<(String, usize)> {
     let b = text.as_bytes();
     let mut out: Vec<(String, usize)> = Vec::new();
     for at in words(text, "new") {
         let Some(open) = table_after(b, at + "new".len()) else { continue };
         let table = &text[open..table_end(b, open)];
         let names = names_in(table);
-        let several = names.len() >= 2 && !is_true(table, "settle");
-        if !(several || is_true(table, "refundable")) {
+        if !wanted(table, names.len()) {
             continue;
         }
         let offset = line_of(b, open) - 1;
-        for (name, line) in names {
-            out.push((name, line + offset));
-        }
+        out.extend(names.into_iter().map(|(name, line)| (name, line + offset)));
     }
     out
 }

@@ -46,6 +46,7 @@ local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
 --@include parts/answer.lua
+--@include parts/each_request.lua
 
 --@include parts/calendar.lua
 
@@ -144,20 +145,17 @@ if mode == 's' then
 end
 
 local changed = false
-local out = {}
-for j = 1, n do
-  local limit, cost = request(j)
-  if count + cost <= limit then
-    count = count + cost
-    changed = true
-    if mode == 'r' then
-      redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
-    end
-    answer(out, 1, count, limit - count, 0, reset)
-  else
-    answer(out, 0, count, math.max(limit - count, 0), debt_end(count, cost, limit), reset)
+local out = each_request(n, function(limit, cost)
+  if count + cost > limit then
+    return 0, count, math.max(limit - count, 0), debt_end(count, cost, limit), reset
   end
-end
+  count = count + cost
+  changed = true
+  if mode == 'r' then
+    redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
+  end
+  return 1, count, limit - count, 0, reset
+end)
 
 if changed then
   redis.call('SET', key, string.format('%d %d', start, count), 'PX', life(count, first_limit))

@@ -63,6 +63,7 @@ local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
 --@include parts/answer.lua
+--@include parts/each_request.lua
 
 -- Float error in c T must not turn an exact fit into a refusal.
 local EPS = 1e-6
@@ -97,15 +98,12 @@ if mode == 's' then
 --@include gcra/gcra_settle.lua
 end
 local changed = false
-local out = {}
-
-for j = 1, n do
-  local limit, cost = request(j)
+local out = each_request(n, function(limit, cost)
   local t = window / limit
   local new_tat = tat + cost * t
   if new_tat - now <= window + EPS then
     local count = math.ceil((new_tat - now) / t - EPS)
-    answer(out, 1, count, limit - count, math.ceil(tat - now - EPS), math.ceil(new_tat - now - EPS))
+    local delay, reset = math.ceil(tat - now - EPS), math.ceil(new_tat - now - EPS)
     tat = new_tat
     changed = true
     if mode == 'r' and not born then
@@ -117,11 +115,11 @@ for j = 1, n do
     if mode == 'r' then
       redis.call('SET', KEYS[2], string.format('0 %d %.17g %s', cost, charged, born), 'PX', SETTLE_LIFE)
     end
-  else
-    local count = math.ceil((tat - now) / t - EPS)
-    answer(out, 0, count, math.max(limit - count, 0), math.ceil(new_tat - window - now - EPS), math.ceil(tat - now - EPS))
+    return 1, count, limit - count, delay, reset
   end
-end
+  local count = math.ceil((tat - now) / t - EPS)
+  return 0, count, math.max(limit - count, 0), math.ceil(new_tat - window - now - EPS), math.ceil(tat - now - EPS)
+end)
 
 if changed then
   -- %.17g keeps the double exact; the key lives until the bucket is full.

@@ -48,6 +48,7 @@ local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
 --@include parts/answer.lua
+--@include parts/each_request.lua
 local cutoff = now - window
 
 local pack, unpack_d = struct.pack, struct.unpack
@@ -101,15 +102,13 @@ local function resize(new_size)
 end
 
 local count = in_window()
-local out = {}
 local admitted = false
 local newest = 0
 if size > 0 then
   newest = slot(size)
 end
 
-for j = 1, n do
-  local limit, cost = request(j)
+local out = each_request(n, function(limit, cost)
   if limit < size and slot(size - limit) <= cutoff then
     -- Every slot beyond the newest `limit` has left the window.
     resize(limit)
@@ -137,12 +136,11 @@ for j = 1, n do
     newest = at
     admitted = true
     count = count + cost
-    answer(out, 1, count, limit - count, 0, window)
-  else
-    -- Refused: fits once the slot at size - limit + cost has left.
-    answer(out, 0, count, math.max(limit - count, 0), slot(size - limit + cost) + window - now, newest + window - now)
+    return 1, count, limit - count, 0, window
   end
-end
+  -- Refused: fits once the slot at size - limit + cost has left.
+  return 0, count, math.max(limit - count, 0), slot(size - limit + cost) + window - now, newest + window - now
+end)
 
 if admitted then
   redis.call('PEXPIRE', key, window)

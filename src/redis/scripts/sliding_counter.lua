@@ -49,6 +49,7 @@ local n = (#ARGV - 3) / 2
 
 --@include parts/now.lua
 --@include parts/answer.lua
+--@include parts/each_request.lua
 
 local start = now - now % window
 local elapsed = now - start
@@ -91,9 +92,7 @@ local function retry_after(limit, cost)
 end
 
 local changed = false
-local out = {}
-for j = 1, n do
-  local limit, cost = request(j)
+local out = each_request(n, function(limit, cost)
   local weighted = prev * (window - elapsed) / window
   if weighted + cur + cost <= limit + EPS then
     cur = cur + cost
@@ -102,16 +101,15 @@ for j = 1, n do
       redis.call('SET', KEYS[2], string.format('%d %d', start, cost), 'PX', SETTLE_LIFE)
     end
     local count = math.ceil(weighted + cur - EPS)
-    answer(out, 1, count, math.max(limit - count, 0), 0, 2 * window - elapsed)
-  else
-    local count = math.ceil(weighted + cur - EPS)
-    local reset = window - elapsed
-    if cur > 0 then
-      reset = reset + window
-    end
-    answer(out, 0, count, math.max(limit - count, 0), retry_after(limit, cost), reset)
+    return 1, count, math.max(limit - count, 0), 0, 2 * window - elapsed
   end
-end
+  local count = math.ceil(weighted + cur - EPS)
+  local reset = window - elapsed
+  if cur > 0 then
+    reset = reset + window
+  end
+  return 0, count, math.max(limit - count, 0), retry_after(limit, cost), reset
+end)
 
 if changed then
   redis.call('SET', key, string.format('%d %d %d', start, cur, prev), 'PX', 2 * window - elapsed)
