@@ -91,43 +91,60 @@ pub struct Figures {
     pub redis_in_flight_limit: i64,
 }
 
-/// All the daemon's counters.
-pub struct Metrics {
-    decisions: [[AtomicU64; SOURCES]; DECISIONS],
-    errors: [AtomicU64; ERRORS],
-    fail_policy: [AtomicU64; POLICIES],
-    redis_latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1],
-    redis_latency_sum_us: AtomicU64,
-    noscript_reloads: AtomicU64,
-    coalesced: AtomicU64,
-    script_loads: AtomicU64,
-    breaker_opened: AtomicU64,
-    redis_timeouts: [AtomicU64; TimeoutCause::ALL.len()],
-    redis_in_flight_limit: AtomicI64,
-    connections_open: AtomicI64,
-    connections_total: AtomicU64,
-    connections_closed: [AtomicU64; CloseReason::ALL.len()],
-    requests_in_flight: AtomicI64,
-    reloads: AtomicU64,
-    reload_failures: AtomicU64,
-    refunds: AtomicU64,
-    refunded_units: AtomicU64,
-    refunds_unmatched: AtomicU64,
-    settles: AtomicU64,
-    settles_unmatched: AtomicU64,
-    settle_retries_queued: AtomicU64,
-    settle_retries_applied: AtomicU64,
-    settle_retries_dropped: AtomicU64,
-    lease_share_requests: AtomicU64,
-    lease_shares: AtomicU64,
-    lease_share_units: AtomicU64,
-    lease_share_units_given_back: AtomicU64,
-    lease_units_granted: AtomicU64,
-    lease_units_returned: AtomicU64,
+/// Declares the daemon's counters once: each field with its type and
+/// its value at start, from which the struct and `Metrics::new` (a `const
+/// fn`, for the static) are made, so the two cannot fall out of step.
+macro_rules! counters {
+    ($( $field:ident: $ty:ty = $zero:expr, )+) => {
+        /// All the daemon's counters.
+        pub struct Metrics {
+            $( $field: $ty, )+
+        }
+
+        impl Metrics {
+            pub const fn new() -> Self {
+                Self { $( $field: $zero, )+ }
+            }
+        }
+    };
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
 const ZERO: AtomicU64 = AtomicU64::new(0);
+
+counters! {
+    decisions: [[AtomicU64; SOURCES]; DECISIONS] = [const { [ZERO; SOURCES] }; DECISIONS],
+    errors: [AtomicU64; ERRORS] = [ZERO; ERRORS],
+    fail_policy: [AtomicU64; POLICIES] = [ZERO; POLICIES],
+    redis_latency_buckets: [AtomicU64; LATENCY_BUCKETS_US.len() + 1] = [ZERO; LATENCY_BUCKETS_US.len() + 1],
+    redis_latency_sum_us: AtomicU64 = ZERO,
+    noscript_reloads: AtomicU64 = ZERO,
+    coalesced: AtomicU64 = ZERO,
+    script_loads: AtomicU64 = ZERO,
+    breaker_opened: AtomicU64 = ZERO,
+    redis_timeouts: [AtomicU64; TimeoutCause::ALL.len()] = [ZERO; TimeoutCause::ALL.len()],
+    redis_in_flight_limit: AtomicI64 = AtomicI64::new(0),
+    connections_open: AtomicI64 = AtomicI64::new(0),
+    connections_total: AtomicU64 = ZERO,
+    connections_closed: [AtomicU64; CloseReason::ALL.len()] = [ZERO; CloseReason::ALL.len()],
+    requests_in_flight: AtomicI64 = AtomicI64::new(0),
+    reloads: AtomicU64 = ZERO,
+    reload_failures: AtomicU64 = ZERO,
+    refunds: AtomicU64 = ZERO,
+    refunded_units: AtomicU64 = ZERO,
+    refunds_unmatched: AtomicU64 = ZERO,
+    settles: AtomicU64 = ZERO,
+    settles_unmatched: AtomicU64 = ZERO,
+    settle_retries_queued: AtomicU64 = ZERO,
+    settle_retries_applied: AtomicU64 = ZERO,
+    settle_retries_dropped: AtomicU64 = ZERO,
+    lease_share_requests: AtomicU64 = ZERO,
+    lease_shares: AtomicU64 = ZERO,
+    lease_share_units: AtomicU64 = ZERO,
+    lease_share_units_given_back: AtomicU64 = ZERO,
+    lease_units_granted: AtomicU64 = ZERO,
+    lease_units_returned: AtomicU64 = ZERO,
+}
 
 /// The process's metrics.
 pub static METRICS: Metrics = Metrics::new();
@@ -139,42 +156,6 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub const fn new() -> Self {
-        Self {
-            decisions: [const { [ZERO; SOURCES] }; DECISIONS],
-            errors: [ZERO; ERRORS],
-            fail_policy: [ZERO; POLICIES],
-            redis_latency_buckets: [ZERO; LATENCY_BUCKETS_US.len() + 1],
-            redis_latency_sum_us: ZERO,
-            noscript_reloads: ZERO,
-            coalesced: ZERO,
-            script_loads: ZERO,
-            breaker_opened: ZERO,
-            redis_timeouts: [ZERO; TimeoutCause::ALL.len()],
-            redis_in_flight_limit: AtomicI64::new(0),
-            connections_open: AtomicI64::new(0),
-            connections_total: ZERO,
-            connections_closed: [ZERO; CloseReason::ALL.len()],
-            requests_in_flight: AtomicI64::new(0),
-            reloads: ZERO,
-            reload_failures: ZERO,
-            refunds: ZERO,
-            refunded_units: ZERO,
-            refunds_unmatched: ZERO,
-            settles: ZERO,
-            settles_unmatched: ZERO,
-            settle_retries_queued: ZERO,
-            settle_retries_applied: ZERO,
-            settle_retries_dropped: ZERO,
-            lease_share_requests: ZERO,
-            lease_shares: ZERO,
-            lease_share_units: ZERO,
-            lease_share_units_given_back: ZERO,
-            lease_units_granted: ZERO,
-            lease_units_returned: ZERO,
-        }
-    }
-
     #[inline]
     /// A LEASE_SHARE (op 10) that handed `units` (0: none) to a worker.
     pub fn lease_share(&self, units: u32) {
