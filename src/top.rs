@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::terminal::{escape, json_ascii_safe};
-use crate::top_snapshot::{BanDoc, OverrideDoc, TopDoc, TopRefusedDoc, FORMAT};
+use crate::top_snapshot::{Gauges, KeyLists, TopDoc, FORMAT};
 
 /// Connect, send and read deadlines of one fetch.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
@@ -95,21 +95,16 @@ pub struct RedisRates {
 #[derive(Debug, Clone, Serialize)]
 pub struct View {
     pub interval_s: f64,
-    pub breaker_open: Option<bool>,
-    pub requests_in_flight: i64,
-    pub connections_open: i64,
-    pub redis_in_flight_limit: i64,
+    #[serde(flatten)]
+    pub gauges: Gauges,
     /// All responses per second by decision (both ops).
     pub decisions_per_s: BTreeMap<String, f64>,
     pub redis: RedisRates,
     pub policies: Vec<PolicyRates>,
     pub unknown_policy_per_s: f64,
     pub unknown_policy_total: u64,
-    pub top_refused: TopRefusedDoc,
-    pub bans: Vec<BanDoc>,
-    pub bans_known: usize,
-    pub overrides: Vec<OverrideDoc>,
-    pub overrides_in_force: usize,
+    #[serde(flatten)]
+    pub keys: KeyLists,
 }
 
 /// The quantile `q` of the calls counted in `delta` (per bucket).
@@ -171,20 +166,13 @@ impl View {
             .collect();
         View {
             interval_s: secs,
-            breaker_open: new.breaker_open,
-            requests_in_flight: new.requests_in_flight,
-            connections_open: new.connections_open,
-            redis_in_flight_limit: new.redis_in_flight_limit,
+            gauges: new.gauges,
             decisions_per_s,
             redis: RedisRates { calls_per_s: delta.iter().sum::<u64>() as f64 / secs, p50_us: quantile(bounds, &delta, 0.5), p99_us: quantile(bounds, &delta, 0.99) },
             policies,
             unknown_policy_per_s: rate(old.unknown_policy_requests, new.unknown_policy_requests),
             unknown_policy_total: new.unknown_policy_requests,
-            top_refused: new.top_refused.clone(),
-            bans: new.bans.clone(),
-            bans_known: new.bans_known,
-            overrides: new.overrides.clone(),
-            overrides_in_force: new.overrides_in_force,
+            keys: new.keys.clone(),
         }
     }
 
@@ -208,11 +196,11 @@ impl View {
             r(d("denied")),
             r(d("shadow_denied")),
             r(d("error")),
-            self.requests_in_flight,
-            self.connections_open
+            self.gauges.requests_in_flight,
+            self.gauges.connections_open
         ));
         let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0} us"));
-        let breaker = match self.breaker_open {
+        let breaker = match self.gauges.breaker_open {
             Some(true) => "OPEN",
             Some(false) => "closed",
             None => "- (no redis)",
@@ -222,7 +210,7 @@ impl View {
             r(self.redis.calls_per_s),
             us(self.redis.p50_us),
             us(self.redis.p99_us),
-            self.redis_in_flight_limit
+            self.gauges.redis_in_flight_limit
         ));
         line(String::new());
         // The outcomes, per second; local = the fallback quota's decisions.
@@ -263,7 +251,7 @@ impl View {
             line(format!("unknown policy names: {}/s ({} since start): a location names a policy the daemon does not have", r(self.unknown_policy_per_s), self.unknown_policy_total));
         }
         line(String::new());
-        let t = &self.top_refused;
+        let t = &self.keys.top_refused;
         line(format!(
             "TOP REFUSED KEYS, last {} s: {} refusals recorded{}; REFUSED may count up to ERROR too many",
             t.window_ms / 1000,
@@ -281,19 +269,19 @@ impl View {
             line("(none)".into());
         }
         // The penalty box and the admin API's overrides: shown when there are any.
-        if self.bans_known > 0 {
+        if self.keys.bans_known > 0 {
             line(String::new());
-            line(format!("BANNED KEYS (penalty box), known to this daemon: {}", self.bans_known));
+            line(format!("BANNED KEYS (penalty box), known to this daemon: {}", self.keys.bans_known));
             line(format!("{:>9}  {:<16}KEY", "ENDS IN", "POLICY"));
-            for b in self.bans.iter().take(keys) {
+            for b in self.keys.bans.iter().take(keys) {
                 line(format!("{:>8}s  {:<16}{}", b.ends_in_ms.div_ceil(1000), escape(&b.policy), escape(&b.key)));
             }
         }
-        if self.overrides_in_force > 0 {
+        if self.keys.overrides_in_force > 0 {
             line(String::new());
-            line(format!("OVERRIDES IN FORCE (admin API): {}", self.overrides_in_force));
+            line(format!("OVERRIDES IN FORCE (admin API): {}", self.keys.overrides_in_force));
             line(format!("{:>11}  {:<24}  {:<16}KEY", "LIMIT", "UNTIL (UTC)", "POLICY"));
-            for o in self.overrides.iter().take(keys) {
+            for o in self.keys.overrides.iter().take(keys) {
                 let limit = o.limit.map_or("unlimited".to_string(), |l| l.to_string());
                 line(format!("{limit:>11}  {:<24}  {:<16}{}", crate::admin_api::time::format_utc(o.expires_at_ms), escape(&o.policy), escape(&o.key)));
             }
@@ -352,25 +340,19 @@ pub fn run(addr: &str, output: Output, interval: Duration, count: Option<u64>, k
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::top_snapshot::{BanDoc, OverrideDoc};
 
     fn doc(uptime_ms: u64, admitted: u64, allowed: u64, calls: [u64; 3]) -> TopDoc {
-        use crate::top_snapshot::{DecisionCount, Histogram, PolicyCounts};
+        use crate::top_snapshot::{DecisionCount, Histogram, PolicyCounts, TopRefusedDoc};
         TopDoc {
             format: FORMAT,
             uptime_ms,
-            breaker_open: Some(false),
-            requests_in_flight: 1,
-            connections_open: 2,
-            redis_in_flight_limit: 64,
+            gauges: Gauges { breaker_open: Some(false), requests_in_flight: 1, connections_open: 2, redis_in_flight_limit: 64 },
             decisions: vec![DecisionCount { decision: "allowed".into(), source: "redis".into(), count: allowed }],
             redis_latency: Histogram { bounds_us: vec![100, 250], counts: calls.to_vec(), sum_us: 0 },
             policies: vec![PolicyCounts { name: "order".into(), limit: 5, window_ms: 1000, shadow: false, outcomes: BTreeMap::from([("admitted".into(), admitted)]), share_units: 0, share_units_given_back: 0 }],
             unknown_policy_requests: 0,
-            top_refused: TopRefusedDoc { window_ms: 0, recorded: 0, skipped: 0, k: 64, keys: vec![] },
-            bans: vec![],
-            bans_known: 0,
-            overrides: vec![],
-            overrides_in_force: 0,
+            keys: KeyLists { top_refused: TopRefusedDoc { window_ms: 0, recorded: 0, skipped: 0, k: 64, keys: vec![] }, bans: vec![], bans_known: 0, overrides: vec![], overrides_in_force: 0 },
         }
     }
 
@@ -379,10 +361,10 @@ mod tests {
         let plain = View::between(&doc(1000, 1, 1, [0, 0, 0]), &doc(2000, 2, 2, [0, 0, 0])).render("a", 10, usize::MAX);
         assert!(!plain.contains("BANNED") && !plain.contains("OVERRIDES"), "{plain}");
         let mut new = doc(2000, 2, 2, [0, 0, 0]);
-        new.bans = vec![BanDoc { policy: "login".into(), key: "1.2.3.4\u{1b}[2J".into(), ends_in_ms: 59_001 }];
-        new.bans_known = 1;
-        new.overrides = vec![OverrideDoc { policy: "per_tenant".into(), key: "tenant-x".into(), limit: Some(5000), expires_at_ms: 1_796_547_600_000 }, OverrideDoc { policy: "per_tenant".into(), key: "vip".into(), limit: None, expires_at_ms: 1_796_547_600_000 }];
-        new.overrides_in_force = 2;
+        new.keys.bans = vec![BanDoc { policy: "login".into(), key: "1.2.3.4\u{1b}[2J".into(), ends_in_ms: 59_001 }];
+        new.keys.bans_known = 1;
+        new.keys.overrides = vec![OverrideDoc { policy: "per_tenant".into(), key: "tenant-x".into(), limit: Some(5000), expires_at_ms: 1_796_547_600_000 }, OverrideDoc { policy: "per_tenant".into(), key: "vip".into(), limit: None, expires_at_ms: 1_796_547_600_000 }];
+        new.keys.overrides_in_force = 2;
         let text = View::between(&doc(1000, 1, 1, [0, 0, 0]), &new).render("a", 10, usize::MAX);
         assert!(text.contains("BANNED KEYS (penalty box), known to this daemon: 1"), "{text}");
         assert!(text.contains("60s  login"), "{text}");
@@ -416,7 +398,7 @@ mod tests {
         let hostile = "t\u{9b}2J\x1b[31m\u{202e}nimda\u{2066}x\u{2069}\u{200f}";
         let mut new = doc(2000, 1, 1, [0, 0, 0]);
         new.policies[0].name = "ord\u{85}er".into();
-        new.top_refused.keys = vec![
+        new.keys.top_refused.keys = vec![
             RefusedKey { policy: Some("per\u{202e}tenant".into()), key: hostile.into(), key_truncated: true, refused: 3, error: 0 },
             RefusedKey { policy: None, key: hostile.into(), key_truncated: false, refused: 2, error: 0 },
         ];

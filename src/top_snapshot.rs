@@ -26,12 +26,8 @@ pub struct TopDoc {
     /// difference of two documents' counters over the difference of these;
     /// a smaller value than before means a restart).
     pub uptime_ms: u64,
-    /// Whether the circuit breaker to Redis is open; null without Redis.
-    pub breaker_open: Option<bool>,
-    pub requests_in_flight: i64,
-    pub connections_open: i64,
-    /// The adaptive limit on Redis calls in flight (0 without Redis).
-    pub redis_in_flight_limit: i64,
+    #[serde(flatten)]
+    pub gauges: Gauges,
     /// Every response by decision and source (all requests, both ops).
     pub decisions: Vec<DecisionCount>,
     pub redis_latency: Histogram,
@@ -39,6 +35,26 @@ pub struct TopDoc {
     pub policies: Vec<PolicyCounts>,
     /// CHECK_POLICY requests naming a policy that is not configured.
     pub unknown_policy_requests: u64,
+    #[serde(flatten)]
+    pub keys: KeyLists,
+}
+
+/// The daemon's gauges at the document's instant: shown as they are by
+/// the viewer (not turned into rates).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct Gauges {
+    /// Whether the circuit breaker to Redis is open; null without Redis.
+    pub breaker_open: Option<bool>,
+    pub requests_in_flight: i64,
+    pub connections_open: i64,
+    /// The adaptive limit on Redis calls in flight (0 without Redis).
+    pub redis_in_flight_limit: i64,
+}
+
+/// The keys the document names, each list bounded by `K`: shown as they
+/// are by the viewer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct KeyLists {
     pub top_refused: TopRefusedDoc,
     /// The penalty box's bans this daemon knows (its cache of Redis's, or
     /// the memory backend's), longest first, at most `K`; absent from a
@@ -210,10 +226,7 @@ pub fn build(breaker_open: Option<bool>, policies: &Policies, live: &LiveOverrid
     TopDoc {
         format: FORMAT,
         uptime_ms: uptime_ms(),
-        breaker_open,
-        requests_in_flight: f.requests_in_flight,
-        connections_open: f.connections_open,
-        redis_in_flight_limit: f.redis_in_flight_limit,
+        gauges: Gauges { breaker_open, requests_in_flight: f.requests_in_flight, connections_open: f.connections_open, redis_in_flight_limit: f.redis_in_flight_limit },
         decisions: f.decisions.iter().map(|(d, s, n)| DecisionCount { decision: d.as_str().into(), source: s.as_str().into(), count: *n }).collect(),
         redis_latency: Histogram { bounds_us: f.redis_latency_bounds_us.to_vec(), counts: f.redis_latency_counts, sum_us: f.redis_latency_sum_us },
         policies: policies
@@ -230,11 +243,13 @@ pub fn build(breaker_open: Option<bool>, policies: &Policies, live: &LiveOverrid
             })
             .collect(),
         unknown_policy_requests: policies::unknown_requests(),
-        top_refused: TopRefusedDoc { window_ms: top.window_ms, recorded: top.recorded, skipped: top.skipped, k: K, keys: top.keys.iter().map(refused_key).collect() },
-        bans,
-        bans_known,
-        overrides,
-        overrides_in_force,
+        keys: KeyLists {
+            top_refused: TopRefusedDoc { window_ms: top.window_ms, recorded: top.recorded, skipped: top.skipped, k: K, keys: top.keys.iter().map(refused_key).collect() },
+            bans,
+            bans_known,
+            overrides,
+            overrides_in_force,
+        },
     }
 }
 
