@@ -129,7 +129,7 @@ async fn a_policys_algorithm_and_leases_come_from_the_configuration() {
     assert_eq!(windows.len(), 1);
     assert_eq!((windows[0]["redis_key"].as_str(), windows[0]["algorithm"].as_str(), windows[0]["members"].as_u64()), (Some("gw:{\u{5}dailyt1}:86400000ms:fixed"), Some("fixed"), Some(1)));
 
-    let lease = |id: &'static str| PolicyLeaseArgs { policy: b"uploads", key: b"t1", lease: id.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let lease = |id: &'static str| PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"uploads", key: b"t1", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, lease: id.as_bytes() };
     for id in ["a", "b"] {
         let r = c.policy_lease(false, &lease(id)).await.unwrap();
         assert_eq!((r.decision, r.source), (Decision::Allowed, Source::Redis));

@@ -372,7 +372,7 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
         redis.url()
     ));
     let mut c = d.client().await;
-    let ask = |key: &'static str, lease: &'static str| PolicyLeaseArgs { policy: b"uploads", key: key.as_bytes(), lease: lease.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let ask = |key: &'static str, lease: &'static str| PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"uploads", key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, lease: lease.as_bytes() };
     let mut got = Vec::new();
     for lease in ["a", "b", "c"] {
         let r = c.policy_lease(false, &ask("t1", lease)).await.unwrap();
@@ -402,7 +402,11 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
         assert_eq!((r.decision, r.source), (Decision::Allowed, Source::Exempt), "allowlisted");
     }
 
-    let unknown = PolicyLeaseArgs { policy: b"upload", ..ask("t1", "z") };
+    let of_policy = |policy: &'static [u8]| {
+        let a = ask("t1", "z");
+        PolicyLeaseArgs { check: PolicyCheckArgs { policy, ..a.check }, ..a }
+    };
+    let unknown = of_policy(b"upload");
     assert_eq!(c.policy_lease(false, &unknown).await.unwrap().error.as_str(), "UNKNOWN_POLICY");
     let check = c.check_policy(&PolicyCheckArgs { policy: b"uploads", key: b"t1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }).await.unwrap();
     assert_eq!((check.decision, check.error.as_str()), (Decision::Error, "WRONG_POLICY_KIND"), "not a silent window check: {check:?}");
@@ -410,12 +414,12 @@ async fn a_concurrency_policy_acquires_refuses_and_releases() {
     let items = [ItemArgs { policy: b"rate", key: b"t1", cost: 1 }, ItemArgs { policy: b"uploads", key: b"t1", cost: 1 }];
     let multi = c.check_multi(FailPolicy::Open, 0, false, &items).await.unwrap();
     assert_eq!((multi.decision, multi.error.as_str()), (Decision::Error, "WRONG_POLICY_KIND"), "nor as one item of several: {multi:?}");
-    let rate = PolicyLeaseArgs { policy: b"rate", ..ask("t1", "z") };
+    let rate = of_policy(b"rate");
     assert_eq!(c.policy_lease(false, &rate).await.unwrap().error.as_str(), "WRONG_POLICY_KIND");
     let mut bad = ask("t1", "has space");
     assert_eq!(c.policy_lease(false, &bad).await.unwrap().error.as_str(), "INVALID_LEASE");
     bad.lease = b"ok";
-    bad.cost = 3;
+    bad.check.cost = 3;
     assert_eq!(c.policy_lease(false, &bad).await.unwrap().error.as_str(), "INVALID_COST", "above the limit of 2");
     let still = c.policy_lease(false, &ask("t1", "e")).await.unwrap();
     assert_eq!(still.decision, Decision::Denied, "the stream is in sync after the errors: {still:?}");
@@ -521,7 +525,7 @@ async fn a_concurrency_policy_applies_its_own_fail_policy() {
          [[policy]]\nname = \"lax\"\nalgorithm = \"concurrency\"\nlimit = 2\nlease = \"30s\"\n"
     ));
     let mut c = d.client().await;
-    let ask = |policy: &'static [u8]| PolicyLeaseArgs { policy, key: b"t1", lease: b"a", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
+    let ask = |policy: &'static [u8]| PolicyLeaseArgs { check: PolicyCheckArgs { policy, key: b"t1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }, lease: b"a" };
     let strict = c.policy_lease(false, &ask(b"strict")).await.unwrap();
     assert_eq!((strict.decision, strict.source), (Decision::Denied, Source::FailClosed), "the policy's fail_policy: {strict:?}");
     let lax = c.policy_lease(false, &ask(b"lax")).await.unwrap();

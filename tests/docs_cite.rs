@@ -564,7 +564,7 @@ fn the_flags_each_op_takes_are_the_protocols_code_4_row() {
     let policy = PolicyCheckArgs { policy: b"p", key: b"k", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
     let item = [ItemArgs { policy: b"p", key: b"k", cost: 1 }];
     let lease = LeaseArgs { key: b"k", lease: b"l", limit: 5, lease_ms: 1000, cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
-    let policy_lease = PolicyLeaseArgs { policy: b"p", key: b"k", lease: b"l", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let policy_lease = PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"p", key: b"k", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, lease: b"l" };
     let frame = |encode: &dyn Fn(&mut BytesMut)| {
         let mut b = BytesMut::new();
         encode(&mut b);

@@ -827,7 +827,7 @@ async fn send(c: &mut Client, op: &Op, g: &Gen, cfg: &Config) -> Response {
             c.refund(&handle, &args).await
         }
         Op::Lease { policy: Some(p), key, lease, cost, release, fail } => {
-            c.policy_lease(*release, &PolicyLeaseArgs { policy: p.as_bytes(), key: key.as_bytes(), lease: lease.as_bytes(), cost: *cost, on_error: fail.0, local_limit: fail.1 }).await
+            c.policy_lease(*release, &PolicyLeaseArgs { check: PolicyCheckArgs { policy: p.as_bytes(), key: key.as_bytes(), cost: *cost, on_error: fail.0, local_limit: fail.1 }, lease: lease.as_bytes() }).await
         }
         Op::Lease { policy: None, key, lease, cost, release, fail } => {
             let args = LeaseArgs { key: key.as_bytes(), lease: lease.as_bytes(), limit: cfg.inline_lease_limit(key), lease_ms: LEASE_MS, cost: *cost, on_error: fail.0, local_limit: fail.1 };

@@ -334,7 +334,7 @@ async fn acquiring_a_lease_id_already_held_renews_it_in_the_local_fallback() {
 async fn shadow_lease_refusal_counted_once(store: Store) {
     let s = setup(store);
     let mut c = s.daemon.client().await;
-    let acquire = |id: &'static str| PolicyLeaseArgs { policy: b"slots", key: b"k", lease: id.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let acquire = |id: &'static str| PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"slots", key: b"k", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, lease: id.as_bytes() };
     assert_eq!(c.policy_lease(false, &acquire("one")).await.unwrap().decision, Decision::ShadowAllowed);
     let r = c.policy_lease(false, &acquire("two")).await.unwrap();
     assert_eq!(r.decision, Decision::ShadowDenied, "{store:?}: {r:?}");
@@ -422,12 +422,12 @@ async fn send_every_op(c: &mut Client, store: Store) -> Tally {
         c.lease(op, &lease("x", 1)).await.unwrap();
         t.decisions += 1;
     }
-    let pl = PolicyLeaseArgs { policy: b"slots", key: b"k", lease: b"p1", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 };
+    let pl = PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"slots", key: b"k", cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }, lease: b"p1" };
     for (release, id) in [(false, b"p1"), (false, b"p2"), (true, b"p1"), (true, b"p2")] {
         c.policy_lease(release, &PolicyLeaseArgs { lease: id, ..pl.clone() }).await.unwrap();
         t.decisions += 1;
     }
-    c.policy_lease(false, &PolicyLeaseArgs { policy: b"hot", ..pl }).await.unwrap();
+    c.policy_lease(false, &PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"hot", ..pl.check }, ..pl }).await.unwrap();
     t.decisions += 1;
     // Invalid requests: refused at decoding, decisions of source none.
     c.check(&CheckArgs { limit: 0, ..inline }).await.unwrap();

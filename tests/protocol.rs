@@ -263,7 +263,7 @@ async fn acquire_policy_frames_hold_and_release_with_the_documented_bytes() {
     let documented = "000000200107000000070000000100000000010000000100020775706c6f616473743161";
     let hex = |s: &str| -> Vec<u8> { (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect() };
     let bytes = hex(documented);
-    let args = PolicyLeaseArgs { policy: b"uploads", key: b"t1", lease: b"a", cost: 1, on_error: FailPolicy::Open, local_limit: 0 };
+    let args = PolicyLeaseArgs { check: PolicyCheckArgs { policy: b"uploads", key: b"t1", cost: 1, on_error: FailPolicy::Open, local_limit: 0 }, lease: b"a" };
     let mut encoded = BytesMut::new();
     encode_policy_lease_request(7, false, &args, &mut encoded);
     assert_eq!(&encoded[..], &bytes[..], "the encoder writes the documented bytes");

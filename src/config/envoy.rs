@@ -37,9 +37,7 @@ struct YamlRoot {
 #[serde(deny_unknown_fields)]
 struct YamlDescriptor {
     key: String,
-    #[serde(default)]
     value: Option<String>,
-    #[serde(default)]
     rate_limit: Option<YamlRateLimit>,
     #[serde(default)]
     descriptors: Vec<YamlDescriptor>,
@@ -52,24 +50,18 @@ struct YamlDescriptor {
     #[serde(default)]
     value_to_metric: bool,
     /// Read only to refuse them by name: they change what is counted.
-    #[serde(default)]
     quota_mode: Option<serde_yaml::Value>,
-    #[serde(default)]
     share_threshold: Option<serde_yaml::Value>,
-    #[serde(default)]
     metadata: Option<serde_yaml::Value>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct YamlRateLimit {
-    #[serde(default)]
     requests_per_unit: Option<u64>,
-    #[serde(default)]
     unit: Option<String>,
     #[serde(default)]
     unlimited: bool,
-    #[serde(default)]
     name: Option<String>,
     #[serde(default)]
     replaces: Vec<YamlReplaces>,

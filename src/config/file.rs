@@ -29,6 +29,8 @@ pub(super) struct File {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct PolicySection {
+    // A field of type Option is None when the table leaves it out; the
+    // others that may be left out say their default.
     pub name: String,
     pub limit: u64,
     /// A duration: "500ms", "1s", "1m", "1h", "1d"; or "month" (fixed only).
@@ -36,29 +38,21 @@ pub(super) struct PolicySection {
     #[serde(default, deserialize_with = "duration_text")]
     pub window: String,
     /// "+02:00": fixed windows aligned to this offset's midnight (fixed only).
-    #[serde(default)]
     pub utc_offset: Option<String>,
     /// The fail policy, named as in Lua and the command line.
-    #[serde(default)]
     pub on_error: Option<String>,
     /// The old name of `on_error`: accepted, with a deprecation line.
-    #[serde(default)]
     pub fail_policy: Option<String>,
-    #[serde(default)]
     pub local_limit: Option<u64>,
     #[serde(default)]
     pub shadow: bool,
     /// "log" (default), "ring", ...: how the policy's windows count.
-    #[serde(default)]
     pub algorithm: Option<String>,
     /// A concurrency policy's lease: how long a slot is held if never released.
-    #[serde(default)]
     pub lease: Option<String>,
     /// Hot-key shards: the key's quota split over this many windows.
-    #[serde(default)]
     pub shards: Option<i64>,
     /// The penalty box: `{ after = N, within = "W", ban = "D" }`.
-    #[serde(default)]
     pub penalty: Option<PenaltySection>,
     /// Exact key to a limit or "unlimited"; a BTreeMap so errors come in a
     /// stable order.
@@ -289,11 +283,8 @@ impl Default for RedisSection {
 pub(super) struct SentinelSection {
     pub master_name: String,
     pub addresses: Vec<String>,
-    #[serde(default)]
     pub username: Option<String>,
-    #[serde(default)]
     pub password_file: Option<PathBuf>,
-    #[serde(default)]
     pub password_env: Option<String>,
 }
 

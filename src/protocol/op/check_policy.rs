@@ -22,7 +22,7 @@ pub struct PolicyCheckRequest {
 }
 
 /// A CHECK_POLICY request as the client builds it (no validation).
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct PolicyCheckArgs<'a> {
     pub policy: &'a [u8],
     pub key: &'a [u8],

@@ -7,8 +7,9 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::protocol::header::{check_lease_id, check_local_limit, exactly_one, opening, Bounds, Head, Header, Refused};
-use crate::protocol::item::{one_item, ItemArgs, PolicyItem};
-use crate::protocol::wire::{be32, FailPolicy, FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_HEADER_LEN, POLICY_LEASE_HEADER_LEN};
+use crate::protocol::item::{one_item, PolicyItem};
+use crate::protocol::op::check_policy::PolicyCheckArgs;
+use crate::protocol::wire::{be32, FLAG_RELEASE, OP_ACQUIRE_POLICY, POLICY_HEADER_LEN, POLICY_LEASE_HEADER_LEN};
 
 /// One validated ACQUIRE_POLICY or its release.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,15 +24,13 @@ pub struct PolicyLeaseRequest {
     pub lease: Bytes,
 }
 
-/// An ACQUIRE_POLICY as the client builds it (no validation).
-#[derive(Clone, Debug)]
+/// An ACQUIRE_POLICY as the client builds it (no validation): a
+/// CHECK_POLICY of one item and the client's name for the lease, as its
+/// frame is.
+#[derive(Clone, Copy, Debug)]
 pub struct PolicyLeaseArgs<'a> {
-    pub policy: &'a [u8],
-    pub key: &'a [u8],
+    pub check: PolicyCheckArgs<'a>,
     pub lease: &'a [u8],
-    pub cost: u32,
-    pub on_error: FailPolicy,
-    pub local_limit: u32,
 }
 
 /// Parses and validates an ACQUIRE_POLICY body, in the validation order of
@@ -52,11 +51,11 @@ pub(crate) fn parse(head: Head, mut body: Bytes, bounds: &Bounds) -> Result<Poli
 
 /// Appends one ACQUIRE_POLICY frame (op 7; with `release`, the release) to `dst`.
 pub fn encode_policy_lease_request(id: u32, release: bool, a: &PolicyLeaseArgs<'_>, dst: &mut BytesMut) {
-    let item = ItemArgs { policy: a.policy, key: a.key, cost: a.cost };
+    let item = a.check.item();
     Head { op: OP_ACQUIRE_POLICY, id }.put(POLICY_HEADER_LEN + 1 + item.len() + a.lease.len(), if release { FLAG_RELEASE } else { 0 }, dst);
-    dst.put_u8(a.on_error.to_wire());
+    dst.put_u8(a.check.on_error.to_wire());
     dst.put_u8(1);
-    dst.put_u32(a.local_limit);
+    dst.put_u32(a.check.local_limit);
     dst.put_u8(a.lease.len() as u8);
     item.put(dst);
     dst.put_slice(a.lease);
