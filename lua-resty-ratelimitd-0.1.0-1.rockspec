@@ -41,7 +41,6 @@ build = {
       ["resty.ratelimitd.describe"] = "lua/resty/ratelimitd/describe.lua",
       ["resty.ratelimitd.fallback"] = "lua/resty/ratelimitd/fallback.lua",
       ["resty.ratelimitd.form"] = "lua/resty/ratelimitd/form.lua",
-      ["resty.ratelimitd.headers"] = "lua/resty/ratelimitd/headers.lua",
       ["resty.ratelimitd.http"] = "lua/resty/ratelimitd/http.lua",
       ["resty.ratelimitd.key"] = "lua/resty/ratelimitd/key.lua",
       ["resty.ratelimitd.kind"] = "lua/resty/ratelimitd/kind.lua",

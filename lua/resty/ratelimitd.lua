@@ -33,8 +33,8 @@
 --   cache        the denial cache in the shared dict
 --   fallback     the location's fail policy (open, closed, local quota)
 --   log          rate-limited failure lines
---   headers      the quota headers per style, the problem body
---   http         enforce(): the one HTTP decision of every limiter kind
+--   http         enforce(): the one HTTP decision of every limiter kind,
+--                the quota headers per style, the problem body
 --   kind         what every limiter kind shares: class, arguments, constructor,
 --                the decision from a worker share first
 --   limiter      inline limits (new{ limit, window_ms })

@@ -103,7 +103,7 @@ function _M.constructor(mt, spec, prefix, build)
         -- it once the daemon has described the policy (describe.lua).
         lim._on_error_defaulted = opts.on_error == nil
         lim._local_limit = opts.local_limit
-        -- Policies in shadow mode: never in the headers (headers.lua).
+        -- Policies in shadow mode: never in the headers (http.lua).
         lim._shadow = options.name_set(opts.shadow)
         lim = options.copy_behaviour(setmetatable(lim, mt), opts)
         if lim._policy then
