@@ -47,7 +47,6 @@ build = {
       ["resty.ratelimitd.share"] = "lua/resty/ratelimitd/share.lua",
       ["resty.ratelimitd.limiter"] = "lua/resty/ratelimitd/limiter.lua",
       ["resty.ratelimitd.limiters"] = "lua/resty/ratelimitd/limiters.lua",
-      ["resty.ratelimitd.log"] = "lua/resty/ratelimitd/log.lua",
       ["resty.ratelimitd.multi"] = "lua/resty/ratelimitd/multi.lua",
       ["resty.ratelimitd.options"] = "lua/resty/ratelimitd/options.lua",
       ["resty.ratelimitd.policy"] = "lua/resty/ratelimitd/policy.lua",

@@ -26,13 +26,13 @@
 -- This file is the facade; each concern has a module of its own under
 -- resty/ratelimitd/ (docs/NGINX.md, "The client's modules"):
 --   wire         frame encoding and decoding, the codes tables
---   config       configure{} and its settings
+--   config       configure{} and its settings, the rate-limited failure
+--                lines
 --   options      the one table of option specs of every constructor
 --   key          what a key from request data is sent as
 --   conn         the pooled connection to the daemon
 --   cache        the denial cache in the shared dict
 --   fallback     the location's fail policy (open, closed, local quota)
---   log          rate-limited failure lines
 --   http         enforce(): the one HTTP decision of every limiter kind,
 --                the quota headers per style, the problem body
 --   kind         what every limiter kind shares: class, arguments, constructor,

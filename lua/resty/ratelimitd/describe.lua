@@ -17,7 +17,7 @@
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
-local log = require "resty.ratelimitd.log"
+local config = require "resty.ratelimitd.config"
 
 local bit = require "bit"
 
@@ -29,8 +29,8 @@ local ipairs, tostring = ipairs, tostring
 
 local _M = {}
 
--- One line per host, not one per worker (log.lua).
-local loud = log.loud
+-- One line per host, not one per worker (config.lua).
+local loud = config.loud
 
 --- How `lim` uses its policies: a sum of wire.USE bits, as
 -- DESCRIBE_POLICY's uses byte carries it.
@@ -126,7 +126,7 @@ function _M.apply(lim, d)
         if d.on_error then
             lim._on_error = d.on_error
         else
-            log.default_on_error("policy \"" .. name .. "\"")
+            config.default_on_error("policy \"" .. name .. "\"")
         end
     end
     if lim._on_described then

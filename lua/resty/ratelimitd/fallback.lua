@@ -3,14 +3,14 @@
 -- quota per host, an approximate sliding window in the shared dict (the
 -- previous fixed window weighted by its overlap, plus the current one).
 
-local settings = require("resty.ratelimitd.config").settings
-local log_failure = require("resty.ratelimitd.log").failure
+local config = require "resty.ratelimitd.config"
 
 local ngx = ngx
 local ngx_now = ngx.now
 local ngx_shared = ngx.shared
 local floor, ceil, max = math.floor, math.ceil, math.max
 local format, concat = string.format, table.concat
+local settings, log_failure = config.settings, config.failure
 
 local _M = {}
 

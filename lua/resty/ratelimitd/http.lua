@@ -20,8 +20,7 @@
 -- headers, header_style, dry_run, nodelay, delay: the limiter itself, or
 -- the table form's own options table.
 
-local settings = require("resty.ratelimitd.config").settings
-local log_failure = require("resty.ratelimitd.log").failure
+local config = require "resty.ratelimitd.config"
 local wire = require "resty.ratelimitd.wire"
 local policy_of = require("resty.ratelimitd.fallback").policy_of
 local request = require "resty.ratelimitd.request"
@@ -33,6 +32,7 @@ local ceil, max = math.ceil, math.max
 local format, concat = string.format, table.concat
 local ipairs = ipairs
 local UNKNOWN_POLICY, main_item = wire.UNKNOWN_POLICY, wire.main_item
+local settings, log_failure = config.settings, config.failure
 
 local _M = {}
 

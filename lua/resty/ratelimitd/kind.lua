@@ -9,12 +9,12 @@ local http = require "resty.ratelimitd.http"
 local fallback = require "resty.ratelimitd.fallback"
 local options = require "resty.ratelimitd.options"
 local verify = require "resty.ratelimitd.verify"
-local log = require "resty.ratelimitd.log"
 local key_args = require("resty.ratelimitd.key").args
 local share = require "resty.ratelimitd.share"
-local settings = require("resty.ratelimitd.config").settings
+local config = require "resty.ratelimitd.config"
 
 local error, getmetatable, setmetatable = error, getmetatable, setmetatable
+local settings = config.settings
 
 local _M = {}
 
@@ -112,7 +112,7 @@ function _M.constructor(mt, spec, prefix, build)
         -- A policy limiter says it once its policy is described: the
         -- policy's own on_error may be the choice.
         if opts.on_error == nil and not lim._policy then
-            log.default_on_error(spec)
+            config.default_on_error(spec)
         end
         return lim
     end

@@ -16,7 +16,7 @@ local MAX_POLICY_NAME_LEN, MAX_POLICY_ITEMS = wire.MAX_POLICY_NAME_LEN, wire.MAX
 local _M = {}
 
 -- The fail policy of a limiter whose location chose none: open, with one
--- line at error level when the limiter is made (log.default_on_error), as
+-- line at error level when the limiter is made (config.default_on_error), as
 -- Envoy's failure_mode_deny = false. The same default in ratelimitd.toml
 -- (a policy without on_error takes the request's) and `ratelimitd query`.
 local DEFAULT_ON_ERROR = "open"

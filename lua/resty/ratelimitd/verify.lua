@@ -8,7 +8,7 @@
 -- request path.
 
 local describe = require "resty.ratelimitd.describe"
-local log = require "resty.ratelimitd.log"
+local config = require "resty.ratelimitd.config"
 
 local bit = require "bit"
 
@@ -31,8 +31,8 @@ function _M.register(lim)
     registered[lim] = true
 end
 
--- One line per host, not one per worker (log.lua).
-local loud = log.loud
+-- One line per host, not one per worker (config.lua).
+local loud = config.loud
 
 local running = false
 
