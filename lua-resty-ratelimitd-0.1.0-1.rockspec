@@ -42,7 +42,6 @@ build = {
       ["resty.ratelimitd.fallback"] = "lua/resty/ratelimitd/fallback.lua",
       ["resty.ratelimitd.form"] = "lua/resty/ratelimitd/form.lua",
       ["resty.ratelimitd.http"] = "lua/resty/ratelimitd/http.lua",
-      ["resty.ratelimitd.key"] = "lua/resty/ratelimitd/key.lua",
       ["resty.ratelimitd.kind"] = "lua/resty/ratelimitd/kind.lua",
       ["resty.ratelimitd.share"] = "lua/resty/ratelimitd/share.lua",
       ["resty.ratelimitd.limiter"] = "lua/resty/ratelimitd/limiter.lua",

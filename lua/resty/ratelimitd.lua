@@ -29,14 +29,14 @@
 --   config       configure{} and its settings, the rate-limited failure
 --                lines
 --   options      the one table of option specs of every constructor
---   key          what a key from request data is sent as
 --   conn         the pooled connection to the daemon
 --   cache        the denial cache in the shared dict
 --   fallback     the location's fail policy (open, closed, local quota)
 --   http         enforce(): the one HTTP decision of every limiter kind,
 --                the quota headers per style, the problem body
---   kind         what every limiter kind shares: class, arguments, constructor,
---                the decision from a worker share first
+--   kind         what every limiter kind shares: class, arguments (what a
+--                key from request data is sent as), constructor, the
+--                decision from a worker share first
 --   limiter      inline limits (new{ limit, window_ms })
 --   form         the table forms limit{} and check{}
 --   policy       one named policy

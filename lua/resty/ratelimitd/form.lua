@@ -6,7 +6,7 @@
 local limiter = require "resty.ratelimitd.limiter"
 local options = require "resty.ratelimitd.options"
 local http = require "resty.ratelimitd.http"
-local wire_key = require("resty.ratelimitd.key").wire
+local wire_key = require("resty.ratelimitd.kind").wire_key
 local config = require "resty.ratelimitd.config"
 
 local type, error = type, error

@@ -15,7 +15,6 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
 local fallback = require "resty.ratelimitd.fallback"
-local wire_key = require("resty.ratelimitd.key").wire
 local describe = require "resty.ratelimitd.describe"
 
 local char = string.char
@@ -24,6 +23,7 @@ local concat = table.concat
 local type, ipairs = type, ipairs
 local next_id, ask = conn.next_id, conn.ask
 local policy_item, check_policy = wire.policy_item, wire.check_policy
+local wire_key = kind.wire_key
 
 local _M = {}
 
@@ -40,7 +40,7 @@ local KEYS_MSG = "keys must be a list of one key per policy"
 
 -- The arguments of a request: the wire keys and the costs in policy order,
 -- or nil and what is wrong (raised at the caller's line: keys not a list, a
--- bad cost). What a key holds never raises (key.lua): an absent header in
+-- bad cost). What a key holds never raises (kind.lua): an absent header in
 -- the list is the empty key.
 local function args(keys, cost, _, self)
     local n = self._n
