@@ -36,7 +36,8 @@
 --                the quota headers per style, the problem body
 --   kind         what every limiter kind shares: class, arguments (what a
 --                key from request data is sent as), constructor, the
---                decision from a worker share first
+--                decision from a worker share first, a policy limiter's
+--                frame header
 --   limiter      inline limits (new{ limit, window_ms })
 --   form         the table forms limit{} and check{}
 --   policy       one named policy
@@ -47,9 +48,9 @@
 --   request      what a request keeps across internal redirects: its
 --                decisions (one count per request), its decision table,
 --                its concurrency leases
---   describe     what the daemon says of a policy (DESCRIBE_POLICY), a
---                policy limiter's frame header
---   verify       the worker-start verifier of the policy names used
+--   verify       what the daemon says of a policy (DESCRIBE_POLICY), how
+--                a limiter takes it, the worker-start verifier of the
+--                policy names used
 --   limiters     build{}: each limiter on its own, names verified at worker start
 --   share        worker shares of the daemon's quota leases (share_dict)
 --   client_key   the client's address as a key (IPv4 /32, IPv6 /64)

@@ -1,7 +1,8 @@
 -- resty.ratelimitd.kind: what every limiter kind shares: its class and
 -- metatable, the check of its per-request arguments, the check() and
 -- limit() methods over the kind's own _decide, and (share_first) the
--- decision from a worker share before the kind's own way to the daemon.
+-- decision from a worker share before the kind's own way to the daemon,
+-- and (header) the frame header a policy limiter builds once.
 -- A kind gives _decide (and may replace _fallback and _label, see
 -- http.lua).
 --
@@ -180,6 +181,33 @@ function _M.share_first(lim, key, cost, ask)
     return res, err
 end
 
+--- The frame header of a policy limiter (one policy or several), built
+-- once on the request path: lim._header once built, else build(lim), which is nil while
+-- on_error is "local" and the local quota, to come from the daemon, is not
+-- known; then described now, once (an unknown name asked
+-- again: a reload may add it, as a CHECK_POLICY would be). The header, or
+-- nil and why not.
+function _M.header(lim, build)
+    local h = lim._header or build(lim)
+    if h then
+        return h
+    end
+    local ok, err = lim._described and not lim._unknown, nil
+    if not ok then
+        ok, err = verify.now(lim)
+    end
+    h = ok and build(lim)
+    if h then
+        return h
+    end
+    local which = lim._names and ("a policy of \"" .. concat(lim._names, ",") .. "\"") or ("policy \"" .. lim._policy .. "\"")
+    if lim._unknown then
+        return nil, err or ("UNKNOWN_POLICY: " .. which .. " is not in the daemon's configuration")
+    end
+    return nil, err or (which .. " has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
+end
+
+
 --- The constructor of a kind: validates `opts` against the option specs of
 -- `spec` (options.lua) once, then builds the limiter from them with
 -- build(opts, on_error) (the kind's own fields: the constant parts of its
@@ -194,7 +222,7 @@ function _M.constructor(mt, spec, prefix, build)
         local lim = build(opts, on_error)
         lim._on_error = on_error
         -- Not chosen by the location: a policy's own on_error may replace
-        -- it once the daemon has described the policy (describe.lua).
+        -- it once the daemon has described the policy (verify.lua).
         lim._on_error_defaulted = opts.on_error == nil
         lim._local_limit = opts.local_limit
         -- Policies in shadow mode: never in the headers (http.lua).

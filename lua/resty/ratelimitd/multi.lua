@@ -15,7 +15,6 @@ local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
 local fallback = require "resty.ratelimitd.fallback"
-local describe = require "resty.ratelimitd.describe"
 
 local char = string.char
 local floor = math.floor
@@ -110,8 +109,8 @@ function Multi._on_described(self)
 end
 
 function Multi._decide(self, keys, costs)
-    -- Built once; described first if it must be (describe.header).
-    local h, err = describe.header(self, header)
+    -- Built once; described first if it must be (kind.header).
+    local h, err = kind.header(self, header)
     if not h then
         return nil, err
     end
@@ -154,7 +153,7 @@ _M.new = kind.constructor(mt, "multi", "new: ", function(opts)
         -- What its failure lines name.
         _policy_label = table.concat(names, ","),
         -- Given in nginx, the window of every policy's own fallback; else
-        -- each policy's, once described (describe.apply_many: _windows,
+        -- each policy's, once described (verify.apply_many: _windows,
         -- _local_limits).
         _window_ms = opts.window_ms,
         _window_given = opts.window_ms ~= nil,

@@ -137,7 +137,7 @@ local function rules(k, opts)
     local on_error = opts.on_error or DEFAULT_ON_ERROR
     -- A policy limiter (one policy or several) takes its local quota
     -- (and window) from each policy when nginx does not give them
-    -- (describe.lua).
+    -- (verify.lua).
     if on_error == "local" and opts.local_limit == nil and k ~= "policy" and k ~= "multi" then
         return "on_error = 'local' needs a positive integer local_limit"
     end
