@@ -29,7 +29,8 @@
 --   config       configure{} and its settings, the rate-limited failure
 --                lines
 --   options      the one table of option specs of every constructor
---   conn         the pooled connection to the daemon
+--   conn         the pooled connection to the daemon, the monotonic clock
+--                its sends are timed by
 --   cache        the denial cache in the shared dict
 --   fallback     the location's fail policy (open, closed, local quota)
 --   http         enforce(): the one HTTP decision of every limiter kind,
