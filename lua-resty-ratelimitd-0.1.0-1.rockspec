@@ -38,7 +38,6 @@ build = {
       ["resty.ratelimitd.concurrency"] = "lua/resty/ratelimitd/concurrency.lua",
       ["resty.ratelimitd.config"] = "lua/resty/ratelimitd/config.lua",
       ["resty.ratelimitd.conn"] = "lua/resty/ratelimitd/conn.lua",
-      ["resty.ratelimitd.fallback"] = "lua/resty/ratelimitd/fallback.lua",
       ["resty.ratelimitd.form"] = "lua/resty/ratelimitd/form.lua",
       ["resty.ratelimitd.http"] = "lua/resty/ratelimitd/http.lua",
       ["resty.ratelimitd.kind"] = "lua/resty/ratelimitd/kind.lua",

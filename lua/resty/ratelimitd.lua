@@ -32,8 +32,8 @@
 --   conn         the pooled connection to the daemon, the monotonic clock
 --                its sends are timed by
 --   cache        the denial cache in the shared dict
---   fallback     the location's fail policy (open, closed, local quota)
 --   http         enforce(): the one HTTP decision of every limiter kind,
+--                the location's fail policy (open, closed, local quota),
 --                the quota headers per style, the problem body
 --   kind         what every limiter kind shares: class, arguments (what a
 --                key from request data is sent as), constructor, the

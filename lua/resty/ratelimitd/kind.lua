@@ -13,7 +13,6 @@
 -- bytes into a log line.
 
 local http = require "resty.ratelimitd.http"
-local fallback = require "resty.ratelimitd.fallback"
 local options = require "resty.ratelimitd.options"
 local verify = require "resty.ratelimitd.verify"
 local share = require "resty.ratelimitd.share"
@@ -124,7 +123,7 @@ end
 -- args itself). `args`, when given, checks a kind's own arguments after
 -- the metatable (keys and costs of a multi-item limiter).
 function _M.class(usage, args)
-    local class = { _fallback = fallback.one, _label = same_key }
+    local class = { _fallback = http.fallback, _label = same_key }
     local mt = { __index = class }
     local function checked(self, key, cost)
         if getmetatable(self) ~= mt then

@@ -14,7 +14,7 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
-local fallback = require "resty.ratelimitd.fallback"
+local http = require "resty.ratelimitd.http"
 
 local char = string.char
 local floor = math.floor
@@ -130,7 +130,7 @@ function Multi._decide(self, keys, costs)
     return res
 end
 
-Multi._fallback = fallback.many
+Multi._fallback = http.fallback_many
 
 function Multi._label(_, keys)
     return concat(keys, ",")
