@@ -1,8 +1,8 @@
 -- resty.ratelimitd.kind: what every limiter kind shares: its class and
 -- metatable, the check of its per-request arguments, the check() and
--- limit() methods over the kind's own _decide, and (share_first) the
--- decision from a worker share before the kind's own way to the daemon,
--- and (header) the frame header a policy limiter builds once.
+-- limit() methods over the kind's own _decide, the decision from a worker
+-- share before the kind's own way to the daemon (share_first), and the
+-- frame header a policy limiter builds once (header).
 -- A kind gives _decide (and may replace _fallback and _label, see
 -- http.lua).
 --
@@ -181,11 +181,13 @@ function _M.share_first(lim, key, cost, ask)
 end
 
 --- The frame header of a policy limiter (one policy or several), built
--- once on the request path: lim._header once built, else build(lim), which is nil while
--- on_error is "local" and the local quota, to come from the daemon, is not
--- known; then described now, once (an unknown name asked
--- again: a reload may add it, as a CHECK_POLICY would be). The header, or
--- nil and why not.
+-- once, on the request path: lim._header once built, else build(lim),
+-- which is nil while on_error is "local" and the local quota, to come from
+-- the daemon, is not known. Such a limiter cannot send its first request
+-- before it knows its quota: it describes its policy itself (verify.now:
+-- one round trip, once) if the worker-start verifier has not yet; an
+-- unknown name is asked again (a reload may add it, as a CHECK_POLICY
+-- would be). The header, or nil and why not.
 function _M.header(lim, build)
     local h = lim._header or build(lim)
     if h then
@@ -205,7 +207,6 @@ function _M.header(lim, build)
     end
     return nil, err or (which .. " has no local_limit in the daemon: on_error = \"local\" needs local_limit here or in ratelimitd.toml")
 end
-
 
 --- The constructor of a kind: validates `opts` against the option specs of
 -- `spec` (options.lua) once, then builds the limiter from them with
