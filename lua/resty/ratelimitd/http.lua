@@ -43,6 +43,8 @@ local settings, log_failure = config.settings, config.failure
 
 local _M = {}
 
+-- The location's fail policy: fallback(), fallback_many().
+
 local function counter_key(key, window, start)
     return format("%s|%d|%d", key, window, start)
 end
@@ -171,6 +173,8 @@ function _M.fallback_many(lim, keys, costs, reason)
     return main
 end
 
+-- The quota headers and the problem body: set_headers(), problem_body().
+
 -- Sources whose numbers come from a real count.
 local COUNTED = { redis = true, memory = true, ["local"] = true, lua_local = true, denial_cache = true, lua_denial_cache = true }
 _M.COUNTED = COUNTED
@@ -269,6 +273,8 @@ function _M.problem_body(res, status)
     return format('{"type":"%s","title":"Request cannot be satisfied as assigned quota has been exceeded","status":%d,"violated-policies":[%s]}\n',
                   PROBLEM_TYPE, status, concat(violated, ","))
 end
+
+-- The decision given to nginx: enforce().
 
 -- Sources after which Redis failed behind the daemon, which applied the
 -- location's policy.
