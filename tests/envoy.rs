@@ -270,7 +270,7 @@ async fn nginx_s_socket_and_envoy_share_one_window_exactly() {
     let mut socket = front.daemon.client().await;
     let long_tenant = "t".repeat(600);
     for tenant in ["acme", long_tenant.as_str(), ""] {
-        // The Lua client's wire key (lua/resty/ratelimitd/key.lua): long
+        // The Lua client's wire key (lua/resty/ratelimitd/kind.lua, wire_key): long
         // and empty ids hashed.
         let wire = if tenant.is_empty() || tenant.len() > 512 { format!("md5:{:x}", md5_of(tenant)) } else { tenant.to_owned() };
         let mut admitted = 0;

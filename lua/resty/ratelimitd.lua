@@ -26,17 +26,19 @@
 -- This file is the facade; each concern has a module of its own under
 -- resty/ratelimitd/ (docs/NGINX.md, "The client's modules"):
 --   wire         frame encoding and decoding, the codes tables
---   config       configure{} and its settings
+--   config       configure{} and its settings, the rate-limited failure
+--                lines
 --   options      the one table of option specs of every constructor
---   key          what a key from request data is sent as
---   conn         the pooled connection to the daemon
+--   conn         the pooled connection to the daemon, the monotonic clock
+--                its sends are timed by
 --   cache        the denial cache in the shared dict
---   fallback     the location's fail policy (open, closed, local quota)
---   log          rate-limited failure lines
---   headers      the quota headers per style, the problem body
---   http         enforce(): the one HTTP decision of every limiter kind
---   kind         what every limiter kind shares: class, arguments, constructor,
---                the decision from a worker share first
+--   http         enforce(): the one HTTP decision of every limiter kind,
+--                the location's fail policy (open, closed, local quota),
+--                the quota headers per style, the problem body
+--   kind         what every limiter kind shares: class, arguments (what a
+--                key from request data is sent as), constructor, the
+--                decision from a worker share first, a policy limiter's
+--                frame header
 --   limiter      inline limits (new{ limit, window_ms })
 --   form         the table forms limit{} and check{}
 --   policy       one named policy
@@ -47,9 +49,9 @@
 --   request      what a request keeps across internal redirects: its
 --                decisions (one count per request), its decision table,
 --                its concurrency leases
---   describe     what the daemon says of a policy (DESCRIBE_POLICY), a
---                policy limiter's frame header
---   verify       the worker-start verifier of the policy names used
+--   verify       what the daemon says of a policy (DESCRIBE_POLICY), how
+--                a limiter takes it, the worker-start verifier of the
+--                policy names used
 --   limiters     build{}: each limiter on its own, names verified at worker start
 --   share        worker shares of the daemon's quota leases (share_dict)
 --   client_key   the client's address as a key (IPv4 /32, IPv6 /64)

@@ -19,8 +19,8 @@ local sent = {}
 local timers = {}
 stub.timer = { at = function(delay, fn, ...) timers[#timers + 1] = { delay, fn, { ... } } return true end }
 local answer -- the 32 bytes of prefix and fixed fields the "daemon" answers
-package.loaded["resty.ratelimitd.cache"] = { mono_us = function() return now_us end }
 package.loaded["resty.ratelimitd.conn"] = {
+    mono_us = function() return now_us end,
     next_id = function() return 7 end,
     transact = function(frame)
         sent[#sent + 1] = frame

@@ -10,48 +10,15 @@
 -- denial_cache_max_ms. Kept in the shared dict with safe_set: it never
 -- evicts the local fallback's counters; when the dict is full, no entry is
 -- made. Value: expiry, retry time and reset time (µs, monotonic), count and
--- remaining as the daemon answered; flags: the refused cost.
+-- remaining as the daemon answered; flags: the refused cost. Times are of
+-- the monotonic clock (conn.mono_us, read by the limiter before its send).
 
 local wire = require "resty.ratelimitd.wire"
 
 local u32, be32, u56, be56 = wire.u32, wire.be32, wire.u56, wire.be56
 local floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
-local pcall, require = pcall, require
 
 local _M = {}
-
--- The cache's clock: CLOCK_MONOTONIC in µs, fresh at each call (a vDSO
--- read, no syscall) and the same for every worker of the host, unlike
--- ngx.now() (the wall clock, as cached at the start of the event loop
--- iteration: stale by up to that iteration's length, and stepped by NTP).
--- Read through the FFI into a buffer made once; the two 32-bit halves of
--- each field are read separately, so no 64-bit cdata is boxed per call.
--- Without the FFI, or on a big-endian or 32-bit ABI, the cache is off
--- (mono_us is nil).
-do
-    local ok, ffi = pcall(require, "ffi")
-    if ok and ffi.abi("64bit") and ffi.abi("le") and ffi.os == "Linux" then
-        -- Once per process: a second copy of the module (package.loaded
-        -- cleared, a benchmark) finds the declarations already made.
-        ok = pcall(ffi.typeof, "ratelimitd_timespec_t") or pcall(ffi.cdef, [[
-            typedef struct { uint32_t sec_lo, sec_hi, nsec_lo, nsec_hi; } ratelimitd_timespec_t;
-            int ratelimitd_clock_gettime(int clock_id, ratelimitd_timespec_t *tp) __asm__("clock_gettime");
-        ]])
-        if ok then
-            local C = ffi.C
-            local ts = ffi.new("ratelimitd_timespec_t[1]")
-            local CLOCK_MONOTONIC = 1
-            local function mono_us()
-                C.ratelimitd_clock_gettime(CLOCK_MONOTONIC, ts)
-                local t = ts[0]
-                return (t.sec_hi * 4294967296 + t.sec_lo) * 1000000 + floor(t.nsec_lo / 1000)
-            end
-            if pcall(mono_us) then
-                _M.mono_us = mono_us
-            end
-        end
-    end
-end
 
 --- The refusal cached for `ckey` that a request of `cost` at `now` (µs)
 -- still meets, as a decision table (source lua_denial_cache), or nil.

@@ -26,7 +26,7 @@ local kind = require "resty.ratelimitd.kind"
 local http = require "resty.ratelimitd.http"
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
-local log_failure = require("resty.ratelimitd.log").failure
+local log_failure = require("resty.ratelimitd.config").failure
 
 local ngx = ngx
 local char = string.char

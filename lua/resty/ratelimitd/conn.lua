@@ -2,7 +2,8 @@
 -- over a pooled cosocket: connect (tried again within the connect budget
 -- during a daemon restart, paused after connects that keep failing at
 -- once), send, read the response, pool the connection only after a clean
--- exchange, and send once more when the daemon closed it unanswered.
+-- exchange, and send once more when the daemon closed it unanswered; and
+-- the monotonic clock such an exchange is timed by.
 
 local wire = require "resty.ratelimitd.wire"
 local settings = require("resty.ratelimitd.config").settings
@@ -11,12 +12,47 @@ local ngx = ngx
 local tcp = ngx.socket.tcp
 local ngx_now, update_time, sleep, get_phase = ngx.now, ngx.update_time, ngx.sleep, ngx.get_phase
 local sub = string.sub
-local max, min = math.max, math.min
-local tostring = tostring
+local floor, max, min = math.floor, math.max, math.min
+local tostring, pcall, require = tostring, pcall, require
 local check_head, message_len, error_code, decode = wire.check_head, wire.message_len, wire.error_code, wire.decode
 local RESPONSE_HEAD_LEN, RESPONSE_FIXED_LEN = wire.RESPONSE_HEAD_LEN, wire.RESPONSE_FIXED_LEN
 
 local _M = {}
+
+-- The clock a send is timed by (mono_us: the denial cache's entries are
+-- anchored at it, a worker share's deadline counts from it):
+-- CLOCK_MONOTONIC in µs, fresh at each call (a vDSO read, no syscall) and
+-- the same for every worker of the host, unlike
+-- ngx.now() (the wall clock, as cached at the start of the event loop
+-- iteration: stale by up to that iteration's length, and stepped by NTP).
+-- Read through the FFI into a buffer made once; the two 32-bit halves of
+-- each field are read separately, so no 64-bit cdata is boxed per call.
+-- Without the FFI, or on a big-endian or 32-bit ABI, mono_us is nil: the
+-- denial cache and worker shares are off.
+do
+    local ok, ffi = pcall(require, "ffi")
+    if ok and ffi.abi("64bit") and ffi.abi("le") and ffi.os == "Linux" then
+        -- Once per process: a second copy of the module (package.loaded
+        -- cleared, a benchmark) finds the declarations already made.
+        ok = pcall(ffi.typeof, "ratelimitd_timespec_t") or pcall(ffi.cdef, [[
+            typedef struct { uint32_t sec_lo, sec_hi, nsec_lo, nsec_hi; } ratelimitd_timespec_t;
+            int ratelimitd_clock_gettime(int clock_id, ratelimitd_timespec_t *tp) __asm__("clock_gettime");
+        ]])
+        if ok then
+            local C = ffi.C
+            local ts = ffi.new("ratelimitd_timespec_t[1]")
+            local CLOCK_MONOTONIC = 1
+            local function mono_us()
+                C.ratelimitd_clock_gettime(CLOCK_MONOTONIC, ts)
+                local t = ts[0]
+                return (t.sec_hi * 4294967296 + t.sec_lo) * 1000000 + floor(t.nsec_lo / 1000)
+            end
+            if pcall(mono_us) then
+                _M.mono_us = mono_us
+            end
+        end
+    end
+end
 
 local request_id = 0
 

@@ -6,8 +6,8 @@
 local limiter = require "resty.ratelimitd.limiter"
 local options = require "resty.ratelimitd.options"
 local http = require "resty.ratelimitd.http"
-local wire_key = require("resty.ratelimitd.key").wire
-local log = require "resty.ratelimitd.log"
+local wire_key = require("resty.ratelimitd.kind").wire_key
+local config = require "resty.ratelimitd.config"
 
 local type, error = type, error
 
@@ -51,7 +51,7 @@ local function cached_limiter(opts, on_error, algorithm)
     end
     lim = limiter.build(limit, window_ms, on_error, local_limit, algorithm)
     if opts.on_error == nil then
-        log.default_on_error("limit{} (table form)")
+        config.default_on_error("limit{} (table form)")
     end
     by_local[local_limit or 0] = lim
     cached = cached + 1

@@ -1,8 +1,22 @@
 -- resty.ratelimitd.http: the HTTP side of a decision, for every limiter
--- kind: the fail policy when the daemon gave none, the status of a refusal,
+-- kind, the answer given to nginx: the fail policy when the daemon gave
+-- none, the status of a refusal,
 -- the quota headers per style, GCRA pacing, Retry-After, the problem body,
 -- $ratelimitd_status and ngx.ctx.ratelimitd. The only module that ends a
 -- request (ngx.exit); the limiters below it return nil, err.
+--
+-- The quota fields of a decision in each header style are written into a
+-- header table (ngx.header in nginx, a plain table in the unit tests). Only
+-- what counted and binds the client shows: after a fail-open or
+-- fail-closed nothing was counted, so no quota is promised; an exempt key
+-- has none; a shadow policy refuses nothing, so it never shows
+-- (SEMANTICS S3).
+--
+-- The location's fail policy (on_error) decides when the daemon gives no
+-- decision: open, closed, or a local quota per host, an approximate
+-- sliding window in the shared dict (the previous fixed window weighted by
+-- its overlap, plus the current one): fallback() for one key, fallback_many()
+-- for a multi-item request.
 --
 -- A limiter kind gives enforce():
 --   lim:_decide(key, cost, lease_id) the decision table, or nil and an error
@@ -13,19 +27,254 @@
 -- headers, header_style, dry_run, nodelay, delay: the limiter itself, or
 -- the table form's own options table.
 
-local settings = require("resty.ratelimitd.config").settings
-local headers = require "resty.ratelimitd.headers"
-local log_failure = require("resty.ratelimitd.log").failure
-local UNKNOWN_POLICY = require("resty.ratelimitd.wire").UNKNOWN_POLICY
-local policy_of = require("resty.ratelimitd.fallback").policy_of
+local config = require "resty.ratelimitd.config"
+local wire = require "resty.ratelimitd.wire"
 local request = require "resty.ratelimitd.request"
 
 local ngx = ngx
 local ngx_log, INFO = ngx.log, ngx.INFO
 local ngx_exit, ngx_sleep, ngx_header = ngx.exit, ngx.sleep, ngx.header
-local ceil, max = math.ceil, math.max
+local ngx_now, ngx_shared = ngx.now, ngx.shared
+local floor, ceil, max = math.floor, math.ceil, math.max
+local format, concat = string.format, table.concat
+local ipairs = ipairs
+local UNKNOWN_POLICY, main_item = wire.UNKNOWN_POLICY, wire.main_item
+local settings, log_failure = config.settings, config.failure
 
 local _M = {}
+
+-- The location's fail policy: fallback(), fallback_many().
+
+local function counter_key(key, window, start)
+    return format("%s|%d|%d", key, window, start)
+end
+
+-- The local quota's decision for `key` (a wire key) of `cost`, or nil and
+-- an error. `limit` per `window` ms, shared by the host's workers.
+local function local_decision(key, cost, limit, window)
+    local dict = ngx_shared[settings.shared_dict]
+    if not dict then
+        return nil, "lua_shared_dict '" .. settings.shared_dict .. "' is not defined"
+    end
+    local now = ngx_now() * 1000
+    local start = floor(now / window) * window
+    local cur_key = counter_key(key, window, start)
+    local prev = dict:get(counter_key(key, window, start - window)) or 0
+    local weighted = floor(prev * (window - (now - start)) / window)
+    local reset_ms = ceil(start + window - now)
+    -- Take the cost first and give it back if it does not fit: the shared
+    -- dict's incr is atomic across workers, a read-then-write would not be.
+    local cur, err, forcible = dict:incr(cur_key, cost, 0, 2 * window / 1000)
+    if not cur then
+        return nil, "shared dict: " .. err
+    end
+    if forcible then
+        log_failure("shared_dict_full", key, "lua_shared_dict '" .. settings.shared_dict .. "' evicted entries: enlarge it")
+    end
+    if weighted + cur > limit then
+        dict:incr(cur_key, -cost)
+        local count = weighted + cur - cost
+        return { allowed = false, decision = "denied", source = "lua_local", count = count,
+                 remaining = max(limit - count, 0), retry_after_ms = reset_ms, reset_ms = reset_ms, limit = limit }
+    end
+    return { allowed = true, decision = "allowed", source = "lua_local", count = weighted + cur,
+             remaining = limit - weighted - cur, retry_after_ms = 0, reset_ms = reset_ms, limit = limit }
+end
+
+local NO_LOCAL_WINDOW = "; local fallback: the policy's window and local_limit are not known yet (the daemon has not"
+    .. " described it since this worker started; give window_ms and local_limit in nginx to count locally from the start)"
+
+local NO_LOCAL_QUOTA = "; local fallback: the policy has no local_limit in the daemon and the limiter none in nginx"
+    .. " (on_error = \"local\" needs one of them)"
+
+--- The policy named in lim's failure lines: its policy, or policies (nil
+-- for an inline limiter).
+local function policy_of(lim)
+    return lim._policy_label or lim._policy
+end
+_M.policy_of = policy_of
+
+--- The location's policy for one key (`lim`: _on_error, _limit,
+-- _local_limit, _window_ms), logged with `reason`.
+function _M.fallback(lim, key, cost, reason)
+    local on_error = lim._on_error
+    local policy = policy_of(lim)
+    if on_error == "local" and not (lim._local_limit and lim._window_ms) then
+        -- A policy limiter whose quota and window come from the daemon,
+        -- which has not described its policy yet (unreachable since the
+        -- worker started): no local window to count in. Open, and said so.
+        log_failure("fail_open", key, reason .. (lim._described and NO_LOCAL_QUOTA or NO_LOCAL_WINDOW), policy)
+        return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = lim._limit }
+    end
+    if on_error == "open" then
+        log_failure("fail_open", key, reason, policy)
+        return { allowed = true, decision = "allowed", source = "lua_fail_open", limit = lim._limit }
+    end
+    if on_error == "local" then
+        local res, err = local_decision(key, cost, lim._local_limit, lim._window_ms)
+        if res then
+            log_failure("local_fallback", key, reason, policy)
+            return res
+        end
+        reason = reason .. "; local fallback: " .. err
+    end
+    log_failure("fail_closed", key, reason, policy)
+    return { allowed = false, decision = "denied", source = "lua_fail_closed", limit = lim._limit,
+             retry_after_ms = 1000 }
+end
+
+--- The location's policy for a multi-item request, all or nothing: "local"
+-- checks each key (scoped by its policy's name) in the per-host quota of
+-- its policy, over its policy's window (lim._local_limits, lim._windows,
+-- from the daemon's description; else nginx's local_limit and window_ms),
+-- and gives back what it took when one refuses (approximate, like one
+-- key's). A policy whose window or quota is not known: open, said so
+-- (fallback).
+function _M.fallback_many(lim, keys, costs, reason)
+    local label = concat(keys, ",")
+    if lim._on_error ~= "local" then
+        return _M.fallback(lim, label, 1, reason)
+    end
+    local names, windows, quotas = lim._names, lim._windows, lim._local_limits
+    for i = 1, lim._n do
+        if not ((quotas and quotas[i] or lim._local_limit) and (windows and windows[i] or lim._window_ms)) then
+            -- fallback() finds no quota or window either: open, with why.
+            return _M.fallback(lim, label, 1, reason)
+        end
+    end
+    -- The admission shows the numbers of its most constrained item, as
+    -- the daemon's main item (wire.main_item) would.
+    local taken, main = {}, nil
+    for i = 1, lim._n do
+        local key = names[i] .. "|" .. keys[i]
+        local window = windows and windows[i] or lim._window_ms
+        local res, err = local_decision(key, costs[i], quotas and quotas[i] or lim._local_limit, window)
+        if not res or not res.allowed then
+            local dict = ngx_shared[settings.shared_dict]
+            local now = ngx_now() * 1000
+            for j = 1, #taken do
+                local t = taken[j]
+                dict:incr(counter_key(t[1], t[3], floor(now / t[3]) * t[3]), -t[2])
+            end
+            if not res then
+                return _M.fallback(lim, label, 1, reason .. "; local fallback: " .. err)
+            end
+            log_failure("local_fallback", label, reason, policy_of(lim))
+            res.policy = names[i]
+            return res
+        end
+        taken[#taken + 1] = { key, costs[i], window }
+        if not main or res.remaining < main.remaining then
+            main = res
+            main.policy = names[i]
+        end
+    end
+    log_failure("local_fallback", label, reason, policy_of(lim))
+    return main
+end
+
+-- The quota headers and the problem body: set_headers(), problem_body().
+
+-- Sources whose numbers come from a real count.
+local COUNTED = { redis = true, memory = true, ["local"] = true, lua_local = true, denial_cache = true, lua_denial_cache = true }
+_M.COUNTED = COUNTED
+
+-- Decisions of a shadow policy, marked by the daemon whether it refused or
+-- had room: never shown, whatever the limiter declares.
+local SHADOW = { shadow_denied = true, shadow_allowed = true }
+_M.SHADOW = SHADOW
+
+-- An item (or a one-item decision) that is shown: counted, with a limit,
+-- and not a shadow policy's (marked by the daemon, or named in `hidden`:
+-- the `shadow` option, for a daemon that does not mark shadow_allowed).
+local function shown(it, hidden)
+    return COUNTED[it.source] and it.limit and it.limit > 0 and not SHADOW[it.decision]
+        and not (hidden and hidden[it.policy])
+end
+
+-- The RateLimit-Policy and RateLimit fields of the current draft
+-- (draft-ietf-httpapi-ratelimit-headers-12): one list member per policy
+-- shown, named by the policy; w only for a whole number of seconds; t of a
+-- refusing policy is its retry-after, the value of Retry-After.
+local function draft(out, res, hidden)
+    local items = res.items
+    if not items then
+        items = { { policy = res.policy or "default", source = res.source, decision = res.decision, limit = res.limit,
+                    window_ms = res.window_ms, remaining = res.remaining, retry_after_ms = res.retry_after_ms, reset_ms = res.reset_ms } }
+    end
+    local policies, states = {}, {}
+    for _, it in ipairs(items) do
+        if shown(it, hidden) then
+            local w = it.window_ms
+            local name = format("%q", it.policy)
+            if w and w % 1000 == 0 then
+                policies[#policies + 1] = format("%s;q=%d;w=%d", name, it.limit, w / 1000)
+            else
+                policies[#policies + 1] = format("%s;q=%d", name, it.limit)
+            end
+            local t = it.decision == "denied" and it.retry_after_ms or it.reset_ms or 0
+            states[#states + 1] = format("%s;r=%d;t=%d", name, it.remaining or 0, ceil(t / 1000))
+        end
+    end
+    if #policies > 0 then
+        out["RateLimit-Policy"] = concat(policies, ", ")
+        out["RateLimit"] = concat(states, ", ")
+    end
+end
+
+local LEGACY = {
+    ratelimit = { "RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset" },
+    x = { "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset" },
+}
+
+--- Writes the quota fields of `res` in `style` ("ratelimit", "draft" or
+-- "x") into `out`. `hidden`: a set of policy names in shadow mode, or nil
+-- (needed only with a daemon that does not mark shadow_allowed).
+-- The legacy styles show one policy: the refusing one, else the most
+-- constrained one shown.
+function _M.set_headers(out, res, style, hidden)
+    if style == "draft" then
+        return draft(out, res, hidden)
+    end
+    local it = res
+    if res.items then
+        it = main_item(res.items, hidden)
+        if not it then
+            return
+        end
+    elseif SHADOW[res.decision] or res.policy and hidden and hidden[res.policy] then
+        return
+    end
+    if not shown(it, nil) then
+        return
+    end
+    local names = LEGACY[style]
+    out[names[1]] = it.limit
+    out[names[2]] = it.remaining
+    out[names[3]] = ceil((it.reset_ms or 0) / 1000)
+end
+
+-- The problem type of a refusal in the draft, with the violated policies.
+local PROBLEM_TYPE = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+
+--- The application/problem+json body of a refusal with `status`: the
+-- draft's quota-exceeded type, naming every policy that refused.
+function _M.problem_body(res, status)
+    local violated = {}
+    if res.items then
+        for _, it in ipairs(res.items) do
+            if it.decision == "denied" and it.source ~= "none" then
+                violated[#violated + 1] = format("%q", it.policy)
+            end
+        end
+    else
+        violated[1] = format("%q", res.policy or "default")
+    end
+    return format('{"type":"%s","title":"Request cannot be satisfied as assigned quota has been exceeded","status":%d,"violated-policies":[%s]}\n',
+                  PROBLEM_TYPE, status, concat(violated, ","))
+end
+
+-- The decision given to nginx: enforce().
 
 -- Sources after which Redis failed behind the daemon, which applied the
 -- location's policy.
@@ -173,7 +422,7 @@ function _M.enforce(lim, beh, key, cost, lease_id)
         return res
     end
     if show then
-        headers.set(ngx_header, res, beh.header_style or settings.header_style, lim._shadow)
+        _M.set_headers(ngx_header, res, beh.header_style or settings.header_style, lim._shadow)
     end
     if res.allowed then
         local outcome = "PASSED"
@@ -207,7 +456,7 @@ function _M.enforce(lim, beh, key, cost, lease_id)
     if settings.problem_body then
         ngx.status = status
         ngx_header["Content-Type"] = "application/problem+json"
-        ngx.print(headers.problem_body(res, status))
+        ngx.print(_M.problem_body(res, status))
     end
     return ngx_exit(status)
 end

@@ -88,7 +88,7 @@ function decide_cached(self, key, cost)
     if on == nil then
         on = settings.denial_cache
     end
-    local mono_us = cache.mono_us
+    local mono_us = conn.mono_us
     local dict = on and mono_us and ngx_shared[settings.shared_dict]
     if not dict then
         return ask(self, key, cost)

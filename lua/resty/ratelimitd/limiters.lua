@@ -23,7 +23,7 @@
 -- local quota of its own fallback from its policy.
 
 local ratelimitd = require "resty.ratelimitd"
-local log = require "resty.ratelimitd.log"
+local config = require "resty.ratelimitd.config"
 local verify = require "resty.ratelimitd.verify"
 
 local ngx = ngx
@@ -37,7 +37,7 @@ Broken.__index = Broken
 
 -- The location of a limiter that was not built.
 function Broken:limit()
-    log.failure("limiter_not_built", self.name, self.reason)
+    config.failure("limiter_not_built", self.name, self.reason)
     if self.open then
         return true
     end

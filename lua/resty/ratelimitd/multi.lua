@@ -14,9 +14,7 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
-local fallback = require "resty.ratelimitd.fallback"
-local wire_key = require("resty.ratelimitd.key").wire
-local describe = require "resty.ratelimitd.describe"
+local http = require "resty.ratelimitd.http"
 
 local char = string.char
 local floor = math.floor
@@ -24,6 +22,7 @@ local concat = table.concat
 local type, ipairs = type, ipairs
 local next_id, ask = conn.next_id, conn.ask
 local policy_item, check_policy = wire.policy_item, wire.check_policy
+local wire_key = kind.wire_key
 
 local _M = {}
 
@@ -40,7 +39,7 @@ local KEYS_MSG = "keys must be a list of one key per policy"
 
 -- The arguments of a request: the wire keys and the costs in policy order,
 -- or nil and what is wrong (raised at the caller's line: keys not a list, a
--- bad cost). What a key holds never raises (key.lua): an absent header in
+-- bad cost). What a key holds never raises (kind.lua): an absent header in
 -- the list is the empty key.
 local function args(keys, cost, _, self)
     local n = self._n
@@ -110,8 +109,8 @@ function Multi._on_described(self)
 end
 
 function Multi._decide(self, keys, costs)
-    -- Built once; described first if it must be (describe.header).
-    local h, err = describe.header(self, header)
+    -- Built once; described first if it must be (kind.header).
+    local h, err = kind.header(self, header)
     if not h then
         return nil, err
     end
@@ -131,7 +130,7 @@ function Multi._decide(self, keys, costs)
     return res
 end
 
-Multi._fallback = fallback.many
+Multi._fallback = http.fallback_many
 
 function Multi._label(_, keys)
     return concat(keys, ",")
@@ -154,7 +153,7 @@ _M.new = kind.constructor(mt, "multi", "new: ", function(opts)
         -- What its failure lines name.
         _policy_label = table.concat(names, ","),
         -- Given in nginx, the window of every policy's own fallback; else
-        -- each policy's, once described (describe.apply_many: _windows,
+        -- each policy's, once described (verify.apply_many: _windows,
         -- _local_limits).
         _window_ms = opts.window_ms,
         _window_given = opts.window_ms ~= nil,

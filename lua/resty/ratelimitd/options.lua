@@ -16,7 +16,7 @@ local MAX_POLICY_NAME_LEN, MAX_POLICY_ITEMS = wire.MAX_POLICY_NAME_LEN, wire.MAX
 local _M = {}
 
 -- The fail policy of a limiter whose location chose none: open, with one
--- line at error level when the limiter is made (log.default_on_error), as
+-- line at error level when the limiter is made (config.default_on_error), as
 -- Envoy's failure_mode_deny = false. The same default in ratelimitd.toml
 -- (a policy without on_error takes the request's) and `ratelimitd query`.
 local DEFAULT_ON_ERROR = "open"
@@ -137,7 +137,7 @@ local function rules(k, opts)
     local on_error = opts.on_error or DEFAULT_ON_ERROR
     -- A policy limiter (one policy or several) takes its local quota
     -- (and window) from each policy when nginx does not give them
-    -- (describe.lua).
+    -- (verify.lua).
     if on_error == "local" and opts.local_limit == nil and k ~= "policy" and k ~= "multi" then
         return "on_error = 'local' needs a positive integer local_limit"
     end

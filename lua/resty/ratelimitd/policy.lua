@@ -6,7 +6,7 @@
 -- own on_error (as the daemon describes it), else open.
 -- With on_error = "local", local_limit is the per-host quota and window_ms
 -- the window of this client's own fallback; both default to the policy's,
--- which the limiter asks the daemon for (DESCRIBE_POLICY, describe.lua)
+-- which the limiter asks the daemon for (DESCRIBE_POLICY, verify.lua)
 -- when the worker starts, or at its first request.
 -- No denial cache here: it is keyed by limit and window, which the daemon
 -- holds and a reload may change; the daemon's own cache applies.
@@ -14,13 +14,12 @@
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
 local kind = require "resty.ratelimitd.kind"
-local describe = require "resty.ratelimitd.describe"
 
 local char = string.char
 local ngx = ngx
 local next_id, ask = conn.next_id, conn.ask
 local check_policy, policy_item = wire.check_policy, wire.policy_item
-local share_first = kind.share_first
+local share_first, kind_header = kind.share_first, kind.header
 
 local _M = {}
 
@@ -39,9 +38,9 @@ local function header(self)
 end
 
 -- CHECK_POLICY of one item, its header built once (described first if it
--- must be: describe.header).
+-- must be: kind.header).
 local function ask_policy(self, key, cost)
-    local h, err = describe.header(self, header)
+    local h, err = kind_header(self, header)
     if not h then
         return nil, err
     end

@@ -13,7 +13,7 @@
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
-local log_failure = require("resty.ratelimitd.log").failure
+local log_failure = require("resty.ratelimitd.config").failure
 
 local ngx = ngx
 local type, error = type, error

@@ -55,12 +55,12 @@
 
 local wire = require "resty.ratelimitd.wire"
 local conn = require "resty.ratelimitd.conn"
-local mono_us = require("resty.ratelimitd.cache").mono_us
 
 local ngx = ngx
 local ngx_now, get_phase = ngx.now, ngx.get_phase
 local floor, min = math.floor, math.min
 local transact, next_id, share_grant = conn.transact, conn.next_id, wire.share_grant
+local mono_us = conn.mono_us
 
 local _M = {}
 

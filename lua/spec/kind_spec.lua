@@ -1,12 +1,20 @@
--- What a key from request data is sent as: nothing a client sends raises,
+-- What a key from request data is sent as (resty/ratelimitd/kind.lua):
+-- nothing a client sends raises,
 -- and nothing it sends reaches the daemon or a log line raw when it is
 -- empty, too long or holds control bytes.
 
--- key.lua reads ngx.md5 when loaded: a stand-in that names its input.
+-- kind.lua reads ngx.md5 when loaded: a stand-in that names its input.
+-- Its neighbours read ngx.socket.tcp (conn.lua) and resty.core's request
+-- getter (request.lua) when loaded: stand-ins, as request_spec.lua makes
+-- them; nothing here calls them.
 rawset(_G, "ngx", rawget(_G, "ngx") or {})
 rawset(ngx, "md5", function(s) return "h(" .. s .. ")" end)
+rawset(ngx, "socket", ngx.socket or { tcp = function() end })
+package.loaded["resty.core.base"] = package.loaded["resty.core.base"] or { get_request = function() return nil end }
 
-local key = require "resty.ratelimitd.key"
+local kind = require "resty.ratelimitd.kind"
+-- The key rules under the names the assertions use.
+local key = { wire = kind.wire_key, args = kind.key_args }
 local settings = require("resty.ratelimitd.config").settings
 
 describe("keys", function()

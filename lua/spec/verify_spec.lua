@@ -1,4 +1,4 @@
--- How a worker's limiters say they use a policy (resty/ratelimitd/describe.lua):
+-- How a worker's limiters say they use a policy (resty/ratelimitd/verify.lua):
 -- each kind of limiter its use bit (docs/PROTOCOL.md 4g), and a daemon of an
 -- earlier release, which answers the uses byte with UNSUPPORTED_FLAGS, is
 -- asked again without it. A recorder stands in for the daemon's socket.
@@ -14,8 +14,8 @@ package.loaded["resty.ratelimitd.conn"] = {
         return table.remove(answers, 1), ""
     end,
 }
-package.loaded["resty.ratelimitd.describe"] = nil
-local desc = require "resty.ratelimitd.describe"
+package.loaded["resty.ratelimitd.verify"] = nil
+local desc = require "resty.ratelimitd.verify"
 
 local function hex(s)
     return (s:gsub("..", function(h) return string.char(tonumber(h, 16)) end))

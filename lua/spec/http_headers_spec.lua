@@ -1,7 +1,13 @@
--- The quota headers per style, with shadow policies (SEMANTICS S3: never
+-- The quota headers per style (resty/ratelimitd/http.lua), with shadow policies (SEMANTICS S3: never
 -- shown), exempt items and undecided requests.
 
-local headers = require "resty.ratelimitd.headers"
+-- http.lua (and the modules it requires) read ngx when loaded, and
+-- request.lua resty.core's request getter: stand-ins, as request_spec.lua
+-- makes them (no nginx here).
+rawset(_G, "ngx", rawget(_G, "ngx") or {})
+package.loaded["resty.core.base"] = package.loaded["resty.core.base"] or { get_request = function() return nil end }
+
+local http = require "resty.ratelimitd.http"
 
 local function item(policy, decision, limit, remaining, extra)
     local it = { policy = policy, decision = decision, source = "redis", count = limit - remaining, remaining = remaining,
@@ -14,7 +20,7 @@ end
 
 local function render(res, style, hidden)
     local out = {}
-    headers.set(out, res, style, hidden)
+    http.set_headers(out, res, style, hidden)
     return out
 end
 
@@ -103,7 +109,7 @@ describe("headers", function()
         assert.same({ ["X-RateLimit-Limit"] = 5, ["X-RateLimit-Remaining"] = 0, ["X-RateLimit-Reset"] = 60 }, render(res, "x"))
         -- global was not evaluated (source none): not listed.
         assert.equals('"per_ip";r=1;t=60, "per_tenant";r=0;t=3', render(res, "draft")["RateLimit"])
-        assert.matches('"violated%-policies":%["per_tenant"%]', headers.problem_body(res, 429))
-        assert.matches('"status":429', headers.problem_body(res, 429))
+        assert.matches('"violated%-policies":%["per_tenant"%]', http.problem_body(res, 429))
+        assert.matches('"status":429', http.problem_body(res, 429))
     end)
 end)
