@@ -22,7 +22,7 @@ use super::pb::RateLimitRequest;
 pub const MAX_DESCRIPTORS: usize = 64;
 
 /// What the Lua client prefixes a hashed key with, and no key sent as it is
-/// begins with (lua/resty/ratelimitd/key.lua): the same rule here, so a
+/// begins with (lua/resty/ratelimitd/kind.lua `wire_key`): the same rule here, so a
 /// tenant limited through nginx and through Envoy shares one window
 /// whatever its id looks like.
 const HASHED: &[u8] = b"md5:";
@@ -177,7 +177,7 @@ fn policy_key<'a>(values: impl Iterator<Item = &'a [u8]>, varying: u32) -> Cow<'
     Cow::Owned(out)
 }
 
-/// The Lua client's rule (key.lua `wire`): a key empty, longer than
+/// The Lua client's rule (kind.lua `wire_key`): a key empty, longer than
 /// `max_key_len`, holding a control byte or beginning with "md5:" is sent
 /// as "md5:" and the hex md5 of it.
 fn wire_key(raw: Cow<'_, [u8]>, max_key_len: usize) -> Cow<'_, [u8]> {

@@ -1,7 +1,7 @@
 //! The pipeline's answers as Envoy reads them: `overall_code`, one
 //! `DescriptorStatus` per descriptor in request order, and the quota
 //! headers of the configured style. What is shown follows the Lua
-//! client's headers (lua/resty/ratelimitd/headers.lua): only a real count
+//! client's headers (lua/resty/ratelimitd/http.lua): only a real count
 //! binds a client, so a fail-open, an exempt key or a shadow policy shows
 //! no limit.
 
