@@ -197,11 +197,12 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
         // The log script reads request j's fields at an offset `o` (1 in
         // its mode 'L') and a stride `s` (3 in its mode 'B'); 0 and 2 for a
         // check, which gives the others' 2 + 2 * j and 3 + 2 * j, read by
-        // parts/answer.lua's `request(j)`.
+        // parts/answer.lua's `request(j)` and handed to each algorithm's
+        // decision of one request by parts/each_request.lua.
         let fields = if script == "sliding_window" {
             ["local limit = tonumber(ARGV[2 + o + s * j])", "local cost = tonumber(ARGV[3 + o + s * j])"]
         } else {
-            ["return tonumber(ARGV[2 + 2 * j]), tonumber(ARGV[3 + 2 * j])", "local limit, cost = request(j)"]
+            ["return tonumber(ARGV[2 + 2 * j]), tonumber(ARGV[3 + 2 * j])", "answer(out, decide(request(j)))"]
         };
         if script == "sliding_window" {
             assert!(lua.contains("local lease, batch, o, s = ARGV[1] == 'L', ARGV[1] == 'B', 0, 2"), "sliding_window.lua: a check reads its fields at o = 0, s = 2");
@@ -210,6 +211,9 @@ fn the_scripts_headers_and_code_read_their_arguments_in_the_order_the_daemon_sen
         let now = if script == "sliding_window" { "local now = tonumber(ARGV[mode == 'L' and 3 or 2])" } else { "local now = tonumber(ARGV[2])" };
         for code in ["local window = tonumber(ARGV[1])", now, fields[0], fields[1]] {
             assert!(lua.contains(code), "{script}.lua does not read `{code}`");
+        }
+        if script != "sliding_window" {
+            assert!(lua.contains("local out = each_request(n, function(limit, cost)"), "{script}.lua: its decision of one request takes (limit, cost) in that order");
         }
     }
 }
