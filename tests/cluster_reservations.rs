@@ -45,7 +45,12 @@ fn owner(cluster: &RedisCluster, slot: u16) -> u16 {
 /// A key (`stem` and a number) whose window under `policy` is on `primary`
 /// and whose slot passes `slot_ok`.
 fn key_on(cluster: &RedisCluster, policy: &str, stem: &str, primary: u16, slot_ok: impl Fn(u16) -> bool) -> String {
-    let ranges = cluster.slot_ranges(primary);
+    key_in(&cluster.slot_ranges(primary), policy, stem, slot_ok)
+}
+
+/// A key (`stem` and a number) whose window under `policy` is in one of
+/// `ranges` of slots and whose slot passes `slot_ok`.
+fn key_in(ranges: &[(u16, u16)], policy: &str, stem: &str, slot_ok: impl Fn(u16) -> bool) -> String {
     (0..100_000)
         .map(|i| format!("{stem}{i}"))
         .find(|k| {
@@ -68,7 +73,11 @@ fn a_below_b(cluster: &RedisCluster, pa: u16, pb: u16) -> (String, String) {
 /// reservation past its life stays in the ZSET until the next call cleans
 /// it, but no longer counts).
 fn zcard(cluster: &RedisCluster, policy: &str, key: &str) -> u64 {
-    let p = owner(cluster, slot_of(policy, key));
+    zcard_on(cluster, owner(cluster, slot_of(policy, key)), policy, key)
+}
+
+/// `zcard` on the primary `p` known to serve the key's slot.
+fn zcard_on(cluster: &RedisCluster, p: u16, policy: &str, key: &str) -> u64 {
     let time = cluster.cli(p, &["TIME"]);
     let mut t = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
     let now_ms = t.next().unwrap() * 1000 + t.next().unwrap() / 1000;
@@ -129,11 +138,13 @@ async fn a_refusal_caused_by_a_cancelled_reservation_is_not_remembered() {
 async fn opposite_item_orders_never_cross() {
     let cluster = RedisCluster::start();
     let d = cluster_daemon(&cluster, "timeout_ms = 2000", &policies(&[("a", 1), ("b", 1)]));
+    // The primaries and their slots, read once (no slot moves here).
     let prim = cluster.primaries();
+    let (ranges_a, ranges_b) = (cluster.slot_ranges(prim[0]), cluster.slot_ranges(prim[1]));
     let mut nobody = 0;
     for trial in 0..20 {
-        let key_a = key_on(&cluster, "a", &format!("t{trial}a"), prim[0], |_| true);
-        let key_b = key_on(&cluster, "b", &format!("t{trial}b"), prim[1], |_| true);
+        let key_a = key_in(&ranges_a, "a", &format!("t{trial}a"), |_| true);
+        let key_b = key_in(&ranges_b, "b", &format!("t{trial}b"), |_| true);
         let mut tasks = Vec::new();
         for n in 0..8 {
             let mut c = d.client().await;
@@ -151,7 +162,7 @@ async fn opposite_item_orders_never_cross() {
         }
         nobody += (admitted == 0) as u32;
         assert!(admitted <= 1, "trial {trial}: {admitted} admitted over a limit of 1");
-        let (za, zb) = (zcard(&cluster, "a", &key_a), zcard(&cluster, "b", &key_b));
+        let (za, zb) = (zcard_on(&cluster, prim[0], "a", &key_a), zcard_on(&cluster, prim[1], "b", &key_b));
         assert_eq!((za, zb), (u64::from(admitted), u64::from(admitted)), "trial {trial}: the windows hold exactly what was admitted");
         // A refusal now is true: the windows are full, or else admitted.
         let mut c = d.client().await;
@@ -174,14 +185,18 @@ async fn crossing_requests_over(clients: usize, slots: usize, trials: usize, roo
     let names = ["a", "b", "c", "d", "e"];
     let list: Vec<(&str, u32)> = names[..slots].iter().enumerate().map(|(i, n)| (*n, if roomy_lowest && i == 0 { 8 } else { 1 })).collect();
     let d = cluster_daemon(&cluster, "timeout_ms = 2000", &policies(&list));
-    let prim = cluster.primaries();
+    // Read once: no slot moves here, and reading them per key and per
+    // window (a redis-cli process for each primary's ROLE and slots) cost
+    // this test most of its time.
+    let owners: Vec<(u16, Vec<(u16, u16)>)> = cluster.primaries().into_iter().map(|p| (p, cluster.slot_ranges(p))).collect();
+    let owner_of = |slot: u16| owners.iter().find(|(_, r)| r.iter().any(|&(a, b)| a <= slot && slot <= b)).map(|(p, _)| *p).expect("every slot is served");
     let mut nobody = Vec::new();
     let mut took = Vec::new();
     for trial in 0..trials {
-        let mut keys: Vec<String> = (0..slots).map(|i| key_on(&cluster, names[i], &format!("t{trial}k{i}_"), prim[i % 3], |_| true)).collect();
+        let mut keys: Vec<String> = (0..slots).map(|i| key_in(&owners[i % 3].1, names[i], &format!("t{trial}k{i}_"), |_| true)).collect();
         if roomy_lowest {
             let lowest = (1..slots).map(|i| slot_of(names[i], &keys[i])).min().unwrap();
-            keys[0] = key_on(&cluster, names[0], &format!("t{trial}k0_"), prim[0], |s| s < lowest);
+            keys[0] = key_in(&owners[0].1, names[0], &format!("t{trial}k0_"), |s| s < lowest);
         }
         let mut tasks = Vec::new();
         for n in 0..clients {
@@ -212,7 +227,8 @@ async fn crossing_requests_over(clients: usize, slots: usize, trials: usize, roo
         }
         assert!(admitted <= 1, "trial {trial}: {admitted} admitted over a limit of 1");
         for (i, k) in keys.iter().enumerate().skip(usize::from(roomy_lowest)) {
-            assert_eq!(zcard(&cluster, names[i], k), u64::from(admitted), "trial {trial}: window {} holds exactly what was admitted", names[i]);
+            let held = zcard_on(&cluster, owner_of(slot_of(names[i], k)), names[i], k);
+            assert_eq!(held, u64::from(admitted), "trial {trial}: window {} holds exactly what was admitted", names[i]);
         }
     }
     took.sort();
