@@ -167,7 +167,8 @@ impl RedisCluster {
                 .arg(&t.ca),
         };
         // Formed in about 3 s, not 11: a primary pings its replica every
-        // second (Redis's default: 10 s), and a replica of an idle primary
+        // second while the cluster forms (Redis's default, restored once it
+        // has formed, `create`: 10 s), and a replica of an idle primary
         // acknowledges an offset above 0, which `replicas_linked` waits
         // for, only once something was sent; and a replica's first sync
         // starts at once (the default waits 5 s for more replicas before a
@@ -226,6 +227,13 @@ impl RedisCluster {
         while !(self.ports.iter().all(|&p| formed(p)) && self.primaries().len() == 3 && self.replicas_linked()) {
             assert!(start.elapsed() < FORM_LIMIT, "the cluster did not form in {FORM_LIMIT:?}:\n{}", self.logs());
             std::thread::sleep(Duration::from_millis(50));
+        }
+        // Formed: back to Redis's default ping period. A ping a second
+        // moves every primary's offset each second, and `wait_replicated`
+        // (a replica's acknowledged offset equal to its primary's) would
+        // then rarely hold: replicas acknowledge once a second too.
+        for p in self.live_ports() {
+            assert_eq!(self.cli(p, &["CONFIG", "SET", "repl-ping-replica-period", "10"]).trim(), "OK");
         }
     }
 
