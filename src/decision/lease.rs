@@ -11,7 +11,11 @@
 //! earlier than its true time on the script's clock (the script ran after
 //! the send), never later than `t0 + life`. When the lease ends (spent,
 //! expired, or its limit changed) one call settles it (mode 'S'): used
-//! units get their times, unused ones are removed. Every unit counts in
+//! units get their times, unused ones are removed. A spent lease is settled
+//! when its life is over; then, on a key with at least half its limit free,
+//! its used units keep `t0 + life` (no re-score: up to `life` late, which
+//! costs nothing unless the key climbs to its limit within a window) and,
+//! with no unit to remove, no call is made. Every unit counts in
 //! Redis for a full window after the admission it may stand for, settled
 //! or not, so no window of Redis's record ever holds fewer members than
 //! true admissions: a refusal stays exact and an admission never exceeds
@@ -84,19 +88,27 @@ const LEASE_IN_FLIGHT_RETRY_MS: u32 = 1;
 /// fresh-clone CI run (a debug daemon beside the other tests: 4 of 1,000
 /// lost, once); 250 ms is five times that.
 const GIVE_BACK_GRACE_US: u64 = 250_000;
-/// Leases with worker shares out kept per key after they admit no more
-/// (`Slot::retired`), each until its shares' validity (100 ms at most) and
-/// the grace for their give-backs end. Past it, those due are settled,
-/// then the oldest: a give-back of its shares' units that comes after finds
-/// no lease, and they count for a window (under-admission only; kept until
-/// the lease's end, and 8 of them, such early settles cost `tests/nginx.rs`
+/// Leases kept per key after they admit no more (`Slot::retired`), each
+/// until `QuotaLease::kept_until_us`: its worker shares' validity (100 ms at
+/// most) and the grace for their give-backs, or, spent, the end of its life
+/// (a quarter of the window, 1 s at most). Past it, those due are settled,
+/// then the oldest (re-scored, as every settle before a lease's life ends):
+/// a give-back of its shares' units that comes after finds no lease, and
+/// they count for a window (under-admission only; kept until the lease's
+/// end, and 8 of them, such early settles cost `tests/nginx.rs`
 /// two_gateways_hold_one_global_limit 6 to 15 units of 1,000 in about 1
-/// run in 20). Memory: a lease is about 400 bytes, and each retired one
-/// was a lease call within its shares' validity and the grace (350 ms at
-/// most), so the leases kept over every key are at most 0.35 s of the
-/// daemon's lease calls (7,000 at 20,000 calls a second: 2.8 MB); this cap
-/// bounds one key's, 25 KB.
-const MAX_RETIRED: usize = 64;
+/// run in 20). 256 covers a host spending 64-unit leases of one key at up
+/// to 65,000 admissions a second for a 1 s window (16,000 for windows of
+/// 4 s and more); a hotter key's oldest spent leases are settled early,
+/// re-scored, and cost Redis what they did before leases were kept
+/// (`tests/quota_leases.rs` a_hot_key_far_from_its_limit: a debug daemon
+/// spent 100-145 leases of one key within a life). Memory: a lease is
+/// about 400 bytes with its unit offsets, and each one kept was a lease call
+/// within its life or its shares' validity and grace (1.35 s at most, 0.35
+/// s for 1 s windows), so the leases kept over every key are at most 1.35 s
+/// of the daemon's lease calls (27,000 at 20,000 calls a second: 11 MB);
+/// this cap bounds one key's, 100 KB.
+const MAX_RETIRED: usize = 256;
 
 /// Units of a lease handed to an nginx worker's shared dict (op 10).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -391,6 +403,37 @@ impl QuotaLease {
         self.shares_end_us + GIVE_BACK_GRACE_US
     }
 
+    /// µs until which the slot keeps it, once it admits no more, rather
+    /// than settle it (0: settled at once): while its worker shares'
+    /// give-backs may still come (`give_backs_by_us`), and, spent with no
+    /// unit to remove, until its life is over. Settled then, its units'
+    /// reserved score (`t0 + life`) has passed, so a key far from its limit
+    /// needs no re-score and no call at all (`QuotaLeases::settle_in`);
+    /// kept meanwhile, an admin reset still reaches its admissions
+    /// (`forget_before`). A log lease only: a reserve is given back at once.
+    fn kept_until_us(&self) -> u64 {
+        if self.reserve.is_some() {
+            return 0;
+        }
+        let shares = if self.shared_out() > 0 { self.give_backs_by_us() } else { 0 };
+        let spent = if self.reserved_unused() == 0 { self.ends_us() } else { 0 };
+        shares.max(spent)
+    }
+
+    /// Whether its settle must re-score its used units to their times, at
+    /// local time `now_us`, `room` being the key's room as the daemon's
+    /// newest lease of it tells: before its life is over (an admin reset
+    /// then could not remove units scored in the future), and near the
+    /// limit, where a unit kept at `t0 + life`, up to `life` after its
+    /// admission, would hold its room that much longer. Far from it (at
+    /// least half the limit free) that costs nothing unless the key climbs
+    /// to its limit within a window, and each unit's re-score costs Redis
+    /// more than its lease call did (docs/PERFORMANCE.md, "Redis CPU per
+    /// decision").
+    pub fn must_rescore(&self, now_us: u64, room: u32) -> bool {
+        now_us < self.ends_us() || u64::from(room) * 2 < u64::from(self.limit)
+    }
+
     /// µs after which it admits nothing more (local clock).
     pub fn ends_us(&self) -> u64 {
         self.sent_us + u64::from(self.life_ms) * 1000
@@ -464,10 +507,11 @@ struct Slot {
     /// key near its limit (no units granted) costs one call, not one per
     /// admission.
     renewed_for: u64,
-    /// Leases that admit no more but have worker shares out, oldest first,
-    /// at most `MAX_RETIRED`: kept until their shares' give-backs are due
-    /// (`QuotaLease::give_backs_by_us`), so that the workers' give-backs of
-    /// their units reach them. Empty (no allocation) for a key no worker takes shares of.
+    /// Leases that admit no more, oldest first, at most `MAX_RETIRED`: kept
+    /// until their shares' give-backs are due, so that the workers'
+    /// give-backs of their units reach them, and, spent, until their life is
+    /// over (`QuotaLease::kept_until_us`). Empty (no allocation) for a key
+    /// that is not hot.
     retired: Vec<QuotaLease>,
     /// Settles of its log leases in flight: a lease call waits for them,
     /// so that the room Redis tells it never counts units being given
@@ -778,14 +822,14 @@ impl QuotaLeases {
         Ok(ShareAnswer::Units(share))
     }
 
-    /// A lease that admits no more: settled now, or, with worker shares
-    /// out whose give-backs may still come (`give_backs_by_us`), kept in the
-    /// slot until then so that they reach it (settled by `settle_at` or
-    /// `settle_due`; past `MAX_RETIRED` kept, those due are settled, then
+    /// A lease that admits no more: settled now, or kept in the slot until
+    /// `QuotaLease::kept_until_us` (its shares' give-backs may still come,
+    /// or it is spent before its life's end), settled then by `settle_at`
+    /// or `settle_due`; past `MAX_RETIRED` kept, those due are settled, then
     /// the oldest: its shares' units left stay counted, under-admission
-    /// only).
+    /// only, and its used units are re-scored.
     fn end(self: &Arc<Self>, slot: &mut Slot, ended: QuotaLease, key: &[u8], window_ms: u32) {
-        if ended.shared_out() > 0 && self.now_us() < ended.give_backs_by_us() {
+        if self.now_us() < ended.kept_until_us() {
             if slot.retired.len() == MAX_RETIRED && !slot.refilling {
                 self.settle_due(slot, key, window_ms);
             }
@@ -1049,9 +1093,9 @@ impl QuotaLeases {
                     _ => None,
                 };
                 let Some(l) = ended else { break };
-                if l.shared_out() > 0 && !leases.closing.is_cancelled() && leases.now_us() < l.give_backs_by_us() {
+                if !leases.closing.is_cancelled() && leases.now_us() < l.kept_until_us() {
                     // Kept (or settled now past MAX_RETIRED) by `end`.
-                    settle_by = l.give_backs_by_us();
+                    settle_by = l.kept_until_us();
                     leases.end(&mut slot, l, &key, window_ms);
                     continue;
                 }
@@ -1087,7 +1131,8 @@ impl QuotaLeases {
         METRICS.lease_returned(lease.granted() - lease.used());
         self.pending.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
-            leases.settle_now(lease, &key, window_ms).await;
+            // (A reserve: `rescore` means nothing to it.)
+            leases.settle_now(lease, &key, window_ms, true).await;
             leases.pending.fetch_sub(1, Ordering::Relaxed);
         });
     }
@@ -1106,12 +1151,20 @@ impl QuotaLeases {
             slot.retired.push(lease);
             return;
         }
-        let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
         METRICS.lease_returned(lease.granted() - lease.used());
+        // The key's room as its newest lease tells it, else as this one does.
+        let room = slot.lease.as_ref().or(slot.next.as_ref()).filter(|l| l.limit == lease.limit).map_or_else(|| lease.remaining(), QuotaLease::remaining);
+        let rescore = lease.must_rescore(self.now_us(), room);
+        if !rescore && lease.reserved_unused() == 0 {
+            // Nothing to move and nothing to remove: Redis's record is
+            // final (each unit at `t0 + life`, at or after its admission).
+            return;
+        }
+        let (leases, fp, key) = (self.clone(), slot.fp, Box::<[u8]>::from(key));
         self.pending.fetch_add(1, Ordering::Relaxed);
         slot.settling += 1;
         tokio::spawn(async move {
-            leases.settle_now(lease, &key, window_ms).await;
+            leases.settle_now(lease, &key, window_ms, rescore).await;
             // The slot is the key's until this is done (`take`).
             leases.slot(fp).settling -= 1;
             leases.lease_done.notify_waiters();
@@ -1124,7 +1177,7 @@ impl QuotaLeases {
     /// `settle_in`), or all of them at shutdown.
     fn settle_due(self: &Arc<Self>, slot: &mut Slot, key: &[u8], window_ms: u32) {
         let (now, closing) = (self.now_us(), self.closing.is_cancelled());
-        while let Some(at) = slot.retired.iter().position(|r| closing || r.give_backs_by_us() <= now || r.shared_out() == 0) {
+        while let Some(at) = slot.retired.iter().position(|r| closing || r.kept_until_us() <= now) {
             let done = slot.retired.remove(at);
             self.settle_in(slot, done, key, window_ms);
         }
@@ -1155,7 +1208,10 @@ impl QuotaLeases {
         });
     }
 
-    async fn settle_now(&self, lease: QuotaLease, key: &[u8], window_ms: u32) {
+    /// Settles `lease`; a log lease's used units re-scored to their times
+    /// only if `rescore` (`QuotaLease::must_rescore`), else left at the
+    /// score they were reserved with (an argument 0 each).
+    async fn settle_now(&self, lease: QuotaLease, key: &[u8], window_ms: u32, rescore: bool) {
         if let Some((algorithm, handle)) = lease.reserve {
             let spec = LimitSpec { key, limit: lease.limit, window_ms, cost: lease.used() };
             if let Err(e) = self.redis.settle_reserve(&spec, algorithm, &handle).await {
@@ -1165,7 +1221,7 @@ impl QuotaLeases {
             }
             return;
         }
-        let scores: Vec<u64> = lease.used_scores().collect();
+        let scores: Vec<u64> = if rescore { lease.used_scores().collect() } else { vec![0; lease.used() as usize] };
         if let Err(e) = self.redis.settle_lease(key, window_ms, lease.seq(), lease.granted(), &scores).await {
             if let Some(suppressed) = self.settle_log.permit() {
                 tracing::warn!(error = %e, suppressed, "settling a quota lease failed: its unused units count until they leave the window");
@@ -1236,6 +1292,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_spent_lease_is_kept_until_its_life_ends_and_re_scored_only_before_then_or_near_the_limit() {
+        // Sent at 5 ms local, life 250 ms: it admits until 255 ms.
+        let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 4, 40);
+        assert!(l.admit(6_000, 100, 3).is_some());
+        assert_eq!(l.kept_until_us(), 0, "a unit left to remove: settled at once");
+        assert!(l.admit(7_000, 100, 1).is_some());
+        assert_eq!(l.kept_until_us(), 255_000, "spent: kept until its life is over");
+        assert!(l.must_rescore(254_999, 100), "before its life ends, whatever the room");
+        assert!(!l.must_rescore(255_000, 50), "after, with half the limit free: units stay at t0 + life");
+        assert!(l.must_rescore(255_000, 49), "after, near the limit");
+        // With a worker share out: until its give-backs are due, if later.
+        let mut s = QuotaLease::new(8, 100, 1_000_000, 5_000, 250, 4, 40);
+        assert_eq!(s.share(6_000, 100, 4, 1, 30).map(|w| w.units), Some(4));
+        assert_eq!(s.kept_until_us(), 255_000.max(6_000 + 30_000 + GIVE_BACK_GRACE_US));
+        assert_eq!(s.take_back(2), 2);
+        assert_eq!(s.kept_until_us(), 6_000 + 30_000 + GIVE_BACK_GRACE_US, "units to remove: only the give-backs keep it");
+        // A reserve is given back at once.
+        let mut r = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 200, 2, 40);
+        assert!(r.admit(6_000, 100, 2).is_some());
+        assert_eq!(r.kept_until_us(), 0);
     }
 
     #[test]

@@ -32,7 +32,8 @@
 --   'B', 'L'   cold keys in one call; a quota lease; and the single check
 --              above (ARGV[1] the window)   sliding_window/per_request.lua
 -- The single check pays one string comparison per mode; no closure is made
--- but the shared parts' two.
+-- but the shared parts' functions (parts/*.lua), and no table but its
+-- answer's.
 local mode = ARGV[1]
 --@include parts/units.lua
 --@include parts/answer.lua

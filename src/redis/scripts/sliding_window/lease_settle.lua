@@ -5,6 +5,7 @@
 -- recreated once out of the window), unused ones removed. Returns
 -- {rescored, removed}.
 local key, base, granted = KEYS[1], ARGV[2], tonumber(ARGV[3])
+local prefix, text = base .. '.l', unit_text()
 local used = #ARGV - 3
 local rescored = 0
 -- Each used unit has a score of its own: units() sends one score for all.
@@ -13,7 +14,7 @@ for u = 1, used do
   local score = ARGV[3 + u]
   if score ~= '0' then
     args[m + 1] = score
-    args[m + 2] = base .. '.l' .. u
+    args[m + 2] = prefix .. (text[u] or u)
     m = m + 2
   end
   if m >= 1000 or (u == used and m > 2) then
@@ -23,6 +24,6 @@ for u = 1, used do
 end
 local removed = 0
 if granted > used then
-  removed = units({ 'ZREM', key }, nil, base .. '.l', used + 1, granted)
+  removed = units({ 'ZREM', key }, nil, prefix, used + 1, granted)
 end
 return { rescored, removed }
