@@ -11,11 +11,12 @@
 //! earlier than its true time on the script's clock (the script ran after
 //! the send), never later than `t0 + life`. When the lease ends (spent,
 //! expired, or its limit changed) one call settles it (mode 'S'): used
-//! units get their times, unused ones are removed. A spent lease is settled
-//! when its life is over; then, on a key with at least half its limit free,
-//! its used units keep `t0 + life` (no re-score: up to `life` late, which
-//! costs nothing unless the key climbs to its limit within a window) and,
-//! with no unit to remove, no call is made. Every unit counts in
+//! units get their times, unused ones are removed. A spent lease on a key
+//! with at least half its limit free is settled when its life is over; then,
+//! if the key is still that far from its limit, its used units keep
+//! `t0 + life` (no re-score: up to `life` late, which costs nothing unless
+//! the key climbs to its limit within a window) and, with no unit to
+//! remove, no call is made. Every unit counts in
 //! Redis for a full window after the admission it may stand for, settled
 //! or not, so no window of Redis's record ever holds fewer members than
 //! true admissions: a refusal stays exact and an admission never exceeds
@@ -404,19 +405,24 @@ impl QuotaLease {
     }
 
     /// µs until which the slot keeps it, once it admits no more, rather
-    /// than settle it (0: settled at once): while its worker shares'
-    /// give-backs may still come (`give_backs_by_us`), and, spent with no
-    /// unit to remove, until its life is over. Settled then, its units'
-    /// reserved score (`t0 + life`) has passed, so a key far from its limit
-    /// needs no re-score and no call at all (`QuotaLeases::settle_in`);
-    /// kept meanwhile, an admin reset still reaches its admissions
-    /// (`forget_before`). A log lease only: a reserve is given back at once.
-    fn kept_until_us(&self) -> u64 {
+    /// than settle it (0: settled at once), `room` being the key's room as
+    /// the daemon's newest lease of it tells (`Slot::room_for`): while its
+    /// worker shares' give-backs may still come (`give_backs_by_us`), and,
+    /// spent with no unit to remove on a key with at least half its limit
+    /// free, until its life is over. Settled then, its units' reserved score
+    /// (`t0 + life`) has passed, so it needs no re-score and no call at all
+    /// if the key is still that far from its limit (`must_rescore`); kept
+    /// meanwhile, an admin reset still reaches its admissions
+    /// (`forget_before`). Near the limit it is settled at once, re-scored:
+    /// a refusal's `reset_ms` (the newest member's score plus the window)
+    /// then never counts units scored in the future by this daemon's spent
+    /// leases. A log lease only: a reserve is given back at once.
+    fn kept_until_us(&self, room: u32) -> u64 {
         if self.reserve.is_some() {
             return 0;
         }
         let shares = if self.shared_out() > 0 { self.give_backs_by_us() } else { 0 };
-        let spent = if self.reserved_unused() == 0 { self.ends_us() } else { 0 };
+        let spent = if self.reserved_unused() == 0 && !near_limit(room, self.limit) { self.ends_us() } else { 0 };
         shares.max(spent)
     }
 
@@ -431,13 +437,19 @@ impl QuotaLease {
     /// more than its lease call did (docs/PERFORMANCE.md, "Redis CPU per
     /// decision").
     pub fn must_rescore(&self, now_us: u64, room: u32) -> bool {
-        now_us < self.ends_us() || u64::from(room) * 2 < u64::from(self.limit)
+        now_us < self.ends_us() || near_limit(room, self.limit)
     }
 
     /// µs after which it admits nothing more (local clock).
     pub fn ends_us(&self) -> u64 {
         self.sent_us + u64::from(self.life_ms) * 1000
     }
+}
+
+/// Less than half of `limit` free: where a settle re-scores every used unit
+/// (`QuotaLease::must_rescore`).
+fn near_limit(room: u32, limit: u32) -> bool {
+    u64::from(room) * 2 < u64::from(limit)
 }
 
 /// How long a lease of a window of `window_ms` admits: a quarter of the
@@ -573,6 +585,12 @@ impl Slot {
         self.refilling = true;
         self.renewed_for = seq;
         Some(units_wanted(self.last_hits.max(self.hits)))
+    }
+
+    /// The key's room as its newest lease of `lease`'s limit tells it (the
+    /// one in hand, else the one taken ahead), else as `lease` does.
+    fn room_for(&self, lease: &QuotaLease) -> u32 {
+        self.lease.as_ref().or(self.next.as_ref()).filter(|l| l.limit == lease.limit).map_or_else(|| lease.remaining(), QuotaLease::remaining)
     }
 
     /// Takes the lease out (for its settle) and puts the one taken ahead in
@@ -829,7 +847,7 @@ impl QuotaLeases {
     /// the oldest: its shares' units left stay counted, under-admission
     /// only, and its used units are re-scored.
     fn end(self: &Arc<Self>, slot: &mut Slot, ended: QuotaLease, key: &[u8], window_ms: u32) {
-        if self.now_us() < ended.kept_until_us() {
+        if self.now_us() < ended.kept_until_us(slot.room_for(&ended)) {
             if slot.retired.len() == MAX_RETIRED && !slot.refilling {
                 self.settle_due(slot, key, window_ms);
             }
@@ -1093,9 +1111,10 @@ impl QuotaLeases {
                     _ => None,
                 };
                 let Some(l) = ended else { break };
-                if !leases.closing.is_cancelled() && leases.now_us() < l.kept_until_us() {
+                let kept_until = l.kept_until_us(slot.room_for(&l));
+                if !leases.closing.is_cancelled() && leases.now_us() < kept_until {
                     // Kept (or settled now past MAX_RETIRED) by `end`.
-                    settle_by = l.kept_until_us();
+                    settle_by = kept_until;
                     leases.end(&mut slot, l, &key, window_ms);
                     continue;
                 }
@@ -1152,9 +1171,7 @@ impl QuotaLeases {
             return;
         }
         METRICS.lease_returned(lease.granted() - lease.used());
-        // The key's room as its newest lease tells it, else as this one does.
-        let room = slot.lease.as_ref().or(slot.next.as_ref()).filter(|l| l.limit == lease.limit).map_or_else(|| lease.remaining(), QuotaLease::remaining);
-        let rescore = lease.must_rescore(self.now_us(), room);
+        let rescore = lease.must_rescore(self.now_us(), slot.room_for(&lease));
         if !rescore && lease.reserved_unused() == 0 {
             // Nothing to move and nothing to remove: Redis's record is
             // final (each unit at `t0 + life`, at or after its admission).
@@ -1177,7 +1194,7 @@ impl QuotaLeases {
     /// `settle_in`), or all of them at shutdown.
     fn settle_due(self: &Arc<Self>, slot: &mut Slot, key: &[u8], window_ms: u32) {
         let (now, closing) = (self.now_us(), self.closing.is_cancelled());
-        while let Some(at) = slot.retired.iter().position(|r| closing || r.kept_until_us() <= now) {
+        while let Some(at) = slot.retired.iter().position(|r| closing || r.kept_until_us(slot.room_for(r)) <= now) {
             let done = slot.retired.remove(at);
             self.settle_in(slot, done, key, window_ms);
         }
@@ -1299,22 +1316,23 @@ mod tests {
         // Sent at 5 ms local, life 250 ms: it admits until 255 ms.
         let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 4, 40);
         assert!(l.admit(6_000, 100, 3).is_some());
-        assert_eq!(l.kept_until_us(), 0, "a unit left to remove: settled at once");
+        assert_eq!(l.kept_until_us(100), 0, "a unit left to remove: settled at once");
         assert!(l.admit(7_000, 100, 1).is_some());
-        assert_eq!(l.kept_until_us(), 255_000, "spent: kept until its life is over");
+        assert_eq!(l.kept_until_us(50), 255_000, "spent, half the limit free: kept until its life is over");
+        assert_eq!(l.kept_until_us(49), 0, "spent, near the limit: settled at once, re-scored");
         assert!(l.must_rescore(254_999, 100), "before its life ends, whatever the room");
         assert!(!l.must_rescore(255_000, 50), "after, with half the limit free: units stay at t0 + life");
         assert!(l.must_rescore(255_000, 49), "after, near the limit");
         // With a worker share out: until its give-backs are due, if later.
         let mut s = QuotaLease::new(8, 100, 1_000_000, 5_000, 250, 4, 40);
         assert_eq!(s.share(6_000, 100, 4, 1, 30).map(|w| w.units), Some(4));
-        assert_eq!(s.kept_until_us(), 255_000.max(6_000 + 30_000 + GIVE_BACK_GRACE_US));
+        assert_eq!(s.kept_until_us(100), 255_000.max(6_000 + 30_000 + GIVE_BACK_GRACE_US));
         assert_eq!(s.take_back(2), 2);
-        assert_eq!(s.kept_until_us(), 6_000 + 30_000 + GIVE_BACK_GRACE_US, "units to remove: only the give-backs keep it");
+        assert_eq!(s.kept_until_us(100), 6_000 + 30_000 + GIVE_BACK_GRACE_US, "units to remove: only the give-backs keep it");
         // A reserve is given back at once.
         let mut r = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 200, 2, 40);
         assert!(r.admit(6_000, 100, 2).is_some());
-        assert_eq!(r.kept_until_us(), 0);
+        assert_eq!(r.kept_until_us(100), 0);
     }
 
     #[test]
