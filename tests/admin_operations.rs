@@ -171,6 +171,54 @@ async fn the_answer_tells_the_limit_in_force_after_an_override_lowers_it() {
 }
 
 
+/// A key far from its limit keeps its spent leases in the daemon until their
+/// life ends (their units at `t0 + life` in Redis, settled then with no
+/// re-score: docs/PERFORMANCE.md, "Redis CPU per decision"). A reset within
+/// that life keeps those future-scored units in Redis, and the daemon's
+/// `forget_before` reaches the kept leases: their units are removed, and
+/// the whole limit is admitted after the reset. Settled at once without a
+/// re-score, they would have outlived the reset, out of its reach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_reaches_the_spent_leases_a_daemon_keeps_on_a_key_far_from_its_limit() {
+    const LIMIT: u32 = 1000;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    // A day's window: lease life 1 s.
+    let d = daemon(&redis, dir.path(), "quota_leases = true", "1s", &format!("[[policy]]\nname = \"hot\"\nlimit = {LIMIT}\nwindow = \"1d\"\n"));
+    let mut c = d.client().await;
+    // 300 admissions: several 64-unit leases spent, the key never past a third of its limit.
+    for _ in 0..300 {
+        assert_eq!(c.check_policy(&args("hot", "k")).await.unwrap().decision, Decision::Allowed);
+    }
+    // Past a lease call in flight (one round trip): the reset's
+    // `forget_before` waits for it. Well within the leases' 1 s life.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let reset = call(dir.path(), "DELETE", "/v1/keys?policy=hot&key=k", None);
+    assert_eq!(reset.status, 200, "{reset:?}");
+    // Members scored after the reset's now: the lease in hand and the one
+    // taken ahead hold at most 128; more are spent leases' units.
+    let kept = reset.body["kept_outstanding"].as_u64().unwrap_or(0);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u32;
+            for _ in 0..250 {
+                if c.check_policy(&args("hot", "k")).await.unwrap().decision == Decision::Allowed {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(admitted, LIMIT, "the whole limit after the reset ({kept} units kept in Redis at the reset)");
+    assert!(kept > 128, "no spent lease was kept at the reset, so the test proved nothing: {kept} units kept");
+}
+
 /// Two daemons on one Redis, each holding a lease of the key: a reset made
 /// through one's admin API reaches the other through the change log, whose
 /// lease forgets its admissions before the reset; together they admit the
