@@ -96,12 +96,14 @@ impl Trace<'_> {
 }
 
 /// The settle call of lease `l` (member base `base`) as the daemon makes it
-/// at local time `now_us`: its used units re-scored, or, once its life is
-/// over on a key with half its limit free (`QuotaLease::must_rescore`), left
-/// at `t0 + life` (a 0 each).
-fn settle_args(base: String, l: &QuotaLease, now_us: u64) -> Vec<String> {
+/// at local time `now_us`, for `limit`: its used units re-scored, or, once
+/// its life is over on a key with half its limit free
+/// (`QuotaLease::must_rescore`), left at `t0 + life` (a 0 each).
+fn settle_args(base: String, l: &QuotaLease, limit: u64, now_us: u64) -> Vec<String> {
     let mut args = vec!["S".to_string(), base, l.granted().to_string()];
-    if l.must_rescore(now_us, l.remaining()) {
+    // Far from the limit by the lease's own room (the daemon asks its
+    // newest lease; the model's invariants hold either way).
+    if l.must_rescore(now_us, u64::from(l.remaining()) * 2 >= limit) {
         args.extend(l.used_scores().map(|s| s.to_string()));
     } else {
         KEPT_SCORES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -173,7 +175,7 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
             // A settle while the lease may still have units (the timer).
             2 | 3 => {
                 if let Some((base, l)) = daemons[d].lease.take() {
-                    let args = settle_args(base, &l, tr.t_us + daemons[d].offset_us);
+                    let args = settle_args(base, &l, limit, tr.t_us + daemons[d].offset_us);
                     tr.t_us += latency(&mut rng);
                     let r = tr.eval(&args);
                     assert!(r[0] <= i64::from(l.used()) && r[1] <= i64::from(l.granted() - l.used()), "seed {seed} step {step}: settle {r:?} of {} used, {} granted", l.used(), l.granted());
@@ -211,7 +213,7 @@ fn run_trace(conn: &mut redis::Connection, sha: &str, seed: u64, steps: usize) -
                 // The lease can no longer admit: settled first (as the daemon's task would, possibly later).
                 if rng.below(2) == 0 {
                     if let Some((base, l)) = daemons[d].lease.take() {
-                        let args = settle_args(base, &l, local_now);
+                        let args = settle_args(base, &l, limit, local_now);
                         tr.eval(&args);
                         tr.audit("settle after its end");
                     }
@@ -374,7 +376,8 @@ async fn a_hot_key_costs_at_most_one_redis_call_per_20_admissions() {
 /// over, then its units' reserved score (`t0 + life`) has passed and, with
 /// half the limit free, nothing is moved or removed: no settle call. So a
 /// lease costs one call, and each lease's units keep one score in Redis's
-/// record (re-scored, they would hold each admission's own ms). A count,
+/// record (re-scored, they would hold each admission's own ms), but the
+/// last ones, settled with no newer lease to tell the key's room. A count,
 /// not a time: at most one call per 40 admissions (a lease call per 64
 /// units, the first requests and the last lease's settle; with a settle per
 /// lease it was one per 31). A 1 s window (lease life 250 ms): a host that
@@ -405,7 +408,9 @@ async fn a_hot_key_far_from_its_limit_costs_one_call_per_lease_and_its_units_kee
     assert!(per <= 1.0 / 40.0, "{calls} calls for {admitted} admissions");
     assert!(leases.len() >= 10, "{} leases", leases.len());
     let moved: Vec<_> = leases.iter().filter(|(_, s)| s.iter().any(|x| *x != s[0])).collect();
-    assert!(moved.is_empty(), "{} of {} leases' units were re-scored: {:?}", moved.len(), leases.len(), moved.first());
+    // The last leases (in hand and taken ahead when the run stops) are
+    // settled with no newer lease to tell the key's room: re-scored.
+    assert!(moved.len() <= 2, "{} of {} leases' units were re-scored: {:?}", moved.len(), leases.len(), moved.first());
 }
 
 /// `kill -9` of a daemon holding a lease: nothing over the limit; its

@@ -405,11 +405,11 @@ impl QuotaLease {
     }
 
     /// µs until which the slot keeps it, once it admits no more, rather
-    /// than settle it (0: settled at once), `room` being the key's room as
-    /// the daemon's newest lease of it tells (`Slot::room_for`): while its
+    /// than settle it (0: settled at once), `far` saying whether the key
+    /// has at least half its limit free (`Slot::far_from_limit`): while its
     /// worker shares' give-backs may still come (`give_backs_by_us`), and,
-    /// spent with no unit to remove on a key with at least half its limit
-    /// free, until its life is over. Settled then, its units' reserved score
+    /// spent with no unit to remove on a key far from its limit, until its
+    /// life is over. Settled then, its units' reserved score
     /// (`t0 + life`) has passed, so it needs no re-score and no call at all
     /// if the key is still that far from its limit (`must_rescore`); kept
     /// meanwhile, an admin reset still reaches its admissions
@@ -417,18 +417,18 @@ impl QuotaLease {
     /// a refusal's `reset_ms` (the newest member's score plus the window)
     /// then never counts units scored in the future by this daemon's spent
     /// leases. A log lease only: a reserve is given back at once.
-    fn kept_until_us(&self, room: u32) -> u64 {
+    fn kept_until_us(&self, far: bool) -> u64 {
         if self.reserve.is_some() {
             return 0;
         }
         let shares = if self.shared_out() > 0 { self.give_backs_by_us() } else { 0 };
-        let spent = if self.reserved_unused() == 0 && !near_limit(room, self.limit) { self.ends_us() } else { 0 };
+        let spent = if self.reserved_unused() == 0 && far { self.ends_us() } else { 0 };
         shares.max(spent)
     }
 
     /// Whether its settle must re-score its used units to their times, at
-    /// local time `now_us`, `room` being the key's room as the daemon's
-    /// newest lease of it tells: before its life is over (an admin reset
+    /// local time `now_us`, `far` saying whether the key has at least half
+    /// its limit free (`Slot::far_from_limit`): before its life is over (an admin reset
     /// then could not remove units scored in the future), and near the
     /// limit, where a unit kept at `t0 + life`, up to `life` after its
     /// admission, would hold its room that much longer. Far from it (at
@@ -436,20 +436,14 @@ impl QuotaLease {
     /// to its limit within a window, and each unit's re-score costs Redis
     /// more than its lease call did (docs/PERFORMANCE.md, "Redis CPU per
     /// decision").
-    pub fn must_rescore(&self, now_us: u64, room: u32) -> bool {
-        now_us < self.ends_us() || near_limit(room, self.limit)
+    pub fn must_rescore(&self, now_us: u64, far: bool) -> bool {
+        now_us < self.ends_us() || !far
     }
 
     /// µs after which it admits nothing more (local clock).
     pub fn ends_us(&self) -> u64 {
         self.sent_us + u64::from(self.life_ms) * 1000
     }
-}
-
-/// Less than half of `limit` free: where a settle re-scores every used unit
-/// (`QuotaLease::must_rescore`).
-fn near_limit(room: u32, limit: u32) -> bool {
-    u64::from(room) * 2 < u64::from(limit)
 }
 
 /// How long a lease of a window of `window_ms` admits: a quarter of the
@@ -587,10 +581,15 @@ impl Slot {
         Some(units_wanted(self.last_hits.max(self.hits)))
     }
 
-    /// The key's room as its newest lease of `lease`'s limit tells it (the
-    /// one in hand, else the one taken ahead), else as `lease` does.
-    fn room_for(&self, lease: &QuotaLease) -> u32 {
-        self.lease.as_ref().or(self.next.as_ref()).filter(|l| l.limit == lease.limit).map_or_else(|| lease.remaining(), QuotaLease::remaining)
+    /// Whether the key has at least half of `lease`'s limit free, as its
+    /// lease in hand (else the one taken ahead) tells: granted within a
+    /// lease life, for that limit. Without one, not known: an ended lease's
+    /// own room is as old as its grant (a key that went from empty to its
+    /// limit within that life read as far, and its units stayed up to a
+    /// life late: `tests/fleet_under_admission.rs` lost 3.0-3.3 % so), so
+    /// it is taken as near, where every settle re-scores.
+    fn far_from_limit(&self, lease: &QuotaLease) -> bool {
+        self.lease.as_ref().or(self.next.as_ref()).filter(|l| l.limit == lease.limit).is_some_and(|l| u64::from(l.remaining()) * 2 >= u64::from(l.limit))
     }
 
     /// Takes the lease out (for its settle) and puts the one taken ahead in
@@ -847,7 +846,7 @@ impl QuotaLeases {
     /// the oldest: its shares' units left stay counted, under-admission
     /// only, and its used units are re-scored.
     fn end(self: &Arc<Self>, slot: &mut Slot, ended: QuotaLease, key: &[u8], window_ms: u32) {
-        if self.now_us() < ended.kept_until_us(slot.room_for(&ended)) {
+        if self.now_us() < ended.kept_until_us(slot.far_from_limit(&ended)) {
             if slot.retired.len() == MAX_RETIRED && !slot.refilling {
                 self.settle_due(slot, key, window_ms);
             }
@@ -1111,7 +1110,7 @@ impl QuotaLeases {
                     _ => None,
                 };
                 let Some(l) = ended else { break };
-                let kept_until = l.kept_until_us(slot.room_for(&l));
+                let kept_until = l.kept_until_us(slot.far_from_limit(&l));
                 if !leases.closing.is_cancelled() && leases.now_us() < kept_until {
                     // Kept (or settled now past MAX_RETIRED) by `end`.
                     settle_by = kept_until;
@@ -1171,7 +1170,7 @@ impl QuotaLeases {
             return;
         }
         METRICS.lease_returned(lease.granted() - lease.used());
-        let rescore = lease.must_rescore(self.now_us(), slot.room_for(&lease));
+        let rescore = lease.must_rescore(self.now_us(), slot.far_from_limit(&lease));
         if !rescore && lease.reserved_unused() == 0 {
             // Nothing to move and nothing to remove: Redis's record is
             // final (each unit at `t0 + life`, at or after its admission).
@@ -1194,7 +1193,7 @@ impl QuotaLeases {
     /// `settle_in`), or all of them at shutdown.
     fn settle_due(self: &Arc<Self>, slot: &mut Slot, key: &[u8], window_ms: u32) {
         let (now, closing) = (self.now_us(), self.closing.is_cancelled());
-        while let Some(at) = slot.retired.iter().position(|r| closing || r.kept_until_us(slot.room_for(r)) <= now) {
+        while let Some(at) = slot.retired.iter().position(|r| closing || r.kept_until_us(slot.far_from_limit(r)) <= now) {
             let done = slot.retired.remove(at);
             self.settle_in(slot, done, key, window_ms);
         }
@@ -1316,23 +1315,23 @@ mod tests {
         // Sent at 5 ms local, life 250 ms: it admits until 255 ms.
         let mut l = QuotaLease::new(7, 100, 1_000_000, 5_000, 250, 4, 40);
         assert!(l.admit(6_000, 100, 3).is_some());
-        assert_eq!(l.kept_until_us(100), 0, "a unit left to remove: settled at once");
+        assert_eq!(l.kept_until_us(true), 0, "a unit left to remove: settled at once");
         assert!(l.admit(7_000, 100, 1).is_some());
-        assert_eq!(l.kept_until_us(50), 255_000, "spent, half the limit free: kept until its life is over");
-        assert_eq!(l.kept_until_us(49), 0, "spent, near the limit: settled at once, re-scored");
-        assert!(l.must_rescore(254_999, 100), "before its life ends, whatever the room");
-        assert!(!l.must_rescore(255_000, 50), "after, with half the limit free: units stay at t0 + life");
-        assert!(l.must_rescore(255_000, 49), "after, near the limit");
+        assert_eq!(l.kept_until_us(true), 255_000, "spent, far from the limit: kept until its life is over");
+        assert_eq!(l.kept_until_us(false), 0, "spent, near the limit: settled at once, re-scored");
+        assert!(l.must_rescore(254_999, true), "before its life ends, however far from the limit");
+        assert!(!l.must_rescore(255_000, true), "after, far from the limit: units stay at t0 + life");
+        assert!(l.must_rescore(255_000, false), "after, near the limit");
         // With a worker share out: until its give-backs are due, if later.
         let mut s = QuotaLease::new(8, 100, 1_000_000, 5_000, 250, 4, 40);
         assert_eq!(s.share(6_000, 100, 4, 1, 30).map(|w| w.units), Some(4));
-        assert_eq!(s.kept_until_us(100), 255_000.max(6_000 + 30_000 + GIVE_BACK_GRACE_US));
+        assert_eq!(s.kept_until_us(true), 255_000.max(6_000 + 30_000 + GIVE_BACK_GRACE_US));
         assert_eq!(s.take_back(2), 2);
-        assert_eq!(s.kept_until_us(100), 6_000 + 30_000 + GIVE_BACK_GRACE_US, "units to remove: only the give-backs keep it");
+        assert_eq!(s.kept_until_us(true), 6_000 + 30_000 + GIVE_BACK_GRACE_US, "units to remove: only the give-backs keep it");
         // A reserve is given back at once.
         let mut r = QuotaLease::reserved(1, Algorithm::Fixed, [7; 16], 100, 5_000, 200, 2, 40);
         assert!(r.admit(6_000, 100, 2).is_some());
-        assert_eq!(r.kept_until_us(100), 0);
+        assert_eq!(r.kept_until_us(true), 0);
     }
 
     #[test]
