@@ -43,6 +43,29 @@ fn args<'a>(policy: &'a str, key: &'a str) -> PolicyCheckArgs<'a> {
     PolicyCheckArgs { policy: policy.as_bytes(), key: key.as_bytes(), cost: 1, on_error: FailPolicy::Closed, local_limit: 0 }
 }
 
+/// Checks of policy "hot", `key`, from 8 connections of `d` at once, `each`
+/// per connection: how many were admitted.
+async fn admitted_from_eight_connections(d: &Daemon, key: &'static str, each: usize) -> u32 {
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u32;
+            for _ in 0..each {
+                if c.check_policy(&args("hot", key)).await.unwrap().decision == Decision::Allowed {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    admitted
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_while_a_quota_lease_is_held_admits_at_most_the_limit() {
     reset_with_a_lease_held("log").await;
@@ -75,23 +98,7 @@ async fn reset_with_a_lease_held(algorithm: &str) {
     assert_eq!(reset.status, 200, "{reset:?}");
     let kept = reset.body["kept_outstanding"].as_u64();
     // After the reset: as many checks as fit, from 8 connections at once.
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
-        let mut c = d.client().await;
-        tasks.push(tokio::spawn(async move {
-            let mut admitted = 0u32;
-            for _ in 0..60 {
-                if c.check_policy(&args("hot", "k")).await.unwrap().decision == Decision::Allowed {
-                    admitted += 1;
-                }
-            }
-            admitted
-        }));
-    }
-    let mut admitted = 0;
-    for t in tasks {
-        admitted += t.await.unwrap();
-    }
+    let admitted = admitted_from_eight_connections(&d, "k", 60).await;
     assert!(admitted <= 200, "{admitted} admitted after the reset where the limit is 200 ({kept:?} units kept)");
     if algorithm == "log" {
         // The lease forgot its admissions before the reset: its units are
@@ -186,37 +193,33 @@ async fn a_reset_reaches_the_spent_leases_a_daemon_keeps_on_a_key_far_from_its_l
     // A day's window: lease life 1 s.
     let d = daemon(&redis, dir.path(), "quota_leases = true", "1s", &format!("[[policy]]\nname = \"hot\"\nlimit = {LIMIT}\nwindow = \"1d\"\n"));
     let mut c = d.client().await;
-    // 300 admissions: several 64-unit leases spent, the key never past a third of its limit.
-    for _ in 0..300 {
-        assert_eq!(c.check_policy(&args("hot", "k")).await.unwrap().decision, Decision::Allowed);
+    // A spent lease is kept only while a lease in hand tells the key's room:
+    // one that ends while its successor's call is still in flight is settled
+    // at once (about 1 run in 20 here kept none by the reset). Up to three
+    // keys, until one had spent leases kept at its reset; each must admit its
+    // whole limit after the reset.
+    let mut kept_spent = false;
+    for key in ["k1", "k2", "k3"] {
+        // 300 admissions: several 64-unit leases spent, the key never past a third of its limit.
+        for _ in 0..300 {
+            assert_eq!(c.check_policy(&args("hot", key)).await.unwrap().decision, Decision::Allowed);
+        }
+        // Past a lease call in flight (one round trip): the reset's
+        // `forget_before` waits for it. Well within the leases' 1 s life.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reset = call(dir.path(), "DELETE", &format!("/v1/keys?policy=hot&key={key}"), None);
+        assert_eq!(reset.status, 200, "{reset:?}");
+        // Members scored after the reset's now: the lease in hand and the one
+        // taken ahead hold at most 128; more are spent leases' units.
+        let kept = reset.body["kept_outstanding"].as_u64().unwrap_or(0);
+        let admitted = admitted_from_eight_connections(&d, key, 250).await;
+        assert_eq!(admitted, LIMIT, "{key}: the whole limit after the reset ({kept} units kept in Redis at the reset)");
+        if kept > 128 {
+            kept_spent = true;
+            break;
+        }
     }
-    // Past a lease call in flight (one round trip): the reset's
-    // `forget_before` waits for it. Well within the leases' 1 s life.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let reset = call(dir.path(), "DELETE", "/v1/keys?policy=hot&key=k", None);
-    assert_eq!(reset.status, 200, "{reset:?}");
-    // Members scored after the reset's now: the lease in hand and the one
-    // taken ahead hold at most 128; more are spent leases' units.
-    let kept = reset.body["kept_outstanding"].as_u64().unwrap_or(0);
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
-        let mut c = d.client().await;
-        tasks.push(tokio::spawn(async move {
-            let mut admitted = 0u32;
-            for _ in 0..250 {
-                if c.check_policy(&args("hot", "k")).await.unwrap().decision == Decision::Allowed {
-                    admitted += 1;
-                }
-            }
-            admitted
-        }));
-    }
-    let mut admitted = 0;
-    for t in tasks {
-        admitted += t.await.unwrap();
-    }
-    assert_eq!(admitted, LIMIT, "the whole limit after the reset ({kept} units kept in Redis at the reset)");
-    assert!(kept > 128, "no spent lease was kept at the reset, so the test proved nothing: {kept} units kept");
+    assert!(kept_spent, "no spent lease was kept at any of three resets, so the test proved nothing");
 }
 
 /// Two daemons on one Redis, each holding a lease of the key: a reset made
