@@ -376,8 +376,7 @@ async fn a_hot_key_costs_at_most_one_redis_call_per_20_admissions() {
 /// over, then its units' reserved score (`t0 + life`) has passed and, with
 /// half the limit free, nothing is moved or removed: no settle call. So a
 /// lease costs one call, and each lease's units keep one score in Redis's
-/// record (re-scored, they would hold each admission's own ms), but the
-/// last ones, settled with no newer lease to tell the key's room. A count,
+/// record (re-scored, they would hold each admission's own ms). A count,
 /// not a time: at most one call per 40 admissions (a lease call per 64
 /// units, the first requests and the last lease's settle; with a settle per
 /// lease it was one per 31). A 1 s window (lease life 250 ms): a host that
@@ -407,10 +406,11 @@ async fn a_hot_key_far_from_its_limit_costs_one_call_per_lease_and_its_units_kee
     eprintln!("{admitted} admissions in {took:?}, {calls} Redis calls: {per:.4} per admission; {} leases in the last window's record", leases.len());
     assert!(per <= 1.0 / 40.0, "{calls} calls for {admitted} admissions");
     assert!(leases.len() >= 10, "{} leases", leases.len());
-    let moved: Vec<_> = leases.iter().filter(|(_, s)| s.iter().any(|x| *x != s[0])).collect();
-    // The last leases (in hand and taken ahead when the run stops) are
-    // settled with no newer lease to tell the key's room: re-scored.
-    assert!(moved.len() <= 2, "{} of {} leases' units were re-scored: {:?}", moved.len(), leases.len(), moved.first());
+    let moved = leases.values().filter(|s| s.iter().any(|x| *x != s[0])).count();
+    // The last leases (in hand and taken ahead when the run stops) may be
+    // settled before their life ends, re-scored.
+    eprintln!("{moved} of {} leases' units re-scored", leases.len());
+    assert!(moved <= 2, "{moved} of {} leases' units were re-scored", leases.len());
 }
 
 /// `kill -9` of a daemon holding a lease: nothing over the limit; its

@@ -582,14 +582,15 @@ impl Slot {
     }
 
     /// Whether the key has at least half of `lease`'s limit free, as its
-    /// lease in hand (else the one taken ahead) tells: granted within a
-    /// lease life, for that limit. Without one, not known: an ended lease's
-    /// own room is as old as its grant (a key that went from empty to its
-    /// limit within that life read as far, and its units stayed up to a
-    /// life late: `tests/fleet_under_admission.rs` lost 3.0-3.3 % so), so
-    /// it is taken as near, where every settle re-scores.
+    /// lease in hand (else the one taken ahead) tells, else as `lease`'s
+    /// own room at its grant, within a life, does. (Taking "no lease in
+    /// hand" as near instead re-scored every lease spent before its
+    /// successor's call landed: 85 of 189 leases of a fast hot key, 0.024-0.029
+    /// Redis calls per admission against 0.016. A key that climbs from far to
+    /// its limit within a life is the bound PERFORMANCE.md states.)
     fn far_from_limit(&self, lease: &QuotaLease) -> bool {
-        self.lease.as_ref().or(self.next.as_ref()).filter(|l| l.limit == lease.limit).is_some_and(|l| u64::from(l.remaining()) * 2 >= u64::from(l.limit))
+        let room = self.lease.as_ref().or(self.next.as_ref()).filter(|l| l.limit == lease.limit).map_or_else(|| lease.remaining(), QuotaLease::remaining);
+        u64::from(room) * 2 >= u64::from(lease.limit)
     }
 
     /// Takes the lease out (for its settle) and puts the one taken ahead in
